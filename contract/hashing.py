@@ -1,0 +1,79 @@
+"""Stable hashing and document keys shared by every part of the toolkit.
+
+Every pseudo-random choice in the toolkit is seeded from these functions, never from
+Python's salted ``hash()``, set order, time or an unseeded RNG (DESIGN.md, "Determinism
+rules"). The hash is ``hashlib.blake2b`` over an unambiguous encoding of the parts, so the
+value is the same on every machine, Python version and process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Union
+
+Part = Union[str, int, bytes]
+
+
+def _encode_part(part: Part) -> bytes:
+    if isinstance(part, bool):  # bool is an int subclass: refuse the ambiguity.
+        raise TypeError(f"stable_hash parts must be str, int or bytes, got bool {part!r}")
+    if isinstance(part, bytes):
+        tag, body = b"b", part
+    elif isinstance(part, str):
+        tag, body = b"s", part.encode("utf-8", "surrogatepass")
+    elif isinstance(part, int):
+        tag, body = b"i", str(part).encode("ascii")
+    else:
+        raise TypeError(f"stable_hash parts must be str, int or bytes, got {type(part).__name__}")
+    return tag + len(body).to_bytes(8, "little") + body
+
+
+def stable_hash64(*parts: Part) -> int:
+    """Returns a 64-bit unsigned hash of ``parts``, identical on every machine.
+
+    Args:
+      *parts: str, int or bytes values; each is length-prefixed and type-tagged, so
+        ``("ab", "c")`` and ``("a", "bc")`` hash differently.
+
+    Returns:
+      int in ``[0, 2**64)``: the first 8 bytes (little-endian) of ``blake2b(digest_size=8)``.
+
+    Raises:
+      TypeError: a part is not str, int or bytes.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        h.update(_encode_part(part))
+    return int.from_bytes(h.digest(), "little")
+
+
+def derive_seed(*parts: Part) -> int:
+    """Returns a 32-bit seed derived from ``parts`` (e.g. ``(seed, source, epoch)``).
+
+    Returns:
+      int in ``[0, 2**31)``, suitable for NumPy, Grain's ``index_shuffle`` and JAX PRNG keys.
+    """
+    return stable_hash64("seed", *parts) & 0x7FFF_FFFF
+
+
+def document_key(source: str, relpath: str, locator: Union[int, str]) -> str:
+    """Returns the stable key of one document: ``"<source>/<relpath>:<locator>"``.
+
+    Args:
+      source: the source name from the mixture config.
+      relpath: path of the input file relative to the source root, with ``/`` separators.
+      locator: where in the file the document starts: the 1-based line number for JSONL,
+        the 0-based row for Parquet, the 0-based block for blank-line separated text, ``0``
+        for a whole-file document.
+
+    Raises:
+      ValueError: ``source`` is empty or contains ``/``.
+    """
+    if not source or "/" in source:
+        raise ValueError(f"source name must be non-empty and contain no '/', got {source!r}")
+    return f"{source}/{relpath}:{locator}"
+
+
+def sha256_bytes(data: bytes) -> str:
+    """Returns the hex sha256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
