@@ -326,7 +326,9 @@ def mixture_from_dict(raw: Any, base_dir: Optional[str] = None, path: Optional[s
             raise ConfigError(
                 f"{where}.text_split: must be one of {[t.value for t in TextSplit]}, got {s['text_split']!r}"
             ) from None
-        if "text_split" in s and fmt is not SourceFormat.TEXT:
+        # The default value is accepted on any format, so that ``to_dict()`` (which writes it for
+        # every source, e.g. into manifest.json) reads back through this function.
+        if "text_split" in s and fmt is not SourceFormat.TEXT and split is not TextSplit.FILE:
             raise ConfigError(f"{where}.text_split: only applies to format 'text', not {fmt.value!r}")
         if "root" in s:
             root = resolve_path(_str(f"{where}.root", s["root"]), base_dir)
@@ -363,6 +365,14 @@ def mixture_from_dict(raw: Any, base_dir: Optional[str] = None, path: Optional[s
         _check_keys(where, p, _PHASE_KEYS)
         if "from_step" not in p or "weights" not in p:
             raise ConfigError(f"{where}: needs from_step and weights")
+        if i == 0 and p["from_step"] == 0 and not isinstance(p["from_step"], bool):
+            # ``to_dict()`` writes the step-0 phase (the sources' weights) first; accept it back
+            # when it says the same as the sources, so that a normalized config round-trips.
+            w0 = p["weights"]
+            if not isinstance(w0, Mapping) or {n: float(w0.get(n, 0.0)) for n in base_weights} != base_weights:
+                raise ConfigError(f"{where}: a phase at step 0 must repeat the sources' weights {base_weights}, "
+                                  f"got {w0!r}; set sources[*].weight instead")
+            continue
         step = _int(f"{where}.from_step", p["from_step"], 1)
         if step <= phases[-1].from_step:
             raise ConfigError(

@@ -1,0 +1,94 @@
+"""Small helpers over Beam's ``FileSystems`` so that every path may be local or ``gs://``."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import BinaryIO
+
+from apache_beam.io.filesystem import BeamIOError, CompressionTypes
+from apache_beam.io.filesystems import FileSystems
+
+_CHUNK = 1 << 20
+
+
+def open_raw(path: str) -> BinaryIO:
+    """Opens ``path`` for reading bytes as stored (no decompression by extension)."""
+    return FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
+
+
+def read_bytes(path: str) -> bytes:
+    """Returns the bytes of ``path`` (raises ``IOError``/``BeamIOError`` when missing)."""
+    with open_raw(path) as f:
+        return f.read()
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Writes ``data`` to ``path`` (replacing it), creating parent folders where needed."""
+    parent, _ = FileSystems.split(path)
+    if parent and not FileSystems.exists(parent):
+        try:
+            FileSystems.mkdirs(parent)
+        except IOError:
+            pass  # created concurrently, or the file system has no folders
+    with FileSystems.create(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+        f.write(data)
+
+
+def copy_local_to(local_path: str, dest: str) -> tuple[str, int]:
+    """Copies a local file to ``dest`` through FileSystems; returns (sha256 hex, bytes)."""
+    parent, _ = FileSystems.split(dest)
+    if parent and not FileSystems.exists(parent):
+        try:
+            FileSystems.mkdirs(parent)
+        except IOError:
+            pass
+    h = hashlib.sha256()
+    size = 0
+    with (
+        open(local_path, "rb") as src,
+        FileSystems.create(dest, compression_type=CompressionTypes.UNCOMPRESSED) as out,
+    ):
+        while True:
+            block = src.read(_CHUNK)
+            if not block:
+                break
+            h.update(block)
+            size += len(block)
+            out.write(block)
+    return h.hexdigest(), size
+
+
+def sha256_of(path: str) -> str:
+    """Returns the hex sha256 of the file at ``path``, streamed."""
+    h = hashlib.sha256()
+    with open_raw(path) as f:
+        while True:
+            block = f.read(_CHUNK)
+            if not block:
+                break
+            h.update(block)
+    return h.hexdigest()
+
+
+def exists(path: str) -> bool:
+    return FileSystems.exists(path)
+
+
+def join(base: str, *parts: str) -> str:
+    return FileSystems.join(base, *parts)
+
+
+def delete(path: str) -> None:
+    if FileSystems.exists(path):
+        FileSystems.delete([path])
+
+
+def match(pattern: str) -> list[str]:
+    """Returns the sorted paths matching ``pattern`` (empty when none)."""
+    try:
+        results = FileSystems.match([pattern])
+    except BeamIOError as e:  # some file systems raise for "no match" instead of returning none
+        if "No files found" in str(e) or "not found" in str(e).lower():
+            return []
+        raise
+    return sorted({m.path for r in results for m in r.metadata_list})

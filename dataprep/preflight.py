@@ -1,0 +1,88 @@
+"""Checks that touch files, run before any pipeline is built (config mistakes first).
+
+``contract.config.load_mixture`` validates the schema; this module adds what needs a file
+system, through Beam's ``FileSystems`` so that ``gs://`` works: every path or glob must
+match at least one file, and the tokenizer must exist and match its pinned sha256.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from contract.config import ConfigError, MixtureConfig
+from dataprep import fsutil, tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Preflight:
+    """What the checks found.
+
+    Attributes:
+      files: per source name, the sorted, de-duplicated input files.
+      tokenizer_sha256: sha256 of the tokenizer model file.
+      tokenizer_info: the manifest's ``tokenizer`` entry (path, sha256, vocab size, ids, flags).
+    """
+
+    files: Mapping[str, tuple[str, ...]]
+    tokenizer_sha256: str
+    tokenizer_info: Mapping[str, object]
+
+
+def match_inputs(config: MixtureConfig) -> dict[str, tuple[str, ...]]:
+    """Returns, per source, the input files its paths match.
+
+    Raises:
+      ConfigError: a path or glob matches no file (naming ``sources[i].paths[j]``), or
+        two sources read the same file.
+    """
+    files: dict[str, tuple[str, ...]] = {}
+    owner: dict[str, str] = {}
+    for i, source in enumerate(config.sources):
+        found: set[str] = set()
+        for j, pattern in enumerate(source.paths):
+            matched = fsutil.match(pattern)
+            if not matched:
+                raise ConfigError(f"sources[{i}].paths[{j}]: {pattern!r} matches no file")
+            found.update(matched)
+        for f in sorted(found):
+            if f in owner:
+                raise ConfigError(
+                    f"sources[{i}].paths: {f} is also an input of source {owner[f]!r}; "
+                    "a file may belong to one source only"
+                )
+            owner[f] = source.name
+        files[source.name] = tuple(sorted(found))
+    return files
+
+
+def check_tokenizer(config: MixtureConfig) -> tuple[str, dict[str, object]]:
+    """Loads the tokenizer once to check it; returns (sha256, manifest tokenizer entry).
+
+    Raises:
+      ConfigError: the model is missing or unreadable, its sha256 differs from
+        ``tokenizer.sha256``, or ``add_bos``/``add_eos`` ask for an id the model lacks.
+    """
+    path = config.tokenizer.path
+    if not fsutil.exists(path):
+        raise ConfigError(f"tokenizer.path: {path} does not exist")
+    try:
+        sp, sha = tokenizer.load(path)
+    except (IOError, RuntimeError) as e:
+        raise ConfigError(f"tokenizer.path: {path} is not a readable SentencePiece model: {e}") from None
+    expected = config.tokenizer.sha256
+    if expected is not None and sha != expected:
+        raise ConfigError(f"tokenizer.sha256: the config pins {expected}, but {path} has sha256 {sha}")
+    if config.tokenizer.add_bos and sp.bos_id() < 0:
+        raise ConfigError(f"tokenizer.add_bos: {path} has no BOS id")
+    if config.tokenizer.add_eos and sp.eos_id() < 0:
+        raise ConfigError(f"tokenizer.add_eos: {path} has no EOS id")
+    info = tokenizer.describe(sp, path, sha, config.tokenizer.add_bos, config.tokenizer.add_eos)
+    return sha, info
+
+
+def preflight(config: MixtureConfig) -> Preflight:
+    """Runs every file check; raises :class:`ConfigError` on the first problem."""
+    sha, info = check_tokenizer(config)
+    files = match_inputs(config)
+    return Preflight(files=files, tokenizer_sha256=sha, tokenizer_info=info)

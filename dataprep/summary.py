@@ -1,0 +1,74 @@
+"""The run summary: a Rich table per source of documents, rows, tokens, fill and rejections."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from contract.manifest import Manifest
+
+
+def summary_table(manifest: Manifest, title: Optional[str] = None) -> Table:
+    """Returns the table: one row per source plus a total row."""
+    table = Table(
+        title=title
+        or f"{manifest.name} v{manifest.version}: seq_len {manifest.seq_len}, {manifest.token_dtype} tokens"
+    )
+    for col in ("source", "docs read", "packed", "rejected", "split", "shards", "rows", "tokens", "fill"):
+        table.add_column(col, justify="left" if col in ("source", "rejected") else "right")
+    tot = dict(read=0, packed=0, rejected=0, split=0, shards=0, rows=0, tokens=0)
+    for name, entry in sorted(manifest.sources.items()):
+        t, led = entry.totals(), entry.ledger
+        rej = ", ".join(f"{k}: {v}" for k, v in sorted(led.rejected.items())) or "0"
+        slots = t["records"] * manifest.seq_len
+        table.add_row(
+            name,
+            f"{led.read:,}",
+            f"{led.packed:,}",
+            rej,
+            f"{led.docs_split:,}",
+            str(len(entry.shards)),
+            f"{t['records']:,}",
+            f"{t['tokens']:,}",
+            f"{t['tokens'] / slots:.2%}" if slots else "-",
+        )
+        for k, v in (
+            ("read", led.read),
+            ("packed", led.packed),
+            ("rejected", sum(led.rejected.values())),
+            ("split", led.docs_split),
+            ("shards", len(entry.shards)),
+            ("rows", t["records"]),
+            ("tokens", t["tokens"]),
+        ):
+            tot[k] += v
+    slots = tot["rows"] * manifest.seq_len
+    table.add_row(
+        "total",
+        f"{tot['read']:,}",
+        f"{tot['packed']:,}",
+        f"{tot['rejected']:,}",
+        f"{tot['split']:,}",
+        str(tot["shards"]),
+        f"{tot['rows']:,}",
+        f"{tot['tokens']:,}",
+        f"{tot['tokens'] / slots:.2%}" if slots else "-",
+        style="bold",
+    )
+    return table
+
+
+def print_summary(result, console: Optional[Console] = None) -> None:
+    """Prints where the dataset is, the table, and the ledger check (``result``: PackResult)."""
+    if console is None:
+        console = Console()
+        if not console.is_terminal and console.width < 130:
+            console = Console(width=130)
+    console.print(summary_table(result.manifest))
+    console.print(f"dataset: {result.output}  (manifest.json, <source>/data-*.array_record, errors/*.jsonl)")
+    console.print("ledger: documents read = packed + rejected, tokens in = tokens packed: reconciled")
+    if result.metrics:
+        shown = ", ".join(f"{k}={v:,}" for k, v in result.metrics.items())
+        console.print(f"beam counters: {shown}")

@@ -1,0 +1,425 @@
+"""The loader a JAX trainer calls: ``loader.build(...)`` -> :class:`DataLoader`.
+
+Legend: ``B`` global batch (rows), ``L`` seq_len (tokens per row).
+
+``DataLoader.batch_at(step)`` returns six int32 ``[B, L]`` global ``jax.Array`` s with a
+``NamedSharding`` on the trainer's mesh: batch over ``data_axes``, sequence over
+``context_axis``. Each process reads only the rows its own devices hold (from the sharding's
+``addressable_devices_indices_map``), and builds the global arrays with
+``jax.make_array_from_callback``. Resume is an argument (``iterate(start_step)``); the state
+is the next step plus a fingerprint (``loader.state``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from contract import codec
+from contract.config import MixtureConfig, load_mixture
+from loader import index as ix
+from loader import reader as rd
+from loader import state as st
+from loader.source import RowRef, StepSource
+
+log = logging.getLogger("loader")
+def _stop_all() -> None:
+    """At interpreter exit, stop prefetch threads of iterators never closed."""
+    for thread, ev in _THREADS:
+        ev.set()
+        thread.join(timeout=5)
+
+
+_THREADS: list[tuple[threading.Thread, threading.Event]] = []
+atexit.register(_stop_all)
+
+
+class LoaderConfigError(ValueError):
+    """A ``loader.build`` argument is out of range; the message names it and the allowed values."""
+
+
+def _default_mesh():
+    import jax
+    from jax.sharding import Mesh
+
+    return Mesh(np.asarray(jax.devices()), ("data",))
+
+
+class DataLoader:
+    """Deterministic, checkpointable loader; build it with :func:`build`.
+
+    Attributes:
+      schedule: the :class:`loader.index.Schedule` (pure index functions).
+      manifest: the dataset's ``contract.manifest.Manifest``.
+      manifest_sha256: sha256 of ``manifest.json``.
+      sharding: the ``NamedSharding`` of every batch array.
+      events: schedule events to log (e.g. skip windows added on restore), dicts.
+    """
+
+    def __init__(self, *, mixture: MixtureConfig, dataset: str, global_batch: int, mesh, seed: int,
+                 data_axes: Sequence[str], context_axis: str | None, skip_windows, verify_sha256: bool,
+                 prefetch: int, workers: int, read_threads: int = 1):
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        self.mixture = mixture
+        self.dataset = dataset
+        self.prefetch = prefetch
+        self.workers = workers
+        self.read_threads = read_threads
+        # Argument checks first (no I/O), then open and check the dataset.
+        skip_windows = ix.check_skip_windows(skip_windows)
+        self.mesh = mesh if mesh is not None else _default_mesh()
+        axes = set(self.mesh.axis_names)
+        for a in (*data_axes, *([context_axis] if context_axis else [])):
+            if a not in axes:
+                raise LoaderConfigError(f"mesh axis {a!r} not in the mesh's axes {sorted(axes)}")
+        data_size = int(np.prod([self.mesh.shape[a] for a in data_axes]))
+        if global_batch % data_size:
+            raise LoaderConfigError(
+                f"global_batch {global_batch} must be a multiple of the data axes {tuple(data_axes)} size {data_size}"
+            )
+        if context_axis and mixture.seq_len % self.mesh.shape[context_axis]:
+            raise LoaderConfigError(
+                f"seq_len {mixture.seq_len} must be a multiple of the context axis {context_axis!r} "
+                f"size {self.mesh.shape[context_axis]}"
+            )
+        self.manifest, self.manifest_sha256, shards = rd.open_dataset(dataset, mixture, verify_sha256)
+        self.seq_len = self.manifest.seq_len
+        records = {n: e.records for n, e in self.manifest.sources.items()}
+        self.schedule = ix.Schedule.from_mixture(mixture, records, global_batch, seed, skip_windows)
+        for p, w in zip(mixture.phases, self.schedule.normalized_weights()):
+            log.info("phase from step %d: weights %s normalized to %s", p.from_step, dict(p.weights), w)
+        for w in self.schedule.skip_windows:
+            log.info("data skip window: training steps %d..%d train on the data of steps %d..", w.start, w.end,
+                     self.schedule.data_step(w.start))
+        self.sharding = NamedSharding(self.mesh, PartitionSpec(tuple(data_axes), context_axis))
+        self.global_shape = (global_batch, self.seq_len)
+        index_map = self.sharding.addressable_devices_indices_map(self.global_shape)
+        row_slices = {(s[0].start or 0, s[0].stop if s[0].stop is not None else global_batch)
+                      for s in index_map.values()}
+        local = sorted({r for a, b in row_slices for r in range(a, b)})
+        self.local_rows = np.asarray(local, np.int64)
+        self._pos = {r: i for i, r in enumerate(local)}
+        self._index_cache: dict = {}
+        self._derive = None
+        pad_id = int(self.manifest.tokenizer.get("pad_id", 0) or 0)
+        self.source = StepSource(self.schedule, shards, self.local_rows, self.seq_len, max(pad_id, 0),
+                                 self.manifest.token_dtype if self.manifest.token_dtype == "uint16" else np.int32)
+        self.process_index = jax.process_index()
+        self.events: list[dict] = []
+        self._next_step = 0
+        self._lock = threading.Lock()
+        self._m = {"rows_served": 0, "tokens_served": 0, "wait_s_last_step": 0.0, "steps_served": 0,
+                   "prefetch_occupancy": 0, "last_step": None}
+        self._queue: queue.Queue | None = None
+
+    # ---------------------------------------------------------------- pure lookups
+    def normalized_weights(self) -> list[dict[str, float]]:
+        """Per phase, each source's realized share of rows (the weights normalized to sum to 1)."""
+        return self.schedule.normalized_weights()
+
+    @property
+    def global_batch(self) -> int:
+        return self.schedule.global_batch
+
+    def rows_at(self, step: int) -> list[RowRef]:
+        """Where every row of ``step`` comes from: ``B`` :class:`RowRef` s, no I/O."""
+        return self.source.refs(step)
+
+    def read_rows(self, step: int) -> list[codec.PackedRow]:
+        """The ``B`` stored rows of ``step`` (tokens and provenance), in batch order."""
+        return self.source.read_rows(step)
+
+    def host_batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of ``step`` as numpy: the six keys, int32 ``[n_local, L]``
+        (rows in increasing global-batch position, :attr:`local_rows`)."""
+        host = self.source(step)
+        return rd.derive_batch(*(host[k].astype(np.int32) for k in ("inputs", "inputs_segmentation", "inputs_position")))
+
+    # ---------------------------------------------------------------- global arrays
+    def to_global(self, host: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """Global ``jax.Array`` s (int32 ``[B, L]``, :attr:`sharding`) from host-local arrays.
+
+        ``host`` holds the six keys, or only the three ``inputs*`` keys (what the step
+        source produces); then the ``targets*`` keys are derived on the devices by one
+        jitted function (``loader.device``), compiled once.
+        """
+        import jax
+
+        def slice_for(arr):
+            def cb(index):
+                rows, cols = index
+                return arr[self._local_index(rows)][:, cols] if cols != slice(None) else arr[self._local_index(rows)]
+            return cb
+
+        if "targets" in host:  # already the six keys
+            return {k: jax.make_array_from_callback(self.global_shape, self.sharding, slice_for(host[k]))
+                    for k in rd.BATCH_KEYS}
+        inputs, seg, pos = (jax.make_array_from_callback(self.global_shape, self.sharding, slice_for(host[k]))
+                            for k in ("inputs", "inputs_segmentation", "inputs_position"))
+        if self._derive is None:
+            from loader.device import make_derive
+
+            self._derive = make_derive(self.sharding)
+        return self._derive(inputs, seg, pos)
+
+    def _local_index(self, rows: slice):
+        """Host-array index of a device's global row slice: a slice (a view) when contiguous."""
+        key = (rows.start, rows.stop)
+        hit = self._index_cache.get(key)
+        if hit is None:
+            start = rows.start or 0
+            stop = rows.stop if rows.stop is not None else self.global_shape[0]
+            pos = [self._pos[r] for r in range(start, stop)]
+            contiguous = pos and pos == list(range(pos[0], pos[0] + len(pos)))
+            hit = slice(pos[0], pos[-1] + 1) if contiguous else np.asarray(pos, np.int64)
+            self._index_cache[key] = hit
+        return hit
+
+    def _account(self, step: int, host: Mapping[str, np.ndarray], wait_s: float) -> None:
+        with self._lock:
+            self._next_step = step + 1
+            self._m["rows_served"] += self.global_batch
+            self._m["tokens_served"] += int(host["tokens"]) if "tokens" in host else int(
+                np.count_nonzero(host["inputs_segmentation"]))
+            self._m["wait_s_last_step"] = wait_s
+            self._m["steps_served"] += 1
+            self._m["last_step"] = step
+
+    def batch_at(self, step: int) -> dict[str, Any]:
+        """The global batch of training ``step`` (pure function of the step); see the module docstring.
+
+        Raises:
+          loader.index.ScheduleError: ``step`` < 0.
+          loader.reader.DatasetError: a shard cannot be read or a record does not decode.
+        """
+        t0 = time.perf_counter()
+        host = self.source(step)
+        self._account(step, host, time.perf_counter() - t0)
+        return self.to_global(host)
+
+    def _host_iter(self, start_step: int) -> Iterator[dict[str, np.ndarray]]:
+        if self.workers > 0:
+            import grain
+            from absl import flags
+
+            if not flags.FLAGS.is_parsed():  # Grain's worker pool reads absl flags; a library must not parse argv
+                flags.FLAGS.mark_as_parsed()
+
+            ds = self.grain_dataset(start_step).to_iter_dataset()
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers,
+                                                             per_worker_buffer_size=max(1, self.prefetch)))
+            return iter(ds)
+        if self.read_threads <= 1:
+            return (self.source(s) for s in range(start_step, 2**62))
+        return self._threaded_iter(start_step)
+
+    def _threaded_iter(self, start_step: int) -> Iterator[dict[str, np.ndarray]]:
+        """Steps read concurrently by ``read_threads`` threads, yielded in step order."""
+        pool = concurrent.futures.ThreadPoolExecutor(self.read_threads, thread_name_prefix="loader-read")
+        pending: collections.deque = collections.deque()
+        nxt = start_step
+        try:
+            while True:
+                while len(pending) < self.read_threads:
+                    pending.append(pool.submit(self.source, nxt))
+                    nxt += 1
+                yield pending.popleft().result()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def iterate(self, start_step: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Yields ``(step, batch)`` from ``start_step`` (default: :meth:`state`'s next step) on, forever.
+
+        Host batches are prepared ``prefetch`` steps ahead on a background thread (reading
+        in this process when ``workers == 0``, else in ``workers`` Grain worker processes);
+        the output does not depend on either.
+        """
+        start = self._next_step if start_step is None else int(start_step)
+        if start < 0:
+            raise ix.ScheduleError(f"start_step must be >= 0, got {start}")
+        depth = max(1, self.prefetch)
+        q: queue.Queue = queue.Queue(maxsize=depth)
+        stop = threading.Event()
+        self._queue = q
+
+        def produce():
+            source = self._host_iter(start)
+            try:
+                for host in source:
+                    while not stop.is_set():
+                        try:
+                            q.put(host, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, re-raised there
+                while not stop.is_set():
+                    try:
+                        q.put(e, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+            finally:
+                close = getattr(source, "close", None)
+                if close is not None:
+                    close()
+
+        thread = threading.Thread(target=produce, name="loader-prefetch", daemon=True)
+        thread.start()
+        _THREADS.append((thread, stop))
+        try:
+            step = start
+            while True:
+                t0 = time.perf_counter()
+                host = q.get()
+                wait = time.perf_counter() - t0
+                if isinstance(host, BaseException):
+                    raise host
+                if int(host["step"]) != step:  # pragma: no cover - an ordering bug, fail loudly
+                    raise RuntimeError(f"prefetch produced step {int(host['step'])}, expected {step}")
+                self._m["prefetch_occupancy"] = q.qsize()
+                self._account(step, host, wait)
+                yield step, self.to_global(host)
+                step += 1
+        finally:
+            stop.set()
+            self._queue = None
+            try:
+                _THREADS.remove((thread, stop))
+            except ValueError:
+                pass
+
+    def grain_dataset(self, start_step: int = 0, stop_step: int = 2**62):
+        """A ``grain.MapDataset`` of host batches for steps ``[start_step, stop_step)``.
+
+        Element ``i`` is :meth:`host_batch` of step ``start_step + i``; checkpointable with
+        Grain's own iterator state and ``grain.checkpoint.CheckpointHandler``.
+        """
+        import grain
+
+        return grain.MapDataset.range(start_step, stop_step).map(self.source)
+
+    # ---------------------------------------------------------------- state
+    def state(self) -> st.LoaderState:
+        """The state to checkpoint: next step plus the fingerprint of the order's inputs."""
+        sched = self.schedule.to_dict()
+        return st.LoaderState(
+            next_step=self._next_step,
+            fingerprint=st.schedule_fingerprint(self.manifest_sha256, sched),
+            manifest_sha256=self.manifest_sha256,
+            schedule=sched,
+        )
+
+    def restore(self, state: st.LoaderState | Mapping[str, Any]) -> DataLoader:
+        """Continues from a saved state (``iterate()`` then starts at its next step).
+
+        Raises:
+          loader.state.ResumeError: the state's manifest, mixture phases, seed, global batch
+            or records differ from this loader's (each change named), or skip windows were
+            changed other than by appending windows that start at or after its next step.
+        """
+        if not isinstance(state, st.LoaderState):
+            state = st.LoaderState.from_dict(state)
+        added = st.compare(state, self.manifest_sha256, self.schedule.to_dict())
+        for w in added:
+            event = {"event": "skip_window", "step": state.next_step, "start": w["start"], "end": w["end"]}
+            log.warning("data skip window added on restore: steps %d..%d", w["start"], w["end"])
+            self.events.append(event)
+        self._next_step = state.next_step
+        return self
+
+    # ---------------------------------------------------------------- metrics
+    def metrics(self) -> dict[str, Any]:
+        """Figures to log each step.
+
+        Returns:
+          ``prefetch_occupancy`` (host batches ready in the buffer), ``prefetch_depth``,
+          ``wait_s_last_step`` (seconds the last step waited for data), ``rows_served`` and
+          ``tokens_served`` (non-padding tokens read by this process), ``next_step``, and
+          ``per_source`` ``{name: {"rows": global rows drawn so far, "epochs": rows / records}}``
+          over the rows of steps ``[0, next_step)`` of this schedule.
+        """
+        q = self._queue
+        d = self.schedule.data_step(self._next_step) if self._next_step > 0 else 0
+        counts = self.schedule.source_counts(d * self.global_batch)
+        per_source = {
+            n: {"rows": int(c), "epochs": (float(c) / r if r else 0.0)}
+            for n, c, r in zip(self.schedule.sources, counts, self.schedule.records)
+        }
+        return {
+            "prefetch_occupancy": q.qsize() if q is not None else 0,
+            "prefetch_depth": self.prefetch,
+            "wait_s_last_step": self._m["wait_s_last_step"],
+            "rows_served": self._m["rows_served"],
+            "tokens_served": self._m["tokens_served"],
+            "next_step": self._next_step,
+            "per_source": per_source,
+        }
+
+
+def build(
+    mixture: str | MixtureConfig,
+    dataset: str,
+    global_batch: int,
+    mesh=None,
+    seed: int = 0,
+    data_axes: Sequence[str] = ("data",),
+    context_axis: str | None = None,
+    skip_windows: Sequence[ix.SkipWindow | Sequence[int]] = (),
+    verify_sha256: bool = False,
+    prefetch: int = 2,
+    workers: int = 0,
+    state: st.LoaderState | Mapping[str, Any] | None = None,
+    read_threads: int = 1,
+) -> DataLoader:
+    """Opens, checks and returns the loader.
+
+    Args:
+      mixture: a mixture config YAML path or a ``contract.config.MixtureConfig``.
+      dataset: the packed dataset folder (with ``manifest.json``).
+      global_batch: ``B``, rows per step, a multiple of the data axes' size.
+      mesh: the trainer's ``jax.sharding.Mesh``; ``None``: 1-D over all devices, axis ``"data"``.
+      seed: the shuffle seed (epochs reshuffled per ``(seed, source, epoch)``).
+      data_axes: mesh axes the batch dimension is split over.
+      context_axis: mesh axis the sequence dimension is split over, or ``None``.
+      skip_windows: ``[(A, B), ...]`` inclusive training-step windows whose data is skipped.
+      verify_sha256: hash every shard at build (reads every byte).
+      prefetch: host batches prepared ahead (>= 0; 0 behaves as 1).
+      workers: Grain worker processes for reading (0: read on a thread of this process).
+      state: a saved :class:`loader.state.LoaderState` (or its dict) to resume from.
+      read_threads: with ``workers == 0``, threads that read steps concurrently (>= 1).
+
+    Raises:
+      contract.config.ConfigError: the mixture config is invalid.
+      loader.reader.DatasetError: the dataset is missing, malformed, or a shard is missing,
+        truncated or altered (named), or it disagrees with the mixture config.
+      loader.index.ScheduleError, LoaderConfigError: an argument out of range (named).
+      loader.state.ResumeError: ``state`` does not fit (names what changed).
+    """
+    for name, value, lo in (("global_batch", global_batch, 1), ("seed", seed, 0), ("prefetch", prefetch, 0),
+                            ("workers", workers, 0), ("read_threads", read_threads, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise LoaderConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
+    if isinstance(data_axes, str):
+        data_axes = (data_axes,)
+    cfg = mixture if isinstance(mixture, MixtureConfig) else load_mixture(str(mixture))
+    data = DataLoader(mixture=cfg, dataset=str(dataset), global_batch=global_batch, mesh=mesh, seed=seed,
+                      data_axes=tuple(data_axes), context_axis=context_axis, skip_windows=skip_windows,
+                      verify_sha256=verify_sha256, prefetch=prefetch, workers=workers,
+                      read_threads=read_threads)
+    if state is not None:
+        data.restore(state)
+    return data

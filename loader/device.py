@@ -1,0 +1,43 @@
+"""The jitted half of batch assembly: derive targets and positions on the trainer's mesh.
+
+Hosts send ``inputs``, ``inputs_segmentation`` and ``inputs_position``; this function, compiled once per
+loader (static shapes), computes the targets keys on the devices with the same
+sharding. It is the twin of the numpy ``loader.reader.derive_batch`` (tests check that
+they agree bit for bit): integer ops only, so the result is exact. With a context axis the
+one-slot shift crosses shard boundaries; GSPMD inserts the neighbour exchange.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def derive(inputs: jax.Array, seg: jax.Array, pos: jax.Array) -> dict[str, jax.Array]:
+    """Six int32 ``[B, L]`` arrays from tokens, segment ids and positions (see ``derive_batch``).
+
+    The inputs may be narrower integers (uint16 tokens, int16 ids and positions); they are
+    widened to int32 here.
+
+    Elementwise work and a one-slot shift only (a scan such as ``lax.cummax`` is slow on
+    CPU backends, so positions come from the host).
+    """
+    n = seg.shape[0]
+    inputs, seg, pos = (x.astype(jnp.int32) for x in (inputs, seg, pos))
+    valid = jnp.concatenate([(seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] != 0), jnp.zeros((n, 1), bool)], axis=1)
+    nxt = jnp.concatenate([inputs[:, 1:], jnp.zeros((n, 1), inputs.dtype)], axis=1)
+    zero = jnp.zeros_like(seg)
+    return {
+        "inputs": inputs,
+        "targets": jnp.where(valid, nxt, zero),
+        "inputs_segmentation": seg,
+        "targets_segmentation": jnp.where(valid, seg, zero),
+        "inputs_position": pos,
+        "targets_position": jnp.where(valid, pos, zero),
+    }
+
+
+def make_derive(sharding):
+    """``derive`` jitted with every input and output on ``sharding``."""
+    keys = ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position", "targets_position")
+    return jax.jit(derive, in_shardings=(sharding, sharding, sharding), out_shardings={k: sharding for k in keys})

@@ -1,0 +1,123 @@
+"""Step -> host-local numpy batch: the picklable, JAX-free unit that threads and Grain workers run.
+
+One call reads the rows of one step that this process's devices hold: indices first
+(``loader.index``), then one batched read per shard (``loader.reader.ShardSet``), then
+decode and dense arrays. It is a pure function of the step, so the output is the same
+whatever the number of workers or hosts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from contract import codec
+from loader import index as ix
+from loader.reader import ShardSet, decode_all, pack_inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class RowRef:
+    """Where one row of a step comes from (replay's ``inspect`` prints these).
+
+    Attributes:
+      global_row: row of the unskipped run (``data_step * B + position``).
+      phase: index of the mixture phase.
+      source: source name.
+      epoch: pass over the source (0-based).
+      index_in_epoch: position in the epoch's shuffled order.
+      record: record of the source (across its shards, manifest order).
+      shard: shard path relative to the dataset folder.
+      record_in_shard: record index inside that shard.
+    """
+
+    global_row: int
+    phase: int
+    source: str
+    epoch: int
+    index_in_epoch: int
+    record: int
+    shard: str
+    record_in_shard: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class _Names:
+    """``names[i]``: "<source> record <r>" of the i-th row, built only when an error needs it."""
+
+    def __init__(self, sources, loc):
+        self.sources, self.loc = sources, loc
+
+    def get(self, i, default=None):
+        return f"{self.sources[int(self.loc.source[i])]} record {int(self.loc.record[i])}"
+
+
+class StepSource:
+    """Reads the host-local rows of a step.
+
+    Args:
+      schedule: the :class:`loader.index.Schedule`.
+      shards: the opened :class:`ShardSet` (same source order as the schedule).
+      local_rows: int64 ``[n]``, sorted positions in ``[0, B)`` of the rows this process
+        holds (``B`` = global batch).
+      seq_len: slots per row.
+      pad_id: token id written on padding.
+      token_dtype: dtype of the host ``inputs`` array (the dataset's, e.g. uint16, or int32).
+    """
+
+    def __init__(self, schedule: ix.Schedule, shards: ShardSet, local_rows: np.ndarray, seq_len: int,
+                 pad_id: int = 0, token_dtype: np.dtype | str = np.int32):
+        self.schedule = schedule
+        self.shards = shards
+        self.local_rows = np.asarray(local_rows, np.int64)
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+        # Narrow host arrays when the values fit; the devices widen them to int32 (loader.device).
+        self.token_dtype = np.dtype(token_dtype)
+        self.index_dtype = np.dtype(np.int16 if seq_len <= 2**15 else np.int32)
+
+    def refs(self, step: int, positions: np.ndarray | None = None) -> list[RowRef]:
+        """:class:`RowRef` of each row of ``step`` (all ``B`` rows, or those at ``positions``)."""
+        rows = self.schedule.step_rows(step)
+        if positions is not None:
+            rows = rows[np.asarray(positions, np.int64)]
+        loc = self.schedule.locate(rows)
+        shard, in_shard = self.shards.locate(loc.source, loc.record)
+        return [
+            RowRef(int(g), int(p), self.schedule.sources[int(k)], int(e), int(i), int(r),
+                   self.shards.shards[int(k)][int(s)], int(j))
+            for g, p, k, e, i, r, s, j in zip(loc.global_row, loc.phase, loc.source, loc.epoch,
+                                              loc.index_in_epoch, loc.record, shard, in_shard)
+        ]
+
+    def read_rows(self, step: int, positions: np.ndarray | None = None) -> list[codec.PackedRow]:
+        """The stored rows of ``step`` (all, or those at ``positions``), in batch order."""
+        rows = self.schedule.step_rows(step)
+        if positions is not None:
+            rows = rows[np.asarray(positions, np.int64)]
+        loc = self.schedule.locate(rows)
+        data = self.shards.read(loc.source, loc.record)
+        return decode_all(data, _Names(self.schedule.sources, loc))
+
+    def __call__(self, step: int) -> dict[str, np.ndarray]:
+        """Host-local arrays of ``step``: ``inputs``, ``inputs_segmentation`` and
+        ``inputs_position`` (``[n, seq_len]``, in :attr:`token_dtype` and :attr:`index_dtype`;
+        the targets keys derive from them,
+        ``loader.reader.derive_batch``),
+        ``step`` (int64 scalar), ``tokens`` (int64 scalar, non-padding tokens) and ``source``
+        (int32 ``[n]``, schedule source index)."""
+        step = int(step)
+        rows = self.schedule.step_rows(step)[self.local_rows]
+        loc = self.schedule.locate(rows)
+        data = self.shards.read(loc.source, loc.record)
+        rows = decode_all(data, _Names(self.schedule.sources, loc))
+        inputs, seg, pos = pack_inputs(rows, self.seq_len, self.pad_id, self.token_dtype, self.index_dtype)
+        out = {"inputs": inputs, "inputs_segmentation": seg, "inputs_position": pos}
+        out["step"] = np.int64(step)
+        out["tokens"] = np.int64(sum(r.num_tokens for r in rows))
+        out["source"] = loc.source.astype(np.int32)
+        return out

@@ -1,0 +1,298 @@
+"""The ``replay`` command: a thin layer over ``replay.engine``, ``replay.canary``, ``replay.forensics``
+and ``replay.drill``. Every decision is made by those library functions; this module parses
+arguments, prints, writes files and maps outcomes to exit codes (``replay.verdict.ExitCode``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import traceback
+from typing import Optional, Sequence
+
+from replay.verdict import ExitCode
+
+DEVICE_SPEC_HELP = """\
+device spec (--devices):
+  all          every device of this process group
+  good         all but the quarantined devices (the run's quarantine.txt, or --quarantine FILE)
+  suspect      only the quarantined devices
+  0,3,5-7      explicit device ids (jax.Device.id) and inclusive ranges
+  process:1    every device of process 1 (process:0-1, process:0,2 also work)
+  parts join with '+', e.g. process:0+12. A range replay needs at least as many devices as the
+  run's mesh; with twice as many it replays on two disjoint sets, otherwise on two placements
+  that put a different device on every mesh position.
+"""
+
+VERDICT_HELP = """\
+verdicts and exit codes:
+  0  acquitted   the replay on good devices reproduces the log (the cause of a loss spike is the
+                 data or the software: run 'replay inspect' on those steps), or the rebuilt batch
+                 differs from the logged one (a data or order difference, not a device fault)
+  3  convicted   replays on >= 2 independent good device placements agree with each other and
+                 not with the log, on some devices of the original run: those devices computed
+                 wrong bits (silent data corruption) at the reported step and leaf
+  4  ambiguous   replays disagree with each other (flaky hardware in the replay set: rerun with
+                 --repeats or other devices), every device differs (software/environment), only a
+                 tolerance comparison was possible, or too few independent replays
+  2  usage error (bad option, malformed --steps/--devices, too few devices for the run's mesh)
+  5  run directory or data error (unknown run, range not logged, no checkpoint, missing dataset)
+  6  environment drift: the environment differs from the run's env.json and a bit-exact claim
+     was asked for (pass --allow-env-drift, or --tolerance for a weaker comparison)
+  7  drill not caught (replay or canary failed to name the injected device and step)
+  1  internal error (a bug; traceback printed)
+"""
+
+DRILL_NOT_CAUGHT = int(ExitCode.DRILL_NOT_CAUGHT)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's default exit code 2 is ExitCode.USAGE already; keep its text
+        self.print_usage(sys.stderr)
+        self.exit(int(ExitCode.USAGE), f"{self.prog}: error: {message}\n")
+
+
+def _common(p: argparse.ArgumentParser, devices_default: str) -> None:
+    p.add_argument("--run", required=True, help="the training run directory (run_config.yaml, env.json, ...)")
+    p.add_argument("--devices", default=devices_default, help=f"device spec (default {devices_default}); see below")
+    p.add_argument("--quarantine", metavar="FILE", help="quarantined device ids, one a line (default: <run>/quarantine.txt)")
+    p.add_argument("--json", metavar="OUT", help="write the full report as JSON here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(
+        prog="replay",
+        description="Triage a training run: rerun step ranges and canary batches on chosen devices, diff "
+                    "gradient fingerprints against the run's log and give a silent-data-corruption verdict; "
+                    "list the documents of any batch.\n\n"
+                    "  replay --run DIR --steps A:B --devices good     rerun steps A..B-1 and diff\n"
+                    "  replay canary --run DIR --devices all           fixed canary batch on every device\n"
+                    "  replay inspect --run DIR --steps A:B [--text]   which documents were in those batches\n"
+                    "  replay drill --run DIR                          inject a fault, prove it is caught",
+        epilog=DEVICE_SPEC_HELP + "\n" + VERDICT_HELP, formatter_class=fmt)
+    sub = parser.add_subparsers(dest="command", metavar="{range,canary,inspect,drill}", parser_class=_Parser)
+
+    r = sub.add_parser("range", help="rerun a step range and diff it with the log (the default command)",
+                       description="Restore the newest checkpoint at or before A (read-only), rebuild the "
+                                   "batches with the loader (phases and skipped windows followed), replay steps "
+                                   "checkpoint..B-1 on two independent placements of the chosen devices and "
+                                   "compare every step with the logged fingerprints.",
+                       epilog=DEVICE_SPEC_HELP + "\n" + VERDICT_HELP, formatter_class=fmt)
+    _common(r, "good")
+    r.add_argument("--steps", required=True, help="A:B, steps A..B-1 (half-open), or one step A")
+    r.add_argument("--repeats", type=int, default=1, help="replays per placement (faulty chips are often inconsistent)")
+    r.add_argument("--placements", type=int, default=2, help="independent device placements (>= 2 to convict)")
+    r.add_argument("--plot", metavar="OUT.png", help="write a steps x devices plot with mismatches marked")
+    r.add_argument("--allow-env-drift", action="store_true",
+                   help="replay even if library versions, XLA flags, device kind or mesh differ from env.json")
+    r.add_argument("--tolerance", type=float, metavar="RTOL",
+                   help="compare loss and gradient norm within RTOL only (weaker evidence: can acquit, never convict)")
+
+    c = sub.add_parser("canary", help="run the fixed canary batch on each device separately",
+                       description="Forward and backward of a fixed, versioned canary batch with fixed weights on "
+                                   "each chosen device, --repeats times; all must be bit-identical and equal to "
+                                   "the golden value of this environment (created from the majority when absent). "
+                                   "The odd device out is named.",
+                       epilog=DEVICE_SPEC_HELP + "\n" + VERDICT_HELP, formatter_class=fmt)
+    _common(c, "all")
+    c.add_argument("--repeats", type=int, default=2)
+    c.add_argument("--checkpoint", type=int, help="weights from this checkpoint step (default: seeded init)")
+    c.add_argument("--step", type=int, help="canary batch: rows of this step (default: run config canary.step or 0)")
+    c.add_argument("--rows", type=int, help="canary batch rows (default: one device's share of the global batch)")
+    c.add_argument("--golden", metavar="FILE", help="golden values file (default <run>/canary/golden.json)")
+    c.add_argument("--reset-golden", action="store_true", help="re-create this environment's golden value")
+
+    i = sub.add_parser("inspect", help="list the documents of each row of a step range",
+                       description="For each step and row: source, document key, chunk and token span; a "
+                                   "per-source summary; the shards and records touched. Needs no device work "
+                                   "(no --devices): a batch is a pure function of the step.",
+                       epilog=VERDICT_HELP, formatter_class=fmt)
+    i.add_argument("--run", required=True)
+    i.add_argument("--steps", required=True, help="A:B (half-open) or A")
+    i.add_argument("--text", action="store_true", help="decode each document's tokens with the dataset's tokenizer")
+    i.add_argument("--json", metavar="OUT")
+    i.add_argument("--max-rows", type=int, default=200, help="documents shown in the table (the JSON has all)")
+
+    d = sub.add_parser("drill", help="inject a simulated bit flip and check replay and canary catch it",
+                       description="Flip one bit (chosen, or random from --seed) in one device's local gradient "
+                                   "at one step of a replay of the run, then check that range replay convicts "
+                                   "that device at that step and that the canary names it. Exit 0 when caught, "
+                                   f"{DRILL_NOT_CAUGHT} when not.",
+                       epilog=DEVICE_SPEC_HELP + "\n" + VERDICT_HELP, formatter_class=fmt)
+    _common(d, "all")
+    d.add_argument("--seed", type=int, default=0, help="seed of the random fault fields")
+    d.add_argument("--count", type=int, default=1, help="number of drills")
+    d.add_argument("--step", type=int)
+    d.add_argument("--device", type=int)
+    d.add_argument("--leaf", help="parameter leaf path, e.g. \"['layers'][0]['w_in']\"")
+    d.add_argument("--element", type=int)
+    d.add_argument("--bit", type=int, help="0 = lowest mantissa bit")
+    d.add_argument("--no-canary", action="store_true")
+    return parser
+
+
+def _progress(args, label):
+    from replay.report import progress_bar
+
+    stack = []
+
+    def factory(total):
+        cm = progress_bar(total, label, enabled=not args.no_progress)
+        stack.append(cm)
+        return cm.__enter__()
+
+    return factory, stack
+
+
+def _close(stack):
+    while stack:
+        stack.pop().__exit__(None, None, None)
+
+
+def _cmd_range(args, console) -> int:
+    from replay import engine, report
+    from replay.runlog import load_run, parse_steps
+
+    start, stop = parse_steps(args.steps)
+    for name in ("repeats", "placements"):
+        if getattr(args, name) < 1:
+            raise _Usage(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.tolerance is not None and not 0 < args.tolerance < 1:
+        raise _Usage(f"--tolerance must be in (0, 1), got {args.tolerance}")
+    run = load_run(args.run, args.quarantine)
+    run.check_range(start, stop)
+    run.checkpoint_for(start)
+    session = engine.Session(run)
+    factory, stack = _progress(args, f"replaying {args.steps}")
+    try:
+        rep = engine.replay_range(session, start, stop, device_spec=args.devices, repeats=args.repeats,
+                                  tolerance=args.tolerance, allow_env_drift=args.allow_env_drift,
+                                  progress=factory, replays=args.placements)
+    finally:
+        _close(stack)
+    out = rep.to_dict()
+    report.render_range(out, console)
+    if args.json:
+        report.write_json(out, args.json)
+    if args.plot:
+        report.plot_range(out, args.plot)
+    return rep.exit_code
+
+
+def _cmd_canary(args, console) -> int:
+    from replay import canary, engine, report
+    from replay.runlog import load_run
+
+    if args.repeats < 1:
+        raise _Usage(f"--repeats must be >= 1, got {args.repeats}")
+    run = load_run(args.run, args.quarantine)
+    session = engine.Session(run)
+    rep = canary.run_canary(session, device_spec=args.devices, repeats=args.repeats, checkpoint=args.checkpoint,
+                            step=args.step, rows=args.rows, golden_path=args.golden or "default",
+                            reset_golden=args.reset_golden)
+    out = rep.to_dict()
+    report.render_canary(out, console)
+    if args.json:
+        report.write_json(out, args.json)
+    return rep.exit_code
+
+
+def _cmd_inspect(args, console) -> int:
+    from replay import engine, forensics, report
+    from replay.runlog import load_run, parse_steps
+
+    start, stop = parse_steps(args.steps)
+    run = load_run(args.run)
+    run.check_range(start, stop)
+    session = engine.Session(run)
+    data = session.loader(session.home_assignment())
+    tok = getattr(getattr(getattr(data, "mixture", None), "tokenizer", None), "path", None)
+    rep = forensics.inspect_steps(data, start, stop, text=args.text, tokenizer_path=tok,
+                                  dataset=session.setup.dataset)
+    out = rep.to_dict()
+    report.render_inspect(out, console, max_rows=args.max_rows)
+    if args.json:
+        report.write_json(out, args.json)
+    return int(ExitCode.ACQUITTED)
+
+
+def _cmd_drill(args, console) -> int:
+    from replay import drill, engine, report
+    from replay.runlog import load_run
+
+    if args.count < 1:
+        raise _Usage(f"--count must be >= 1, got {args.count}")
+    run = load_run(args.run, args.quarantine)
+    session = engine.Session(run)
+    rng = random.Random(args.seed)
+    results = []
+    for _ in range(args.count):
+        fault = drill.random_fault(session, rng, args.step, args.device, args.leaf, args.element, args.bit)
+        res = drill.run_drill(session, fault, device_spec=args.devices, canary=not args.no_canary)
+        results.append(res)
+        mark = "[green]caught[/]" if res.caught else "[red]NOT caught[/]"
+        console.print(f"drill {fault}: {mark} (range: {res.range_report.verdict.value} "
+                      f"{list(res.range_report.decision.devices)} at step {res.range_report.decision.step}; "
+                      f"canary: {None if res.canary_report is None else list(res.canary_report.decision.odd_devices)})")
+    caught = sum(r.caught for r in results)
+    console.print(f"{caught} of {len(results)} drill(s) caught")
+    if args.json:
+        report.write_json({"kind": "drills", "caught": caught, "total": len(results),
+                           "drills": [r.to_dict() for r in results]}, args.json)
+    return int(ExitCode.ACQUITTED) if caught == len(results) else DRILL_NOT_CAUGHT
+
+
+class _Usage(ValueError):
+    pass
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``replay`` console script; returns the exit code (``ExitCode``)."""
+    from rich.console import Console
+
+    from contract.config import ConfigError
+    from replay.devices import DeviceSpecError
+    from replay.drill import DrillError
+    from replay.engine import EnvDriftError
+    from replay.forensics import TokenizerUnavailableError
+    from replay.runlog import RunDirError, StepsSpecError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in ("range", "canary", "inspect", "drill", "-h", "--help"):
+        argv = ["range", *argv]  # `replay --run DIR --steps A:B` is the range command
+    parser = build_parser()
+    if not argv:
+        parser.print_help()
+        return int(ExitCode.USAGE)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
+        return int(e.code or 0)
+    console = Console()
+    err = Console(stderr=True)
+    handlers = {"range": _cmd_range, "canary": _cmd_canary, "inspect": _cmd_inspect, "drill": _cmd_drill}
+    try:
+        return handlers[args.command](args, console)
+    except (StepsSpecError, DeviceSpecError, DrillError, _Usage) as e:
+        err.print(f"[red]usage error:[/] {e}")
+        return int(ExitCode.USAGE)
+    except EnvDriftError as e:
+        err.print(f"[red]environment drift:[/] {e}")
+        return int(ExitCode.ENV_DRIFT)
+    except (RunDirError, ConfigError, TokenizerUnavailableError, FileNotFoundError) as e:
+        err.print(f"[red]run directory or data error:[/] {e}")
+        return int(ExitCode.RUN_ERROR)
+    except Exception as e:  # noqa: BLE001 - a bug: say so, keep the traceback
+        name = type(e).__module__
+        if name.startswith("loader") and isinstance(e, ValueError):
+            err.print(f"[red]run directory or data error:[/] {e}")
+            return int(ExitCode.RUN_ERROR)
+        traceback.print_exc()
+        return int(ExitCode.INTERNAL)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Device specs: which devices a replay or canary runs on. Pure: no JAX, no I/O but the quarantine file.
+
+A *device spec* names a set of devices by ``jax.Device.id``::
+
+    all                 every device of this process group
+    good                all but the quarantined ones (the run's quarantine.txt, or --quarantine FILE)
+    suspect             only the quarantined ones
+    0,3,5-7             explicit ids and inclusive ranges
+    process:1           every device of process 1 (also process:0,2 and process:0-1)
+
+Parts may be joined with ``+`` (union), e.g. ``process:0+12``. The result keeps the order of
+the available device list (so the same spec always gives the same mesh), never the order of
+the spec.
+
+A *mesh assignment* is the list of device ids placed, in row-major order, on the run's mesh
+shape. Two assignments are *independent* when no mesh position gets the same device in both:
+then every device shard of the original run is recomputed by two different devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Iterable, Optional, Sequence
+
+QUARANTINE_NAME = "quarantine.txt"
+
+
+class DeviceSpecError(ValueError):
+    """A device spec is malformed, names unknown devices, or leaves too few devices."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """What replay needs of a device: its id, its process and its kind (e.g. ``cpu``, ``TPU v5``)."""
+
+    id: int
+    process_index: int = 0
+    kind: str = ""
+
+
+def read_quarantine(path: str) -> frozenset[int]:
+    """Reads a quarantine file: device ids, one a line; ``#`` starts a comment; blank lines skipped.
+
+    Raises:
+      FileNotFoundError: ``path`` does not exist.
+      DeviceSpecError: a line is not a non-negative integer (names the line number).
+    """
+    ids = set()
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            text = line.split("#", 1)[0].strip()
+            if not text:
+                continue
+            if not text.isdigit():
+                raise DeviceSpecError(f"{path}:{n}: expected a device id (integer >= 0), got {text!r}")
+            ids.add(int(text))
+    return frozenset(ids)
+
+
+def run_quarantine(run_dir: str, override: Optional[str] = None) -> frozenset[int]:
+    """The quarantined device ids: from ``override`` when given, else ``<run_dir>/quarantine.txt`` (or none).
+
+    Raises:
+      FileNotFoundError: ``override`` is given and does not exist.
+    """
+    if override is not None:
+        return read_quarantine(override)
+    path = os.path.join(run_dir, QUARANTINE_NAME)
+    return read_quarantine(path) if os.path.exists(path) else frozenset()
+
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _parse_ids(text: str, what: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        m = _RANGE.match(part)
+        if not m:
+            raise DeviceSpecError(
+                f"device spec: bad {what} {part!r}; expected an integer or an inclusive range like 5-7"
+            )
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo:
+            raise DeviceSpecError(f"device spec: range {part!r} is empty ({hi} < {lo})")
+        out.extend(range(lo, hi + 1))
+    return out
+
+
+def select_devices(
+    spec: str,
+    devices: Sequence[DeviceInfo],
+    quarantine: Iterable[int] = (),
+    minimum: int = 1,
+) -> list[DeviceInfo]:
+    """Resolves a device spec against the available devices.
+
+    Args:
+      spec: the spec (grammar in the module docstring).
+      devices: the available devices, in the order meshes are built from (``jax.devices()``).
+      quarantine: device ids held suspect.
+      minimum: the fewest devices the caller can use (the run's mesh size); >= 1.
+
+    Returns:
+      The chosen devices, in the order of ``devices``.
+
+    Raises:
+      DeviceSpecError: an empty or malformed spec; an id or process that does not exist
+        (the message lists those that do); or fewer than ``minimum`` devices chosen.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise DeviceSpecError("device spec: empty; use all, good, suspect, ids like 0,3,5-7, or process:N")
+    by_id = {d.id: d for d in devices}
+    processes = sorted({d.process_index for d in devices})
+    quarantined = frozenset(quarantine)
+    chosen: set[int] = set()
+    for part in spec.split("+"):
+        part = part.strip().lower()
+        if part == "all":
+            chosen.update(by_id)
+        elif part == "good":
+            chosen.update(i for i in by_id if i not in quarantined)
+        elif part == "suspect":
+            if not quarantined:
+                raise DeviceSpecError(
+                    "device spec: 'suspect' but no device is quarantined (no quarantine.txt in the run "
+                    "directory and no --quarantine FILE)"
+                )
+            chosen.update(i for i in by_id if i in quarantined)
+        elif part.startswith("process:"):
+            wanted = _parse_ids(part[len("process:"):], "process index")
+            unknown = sorted(set(wanted) - set(processes))
+            if unknown:
+                raise DeviceSpecError(
+                    f"device spec: no process {unknown}; processes are {processes}"
+                )
+            chosen.update(d.id for d in devices if d.process_index in wanted)
+        else:
+            wanted = _parse_ids(part, "device id")
+            unknown = sorted(set(wanted) - set(by_id))
+            if unknown:
+                raise DeviceSpecError(
+                    f"device spec: no device with id {unknown}; device ids are {sorted(by_id)}"
+                )
+            chosen.update(wanted)
+    out = [d for d in devices if d.id in chosen]
+    if len(out) < minimum:
+        raise DeviceSpecError(
+            f"device spec {spec!r} leaves {len(out)} device(s) {[d.id for d in out]}, but the run's mesh "
+            f"needs {minimum}; choose more devices (e.g. 'all') or quarantine fewer"
+        )
+    return out
+
+
+def independent_assignments(ids: Sequence[int], mesh_size: int, count: int = 2) -> list[list[int]]:
+    """Places ``count`` replays of a ``mesh_size``-device mesh on the devices ``ids``.
+
+    Assignment ``i`` puts device ``ids[(j + i * shift) % L]`` at mesh position ``j`` (row-major),
+    with ``L = len(ids)`` and ``shift = mesh_size`` when that is not a multiple of ``L``, else 1.
+    With ``L >= count * mesh_size`` the assignments are disjoint device sets; with fewer devices
+    they share devices, but consecutive assignments still never give a mesh position the same
+    device (for ``L >= 2``), so each device shard is recomputed on a different device.
+
+    Args:
+      ids: the chosen device ids, in mesh order.
+      mesh_size: devices in the run's mesh, >= 1.
+      count: replays wanted, >= 1.
+
+    Returns:
+      ``count`` lists of ``mesh_size`` device ids.
+
+    Raises:
+      DeviceSpecError: fewer than ``mesh_size`` ids.
+      ValueError: ``mesh_size`` or ``count`` < 1.
+    """
+    if mesh_size < 1 or count < 1:
+        raise ValueError(f"mesh_size and count must be >= 1, got {mesh_size} and {count}")
+    n = len(ids)
+    if n < mesh_size:
+        raise DeviceSpecError(f"{n} device(s) {list(ids)} are too few for a mesh of {mesh_size}")
+    shift = mesh_size if mesh_size % n else 1
+    return [[ids[(j + i * shift) % n] for j in range(mesh_size)] for i in range(count)]
+
+
+def assignments_independent(a: Sequence[int], b: Sequence[int]) -> bool:
+    """True when no mesh position has the same device in ``a`` and ``b``."""
+    return all(x != y for x, y in zip(a, b, strict=True))

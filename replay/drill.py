@@ -1,0 +1,128 @@
+"""Drills: inject a simulated silent data corruption and check that replay and canary catch it.
+
+A drill (issue 5, point 8) proves, on the user's own setup, that the triage works::
+
+    fault  = (step s, device d, leaf, element, bit)      chosen, or drawn from a seeded RNG
+    log'   = the run's log, with steps s.. recomputed from the checkpoint before s on the
+             run's own mesh with the fault injected (the trainer flips the bit in d's local
+             gradient before the data-parallel reduction): what the run would have logged
+             had device d computed one wrong bit at step s
+    range replay of [s, s+1) on good devices against log'  ->  must CONVICT device d at step s
+    canary on every device with the fault on device d       ->  must name device d
+
+The fault is a traced input of the trainer's compiled step, so drills never recompile; the
+session caches restored checkpoints, so many drills cost a few steps each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any, Optional
+
+from replay.protocol import FaultSpec
+from replay.verdict import Verdict
+
+
+class DrillError(ValueError):
+    """A chosen fault is impossible for this run (step without checkpoint, unknown device or leaf)."""
+
+
+@dataclasses.dataclass
+class DrillReport:
+    fault: FaultSpec
+    range_report: Any
+    canary_report: Any
+    convicted_ok: bool
+    canary_ok: Optional[bool]
+
+    @property
+    def caught(self) -> bool:
+        return self.convicted_ok and self.canary_ok is not False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "drill",
+            "fault": dataclasses.asdict(self.fault),
+            "caught": self.caught,
+            "range_convicted_right_device_and_step": self.convicted_ok,
+            "canary_named_device": self.canary_ok,
+            "range": self.range_report.to_dict(),
+            "canary": None if self.canary_report is None else self.canary_report.to_dict(),
+        }
+
+
+def random_fault(session: Any, rng: random.Random, step: Optional[int] = None, device: Optional[int] = None,
+                 leaf: Optional[str] = None, element: Optional[int] = None, bit: Optional[int] = None) -> FaultSpec:
+    """A fault with every unchosen field drawn from ``rng``: a logged step with a checkpoint at or
+    before it, a device of the run's mesh, a parameter leaf, an element of it and a bit of its dtype
+    (bit 0 = the lowest mantissa bit included).
+
+    Raises:
+      DrillError: a chosen field is out of range (named, with the allowed range).
+    """
+    run, trainer = session.run, session.setup.trainer
+    first, stop = run.logged_steps
+    steps = [s for s in range(first, stop) if any(c <= s for c in run.checkpoints)]
+    if not steps:
+        raise DrillError(f"no logged step of {first}:{stop} has a checkpoint at or before it")
+    if step is None:
+        step = rng.choice(steps)
+    elif step not in steps:
+        raise DrillError(f"--step {step}: must be a logged step with a checkpoint at or before it, "
+                         f"in [{steps[0]}, {steps[-1]}]")
+    ids = list(session.setup.run_device_ids)
+    if device is None:
+        device = rng.choice(ids)
+    elif device not in ids:
+        raise DrillError(f"--device {device}: not a device of the run's mesh {ids}")
+    paths = list(trainer.leaf_paths)
+    if leaf is None:
+        leaf = rng.choice(paths)
+    elif leaf not in paths:
+        raise DrillError(f"--leaf {leaf!r}: not a parameter leaf; leaves: {paths}")
+    i = paths.index(leaf)
+    size = trainer.leaf_sizes[i]
+    if element is None:
+        element = rng.randrange(size)
+    elif not 0 <= element < size:
+        raise DrillError(f"--element {element}: must be in [0, {size}) for {leaf}")
+    nbits = 8 * trainer.leaf_dtypes[i].itemsize
+    if bit is None:
+        bit = rng.randrange(nbits)
+    elif not 0 <= bit < nbits:
+        raise DrillError(f"--bit {bit}: must be in [0, {nbits}) for {leaf}")
+    return FaultSpec(step=step, device_id=device, leaf=leaf, element=element, bit=bit)
+
+
+def drilled_log(session: Any, fault: FaultSpec, extra_steps: int = 0) -> dict[int, Any]:
+    """The run's log with steps ``fault.step .. fault.step + extra_steps`` recomputed with the fault
+    injected, from the checkpoint before it, on the run's own mesh."""
+    run = session.run
+    ckpt = run.checkpoint_for(fault.step)
+    stop = min(fault.step + 1 + extra_steps, run.logged_steps[1])
+    fps, _, _ = session.run_steps(session.home_assignment(), ckpt, stop, fault=fault)
+    log = dict(run.fingerprints)
+    for fp in fps:
+        if fp.step >= fault.step:
+            log[fp.step] = fp
+    return log
+
+
+def run_drill(session: Any, fault: FaultSpec, *, device_spec: str = "all", replays: int = 2,
+              canary: bool = True, canary_repeats: int = 1) -> DrillReport:
+    """Runs one drill (module docstring) and says whether replay and canary caught it."""
+    from replay.canary import run_canary
+    from replay.engine import replay_range
+
+    log = drilled_log(session, fault)
+    rep = replay_range(session, fault.step, fault.step + 1, device_spec=device_spec, log=log, replays=replays,
+                       allow_env_drift=True, full_comparison=False)
+    ok = (rep.verdict is Verdict.CONVICTED and rep.decision.devices == (fault.device_id,)
+          and rep.decision.step == fault.step)
+    can, can_ok = None, None
+    if canary:
+        can = run_canary(session, device_spec=device_spec, repeats=canary_repeats, golden_path=None,
+                         fault=dataclasses.replace(fault, step=0))
+        can_ok = can.decision.verdict is Verdict.CONVICTED and can.decision.odd_devices == (fault.device_id,)
+    return DrillReport(fault, rep, can, ok, can_ok)

@@ -1,0 +1,154 @@
+"""The environment record of a run (``<run>/env.json``) and its comparison with another.
+
+A replay is only a fair retrial when it runs the same software, flags and mesh as the
+training run, or when the differences are known. :func:`record_environment` captures what
+decides the bits a step computes; :func:`compare_environment` lists the differences in
+words, for the replay report.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from typing import Any, Mapping, Optional
+
+# Environment variables that change what XLA compiles or how JAX behaves.
+RELEVANT_ENV_VARS = (
+    "XLA_FLAGS",
+    "JAX_PLATFORMS",
+    "JAX_ENABLE_X64",
+    "JAX_DEFAULT_MATMUL_PRECISION",
+    "JAX_DEFAULT_PRNG_IMPL",
+    "JAX_THREEFRY_PARTITIONABLE",
+    "LIBTPU_INIT_ARGS",
+    "TPU_MEGACORE",
+    "NVIDIA_TF32_OVERRIDE",
+    "XLA_PYTHON_CLIENT_PREALLOCATE",
+    "CUDA_VISIBLE_DEVICES",
+    "TF_CPP_MIN_LOG_LEVEL",
+)
+
+# jax.config flags that change numerics or random streams.
+RELEVANT_JAX_FLAGS = (
+    "jax_enable_x64",
+    "jax_default_matmul_precision",
+    "jax_default_prng_impl",
+    "jax_threefry_partitionable",
+    "jax_numpy_rank_promotion",
+    "jax_numpy_dtype_promotion",
+    "jax_enable_custom_prng",
+    "jax_softmax_custom_jvp",
+)
+
+# Keys whose difference does not change computed bits (reported as notes, not mismatches).
+_INFORMATIONAL = ("hostname", "python_executable", "env.TF_CPP_MIN_LOG_LEVEL", "env.XLA_PYTHON_CLIENT_PREALLOCATE")
+
+
+def _version(module: str) -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:  # noqa: BLE001 - a missing package is recorded as None
+        return None
+
+
+def record_environment(mesh: Any = None) -> dict[str, Any]:
+    """Returns a JSON-serializable record of what decides a step's bits.
+
+    Args:
+      mesh: the run's ``jax.sharding.Mesh`` (``None``: no mesh fields).
+
+    Returns:
+      dict with ``versions`` (python, jax, jaxlib, numpy, optax, orbax-checkpoint, grain,
+      ml_dtypes), ``env`` (:data:`RELEVANT_ENV_VARS` that are set), ``jax_config``
+      (:data:`RELEVANT_JAX_FLAGS`), ``backend`` (platform, device kind, device count, local
+      device count, process index and count, platform version), ``mesh`` (axis names, shape,
+      device ids in mesh order, per device id its coordinates) and ``hostname``.
+    """
+    import jax
+    import numpy as np
+
+    devices = jax.devices()
+    backend = jax.extend.backend.get_backend() if hasattr(jax, "extend") else None
+    rec: dict[str, Any] = {
+        "versions": {
+            "python": platform.python_version(),
+            "jax": jax.__version__,
+            "jaxlib": _version("jaxlib"),
+            "numpy": np.__version__,
+            "optax": _version("optax"),
+            "orbax-checkpoint": _version("orbax-checkpoint"),
+            "grain": _version("grain"),
+            "ml_dtypes": _version("ml_dtypes"),
+        },
+        "env": {k: os.environ[k] for k in RELEVANT_ENV_VARS if k in os.environ},
+        "jax_config": {},
+        "backend": {
+            "platform": devices[0].platform,
+            "device_kind": devices[0].device_kind,
+            "device_count": jax.device_count(),
+            "local_device_count": jax.local_device_count(),
+            "process_index": jax.process_index(),
+            "process_count": jax.process_count(),
+            "platform_version": getattr(backend, "platform_version", None),
+        },
+        "hostname": platform.node(),
+        "python_executable": sys.executable,
+    }
+    for flag in RELEVANT_JAX_FLAGS:
+        try:
+            value = getattr(jax.config, flag)
+        except AttributeError:
+            continue
+        rec["jax_config"][flag] = value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
+    if mesh is not None:
+        ids = np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices)
+        coords = {}
+        for pos in np.ndindex(ids.shape):
+            coords[str(int(ids[pos]))] = {name: int(i) for name, i in zip(mesh.axis_names, pos)}
+        rec["mesh"] = {
+            "axis_names": list(mesh.axis_names),
+            "shape": [int(n) for n in ids.shape],
+            "device_ids": [int(i) for i in ids.reshape(-1)],
+            "device_coords": coords,
+        }
+    return rec
+
+
+def _flatten(rec: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in rec.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and key != "device_coords":
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def compare_environment(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """Lists the differences between two environment records, one string each.
+
+    Args:
+      recorded: the training run's record (``env.json``).
+      current: this process's record (:func:`record_environment`).
+
+    Returns:
+      e.g. ``["versions.jax: recorded 0.10.2, current 0.10.1", "env.XLA_FLAGS: recorded
+      '--x', current unset"]``, sorted by key; empty when nothing that decides the bits
+      differs. Differences in host name, Python executable and logging-only variables are
+      prefixed ``"note: "``.
+    """
+    a, b = _flatten(recorded), _flatten(current)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if key == "mesh.device_coords":
+            continue  # implied by mesh.device_ids and mesh.shape
+        va = a.get(key, "<unset>")
+        vb = b.get(key, "<unset>")
+        if va != vb:
+            prefix = "note: " if key in _INFORMATIONAL else ""
+            out.append(f"{prefix}{key}: recorded {va!r}, current {vb!r}")
+    return out

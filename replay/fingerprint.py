@@ -1,0 +1,308 @@
+"""Order-independent integer fingerprints of arrays (DESIGN.md, "Gradient fingerprints").
+
+A fingerprint says, in four integers, exactly which values an array (a gradient leaf, a
+batch of tokens) held, so that two runs, two devices or a run and its replay compare bit
+for bit, while the value does not depend on how the elements were sharded or in which
+order a reduction visited them.
+
+Formula
+-------
+For an array ``x`` of global shape ``S`` (any rank), each element ``x[n]`` with global
+row-major flat index ``i = sum_d n_d * stride_d(S)`` (taken mod 2^32) contributes::
+
+    w        = bit pattern of x[n] as uint32   (float32/int32/uint32: bitcast;
+                                                bfloat16/float16: bitcast to uint16, zero-extended)
+    k_L(i)   = fmix32(i * A_L + B_L)                         index key of lane L
+    m_L(w,i) = fmix32((w XOR k_L(i)) * C_L + i)              the mix; L in {0, 1}
+
+    fp_L     = ( sum over elements of m_L(w, i) )  mod 2^32
+    nan      = number of NaN elements,  inf = number of +-Inf elements
+
+with ``fmix32`` MurmurHash3's 32-bit finalizer (Appleby, MurmurHash3.cpp,
+``fmix32``: ``h ^= h >> 16; h *= 0x85EBCA6B; h ^= h >> 13; h *= 0xC2B2AE35; h ^= h >> 16``)
+and the constants of :data:`LANE_CONSTANTS` (odd multipliers). All arithmetic is uint32 and
+wraps. The result is a ``uint32[4]`` array ``[fp_0, fp_1, nan, inf]``; ``(fp_1 << 32) | fp_0``
+is the 64-bit fingerprint written to logs (:func:`fingerprint_int`).
+
+Properties (each tested in ``tests/test_fingerprint.py``):
+
+* For a fixed index ``i``, ``w -> m_L(w, i)`` is a bijection of uint32: XOR with a
+  constant, multiplication by an odd constant, addition of a constant and ``fmix32`` are
+  each invertible mod 2^32. So changing any one element, by any bit, changes both lanes'
+  sums (the sum moves by a non-zero amount mod 2^32): it is never a "maybe".
+* Integer addition mod 2^32 is associative and commutative, so the value does not depend on
+  reduction order, and the fingerprints of disjoint shards (each using *global* indices)
+  add up, lane by lane and count by count, mod 2^32, to the fingerprint of the whole array
+  (:func:`add_fingerprints`; ``jax.lax.psum`` of ``uint32`` does the same inside
+  ``shard_map``).
+* The index enters twice, so moving a value to another position changes the sum (no
+  XOR-only reduction, which would be blind to order and to pairs of equal changes).
+
+Everything here is pure ``jax.numpy`` and works inside ``jax.jit`` and ``shard_map``;
+:func:`fingerprint_np` is the NumPy twin used on hosts and in tests. x64 mode is not
+needed and not enabled.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# (A_L, B_L, C_L) per lane: odd 32-bit constants (A, C from the golden ratio and
+# xxHash's PRIME32 set; B arbitrary).
+LANE_CONSTANTS: tuple[tuple[int, int, int], ...] = (
+    (0x9E3779B1, 0x7F4A7C15, 0x85EBCA77),
+    (0xC2B2AE3D, 0x27D4EB2F, 0x165667B1),
+)
+_FMIX_M1 = 0x85EBCA6B
+_FMIX_M2 = 0xC2B2AE35
+FINGERPRINT_FIELDS = ("fp0", "fp1", "nan", "inf")
+
+_SUPPORTED = ("float32", "bfloat16", "float16", "int32", "uint32")
+
+
+class FingerprintDtypeError(TypeError):
+    """The array's dtype has no fingerprint bit pattern (see ``_SUPPORTED``)."""
+
+
+# ----------------------------------------------------------------------------- jnp
+
+
+def _u32(v: int) -> jnp.ndarray:
+    return jnp.uint32(v & 0xFFFFFFFF)
+
+
+def _fmix32(h: jnp.ndarray) -> jnp.ndarray:
+    h = h ^ (h >> 16)
+    h = h * _u32(_FMIX_M1)
+    h = h ^ (h >> 13)
+    h = h * _u32(_FMIX_M2)
+    return h ^ (h >> 16)
+
+
+def bit_pattern(x: jnp.ndarray) -> jnp.ndarray:
+    """Returns the bit pattern of ``x`` as ``uint32`` of the same shape.
+
+    Args:
+      x: float32, bfloat16, float16, int32 or uint32 array.
+
+    Raises:
+      FingerprintDtypeError: any other dtype.
+    """
+    name = jnp.dtype(x.dtype).name
+    if name in ("float32", "int32"):
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    if name == "uint32":
+        return x
+    if name in ("bfloat16", "float16"):
+        return jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    raise FingerprintDtypeError(f"cannot fingerprint dtype {name}; supported: {', '.join(_SUPPORTED)}")
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc & 0xFFFFFFFF)
+        acc *= int(n)
+    return list(reversed(strides))
+
+
+def global_index(local_shape: Sequence[int], global_shape: Sequence[int], offsets: Any = None) -> jnp.ndarray:
+    """Returns uint32 global row-major flat indices (mod 2^32) of a block's elements.
+
+    Args:
+      local_shape: shape of the block (a device's shard).
+      global_shape: shape of the whole array; same rank.
+      offsets: per-dimension start of the block in the global array (ints or traced int
+        scalars, e.g. ``jax.lax.axis_index(...) * block``); ``None``: all zero.
+
+    Returns:
+      uint32 array of ``local_shape``.
+
+    Raises:
+      ValueError: ranks differ.
+    """
+    local_shape, global_shape = tuple(local_shape), tuple(global_shape)
+    if len(local_shape) != len(global_shape):
+        raise ValueError(f"block rank {len(local_shape)} != global rank {len(global_shape)}")
+    idx = jnp.zeros(local_shape, jnp.uint32)
+    for d, stride in enumerate(_strides(global_shape)):
+        coord = jax.lax.broadcasted_iota(jnp.uint32, local_shape, d)
+        if offsets is not None:
+            coord = coord + jnp.asarray(offsets[d]).astype(jnp.uint32)
+        idx = idx + coord * _u32(stride)
+    return idx
+
+
+def fingerprint(
+    x: jnp.ndarray, *, global_shape: Optional[Sequence[int]] = None, offsets: Any = None
+) -> jnp.ndarray:
+    """Returns the fingerprint ``uint32[4] = [fp_0, fp_1, nan, inf]`` of ``x`` (module formula).
+
+    Args:
+      x: float32, bfloat16, float16, int32 or uint32 array, any shape (a whole array, or one
+        block of it when ``global_shape`` is given).
+      global_shape: shape of the whole array ``x`` is a block of (default: ``x.shape``).
+      offsets: per-dimension start of the block in the whole array (ints or traced
+        scalars); default zeros.
+
+    Returns:
+      uint32[4]. Fingerprints of disjoint blocks of one array add up (uint32 wrap) to the
+      whole array's.
+
+    Raises:
+      FingerprintDtypeError: unsupported dtype.
+    """
+    w = bit_pattern(x)
+    idx = global_index(x.shape, x.shape if global_shape is None else global_shape, offsets)
+    lanes = []
+    for a, b, c in LANE_CONSTANTS:
+        k = _fmix32(idx * _u32(a) + _u32(b))
+        m = _fmix32((w ^ k) * _u32(c) + idx)
+        lanes.append(jnp.sum(m, dtype=jnp.uint32))
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        nan = jnp.sum(jnp.isnan(x), dtype=jnp.uint32)
+        inf = jnp.sum(jnp.isinf(x), dtype=jnp.uint32)
+    else:
+        nan = inf = jnp.uint32(0)
+    return jnp.stack([lanes[0], lanes[1], nan, inf])
+
+
+def fingerprint_flat_chunk(flat: jnp.ndarray, start: Any, total: int) -> jnp.ndarray:
+    """Fingerprint of ``flat``, a contiguous chunk of a flattened array, masked past ``total``.
+
+    Args:
+      flat: 1-D chunk (possibly zero-padded past the array's end).
+      start: global flat index of ``flat[0]`` (int or traced int32 scalar).
+      total: number of elements of the whole array; chunk elements at ``>= total`` do not
+        count.
+
+    Returns:
+      uint32[4]; summing the chunks' fingerprints gives ``fingerprint(array)``.
+    """
+    n = flat.shape[0]
+    pos = jax.lax.iota(jnp.int32, n) + jnp.asarray(start, jnp.int32)
+    valid = pos < total
+    w = bit_pattern(flat)
+    idx = pos.astype(jnp.uint32)
+    out = []
+    for a, b, c in LANE_CONSTANTS:
+        k = _fmix32(idx * _u32(a) + _u32(b))
+        m = _fmix32((w ^ k) * _u32(c) + idx)
+        out.append(jnp.sum(jnp.where(valid, m, jnp.uint32(0)), dtype=jnp.uint32))
+    if jnp.issubdtype(flat.dtype, jnp.floating):
+        out.append(jnp.sum(valid & jnp.isnan(flat), dtype=jnp.uint32))
+        out.append(jnp.sum(valid & jnp.isinf(flat), dtype=jnp.uint32))
+    else:
+        out += [jnp.uint32(0), jnp.uint32(0)]
+    return jnp.stack(out)
+
+
+def flip_bit(x: jnp.ndarray, element: Any, bit: Any, enabled: Any) -> jnp.ndarray:
+    """Returns ``x`` with bit ``bit`` of flat element ``element`` flipped where ``enabled``.
+
+    A fault injector for drills; all three controls may be traced, so one compiled step
+    serves every drill. With ``enabled`` false the result is bit-identical to ``x``
+    (XOR with 0).
+
+    Args:
+      x: float32/bfloat16/float16 array.
+      element: flat (row-major) index into ``x``; clipped into range.
+      bit: bit position, 0 = lowest mantissa bit; ``< 32`` (float32) or ``< 16`` (16-bit).
+      enabled: bool or int scalar.
+    """
+    width = 16 if jnp.dtype(x.dtype).itemsize == 2 else 32
+    utype = jnp.uint16 if width == 16 else jnp.uint32
+    flat = x.reshape(-1)
+    e = jnp.clip(jnp.asarray(element, jnp.int32), 0, flat.shape[0] - 1)
+    mask = (jnp.asarray(enabled).astype(jnp.uint32) << jnp.asarray(bit).astype(jnp.uint32)).astype(utype)
+    old = jax.lax.bitcast_convert_type(jax.lax.dynamic_slice(flat, (e,), (1,)), utype)
+    new = jax.lax.bitcast_convert_type(old ^ mask, x.dtype)
+    return jax.lax.dynamic_update_slice(flat, new, (e,)).reshape(x.shape)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def add_fingerprints(*fps: Any) -> np.ndarray:
+    """Adds fingerprints (``uint32[4]`` each) lane by lane, mod 2^32: the shard combiner."""
+    acc = np.zeros(4, np.uint64)
+    for fp in fps:
+        acc = (acc + np.asarray(fp, np.uint64)) & 0xFFFFFFFF
+    return acc.astype(np.uint32)
+
+
+def fingerprint_int(fp: Any) -> int:
+    """The 64-bit value ``(fp_1 << 32) | fp_0`` of a ``uint32[4]`` fingerprint, for logs."""
+    a = np.asarray(fp, np.uint64)
+    return (int(a[1]) << 32) | int(a[0])
+
+
+def fingerprint_hex(fp: Any) -> str:
+    """``fingerprint_int`` as 16 hex digits."""
+    return f"{fingerprint_int(fp):016x}"
+
+
+def _np_fmix32(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(_FMIX_M1)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(_FMIX_M2)
+    return h ^ (h >> np.uint32(16))
+
+
+def fingerprint_np(
+    x: Any, *, global_shape: Optional[Sequence[int]] = None, offsets: Optional[Sequence[int]] = None
+) -> np.ndarray:
+    """NumPy twin of :func:`fingerprint` (same formula, same ``uint32[4]`` result).
+
+    Args:
+      x: NumPy (or host-convertible) float32, bfloat16 (``ml_dtypes``), float16, int32 or
+        uint32 array.
+
+    Raises:
+      FingerprintDtypeError: unsupported dtype.
+    """
+    x = np.asarray(x)
+    name = x.dtype.name
+    if name in ("float32", "int32", "uint32"):
+        w = x.view(np.uint32)
+    elif name in ("bfloat16", "float16"):
+        w = x.view(np.uint16).astype(np.uint32)
+    else:
+        raise FingerprintDtypeError(f"cannot fingerprint dtype {name}; supported: {', '.join(_SUPPORTED)}")
+    gshape = x.shape if global_shape is None else tuple(global_shape)
+    offs = [0] * x.ndim if offsets is None else list(offsets)
+    idx = np.zeros(x.shape, np.uint64)
+    for d, stride in enumerate(_strides(gshape)):
+        shape = [1] * x.ndim
+        shape[d] = x.shape[d]
+        coord = (np.arange(x.shape[d], dtype=np.uint64) + np.uint64(offs[d])).reshape(shape)
+        idx = (idx + coord * np.uint64(stride)) & np.uint64(0xFFFFFFFF)
+    idx = idx.astype(np.uint32)
+    out = np.zeros(4, np.uint32)
+    with np.errstate(over="ignore"):
+        for lane, (a, b, c) in enumerate(LANE_CONSTANTS):
+            k = _np_fmix32(idx * np.uint32(a) + np.uint32(b))
+            m = _np_fmix32((w ^ k) * np.uint32(c) + idx)
+            out[lane] = np.uint32(int(m.astype(np.uint64).sum()) & 0xFFFFFFFF)
+    if np.issubdtype(x.dtype, np.floating) or name == "bfloat16":
+        xf = x.astype(np.float32)
+        out[2] = np.count_nonzero(np.isnan(xf))
+        out[3] = np.count_nonzero(np.isinf(xf))
+    return out
+
+
+def tree_fingerprints(tree: Any) -> dict[str, jnp.ndarray]:
+    """Per leaf path (``jax.tree_util.keystr``) the :func:`fingerprint` of each leaf (jit-able)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {jax.tree_util.keystr(p): fingerprint(v) for p, v in flat}
+
+
+def summarize(fp: Any) -> Mapping[str, int]:
+    """``{"fp": 64-bit int, "nan": int, "inf": int}`` of a ``uint32[4]`` fingerprint (log form)."""
+    a = np.asarray(fp)
+    return {"fp": fingerprint_int(a), "nan": int(a[2]), "inf": int(a[3])}

@@ -1,0 +1,343 @@
+"""The reference MoE decoder: plain JAX, small, real.
+
+Dimension letters (as in ``jax.nn.dot_product_attention``'s docstring):
+
+    B  rows in the (local) batch          S  sequence length (slots per packed row)
+    D  model width                        V  vocabulary size
+    H  attention heads                    K  head width (Dh)
+    E  experts                            C  expert capacity (slots per expert per row)
+    F  expert hidden width                R  router top-k (experts per token)
+
+Architecture, per layer (pre-norm)::
+
+    x = x + Attention(RMSNorm(x))       causal, and only within the same packed document
+    x = x + MoE(RMSNorm(x))             top-R router, capacity C per expert per row
+
+* **Attention** uses rotary position embeddings on ``inputs_position`` (positions restart
+  at 0 in each packed document), and the mask ``causal(q >= k) AND seg[q] == seg[k] AND
+  seg[q] != 0``: no token attends across a document boundary or to padding. Masked scores
+  are set to -1e30 before a float32 softmax, so their weights are exactly 0.
+* **MoE** (GShard/Switch style, Lepikhin et al. 2020, Fedus et al. 2021): router logits and
+  softmax in float32; top-R experts per token with the R gates renormalized to sum to 1
+  (Mixtral); each row is one routing group with capacity
+  ``C = max(1, ceil(capacity_factor * S * R / E))`` slots per expert; assignments take slots
+  first by rank (all first choices, then all second choices, ...) then by position, and
+  an assignment past capacity is dropped (the token's residual passes it unchanged).
+  Padding tokens (segment 0) are not routed. Outputs are combined by gathering each
+  token's R expert outputs and summing them in rank order, so a token's output does not
+  depend, even in the last bit, on which slots other tokens took. Because the group is the row, a row's result
+  does not depend on which other rows share its device: the same batch gives the same
+  per-row values on 1 or 8 devices.
+* **Losses** (Switch Transformer eqs. 4-6; ST-MoE, Zoph et al. 2022, eq. 5 for z-loss):
+  cross entropy over targets with ``targets_segmentation != 0``;
+  load balancing ``E * sum_e f_e * P_e`` per row and layer (``f_e``: share of the row's
+  assignments routed to ``e`` before capacity, ``P_e``: mean router probability of ``e``);
+  router z-loss ``logsumexp(router_logits)^2`` per routed token and layer.
+
+:func:`local_loss` returns one device's *contribution* to the global loss: sums over its
+rows divided by global totals, so that the global loss and gradient are the plain sum of
+the devices' contributions (what the trainer's ``psum`` computes and what replay checks
+device by device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+BATCH_KEYS = (
+    "inputs",
+    "targets",
+    "inputs_segmentation",
+    "targets_segmentation",
+    "inputs_position",
+    "targets_position",
+)
+_MASK_VALUE = -1e30
+
+
+class ModelConfigError(ValueError):
+    """A model size or weight is out of range; the message names it and the allowed range."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Sizes of the reference MoE decoder.
+
+    Attributes:
+      vocab_size: V, >= 2.
+      d_model: D, >= 1.
+      n_layers: >= 1.
+      n_heads: H, >= 1.
+      head_dim: K, even (rotary embedding), >= 2.
+      n_experts: E, >= 1.
+      top_k: R, in ``[1, n_experts]``.
+      d_ff: F, expert hidden width, >= 1.
+      capacity_factor: > 0; ``C = max(1, ceil(capacity_factor * S * R / E))``.
+      aux_loss_weight: weight of the load-balancing loss, >= 0.
+      z_loss_weight: weight of the router z-loss, >= 0.
+      param_dtype: ``"float32"`` or ``"bfloat16"`` (parameters, activations and gradients;
+        router, softmax, norms and loss are float32 either way).
+      rope_theta: rotary base, > 0.
+      init_std: standard deviation of the normal initializer, > 0.
+    """
+
+    vocab_size: int
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    head_dim: int = 16
+    n_experts: int = 4
+    top_k: int = 2
+    d_ff: int = 128
+    capacity_factor: float = 1.25
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 1e-3
+    param_dtype: str = "float32"
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        def need(cond: bool, field: str, allowed: str):
+            if not cond:
+                raise ModelConfigError(f"model.{field}: must be {allowed}, got {getattr(self, field)!r}")
+
+        for f in ("vocab_size",):
+            need(isinstance(getattr(self, f), int) and getattr(self, f) >= 2, f, "an int >= 2")
+        for f in ("d_model", "n_layers", "n_heads", "n_experts", "d_ff"):
+            need(isinstance(getattr(self, f), int) and getattr(self, f) >= 1, f, "an int >= 1")
+        need(isinstance(self.head_dim, int) and self.head_dim >= 2 and self.head_dim % 2 == 0, "head_dim",
+             "an even int >= 2")
+        need(isinstance(self.top_k, int) and 1 <= self.top_k <= self.n_experts, "top_k",
+             f"an int in [1, n_experts={self.n_experts}]")
+        need(self.capacity_factor > 0, "capacity_factor", "> 0")
+        need(self.aux_loss_weight >= 0, "aux_loss_weight", ">= 0")
+        need(self.z_loss_weight >= 0, "z_loss_weight", ">= 0")
+        need(self.param_dtype in ("float32", "bfloat16"), "param_dtype", "'float32' or 'bfloat16'")
+        need(self.rope_theta > 0, "rope_theta", "> 0")
+        need(self.init_std > 0, "init_std", "> 0")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        """Builds a config from a run config's ``model:`` mapping.
+
+        Raises:
+          ModelConfigError: unknown keys or out-of-range values.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ModelConfigError(f"model: unknown keys {unknown}; allowed: {sorted(known)}")
+        return cls(**dict(d))
+
+    def capacity(self, seq_len: int) -> int:
+        """Expert capacity C for rows of ``seq_len`` tokens (formula in the module docstring)."""
+        return max(1, math.ceil(self.capacity_factor * seq_len * self.top_k / self.n_experts))
+
+    @property
+    def dtype(self):
+        return jnp.bfloat16 if self.param_dtype == "bfloat16" else jnp.float32
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> dict[str, Any]:
+    """Returns the parameter pytree (normal(0, init_std) weights, ones for norm scales).
+
+    Leaves (dtype ``cfg.param_dtype``): ``embed`` [V, D]; per layer ``layers[i]``:
+    ``attn_norm`` [D], ``wq``/``wk``/``wv`` [D, H, K], ``wo`` [H, K, D], ``moe_norm`` [D],
+    ``router`` [D, E], ``w_in`` [E, D, F], ``w_out`` [E, F, D]; ``final_norm`` [D];
+    ``unembed`` [D, V].
+    """
+    D, H, K, E, F, V = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.n_experts, cfg.d_ff, cfg.vocab_size
+    dt = cfg.dtype
+    counter = iter(range(1 << 30))
+
+    def normal(shape, fan_in=None):
+        std = cfg.init_std if fan_in is None else 1.0 / math.sqrt(fan_in)
+        return (std * jax.random.normal(jax.random.fold_in(key, next(counter)), shape, jnp.float32)).astype(dt)
+
+    layers = []
+    for _ in range(cfg.n_layers):
+        layers.append(
+            {
+                "attn_norm": jnp.ones((D,), dt),
+                "wq": normal((D, H, K), D),
+                "wk": normal((D, H, K), D),
+                "wv": normal((D, H, K), D),
+                "wo": normal((H, K, D), H * K),
+                "moe_norm": jnp.ones((D,), dt),
+                "router": normal((D, E), D),
+                "w_in": normal((E, D, F), D),
+                "w_out": normal((E, F, D), F),
+            }
+        )
+    return {
+        "embed": normal((V, D)),
+        "layers": layers,
+        "final_norm": jnp.ones((D,), dt),
+        "unembed": normal((D, V), D),
+    }
+
+
+def _rms_norm(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _rope(x: jnp.ndarray, positions: jnp.ndarray, theta: float) -> jnp.ndarray:
+    """Rotary embedding (Su et al. 2021). x: [B, S, H, K]; positions: int32 [B, S]."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    ang = positions.astype(jnp.float32)[..., None] * freq  # [B, S, K/2]
+    sin, cos = jnp.sin(ang)[:, :, None, :], jnp.cos(ang)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention_mask(segment_ids: jnp.ndarray) -> jnp.ndarray:
+    """bool [B, S_q, S_k]: ``k <= q`` and same non-zero segment (no cross-document attention)."""
+    S = segment_ids.shape[-1]
+    causal = jnp.arange(S)[:, None] >= jnp.arange(S)[None, :]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return causal[None] & same & (segment_ids != 0)[:, :, None]
+
+
+def _attention(p, x, segment_ids, positions, cfg: ModelConfig):
+    q = _rope(jnp.einsum("bsd,dhk->bshk", x, p["wq"]), positions, cfg.rope_theta)
+    k = _rope(jnp.einsum("bsd,dhk->bshk", x, p["wk"]), positions, cfg.rope_theta)
+    v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
+    scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) / math.sqrt(cfg.head_dim)
+    mask = attention_mask(segment_ids)[:, None]
+    scores = jnp.where(mask, scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    out = jnp.einsum("bhqs,bshk->bqhk", probs, v)
+    return jnp.einsum("bqhk,hkd->bqd", out, p["wo"])
+
+
+def _moe(p, x, valid, cfg: ModelConfig):
+    """MoE feed-forward. x: [B, S, D]; valid: bool [B, S] (routed tokens). Returns (y, stats)."""
+    B, S, _ = x.shape
+    E, R = cfg.n_experts, cfg.top_k
+    C = cfg.capacity(S)
+    logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), p["router"].astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)  # [B, S, E] float32
+    gate, idx = jax.lax.top_k(probs, R)  # [B, S, R]
+    gate = gate / jnp.sum(gate, axis=-1, keepdims=True)
+    assign = jax.nn.one_hot(idx, E, dtype=jnp.int32) * valid[:, :, None, None].astype(jnp.int32)  # [B,S,R,E]
+    # Slot of each assignment in its expert: rank-major, then position (GShard priority).
+    by_rank = jnp.transpose(assign, (0, 2, 1, 3)).reshape(B, R * S, E)
+    slot = (jnp.cumsum(by_rank, axis=1) - 1) * by_rank
+    slot = jnp.transpose(slot.reshape(B, R, S, E), (0, 2, 1, 3))  # [B,S,R,E]
+    slot_of = jnp.sum(slot, axis=-1)  # [B,S,R]
+    assigned = jnp.sum(assign, axis=-1)  # [B,S,R] 0/1
+    kept = assigned * (slot_of < C).astype(jnp.int32)
+    # Dispatch by gather: token_of[b, e*C + c] is the token in slot c of expert e (S: empty
+    # slot, which reads a zero row). Cost O(E*C*D) per row, not the O(S*E*C*D) of a
+    # one-hot dispatch einsum; copies are exact.
+    lin_slot = jnp.where(kept == 1, idx * C + slot_of, E * C)  # dropped -> a discarded slot
+
+    def slots_of_row(lin_row):
+        tok = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[:, None], (S, R))
+        return jnp.full((E * C + 1,), S, jnp.int32).at[lin_row.reshape(-1)].set(tok.reshape(-1))[: E * C]
+
+    token_of = jax.vmap(slots_of_row)(lin_slot)  # [B, E*C]
+    x_pad = jnp.concatenate([x, jnp.zeros((B, 1, x.shape[-1]), x.dtype)], axis=1)
+    expert_in = jnp.take_along_axis(x_pad, token_of[..., None], axis=1).reshape(B, E, C, -1)
+    h = jax.nn.gelu(jnp.einsum("becd,edf->becf", expert_in, p["w_in"]))
+    expert_out = jnp.einsum("becf,efd->becd", h, p["w_out"])
+    # Combine by gathering each token's R outputs and summing them in rank order. (A
+    # combine einsum over (e, c) would let the slot positions decide which accumulator
+    # lane each term lands in, so a token's output would change in the last bit when
+    # other tokens, e.g. another packed document, take other slots.)
+    flat_out = expert_out.reshape(B, E * C, -1)
+    lin = (idx * C + jnp.minimum(slot_of, C - 1)).reshape(B, S * R, 1)
+    per_rank = jnp.take_along_axis(flat_out, lin, axis=1).reshape(B, S, R, -1)
+    weight = (gate * kept.astype(jnp.float32)).astype(x.dtype)
+    y = per_rank[:, :, 0] * weight[:, :, 0, None]
+    for r in range(1, R):
+        y = y + per_rank[:, :, r] * weight[:, :, r, None]
+
+    validf = valid.astype(jnp.float32)
+    n_valid_row = jnp.maximum(jnp.sum(validf, axis=1), 1.0)  # [B]
+    counts = jnp.sum(assign, axis=(1, 2)).astype(jnp.float32)  # [B, E] assignments before capacity
+    f = counts / (n_valid_row[:, None] * R)
+    P = jnp.sum(probs * validf[..., None], axis=1) / n_valid_row[:, None]
+    lb_rows = E * jnp.sum(f * P, axis=-1) * (jnp.sum(validf, axis=1) > 0)  # [B]
+    z = jax.nn.logsumexp(logits, axis=-1) ** 2  # [B, S]
+    entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
+    stats = {
+        "lb_sum": jnp.sum(lb_rows),
+        "z_sum": jnp.sum(z * validf),
+        "entropy_sum": jnp.sum(entropy * validf),
+        "tokens": jnp.sum(validf),
+        "assigned": jnp.sum(counts, axis=0),  # [E]
+        "dropped": jnp.sum((assigned - kept).astype(jnp.float32)),
+    }
+    return y, stats
+
+
+def forward(params, batch: Mapping[str, jnp.ndarray], cfg: ModelConfig):
+    """Runs the decoder.
+
+    Args:
+      params: from :func:`init_params`.
+      batch: ``inputs``, ``inputs_segmentation``, ``inputs_position``: int32 [B, S].
+
+    Returns:
+      ``(logits, stats)``: logits float32 [B, S, V]; stats: per-layer sums (float32
+      scalars, ``assigned`` float32 [E]) summed over layers: ``lb_sum``, ``z_sum``,
+      ``entropy_sum``, ``tokens``, ``assigned``, ``dropped``.
+    """
+    tokens = batch["inputs"]
+    seg = batch["inputs_segmentation"]
+    pos = batch["inputs_position"]
+    x = jnp.take(params["embed"], tokens, axis=0)
+    valid = seg != 0
+    totals = None
+    for p in params["layers"]:
+        x = x + _attention(p, _rms_norm(x, p["attn_norm"]), seg, pos, cfg)
+        y, stats = _moe(p, _rms_norm(x, p["moe_norm"]), valid, cfg)
+        x = x + y
+        totals = stats if totals is None else jax.tree_util.tree_map(jnp.add, totals, stats)
+    x = _rms_norm(x, params["final_norm"])
+    logits = jnp.einsum("bsd,dv->bsv", x, params["unembed"], preferred_element_type=jnp.float32)
+    return logits, totals
+
+
+def local_loss(params, batch, cfg: ModelConfig, total_tokens, total_rows):
+    """One device's contribution to the global loss (module docstring).
+
+    Args:
+      batch: the six int32 [B, S] arrays of :data:`BATCH_KEYS` (this device's rows).
+      total_tokens: float32 scalar, target tokens (``targets_segmentation != 0``) in the
+        *global* batch; clamped to >= 1.
+      total_rows: float32 scalar, rows in the global batch.
+
+    Returns:
+      ``(loss_contribution, aux)``: float32 scalar
+      ``ce_sum / N + aux_w * lb_sum / (rows * L) + z_w * z_sum / (N * L)``, and ``aux``
+      with ``ce_sum`` and the :func:`forward` stats.
+    """
+    logits, stats = forward(params, batch, cfg)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    tgt = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+    ce_sum = -jnp.sum(tgt * mask)
+    n = jnp.maximum(total_tokens, 1.0)
+    L = float(cfg.n_layers)
+    loss = (
+        ce_sum / n
+        + cfg.aux_loss_weight * stats["lb_sum"] / (total_rows * L)
+        + cfg.z_loss_weight * stats["z_sum"] / (n * L)
+    )
+    return loss, dict(stats, ce_sum=ce_sum)
+
+
+def count_target_tokens(batch) -> jnp.ndarray:
+    """float32 scalar: target tokens (``targets_segmentation != 0``) in ``batch``."""
+    return jnp.sum(batch["targets_segmentation"] != 0).astype(jnp.float32)

@@ -1,0 +1,423 @@
+"""A training run of the reference trainer: run config, run directory, resumable loop.
+
+Run config (YAML; relative paths are resolved against the config file's folder)::
+
+    name: demo
+    mixture: ../mixtures/demo.yaml        # mixture config the dataset was packed from
+    dataset: ../../build/demo/dataset      # packed dataset folder (manifest.json)
+    global_batch: 8                        # rows per step, a multiple of the device count
+    seed: 0                                # parameter init and the loader's shuffle
+    mesh: {data: -1, expert: 2}            # axes in mesh order; -1 = remaining devices
+    model: {d_model: 64, n_layers: 2, ...} # replay.reference.model.ModelConfig fields;
+                                           # vocab_size defaults to the manifest's
+    optimizer: {learning_rate: 3.0e-3, ...}  # replay.reference.trainer.OptimizerConfig
+    checkpoint_every: 10                   # Orbax checkpoint every K steps (and at 0 and the end)
+    skip_windows: [[100, 119]]             # inclusive training-step windows whose data is skipped
+    loader: {workers: 0, prefetch: 2}      # Grain worker processes and prefetch depth
+    canary: {step: 0, seed: 1234}          # canary batch = the batch of this step;
+                                           # canary weights = fresh init from this seed
+
+The loop (:func:`train`) writes the run directory of ``replay.protocol``; killed at any
+point and started again with the same arguments it resumes from the last complete
+checkpoint, drops fingerprint lines from that step on, and continues: the resulting
+``fingerprints.jsonl`` equals an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import sys
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import yaml
+
+from replay import protocol as proto
+from replay.reference.model import ModelConfig
+from replay.reference.trainer import OptimizerConfig
+
+_KEYS = {
+    "name", "mixture", "dataset", "global_batch", "seed", "mesh", "model", "optimizer", "checkpoint_every",
+    "skip_windows", "loader", "canary",
+}
+_REQUIRED = ("name", "mixture", "dataset", "global_batch")
+
+
+class RunConfigError(ValueError):
+    """A run config is malformed or does not fit the run directory; names the field and value."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CanaryConfig:
+    """Attributes: step (int >= 0: whose batch is the canary batch), seed (int >= 0: canary weights)."""
+
+    step: int = 0
+    seed: int = 1234
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """A validated run config (module docstring). Paths are absolute."""
+
+    name: str
+    mixture: str
+    dataset: str
+    global_batch: int
+    seed: int = 0
+    mesh: tuple[tuple[str, int], ...] = (("data", -1), ("expert", 2))
+    model: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    optimizer: OptimizerConfig = OptimizerConfig()
+    checkpoint_every: int = 10
+    skip_windows: tuple[tuple[int, int], ...] = ()
+    loader_workers: int = 0
+    loader_prefetch: int = 2
+    canary: CanaryConfig = CanaryConfig()
+
+    def model_config(self, vocab_size: int) -> ModelConfig:
+        """The model config, ``vocab_size`` from the manifest unless the run config sets it.
+
+        Raises:
+          RunConfigError: the config's vocab_size is smaller than the dataset's.
+        """
+        d = dict(self.model)
+        v = d.setdefault("vocab_size", vocab_size)
+        if v < vocab_size:
+            raise RunConfigError(f"model.vocab_size: must be >= the dataset's vocab size {vocab_size}, got {v}")
+        return ModelConfig.from_dict(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as written to ``<run>/run_config.yaml`` (absolute paths)."""
+        return {
+            "name": self.name,
+            "mixture": self.mixture,
+            "dataset": self.dataset,
+            "global_batch": self.global_batch,
+            "seed": self.seed,
+            "mesh": dict(self.mesh),
+            "model": dict(self.model),
+            "optimizer": dataclasses.asdict(self.optimizer),
+            "checkpoint_every": self.checkpoint_every,
+            "skip_windows": [list(w) for w in self.skip_windows],
+            "loader": {"workers": self.loader_workers, "prefetch": self.loader_prefetch},
+            "canary": dataclasses.asdict(self.canary),
+        }
+
+
+def _int(raw, field, lo):
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < lo:
+        raise RunConfigError(f"{field}: must be an int >= {lo}, got {raw!r}")
+    return raw
+
+
+def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConfig:
+    """Validates a run config mapping; relative paths are resolved against ``base_dir``.
+
+    Raises:
+      RunConfigError: unknown or missing keys, wrong types, out-of-range values (the
+        model and optimizer sections raise their own ``ValueError`` subclasses, wrapped).
+    """
+    if not isinstance(raw, Mapping):
+        raise RunConfigError(f"run config must be a mapping, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise RunConfigError(f"unknown keys {unknown}; allowed: {sorted(_KEYS)}")
+    missing = [k for k in _REQUIRED if k not in raw]
+    if missing:
+        raise RunConfigError(f"missing keys {missing}")
+
+    def path(field):
+        v = raw[field]
+        if not isinstance(v, str) or not v:
+            raise RunConfigError(f"{field}: must be a path string, got {v!r}")
+        return v if "://" in v else os.path.normpath(os.path.join(base_dir, v))
+
+    mesh_raw = raw.get("mesh", {"data": -1, "expert": 2})
+    if not isinstance(mesh_raw, Mapping) or not mesh_raw:
+        raise RunConfigError(f"mesh: must be a mapping axis -> size, got {mesh_raw!r}")
+    mesh = []
+    for k, v in mesh_raw.items():
+        if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and v != -1):
+            raise RunConfigError(f"mesh.{k}: must be an int >= 1 or -1, got {v!r}")
+        mesh.append((str(k), v))
+    for need in ("data", "expert"):
+        if need not in dict(mesh):
+            raise RunConfigError(f"mesh: needs axis {need!r}, got {list(dict(mesh))}")
+    windows = []
+    for i, w in enumerate(raw.get("skip_windows", []) or []):
+        if not isinstance(w, Sequence) or len(w) != 2:
+            raise RunConfigError(f"skip_windows[{i}]: must be [start, end], got {w!r}")
+        a, b = _int(w[0], f"skip_windows[{i}][0]", 0), _int(w[1], f"skip_windows[{i}][1]", 0)
+        if b < a:
+            raise RunConfigError(f"skip_windows[{i}]: end {b} < start {a}")
+        windows.append((a, b))
+    loader = dict(raw.get("loader", {}) or {})
+    bad = sorted(set(loader) - {"workers", "prefetch"})
+    if bad:
+        raise RunConfigError(f"loader: unknown keys {bad}; allowed: ['prefetch', 'workers']")
+    canary_raw = dict(raw.get("canary", {}) or {})
+    bad = sorted(set(canary_raw) - {"step", "seed"})
+    if bad:
+        raise RunConfigError(f"canary: unknown keys {bad}; allowed: ['seed', 'step']")
+    model = dict(raw.get("model", {}) or {})
+    try:
+        ModelConfig.from_dict({"vocab_size": 2, **model} if "vocab_size" not in model else model)
+        opt = OptimizerConfig.from_dict(dict(raw.get("optimizer", {}) or {}))
+    except (ValueError, TypeError) as e:
+        raise RunConfigError(str(e)) from None
+    name = raw["name"]
+    if not isinstance(name, str) or not name:
+        raise RunConfigError(f"name: must be a non-empty string, got {name!r}")
+    return RunConfig(
+        name=name,
+        mixture=path("mixture"),
+        dataset=path("dataset"),
+        global_batch=_int(raw["global_batch"], "global_batch", 1),
+        seed=_int(raw.get("seed", 0), "seed", 0),
+        mesh=tuple(mesh),
+        model=model,
+        optimizer=opt,
+        checkpoint_every=_int(raw.get("checkpoint_every", 10), "checkpoint_every", 1),
+        skip_windows=tuple(windows),
+        loader_workers=_int(loader.get("workers", 0), "loader.workers", 0),
+        loader_prefetch=_int(loader.get("prefetch", 2), "loader.prefetch", 0),
+        canary=CanaryConfig(
+            step=_int(canary_raw.get("step", 0), "canary.step", 0), seed=_int(canary_raw.get("seed", 1234), "canary.seed", 0)
+        ),
+    )
+
+
+def load_run_config(path: str) -> RunConfig:
+    """Reads and validates a run config YAML file (relative paths against its folder).
+
+    Raises:
+      FileNotFoundError: no such file.
+      RunConfigError: invalid YAML or content.
+    """
+    with open(path, encoding="utf-8") as f:
+        try:
+            raw = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise RunConfigError(f"{path}: not valid YAML: {e}") from None
+    try:
+        return run_config_from_dict(raw, os.path.dirname(os.path.abspath(path)))
+    except RunConfigError as e:
+        raise RunConfigError(f"{path}: {e}") from None
+
+
+# ----------------------------------------------------------------------------- run directory
+
+
+class RunDir:
+    """The files of one run directory (``replay.protocol`` layout); appends are flushed per line."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        os.makedirs(self.path, exist_ok=True)
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    @property
+    def checkpoints(self) -> str:
+        return self.file(proto.CHECKPOINTS_DIR)
+
+    def event(self, event: str, step: int, **fields: Any) -> dict[str, Any]:
+        rec = {"event": event, "step": int(step), **fields,
+               "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        with open(self.file(proto.EVENTS_NAME), "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec, sort_keys=True) + "\n")
+        return rec
+
+    def truncate_fingerprints(self, before_step: int) -> int:
+        """Keeps only lines with ``step < before_step`` (atomic rewrite); returns lines dropped."""
+        path = self.file(proto.FINGERPRINTS_NAME)
+        if not os.path.exists(path):
+            return 0
+        keep, dropped = [], 0
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    step = json.loads(line)["step"]
+                except (ValueError, KeyError):  # a line torn by a kill
+                    dropped += 1
+                    continue
+                if step < before_step:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+                else:
+                    dropped += 1
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(keep)
+        os.replace(tmp, path)
+        return dropped
+
+    def append_fingerprints(self, fp: proto.StepFingerprints) -> None:
+        with open(self.file(proto.FINGERPRINTS_NAME), "a", encoding="utf-8") as f:
+            f.write(fp.to_json() + "\n")
+
+
+def _check_same_config(rd: RunDir, cfg: RunConfig) -> Optional[list]:
+    """Writes run_config.yaml, or checks it against ``cfg`` (only skip windows may grow)."""
+    path = rd.file(proto.RUN_CONFIG_NAME)
+    new = cfg.to_dict()
+    if not os.path.exists(path):
+        with open(path, "w", encoding="utf-8") as f:
+            yaml.safe_dump(new, f, sort_keys=False)
+        return None
+    with open(path, encoding="utf-8") as f:
+        old = yaml.safe_load(f)
+    diffs = sorted(k for k in set(old) | set(new) if k != "skip_windows" and old.get(k) != new.get(k))
+    if diffs:
+        raise RunConfigError(
+            f"run directory {rd.path} was started with another config (differs in {diffs}); use a new --run"
+        )
+    if old.get("skip_windows") != new["skip_windows"]:
+        with open(path, "w", encoding="utf-8") as f:
+            yaml.safe_dump(new, f, sort_keys=False)
+        return new["skip_windows"]
+    return None
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def build_loader(cfg: RunConfig, mesh, state: Optional[Mapping[str, Any]] = None):
+    """``loader.build`` with the run's mixture, dataset, batch, seed, skip windows (batch over all mesh axes)."""
+    import loader
+
+    return loader.build(
+        mixture=cfg.mixture, dataset=cfg.dataset, global_batch=cfg.global_batch, mesh=mesh, seed=cfg.seed,
+        data_axes=tuple(mesh.axis_names), skip_windows=[list(w) for w in cfg.skip_windows],
+        workers=cfg.loader_workers, prefetch=cfg.loader_prefetch, state=state,
+    )
+
+
+def make_trainer(cfg: RunConfig, *, fingerprints: bool = True):
+    """``(ReferenceTrainer, mesh, vocab_size)`` for a run config (reads only the manifest)."""
+    from loader.reader import read_manifest
+    from replay.reference.trainer import ReferenceTrainer, make_mesh
+
+    manifest, _ = read_manifest(cfg.dataset)
+    vocab = int(manifest.tokenizer["vocab_size"])
+    model = cfg.model_config(vocab)
+    mesh = make_mesh(dict(cfg.mesh))
+    if cfg.global_batch % mesh.size:
+        raise RunConfigError(f"global_batch: must be a multiple of the device count {mesh.size}, got {cfg.global_batch}")
+    return ReferenceTrainer(model, cfg.optimizer, fingerprints=fingerprints), mesh, vocab
+
+
+def _phase_index(data, step: int) -> int:
+    d = data.schedule.data_step(step)
+    idx = 0
+    for i, p in enumerate(data.schedule.phases):
+        if p.from_step <= d:
+            idx = i
+    return idx
+
+
+def train(
+    run_dir: str,
+    cfg: RunConfig,
+    steps: int,
+    *,
+    trainer=None,
+    mesh=None,
+    log: Optional[Callable[[str], None]] = None,
+) -> dict[str, Any]:
+    """Trains until global step ``steps`` (exclusive), resuming from the run directory's last checkpoint.
+
+    Args:
+      run_dir: the run directory (created).
+      cfg: the run config.
+      steps: the step to stop at (total, not additional: rerunning the same command after
+        a kill finishes the same run).
+      trainer, mesh: a prepared :class:`ReferenceTrainer` and its mesh (tests reuse the
+        compiled step); default from ``cfg``.
+      log: progress lines (default: stderr).
+
+    Returns:
+      ``{"start": first step run, "end": steps, "losses": {step: loss}}``.
+
+    Raises:
+      RunConfigError: ``cfg`` does not fit the run directory, or ``steps`` < 0.
+      loader errors (``DatasetError``, ``ResumeError``) as raised by ``loader.build``.
+    """
+    from replay.env import compare_environment, record_environment
+    from replay.reference import checkpoint as ckpt
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise RunConfigError(f"steps: must be an int >= 0, got {steps!r}")
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    if trainer is None or mesh is None:
+        trainer, mesh, _ = make_trainer(cfg)
+    rd = RunDir(run_dir)
+    grown = _check_same_config(rd, cfg)
+    env = record_environment(mesh)
+    env_path = rd.file(proto.ENV_NAME)
+
+    latest = ckpt.latest_step(rd.checkpoints)
+    loader_state = None
+    if latest is None:
+        with open(env_path, "w", encoding="utf-8") as f:
+            json.dump(env, f, indent=1, sort_keys=True)
+        state = trainer.init_state(mesh, cfg.seed)
+        start = 0
+        rd.truncate_fingerprints(0)
+        rd.event("start", 0, name=cfg.name, steps=steps, mesh=dict(zip(mesh.axis_names, mesh.devices.shape)))
+    else:
+        recorded = json.load(open(env_path, encoding="utf-8")) if os.path.exists(env_path) else {}
+        state, loader_state = trainer.restore(rd.path, latest, mesh)
+        start = latest
+        dropped = rd.truncate_fingerprints(start)
+        rd.event("restore", start, checkpoint=latest, dropped_fingerprint_lines=dropped,
+                 env_differences=compare_environment(recorded, env), skip_windows_changed=grown)
+    data = build_loader(cfg, mesh, state=loader_state)
+    if loader_state is not None and int(loader_state.get("next_step", start)) != start:
+        raise RunConfigError(f"checkpoint {start} holds loader state for step {loader_state['next_step']}")
+    for ev in data.events:
+        rd.event(ev.get("event", "loader"), ev.get("step", start), **{k: v for k, v in ev.items() if k not in ("event", "step")})
+
+    mngr = ckpt.manager(rd.checkpoints)
+    if latest is None:
+        ckpt.save(mngr, 0, state, data.state().to_dict())
+        rd.event("checkpoint", 0)
+    losses: dict[int, float] = {}
+    phase = _phase_index(data, start) if start < steps else None
+    windows = {a: b for a, b in cfg.skip_windows}
+    try:
+        if start < steps:
+            for step, batch in data.iterate(start):
+                p = _phase_index(data, step)
+                if p != phase:
+                    rd.event("phase_change", step, phase=p, from_data_step=data.schedule.phases[p].from_step)
+                    phase = p
+                if step in windows:
+                    rd.event("skipped_window", step, start=step, end=windows[step],
+                             data_step=data.schedule.data_step(step))
+                state, fp = trainer.train_step(state, batch, step)
+                rd.append_fingerprints(fp)
+                losses[step] = fp.router["loss"]
+                log(f"step {step} loss {fp.router['loss']:.4f} dropped {fp.router['dropped_fraction']:.3f}")
+                nxt = step + 1
+                if nxt % cfg.checkpoint_every == 0 or nxt == steps:
+                    ckpt.save(mngr, nxt, state, data.state().to_dict())
+                    rd.event("checkpoint", nxt)
+                if nxt >= steps:
+                    break
+        mngr.wait_until_finished()
+    finally:
+        mngr.close()
+    rd.event("end", max(start, steps))
+    return {"start": start, "end": steps, "losses": losses}
+
+
+def canary_batch(cfg: RunConfig, mesh) -> dict[str, Any]:
+    """The canary batch of the run: the global batch of step ``cfg.canary.step`` (host NumPy)."""
+    from replay.reference.trainer import numpy_batch
+
+    data = build_loader(cfg, mesh)
+    return numpy_batch(data.batch_at(cfg.canary.step))

@@ -1,0 +1,41 @@
+"""Command line: train the reference MoE model and leave a run directory for replay.
+
+    python -m replay.reference.train --run runs/demo --config configs/runs/demo.yaml --steps 40
+
+``--steps`` is the step to stop at (total): after a kill, the same command resumes from
+the last complete checkpoint and finishes the same run. Thin over
+:func:`replay.reference.run.train`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from replay.reference.run import RunConfigError, load_run_config, train
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m replay.reference.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", required=True, help="run directory (created; resumed when it holds checkpoints)")
+    parser.add_argument("--config", required=True, help="run config YAML (configs/runs/<name>.yaml)")
+    parser.add_argument("--steps", required=True, type=int, help="train until this global step (exclusive)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_run_config(args.config)
+        summary = train(args.run, cfg, args.steps)
+    except (RunConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    losses = summary["losses"]
+    if losses:
+        first, last = min(losses), max(losses)
+        print(f"trained steps {summary['start']}..{summary['end'] - 1}: loss {losses[first]:.4f} -> {losses[last]:.4f}")
+    else:
+        print(f"nothing to do: run already at step {summary['start']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,535 @@
+"""The reference trainer: a sharded, fingerprinted train step implementing ``replay.protocol.Trainer``.
+
+Mesh and sharding
+-----------------
+A ``jax.sharding.Mesh`` with axes ``("data", "expert")`` (:func:`make_mesh`; devices in id
+order, data-major). The global batch ``[B, S]`` is split over both axes
+(``PartitionSpec(("data", "expert"))``): every device computes the forward and backward
+pass of its own ``B / n_devices`` rows. Expert weights (``w_in``, ``w_out``) and their AdamW
+moments are *stored* split over the ``expert`` axis (first dimension, when ``E`` divides);
+the step gathers them for compute (jit inserts the all-gather), so the per-device gradient
+is a full-size local contribution that can be fingerprinted before the reduction.
+
+One step (``jax.jit`` with explicit in/out shardings; the per-device part in
+``jax.shard_map`` so that each device's local gradient is visible)::
+
+    per device d (shard_map over all mesh axes):
+        g_d      = grad of local_loss(params, rows of d)        # its contribution
+        g_d      = flip_bit(g_d, fault) if d is the drill's device
+        fp_dev_d = fingerprint(g_d) per leaf                     # BEFORE the reduction
+        g        = psum_d g_d                                    # data-parallel reduction
+        fp_leaf  = psum_d fingerprint(chunk d of g)              # shards add up mod 2^32
+    grad_norm = ||g||_2 ; AdamW update (optax)
+
+The fault is a traced ``int32[5]`` input ``[enabled, device_id, leaf_index, element, bit]``,
+so a drill never recompiles. Fingerprints only read gradients: the update is bit-identical
+with and without them (tested).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from typing import Any, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from replay import fingerprint as fpm
+from replay.protocol import CHECKPOINTS_DIR, FaultSpec, StepFingerprints
+from replay.reference.model import BATCH_KEYS, ModelConfig, count_target_tokens, init_params, local_loss
+
+DEFAULT_AXES = ("data", "expert")
+EXPERT_LEAVES = ("w_in", "w_out")
+
+
+class TrainerConfigError(ValueError):
+    """An optimizer or mesh setting is out of range; the message names it and the allowed range."""
+
+
+class FaultSpecError(ValueError):
+    """A drill's fault names a leaf, element, bit or device that does not exist."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW (Loshchilov & Hutter 2019, ``optax.adamw``) with linear warm-up then constant.
+
+    Attributes:
+      learning_rate: peak learning rate, > 0.
+      warmup_steps: linear warm-up from 0, >= 0 steps.
+      b1, b2: Adam moment decays, in [0, 1).
+      eps: Adam epsilon, > 0.
+      weight_decay: decoupled weight decay, >= 0.
+      clip_norm: global-norm gradient clipping threshold, > 0, or ``None`` (off).
+    """
+
+    learning_rate: float = 3e-3
+    warmup_steps: int = 10
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_norm: Optional[float] = 1.0
+
+    def __post_init__(self):
+        def need(cond, field, allowed):
+            if not cond:
+                raise TrainerConfigError(f"optimizer.{field}: must be {allowed}, got {getattr(self, field)!r}")
+
+        need(self.learning_rate > 0, "learning_rate", "> 0")
+        need(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps", "an int >= 0")
+        need(0 <= self.b1 < 1, "b1", "in [0, 1)")
+        need(0 <= self.b2 < 1, "b2", "in [0, 1)")
+        need(self.eps > 0, "eps", "> 0")
+        need(self.weight_decay >= 0, "weight_decay", ">= 0")
+        need(self.clip_norm is None or self.clip_norm > 0, "clip_norm", "> 0 or null")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "OptimizerConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise TrainerConfigError(f"optimizer: unknown keys {unknown}; allowed: {sorted(known)}")
+        return cls(**dict(d))
+
+    def build(self) -> optax.GradientTransformation:
+        if self.warmup_steps:
+            lr = optax.linear_schedule(0.0, self.learning_rate, self.warmup_steps)
+        else:
+            lr = self.learning_rate
+        adam = optax.adamw(lr, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)
+        if self.clip_norm is None:
+            return adam
+        return optax.chain(optax.clip_by_global_norm(self.clip_norm), adam)
+
+
+def make_mesh(axes: Mapping[str, int], devices: Optional[Sequence[Any]] = None) -> Mesh:
+    """Builds the trainer's mesh, devices in ascending id order, first axis major.
+
+    Args:
+      axes: axis name -> size, in mesh order, e.g. ``{"data": 4, "expert": 2}``; at most one
+        size may be ``-1`` (all remaining devices). Must include ``"data"`` and ``"expert"``.
+      devices: devices to use (default ``jax.devices()``).
+
+    Raises:
+      TrainerConfigError: missing axes, sizes < 1, or a product that is not the device count.
+    """
+    devices = sorted(jax.devices() if devices is None else devices, key=lambda d: d.id)
+    names = list(axes)
+    for need in DEFAULT_AXES:
+        if need not in names:
+            raise TrainerConfigError(f"mesh: needs axis {need!r}, got axes {names}")
+    sizes = [int(axes[n]) for n in names]
+    if sum(1 for s in sizes if s == -1) > 1 or any(s < 1 and s != -1 for s in sizes):
+        raise TrainerConfigError(f"mesh: sizes must be >= 1 with at most one -1, got {dict(axes)}")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise TrainerConfigError(f"mesh: {len(devices)} devices do not divide by the fixed sizes {dict(axes)}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise TrainerConfigError(
+            f"mesh: sizes {dict(zip(names, sizes))} use {math.prod(sizes)} devices, {len(devices)} available"
+        )
+    return Mesh(np.asarray(devices, dtype=object).reshape(sizes), tuple(names))
+
+
+def device_coords(mesh: Mesh) -> dict[int, dict[str, int]]:
+    """Per device id its mesh coordinates ``{axis: index}``."""
+    out = {}
+    for pos in np.ndindex(mesh.devices.shape):
+        out[int(mesh.devices[pos].id)] = {n: int(i) for n, i in zip(mesh.axis_names, pos)}
+    return out
+
+
+def leaf_paths(tree: Any) -> list[str]:
+    """``jax.tree_util.keystr`` of each leaf, in flattening order."""
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _leaf_bits(dtype) -> int:
+    return 8 * jnp.dtype(dtype).itemsize
+
+
+class ReferenceTrainer:
+    """The reference MoE trainer; implements :class:`replay.protocol.Trainer`.
+
+    Args:
+      model: model sizes.
+      optimizer: AdamW settings.
+      fingerprints: compute fingerprints in the step (``False``: the plain step, for the
+        overhead benchmark and the no-interference test; ``StepFingerprints`` then carry
+        only loss, gradient-norm bits and the batch hash).
+
+    The train state is a dict ``{"params": ..., "opt_state": ...}`` of global ``jax.Array``.
+    """
+
+    def __init__(self, model: ModelConfig, optimizer: OptimizerConfig = OptimizerConfig(), *, fingerprints: bool = True):
+        self.model = model
+        self.optimizer_config = optimizer
+        self.optimizer = optimizer.build()
+        self.fingerprints = fingerprints
+        abstract = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
+        self.leaf_paths = leaf_paths(abstract)
+        flat = jax.tree_util.tree_leaves(abstract)
+        self.leaf_sizes = [int(np.prod(x.shape)) for x in flat]
+        self.leaf_dtypes = [x.dtype for x in flat]
+        self._abstract_params = abstract
+        self._compiled: dict[Any, Any] = {}
+
+    # ------------------------------------------------------------------ shardings
+
+    def param_shardings(self, mesh: Mesh) -> Any:
+        """NamedSharding per parameter: expert leaves split over ``expert`` (dim 0), rest replicated."""
+        n_expert = mesh.shape["expert"]
+
+        def spec(path, x):
+            name = jax.tree_util.keystr(path[-1:]) if path else ""
+            if any(f"'{k}'" in name for k in EXPERT_LEAVES) and x.shape[0] % n_expert == 0:
+                return NamedSharding(mesh, P("expert"))
+            return NamedSharding(mesh, P())
+
+        return jax.tree_util.tree_map_with_path(spec, self._abstract_params)
+
+    def state_shardings(self, mesh: Mesh) -> dict[str, Any]:
+        """Shardings of the train state: AdamW moments follow their parameters."""
+        psh = self.param_shardings(mesh)
+        abstract_opt = jax.eval_shape(self.optimizer.init, self._abstract_params)
+        osh = optax.tree_map_params(
+            self.optimizer, lambda _, s: s, abstract_opt, psh,
+            transform_non_params=lambda _: NamedSharding(mesh, P()),
+        )
+        return {"params": psh, "opt_state": osh}
+
+    def abstract_state(self, mesh: Mesh) -> dict[str, Any]:
+        """``jax.ShapeDtypeStruct`` tree of the state with shardings (an Orbax restore target)."""
+        sh = self.state_shardings(mesh)
+        shapes = {"params": self._abstract_params, "opt_state": jax.eval_shape(self.optimizer.init, self._abstract_params)}
+        return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, sh)
+
+    @staticmethod
+    def batch_sharding(mesh: Mesh) -> NamedSharding:
+        """Rows over every mesh axis (``("data", "expert", ...)``), sequence unsplit."""
+        return NamedSharding(mesh, P(tuple(mesh.axis_names), None))
+
+    # ------------------------------------------------------------------ protocol
+
+    def init_state(self, mesh: Mesh, seed: int) -> dict[str, Any]:
+        """Fresh parameters from ``jax.random.key(seed)`` and AdamW state, placed on ``mesh``."""
+        sh = self.state_shardings(mesh)
+        params = jax.jit(lambda k: init_params(self.model, k), out_shardings=sh["params"])(jax.random.key(seed))
+        opt_state = jax.jit(self.optimizer.init, out_shardings=sh["opt_state"])(params)
+        return {"params": params, "opt_state": opt_state}
+
+    def restore(self, run_dir: str, step: int, mesh: Mesh) -> tuple[dict[str, Any], Mapping[str, Any]]:
+        """Restores, read-only, the checkpoint of ``step`` under ``<run_dir>/checkpoints`` onto ``mesh``.
+
+        Raises:
+          FileNotFoundError: no complete checkpoint at ``step``.
+        """
+        from replay.reference import checkpoint
+
+        return checkpoint.restore(os.path.join(run_dir, CHECKPOINTS_DIR), step, self.abstract_state(mesh))
+
+    def fault_array(self, fault: Optional[FaultSpec], step: Optional[int], mesh_ids: Sequence[int]) -> np.ndarray:
+        """``int32[5] = [enabled, device_id, leaf_index, element, bit]`` for the traced fault input.
+
+        ``enabled`` is 1 when ``fault`` is given and (``step`` is None or ``fault.step == step``).
+
+        Raises:
+          FaultSpecError: unknown leaf or device, element outside ``[0, leaf size)``, or bit
+            outside ``[0, bits of the leaf dtype)``.
+        """
+        if fault is None or (step is not None and fault.step != step):
+            return np.zeros(5, np.int32)
+        if fault.leaf not in self.leaf_paths:
+            raise FaultSpecError(f"fault.leaf {fault.leaf!r} is not a parameter leaf; leaves: {self.leaf_paths}")
+        i = self.leaf_paths.index(fault.leaf)
+        if not 0 <= fault.element < self.leaf_sizes[i]:
+            raise FaultSpecError(f"fault.element {fault.element} outside [0, {self.leaf_sizes[i]}) for {fault.leaf}")
+        bits = _leaf_bits(self.leaf_dtypes[i])
+        if not 0 <= fault.bit < bits:
+            raise FaultSpecError(f"fault.bit {fault.bit} outside [0, {bits}) for {fault.leaf}")
+        if fault.device_id not in mesh_ids:
+            raise FaultSpecError(f"fault.device_id {fault.device_id} not in the mesh's devices {sorted(mesh_ids)}")
+        return np.asarray([1, fault.device_id, i, fault.element, fault.bit], np.int32)
+
+    def _inject(self, grads, fault, device_id):
+        leaves, treedef = jax.tree_util.tree_flatten(grads)
+        hit_dev = (fault[0] == 1) & (fault[1] == device_id)
+        out = [fpm.flip_bit(g, fault[3], fault[4], hit_dev & (fault[2] == i)) for i, g in enumerate(leaves)]
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def _step_fn(self, mesh: Mesh, global_batch: int, keep_local: bool = False):
+        key = ("step", mesh, global_batch, self.fingerprints, keep_local)
+        if key in self._compiled:
+            return self._compiled[key]
+        axes = tuple(mesh.axis_names)
+        n_dev = mesh.size
+        dev_table = jnp.asarray([d.id for d in mesh.devices.reshape(-1)], jnp.int32)
+        sizes = self.leaf_sizes
+        cfg = self.model
+        with_fp = self.fingerprints
+        opt = self.optimizer
+
+        def linear_index():
+            lin = 0
+            for a in axes:
+                lin = lin * mesh.shape[a] + jax.lax.axis_index(a)
+            return lin
+
+        def per_device(params, batch, fault, total_tokens, total_rows):
+            (loss_c, aux), grads = jax.value_and_grad(local_loss, has_aux=True)(
+                params, batch, cfg, total_tokens, total_rows
+            )
+            out = {}
+            if with_fp:
+                lin = linear_index()
+                grads = self._inject(grads, fault, dev_table[lin])
+                out["devices"] = jnp.stack([fpm.fingerprint(g) for g in jax.tree_util.tree_leaves(grads)])[None]
+            if keep_local:
+                out["local_grads"] = jax.tree_util.tree_map(lambda g: g[None], grads)
+            grads = jax.lax.psum(grads, axes)
+            if keep_local:
+                out["reduced_grads"] = grads
+            if with_fp:
+                parts = []
+                for g, size in zip(jax.tree_util.tree_leaves(grads), sizes):
+                    chunk = -(-size // n_dev)
+                    flat = jnp.pad(g.reshape(-1), (0, chunk * n_dev - size))
+                    start = lin * chunk
+                    parts.append(fpm.fingerprint_flat_chunk(jax.lax.dynamic_slice(flat, (start,), (chunk,)), start, size))
+                out["leaves"] = jax.lax.psum(jnp.stack(parts), axes)
+            out["loss"] = jax.lax.psum(loss_c, axes)
+            out["stats"] = jax.lax.psum(aux, axes)
+            return grads, out
+
+        out_specs_extra = {"loss": P(), "stats": P()}
+        if with_fp:
+            out_specs_extra.update(devices=P(axes), leaves=P())
+        if keep_local:
+            out_specs_extra.update(local_grads=P(axes), reduced_grads=P())
+        sharded = jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(P(), P(axes), P(), P(), P()),
+            out_specs=(P(), out_specs_extra),
+            check_vma=False,  # grads of replicated params stay local until our psum
+        )
+
+        def step(state, batch, fault):
+            batch = {k: batch[k] for k in BATCH_KEYS}
+            total_tokens = count_target_tokens(batch)
+            # Rows as a traced value, as in local_gradients: a constant divisor may be
+            # compiled as a multiply by its reciprocal, which rounds differently.
+            total_rows = jnp.asarray(batch["inputs"].shape[0], jnp.float32) + fault[0].astype(jnp.float32) * 0
+            grads, out = sharded(state["params"], batch, fault, total_tokens, total_rows)
+            grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree_util.tree_leaves(grads)))
+            updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+            params = optax.apply_updates(state["params"], updates)
+            out["grad_norm"] = grad_norm
+            out["batch"] = fpm.fingerprint(batch["inputs"])
+            return {"params": params, "opt_state": opt_state}, out
+
+        st_sh = self.state_shardings(mesh)
+        b_sh = self.batch_sharding(mesh)
+        rep = NamedSharding(mesh, P())
+        fn = jax.jit(
+            step,
+            in_shardings=(st_sh, {k: b_sh for k in BATCH_KEYS}, rep),
+            out_shardings=(st_sh, rep),
+        )
+        self._compiled[key] = fn
+        return fn
+
+    def device_contributions(
+        self, state: Mapping[str, Any], batch: Mapping[str, Any], step: int, fault: Optional[FaultSpec] = None
+    ) -> tuple[dict[int, Any], Any, StepFingerprints]:
+        """Runs :meth:`train_step`'s program with each device's local gradient and the reduced
+        gradient as extra outputs (no update is kept).
+
+        For triage that needs the numbers, not only their fingerprints, and for the test
+        that the per-device fingerprints are those of the contributions and that the
+        contributions sum (in device order) to the reduced gradient. Extra outputs can
+        change how XLA fuses the program, so compare these values with this call's own
+        fingerprints (the third result).
+
+        Returns:
+          ``({device id: grads pytree (host NumPy)}, reduced grads (host NumPy), fingerprints)``.
+        """
+        mesh = jax.tree_util.tree_leaves(state["params"])[0].sharding.mesh
+        ids = [int(d.id) for d in mesh.devices.reshape(-1)]
+        rows = int(batch["inputs"].shape[0])
+        fault_arr = self.fault_array(fault, step, ids)
+        _, out = self._step_fn(mesh, rows, keep_local=True)(state, batch, fault_arr)
+        out = jax.device_get(out)
+        local, reduced = out.pop("local_grads"), out.pop("reduced_grads")
+        per = {dev: jax.tree_util.tree_map(lambda g, r=r: g[r], local) for r, dev in enumerate(ids)}
+        return per, reduced, self._to_fingerprints(step, out, ids, device_coords(mesh))
+
+    def train_step(
+        self, state: Mapping[str, Any], batch: Mapping[str, Any], step: int, fault: Optional[FaultSpec] = None
+    ) -> tuple[dict[str, Any], StepFingerprints]:
+        """One AdamW step on the global ``batch``; returns ``(new_state, fingerprints)``.
+
+        Args:
+          state: ``{"params", "opt_state"}`` on a mesh from :func:`make_mesh`.
+          batch: the six int32 ``[global_batch, seq_len]`` arrays of
+            ``replay.reference.model.BATCH_KEYS`` (global ``jax.Array`` or NumPy);
+            ``global_batch`` must divide by the device count.
+          step: the global step (recorded; selects whether ``fault`` fires).
+          fault: a drill: flips the named bit in device ``fault.device_id``'s local gradient
+            before the reduction when ``fault.step == step``.
+
+        Raises:
+          ValueError: batch keys missing, or rows not divisible by the device count.
+          FaultSpecError: the fault names no existing leaf/element/bit/device.
+        """
+        mesh = jax.tree_util.tree_leaves(state["params"])[0].sharding.mesh
+        missing = [k for k in BATCH_KEYS if k not in batch]
+        if missing:
+            raise ValueError(f"batch lacks keys {missing}; needs {list(BATCH_KEYS)}")
+        rows = int(batch["inputs"].shape[0])
+        if rows % mesh.size:
+            raise ValueError(f"global batch {rows} must be a multiple of the device count {mesh.size}")
+        ids = [int(d.id) for d in mesh.devices.reshape(-1)]
+        fault_arr = self.fault_array(fault, step, ids)
+        new_state, out = self._step_fn(mesh, rows)(state, batch, fault_arr)
+        out = jax.device_get(out)
+        return new_state, self._to_fingerprints(step, out, ids, device_coords(mesh))
+
+    def _to_fingerprints(self, step, out, ids, coords) -> StepFingerprints:
+        stats = out["stats"]
+        assigned = np.asarray(stats["assigned"], np.float64)
+        total_assigned = float(assigned.sum())
+        tokens = max(float(stats["tokens"]), 1.0)
+        router = {
+            "expert_share": [float(a / total_assigned) if total_assigned else 0.0 for a in assigned],
+            "dropped_fraction": float(stats["dropped"]) / total_assigned if total_assigned else 0.0,
+            "entropy": float(stats["entropy_sum"]) / tokens,
+            "z_loss": float(stats["z_sum"]) / tokens,
+            "load_balance_loss": float(stats["lb_sum"]),
+            "loss": float(out["loss"]),
+        }
+        leaves, devices = {}, {}
+        if "leaves" in out:
+            leaves = {p: fpm.summarize(out["leaves"][i]) for i, p in enumerate(self.leaf_paths)}
+            devices = {
+                dev: {p: fpm.fingerprint_int(out["devices"][r, i]) for i, p in enumerate(self.leaf_paths)}
+                for r, dev in enumerate(ids)
+            }
+        return StepFingerprints(
+            step=int(step),
+            loss_bits=int(np.asarray(out["loss"], np.float32).view(np.uint32)),
+            grad_norm_bits=int(np.asarray(out["grad_norm"], np.float32).view(np.uint32)),
+            batch_hash=fpm.fingerprint_hex(out["batch"]),
+            leaves=leaves,
+            devices=devices,
+            router=router,
+            device_coords=coords,
+        )
+
+    # ------------------------------------------------------------------ single device
+
+    def _local_grad_fn(self, device):
+        """jit(shard_map) over a one-device mesh with the step's axes (same body as the step)."""
+        key = ("local", device.id)
+        if key in self._compiled:
+            return self._compiled[key]
+        cfg = self.model
+        axes = DEFAULT_AXES
+        mesh1 = Mesh(np.asarray([device], dtype=object).reshape((1,) * len(axes)), axes)
+
+        def per_device(params, batch, fault, total_tokens, total_rows):
+            (loss, _), grads = jax.value_and_grad(local_loss, has_aux=True)(params, batch, cfg, total_tokens, total_rows)
+            grads = self._inject(grads, fault, jnp.int32(device.id))
+            fps = jnp.stack([fpm.fingerprint(g) for g in jax.tree_util.tree_leaves(grads)])
+            return grads, loss, fps
+
+        sharded = jax.shard_map(
+            per_device, mesh=mesh1, in_specs=(P(), P(axes), P(), P(), P()), out_specs=(P(), P(), P()),
+            check_vma=False,
+        )
+
+        def fn(params, batch, fault, total_tokens, total_rows):
+            batch = {k: batch[k] for k in BATCH_KEYS}
+            return sharded(params, batch, fault, total_tokens, total_rows)
+
+        self._compiled[key] = jax.jit(fn)
+        return self._compiled[key]
+
+    def local_gradients(
+        self,
+        state: Mapping[str, Any],
+        batch: Mapping[str, Any],
+        device: Any,
+        *,
+        total_tokens: Optional[float] = None,
+        total_rows: Optional[int] = None,
+        fault: Optional[FaultSpec] = None,
+    ) -> tuple[Any, float, dict[str, int]]:
+        """Forward and backward of ``batch`` on one ``device`` (no update, no collective).
+
+        Args:
+          state: a train state (any placement; parameters are copied to ``device``).
+          batch: int32 ``[b, S]`` arrays (NumPy or jax).
+          device: the ``jax.Device`` to run on.
+          total_tokens / total_rows: normalizers of the loss contribution (defaults: this
+            batch's own target-token count and rows, i.e. the batch alone is the global
+            batch). Pass the global batch's values to recompute one device's share of a
+            sharded step (its ``devices`` fingerprint).
+          fault: flips its bit when ``fault.device_id == device.id`` (``fault.step`` ignored).
+
+        Bits: results of this one-device program are reproducible and equal across healthy
+        devices of one kind (what canaries need), but on XLA:CPU they can differ in the last
+        bits from the same rows' share inside an 8-device step (measured: ULP-level
+        differences in most leaves; the compiler emits different code for a one-device
+        and a multi-device program). To recompute a device's share of a step bit for bit,
+        run the step's mesh shape (:meth:`device_contributions` or :meth:`train_step`).
+
+        Returns:
+          ``(grads on device, loss contribution, {leaf path: 64-bit fingerprint})``.
+        """
+        params = jax.device_put(state["params"], device)
+        b = {k: jax.device_put(np.asarray(batch[k], np.int32), device) for k in BATCH_KEYS}
+        if total_tokens is None:
+            total_tokens = float(np.sum(np.asarray(batch["targets_segmentation"]) != 0))
+        if total_rows is None:
+            total_rows = int(np.asarray(batch["inputs"]).shape[0])
+        fault_arr = self.fault_array(fault, None, [device.id]) if fault is not None and fault.device_id == device.id \
+            else np.zeros(5, np.int32)
+        grads, loss, fps = self._local_grad_fn(device)(
+            params, b, jax.device_put(fault_arr, device),
+            jax.device_put(np.float32(total_tokens), device), jax.device_put(np.float32(total_rows), device),
+        )
+        fps = np.asarray(fps)
+        return grads, float(loss), {p: fpm.fingerprint_int(fps[i]) for i, p in enumerate(self.leaf_paths)}
+
+    def single_device_fingerprints(
+        self, state: Mapping[str, Any], batch: Mapping[str, Any], device: Any, fault: Optional[FaultSpec] = None
+    ) -> dict[str, int]:
+        """``{leaf path: 64-bit fingerprint}`` of the gradient of the whole ``batch`` on one device.
+
+        For canary batches: the same state and batch on two healthy devices of one kind
+        give identical values; a device that computes wrong bits does not. No update.
+        """
+        return self.local_gradients(state, batch, device, fault=fault)[2]
+
+
+def numpy_batch(batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Host copy of a batch's six arrays (int32)."""
+    return {k: np.asarray(jax.device_get(batch[k]), np.int32) for k in BATCH_KEYS}
+
+
+def device_rows(mesh: Mesh, global_batch: int) -> dict[int, slice]:
+    """Per device id, the rows of the global batch it computes (``batch_sharding`` layout)."""
+    n = mesh.size
+    per = global_batch // n
+    return {int(d.id): slice(r * per, (r + 1) * per) for r, d in enumerate(mesh.devices.reshape(-1))}

@@ -1,0 +1,220 @@
+"""Reports: a Rich table in the terminal, a JSON file, and a PNG plot (steps x devices).
+
+Everything here reads the plain report dicts the engine returns (``RangeReport.to_dict()``,
+``CanaryReport.to_dict()``, ``InspectReport.to_dict()``), so a JSON report written earlier can be
+rendered or plotted again. No JAX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+_VERDICT_STYLE = {"convicted": "bold red", "acquitted": "bold green", "ambiguous": "bold yellow"}
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, label: str, console: Optional[Console] = None,
+                 enabled: bool = True) -> Iterator[Callable[[int], None]]:
+    """A Rich progress bar over ``total`` units (steps); yields ``advance(n)``.
+
+    Disabled (a no-op) when ``enabled`` is false or the console is not a terminal.
+    """
+    console = console or Console(stderr=True)
+    if not enabled or not console.is_terminal or total <= 0:
+        yield lambda n=1: None
+        return
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True,
+    ) as progress:
+        task = progress.add_task(label, total=total)
+        yield lambda n=1: progress.advance(task, n)
+
+
+def write_json(report: Mapping[str, Any], path: str) -> None:
+    """Writes ``report`` as indented, key-sorted JSON (through a temporary name, then renamed)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _verdict_panel(report: Mapping[str, Any]) -> Panel:
+    verdict = report["verdict"]
+    lines = [f"[{_VERDICT_STYLE[verdict]}]{verdict.upper()}[/] (exit code {report['exit_code']}): "
+             f"{report['explanation']}"]
+    if report.get("convicted_devices"):
+        lines.append(f"convicted device(s): {report['convicted_devices']} at step {report['first_divergent_step']}")
+    if report.get("leaves"):
+        lines.append(f"leaves: {', '.join(report['leaves'][:6])}" + (" ..." if len(report["leaves"]) > 6 else ""))
+    if report.get("differing_elements"):
+        lines.append("differing elements (replayed vs checkpointed parameters): "
+                     + ", ".join(f"{k}: {v}" for k, v in report["differing_elements"].items()))
+    if "evidence" in report:
+        lines.append(f"evidence: {report['evidence']}; independent replays: {report.get('independent_replays')}")
+    return Panel("\n".join(lines), title="verdict")
+
+
+def render_environment(env: Mapping[str, Any], console: Console) -> None:
+    diffs = env.get("differences") or []
+    if not diffs:
+        console.print("environment: matches the run's record")
+        return
+    table = Table(title="environment differences from the run's env.json")
+    table.add_column("difference")
+    for d in diffs:
+        table.add_row(d)
+    console.print(table)
+
+
+def render_range(report: Mapping[str, Any], console: Optional[Console] = None, max_rows: int = 60) -> None:
+    """Prints a range replay report: one row per replayed step, one column per replay, then the verdict."""
+    console = console or Console()
+    render_environment(report.get("environment", {}), console)
+    replays = report["replays"]
+    table = Table(title=f"replay of steps {report['steps']['start']}:{report['steps']['stop']} "
+                        f"from checkpoint(s) {report.get('checkpoints')}")
+    table.add_column("step", justify="right")
+    table.add_column("loss (logged)", justify="right")
+    for r in replays:
+        table.add_column(f"replay {r['index']} on {r['assignment']}")
+    rows: dict[int, list[str]] = {}
+    losses: dict[int, str] = {}
+    for col, r in enumerate(replays):
+        for s in r["steps"]:
+            cell = "[green]match[/]" if s["ok"] else (
+                f"[red]{s['kind']}[/]" + (f" dev {[int(k) for k in s['devices']]}" if s["devices"] else ""))
+            rows.setdefault(s["step"], [""] * len(replays))[col] = cell
+            losses[s["step"]] = f"{s['loss']['logged']}"
+    steps = sorted(rows)
+    shown = steps if len(steps) <= max_rows else [
+        s for s in steps if any("match" not in c for c in rows[s])][:max_rows] or steps[:max_rows]
+    for s in shown:
+        table.add_row(str(s), losses[s], *rows[s])
+    if len(shown) < len(steps):
+        table.caption = f"{len(steps) - len(shown)} matching steps not shown"
+    console.print(table)
+    if report.get("replay_disagreement"):
+        console.print(f"[yellow]replays disagree:[/] {report['replay_disagreement']}")
+    console.print(_verdict_panel(report))
+
+
+def render_canary(report: Mapping[str, Any], console: Optional[Console] = None) -> None:
+    """Prints a canary report: one row per device, its repeats' agreement, the golden value."""
+    console = console or Console()
+    table = Table(title=f"canary {report['canary']['name']} v{report['canary']['version']} "
+                        f"(golden: {report['golden']['status']})")
+    table.add_column("device", justify="right")
+    table.add_column("fingerprint")
+    table.add_column("repeats agree")
+    table.add_column("status")
+    for d in report["devices"]:
+        style = "green" if d["status"] == "ok" else "red"
+        table.add_row(str(d["id"]), d["signature"][:16], str(d["repeats_agree"]), f"[{style}]{d['status']}[/]")
+    console.print(table)
+    verdict = report["verdict"]
+    console.print(Panel(f"[{_VERDICT_STYLE[verdict]}]{verdict.upper()}[/] (exit code {report['exit_code']}): "
+                        f"{report['explanation']}", title="canary verdict"))
+
+
+def render_inspect(report: Mapping[str, Any], console: Optional[Console] = None, max_rows: int = 200) -> None:
+    """Prints an inspect report: documents per step and row, a per-source summary, shards touched."""
+    console = console or Console()
+    table = Table(title=f"documents in steps {report['steps']['start']}:{report['steps']['stop']}")
+    for col in ("step", "row", "source", "document key", "chunk", "tokens", "shard", "record"):
+        table.add_column(col)
+    with_text = any("text" in d for r in report["rows"] for d in r["documents"])
+    if with_text:
+        table.add_column("text")
+    n = 0
+    for r in report["rows"]:
+        for d in r["documents"]:
+            if n >= max_rows:
+                break
+            cells = [str(r["step"]), str(r["global_row"]), r["source"], d["key"], str(d["chunk"]),
+                     f"{d['span'][0]}:{d['span'][1]}", r["shard"], str(r["record_in_shard"])]
+            if with_text:
+                cells.append(repr(d.get("text", ""))[:80])
+            table.add_row(*cells)
+            n += 1
+    console.print(table)
+    summary = Table(title="per source")
+    for col in ("source", "rows", "documents", "tokens", "padding"):
+        summary.add_column(col, justify="right")
+    for name, s in sorted(report["sources"].items()):
+        summary.add_row(name, str(s["rows"]), str(s["documents"]), str(s["tokens"]), str(s["padding"]))
+    console.print(summary)
+    shards = Table(title="shards and records touched")
+    shards.add_column("shard")
+    shards.add_column("records")
+    for path, recs in sorted(report["shards"].items()):
+        shards.add_row(path, ", ".join(map(str, recs[:20])) + (" ..." if len(recs) > 20 else ""))
+    console.print(shards)
+
+
+def plot_range(report: Mapping[str, Any], path: str) -> None:
+    """Writes a PNG: steps (x) by devices of the original run (y), one panel per replay.
+
+    Cells: green = the device's contribution matches the log; red with an ``x`` = it differs;
+    orange column = the batch hash differs (data/order); grey = not compared. The first
+    divergent step is marked with a vertical line.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+
+    replays = report["replays"]
+    devices = sorted(report["run_devices"])
+    steps = sorted({s["step"] for r in replays for s in r["steps"]})
+    if not steps:
+        steps = [report["steps"]["start"]]
+    fig, axes = plt.subplots(len(replays) or 1, 1, figsize=(max(6, 0.25 * len(steps) + 2), 1.5 + 0.35 * len(devices) * max(1, len(replays))),
+                             squeeze=False)
+    cmap = ListedColormap(["#d0d0d0", "#4caf50", "#e53935", "#fb8c00"])
+    for ax, r in zip(axes[:, 0], replays or [None]):
+        grid = np.zeros((len(devices), len(steps)), np.int8)
+        marks = []
+        if r is not None:
+            for s in r["steps"]:
+                x = steps.index(s["step"])
+                bad = {int(d) for d in s["devices"]}
+                for y, d in enumerate(devices):
+                    if s["kind"] == "data":
+                        grid[y, x] = 3
+                    elif d in bad:
+                        grid[y, x] = 2
+                        marks.append((x, y))
+                    else:
+                        grid[y, x] = 1
+        ax.imshow(grid, cmap=cmap, vmin=0, vmax=3, aspect="auto", interpolation="nearest")
+        for x, y in marks:
+            ax.plot(x, y, "kx", markersize=8)
+        if report.get("first_divergent_step") in steps:
+            ax.axvline(steps.index(report["first_divergent_step"]), color="black", linewidth=1)
+        ax.set_yticks(range(len(devices)), [str(d) for d in devices])
+        ticks = range(0, len(steps), max(1, len(steps) // 20))
+        ax.set_xticks(list(ticks), [str(steps[i]) for i in ticks], rotation=90)
+        ax.set_ylabel("device (run)")
+        title = "" if r is None else f"replay {r['index']} on devices {r['assignment']}"
+        ax.set_title(title, fontsize=9)
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle(f"{report['verdict']}: {report['explanation'][:90]}", fontsize=9)
+    fig.tight_layout()
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

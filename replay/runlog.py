@@ -1,0 +1,210 @@
+"""Reading a run directory (layout in ``replay.protocol``). I/O only: no JAX, no decisions.
+
+:func:`load_run` reads everything replay needs, once, and checks it, so that a broken run
+directory is reported before any device work starts::
+
+    run_config.yaml      -> RunLog.config  (dict)
+    env.json             -> RunLog.env     (dict)
+    events.jsonl         -> RunLog.events  (list of dicts, in order)
+    fingerprints.jsonl   -> RunLog.fingerprints  {step: StepFingerprints}; a step logged twice
+                            (a run killed and resumed) keeps its last line; lines that disagree
+                            are listed in RunLog.relogged_conflicts
+    checkpoints/<step>/  -> RunLog.checkpoints (sorted steps; Orbax temporaries ignored)
+    quarantine.txt       -> RunLog.quarantine (device ids)
+
+Step ranges are half-open, ``A:B`` meaning steps ``A, A+1, ..., B-1`` (like Python slices);
+``A`` alone is the one step ``A``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Mapping, Optional
+
+import yaml
+
+from replay.devices import QUARANTINE_NAME, DeviceSpecError, read_quarantine
+from replay.protocol import StepFingerprints
+
+RUN_CONFIG = "run_config.yaml"
+ENV_JSON = "env.json"
+EVENTS = "events.jsonl"
+FINGERPRINTS = "fingerprints.jsonl"
+CHECKPOINTS = "checkpoints"
+
+
+class RunDirError(ValueError):
+    """The run directory is missing, incomplete or unreadable; the message names the file."""
+
+
+class MissingCheckpointError(RunDirError):
+    """No checkpoint at or before the step a replay must start from."""
+
+
+class StepRangeError(RunDirError):
+    """The step range asks for steps the run did not log."""
+
+
+class StepsSpecError(ValueError):
+    """A ``--steps`` value is malformed (a usage error)."""
+
+
+def parse_steps(spec: str) -> tuple[int, int]:
+    """Parses ``"A:B"`` (half-open) or ``"A"`` into ``(start, stop)``.
+
+    Raises:
+      StepsSpecError: not of that form, negative, or ``stop <= start``.
+    """
+    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", spec or "")
+    if not m:
+        raise StepsSpecError(f"--steps: expected A:B (half-open, steps A..B-1) or A, got {spec!r}")
+    start = int(m.group(1))
+    stop = int(m.group(2)) if m.group(2) is not None else start + 1
+    if stop <= start:
+        raise StepsSpecError(f"--steps: empty range {spec!r}: stop {stop} must be > start {start}")
+    return start, stop
+
+
+def _read_jsonl(path: str) -> list[dict[str, Any]]:
+    """One dict per non-empty line. A run killed mid-write may leave a torn last line: it is
+    skipped; a bad line anywhere else is an error."""
+    with open(path, encoding="utf-8") as f:
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    out = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break
+            raise RunDirError(f"{path}:{n}: not JSON ({e.msg})") from None
+    return out
+
+
+@dataclasses.dataclass
+class RunLog:
+    """What a training run left for triage (see the module docstring)."""
+
+    run_dir: str
+    config: dict[str, Any]
+    env: dict[str, Any]
+    events: list[dict[str, Any]]
+    fingerprints: dict[int, StepFingerprints]
+    relogged_conflicts: list[int]
+    checkpoints: list[int]
+    quarantine: frozenset[int]
+
+    @property
+    def logged_steps(self) -> tuple[int, int]:
+        """``(first, stop)``: the half-open span of logged steps."""
+        steps = sorted(self.fingerprints)
+        return steps[0], steps[-1] + 1
+
+    def check_range(self, start: int, stop: int) -> None:
+        """Raises :class:`StepRangeError` unless every step of ``[start, stop)`` was logged."""
+        first, end = self.logged_steps
+        if start < first or stop > end:
+            raise StepRangeError(
+                f"steps {start}:{stop} are outside the logged steps {first}:{end} of {self.run_dir}"
+            )
+        missing = [s for s in range(start, stop) if s not in self.fingerprints]
+        if missing:
+            raise StepRangeError(f"steps {missing[:10]} of {start}:{stop} have no logged fingerprints")
+
+    def checkpoint_for(self, step: int) -> int:
+        """The newest checkpoint step ``<= step``.
+
+        Raises:
+          MissingCheckpointError: none (the message lists the checkpoints there are).
+        """
+        usable = [c for c in self.checkpoints if c <= step]
+        if not usable:
+            raise MissingCheckpointError(
+                f"no checkpoint at or before step {step} in {os.path.join(self.run_dir, CHECKPOINTS)} "
+                f"(checkpoints: {self.checkpoints or 'none'}); a replay restores one"
+            )
+        return usable[-1]
+
+    def events_of(self, *kinds: str) -> list[dict[str, Any]]:
+        """The events whose ``event`` field is one of ``kinds``, in log order."""
+        return [e for e in self.events if e.get("event") in kinds]
+
+    @property
+    def mesh(self) -> Mapping[str, Any]:
+        """The run's mesh record from env.json (``axis_names``, ``shape``, ``device_ids``, ``device_coords``)."""
+        return self.env.get("mesh", {})
+
+    @property
+    def mesh_size(self) -> int:
+        n = 1
+        for s in self.mesh.get("shape", []):
+            n *= int(s)
+        return n
+
+
+def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
+    """Reads and checks a run directory.
+
+    Args:
+      run_dir: the run directory.
+      quarantine_file: read device quarantine from here instead of ``<run_dir>/quarantine.txt``.
+
+    Raises:
+      RunDirError: the directory or one of run_config.yaml, env.json, fingerprints.jsonl is
+        missing or unreadable, or no step was logged; a quarantine file is malformed.
+    """
+    if not os.path.isdir(run_dir):
+        raise RunDirError(f"run directory not found: {run_dir}")
+    paths = {name: os.path.join(run_dir, name) for name in (RUN_CONFIG, ENV_JSON, EVENTS, FINGERPRINTS)}
+    for name in (RUN_CONFIG, ENV_JSON, FINGERPRINTS):
+        if not os.path.isfile(paths[name]):
+            raise RunDirError(f"{run_dir} is not a run directory: {name} is missing")
+    try:
+        with open(paths[RUN_CONFIG], encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise RunDirError(f"{paths[RUN_CONFIG]}: not valid YAML: {e}") from None
+    if not isinstance(config, dict):
+        raise RunDirError(f"{paths[RUN_CONFIG]}: expected a mapping")
+    try:
+        with open(paths[ENV_JSON], encoding="utf-8") as f:
+            env = json.load(f)
+    except json.JSONDecodeError as e:
+        raise RunDirError(f"{paths[ENV_JSON]}: not JSON ({e.msg})") from None
+    events = _read_jsonl(paths[EVENTS]) if os.path.isfile(paths[EVENTS]) else []
+    fingerprints: dict[int, StepFingerprints] = {}
+    conflicts = set()
+    for n, raw in enumerate(_read_jsonl(paths[FINGERPRINTS]), 1):
+        try:
+            fp = StepFingerprints.from_dict(raw)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise RunDirError(f"{paths[FINGERPRINTS]}: entry {n} is not a StepFingerprints ({e!r})") from None
+        old = fingerprints.get(fp.step)
+        if old is not None and not old.bits_equal(fp):
+            conflicts.add(fp.step)
+        fingerprints[fp.step] = fp
+    if not fingerprints:
+        raise RunDirError(f"{paths[FINGERPRINTS]}: no step was logged")
+    ckpt_dir = os.path.join(run_dir, CHECKPOINTS)
+    checkpoints = sorted(
+        int(name) for name in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else [])
+        if name.isdigit() and os.path.isdir(os.path.join(ckpt_dir, name))
+    )
+    try:
+        if quarantine_file is not None:
+            quarantine = read_quarantine(quarantine_file)
+        elif os.path.exists(os.path.join(run_dir, QUARANTINE_NAME)):
+            quarantine = read_quarantine(os.path.join(run_dir, QUARANTINE_NAME))
+        else:
+            quarantine = frozenset()
+    except FileNotFoundError:
+        raise RunDirError(f"quarantine file not found: {quarantine_file}") from None
+    except DeviceSpecError as e:
+        raise RunDirError(str(e)) from None
+    return RunLog(
+        run_dir=run_dir, config=config, env=env, events=events, fingerprints=fingerprints,
+        relogged_conflicts=sorted(conflicts), checkpoints=checkpoints, quarantine=quarantine,
+    )

@@ -1,0 +1,224 @@
+"""Verdicts and exit codes: the decision of a range replay, as one small pure function.
+
+After the Megatron-LM rerun state machine (``megatron/core/rerun_state_machine.py``), kept
+small: explicit enums for the outcome, named exit codes a caller acts on, and the decision
+in one function (:func:`decide`) over comparison outcomes, with no I/O and no JAX.
+
+The rules (issue 5, "Verdicts")::
+
+    replays disagree with each other                   -> AMBIGUOUS  (flaky hardware in the replay set)
+    all replays reproduce the log                      -> ACQUITTED  (cause: data or software; see inspect)
+    the rebuilt batch differs from the logged batch    -> ACQUITTED  (cause: data/order difference)
+    >= 2 independent replays agree, and differ from the
+      log at one step on some (not all) device shards  -> CONVICTED  (those devices of the original run)
+    anything else (one replay only, every shard
+      differs, only a tolerance comparison, ...)       -> AMBIGUOUS
+
+Exit codes (``replay`` command): see :class:`ExitCode`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional, Sequence
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit codes of the ``replay`` command."""
+
+    ACQUITTED = 0  # the log was reproduced (or the difference is in the data): no device to blame
+    INTERNAL = 1  # an unexpected error (a bug): traceback printed
+    USAGE = 2  # bad command line: unknown option, malformed --steps / --devices, too few devices
+    CONVICTED = 3  # a device of the original run is convicted of silent data corruption
+    AMBIGUOUS = 4  # no verdict either way: replays disagree, or the evidence is too weak
+    RUN_ERROR = 5  # the run directory or its data is unusable: missing, no checkpoint, range not logged
+    ENV_DRIFT = 6  # the environment differs from the run's and a bit-exact claim was asked for
+    DRILL_NOT_CAUGHT = 7  # a drill's injected fault was not convicted (range) or not named (canary)
+
+
+class Verdict(enum.Enum):
+    """The outcome of a replay; ``exit_code`` is what the ``replay`` command exits with."""
+
+    CONVICTED = "convicted"
+    ACQUITTED = "acquitted"
+    AMBIGUOUS = "ambiguous"
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode[self.name]
+
+
+class Cause(str, enum.Enum):
+    """Why the verdict is what it is."""
+
+    REPRODUCED = "reproduced"  # replays reproduce the log: the cause of a spike is data or software
+    DATA_ORDER = "data_order"  # the rebuilt batch's hash differs from the logged one
+    DEVICE_FAULT = "device_fault"  # some device shards' contributions differ from the log
+    REPLAYS_DISAGREE = "replays_disagree"  # replays differ from each other
+    TOO_FEW_REPLAYS = "too_few_independent_replays"
+    UNLOCALIZED = "unlocalized"  # a difference not attributable to some device shards
+    TOLERANCE_ONLY = "tolerance_only"  # only a tolerance comparison was possible; it failed
+
+
+class Evidence(str, enum.Enum):
+    """How strong the comparison behind a verdict is, strongest first."""
+
+    BIT_EXACT = "bit-exact"  # same mesh shape and device order as the run: every field bit for bit
+    PER_SHARD = "per-shard"  # other devices, same mesh shape: device contributions bit for bit by mesh position
+    TOLERANCE = "tolerance"  # loss and gradient norm within a relative tolerance: weaker evidence
+
+
+class DivergenceKind(str, enum.Enum):
+    """What differs at a step, most telling first."""
+
+    DATA = "data"  # batch hash
+    DEVICE = "device"  # some, not all, device contributions
+    ALL_DEVICES = "all_devices"  # every device contribution
+    GLOBAL = "global"  # only the reduced values (loss, norm, reduced leaves)
+    TOLERANCE = "tolerance"  # loss or norm outside the tolerance
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """The first step at which a replay differs from the log.
+
+    Attributes:
+      step: global step.
+      kind: what differs.
+      devices: device ids of the original run whose contributions differ (sorted).
+      leaves: leaf paths whose fingerprints differ (reduced or on those devices; sorted).
+    """
+
+    step: int
+    kind: DivergenceKind
+    devices: tuple[int, ...] = ()
+    leaves: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayOutcome:
+    """One replay's result, as :func:`decide` sees it.
+
+    Attributes:
+      assignment: device ids placed on the run's mesh positions (row-major).
+      evidence: the comparison's strength.
+      divergence: the first divergence from the log, or None when the log was reproduced.
+      signature: digest of everything the replay computed, keyed by mesh position (equal
+        signatures mean the replays agree bit for bit).
+    """
+
+    assignment: tuple[int, ...]
+    evidence: Evidence
+    divergence: Optional[Divergence]
+    signature: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The verdict and what it rests on.
+
+    Attributes:
+      verdict, cause, evidence: see the enums.
+      step: the first divergent step (None when reproduced).
+      devices: convicted device ids of the original run (empty unless CONVICTED).
+      leaves: differing leaf paths at ``step``.
+      independent_replays: how many replays ran on pairwise independent device assignments.
+      explanation: one sentence for humans, with what to do next.
+    """
+
+    verdict: Verdict
+    cause: Cause
+    evidence: Evidence
+    step: Optional[int]
+    devices: tuple[int, ...]
+    leaves: tuple[str, ...]
+    independent_replays: int
+    explanation: str
+
+
+def count_independent(assignments: Sequence[Sequence[int]]) -> int:
+    """The size of a greedy set of pairwise independent assignments (no mesh position shares a device)."""
+    kept: list[Sequence[int]] = []
+    for a in assignments:
+        if all(all(x != y for x, y in zip(a, b)) for b in kept):
+            kept.append(a)
+    return len(kept)
+
+
+def decide(outcomes: Sequence[ReplayOutcome], num_devices: int) -> Decision:
+    """Returns the verdict over the replays of one step range.
+
+    Args:
+      outcomes: one per replay (repeats included), in the order they ran; >= 1.
+      num_devices: devices in the run's mesh (a divergence on all of them is not one device's fault).
+
+    Raises:
+      ValueError: ``outcomes`` is empty.
+    """
+    if not outcomes:
+        raise ValueError("decide needs at least one replay outcome")
+    evidence = max((o.evidence for o in outcomes), key=list(Evidence).index)  # weakest one counts
+    independent = count_independent([o.assignment for o in outcomes])
+
+    def make(verdict, cause, explanation, div: Optional[Divergence] = None, devices=()):
+        return Decision(
+            verdict=verdict, cause=cause, evidence=evidence,
+            step=None if div is None else div.step, devices=tuple(devices),
+            leaves=() if div is None else div.leaves, independent_replays=independent,
+            explanation=explanation,
+        )
+
+    if len({o.signature for o in outcomes}) > 1:
+        return make(
+            Verdict.AMBIGUOUS, Cause.REPLAYS_DISAGREE,
+            "the replays disagree with each other: suspect flaky hardware in the replay set; "
+            "rerun with --repeats or on other devices",
+            outcomes[0].divergence,
+        )
+    div = outcomes[0].divergence
+    if div is None:
+        weak = " (within tolerance only: weaker evidence)" if evidence is Evidence.TOLERANCE else ""
+        return make(
+            Verdict.ACQUITTED, Cause.REPRODUCED,
+            f"the replay reproduces the log{weak}: the devices are acquitted; the cause is in the data or "
+            "the software; run 'replay inspect' on the steps of interest",
+        )
+    if div.kind is DivergenceKind.DATA:
+        return make(
+            Verdict.ACQUITTED, Cause.DATA_ORDER,
+            f"step {div.step}: the rebuilt batch differs from the logged one (batch hash): a data or order "
+            "difference, not a device fault; run 'replay inspect' on this step",
+            div,
+        )
+    if evidence is Evidence.TOLERANCE or div.kind is DivergenceKind.TOLERANCE:
+        return make(
+            Verdict.AMBIGUOUS, Cause.TOLERANCE_ONLY,
+            f"step {div.step}: loss or gradient norm outside the tolerance; a tolerance comparison cannot "
+            "name a device: replay on the run's mesh shape for a bit-exact comparison",
+            div,
+        )
+    if div.kind is DivergenceKind.DEVICE and 0 < len(div.devices) < num_devices:
+        if independent >= 2:
+            return make(
+                Verdict.CONVICTED, Cause.DEVICE_FAULT,
+                f"step {div.step}: {independent} independent replays agree with each other and not with the "
+                f"log on device(s) {list(div.devices)}: convicted of silent data corruption",
+                div, div.devices,
+            )
+        return make(
+            Verdict.AMBIGUOUS, Cause.TOO_FEW_REPLAYS,
+            f"step {div.step}: device(s) {list(div.devices)} differ from the log, but only {independent} "
+            "independent replay(s) ran; a conviction needs two: choose more good devices",
+            div,
+        )
+    what = {
+        DivergenceKind.ALL_DEVICES: "every device shard differs",
+        DivergenceKind.GLOBAL: "only reduced values differ",
+    }.get(div.kind, "the difference is not localized")
+    return make(
+        Verdict.AMBIGUOUS, Cause.UNLOCALIZED,
+        f"step {div.step}: {what}; no single device is to blame: suspect the software, the environment "
+        "or the checkpoint",
+        div,
+    )

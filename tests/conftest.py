@@ -1,0 +1,22 @@
+"""Shared test set-up: 8 CPU devices for JAX, and the location of ../shared."""
+
+import os
+
+# Must happen before jax is imported anywhere in the test session.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED = REPO_ROOT.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> pathlib.Path:
+    """The read-only ../shared folder (corpora, tokenizer); skips the test where it is absent."""
+    if not (SHARED / "corpora").is_dir():
+        pytest.skip(f"needs ../shared beside the checkout (looked for {SHARED}); absent in a fresh clone")
+    return SHARED

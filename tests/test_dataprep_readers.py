@@ -1,0 +1,127 @@
+"""Input readers (dataprep.readers): every format, keys, and bad content as Rejected."""
+
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
+
+from contract.config import SourceConfig, SourceFormat, TextSplit
+from dataprep import readers
+from dataprep.readers import Document, Reason, Rejected
+
+
+def _src(tmp_path, fmt, **kw):
+    return SourceConfig(name="s", paths=(str(tmp_path / "*"),), root=str(tmp_path), format=fmt, **kw)
+
+
+def _read(src, path):
+    return list(readers.read_file(src, str(path)))
+
+
+def test_jsonl_keys_are_one_based_lines_and_blank_lines_are_skipped(tmp_path):
+    p = tmp_path / "a.jsonl"
+    p.write_bytes(b'{"text": "one"}\r\n\n{"text": "two", "id": 7}\n   \n{"text": "three"}')
+    got = _read(_src(tmp_path, SourceFormat.JSONL), p)
+    assert got == [
+        Document("s/a.jsonl:1", "one"),
+        Document("s/a.jsonl:3", "two"),
+        Document("s/a.jsonl:5", "three"),
+    ]
+
+
+def test_compressed_jsonl(tmp_path):
+    lines = "".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(3)).encode()
+    (tmp_path / "sub").mkdir()
+    gz, zst = tmp_path / "sub/a.jsonl.gz", tmp_path / "b.jsonl.zst"
+    gz.write_bytes(gzip.compress(lines))
+    # two zstd frames back to back: read across frames
+    zst.write_bytes(zstandard.ZstdCompressor().compress(lines) + zstandard.ZstdCompressor().compress(lines))
+    assert [d.key for d in _read(_src(tmp_path, SourceFormat.JSONL_GZ), gz)] == [
+        f"s/sub/a.jsonl.gz:{i}" for i in (1, 2, 3)
+    ]
+    got = _read(_src(tmp_path, SourceFormat.JSONL_ZST), zst)
+    assert [d.text for d in got] == ["doc 0", "doc 1", "doc 2"] * 2 and got[-1].key == "s/b.jsonl.zst:6"
+
+
+def test_corrupt_gzip_keeps_what_was_read_and_rejects_the_rest(tmp_path):
+    import hashlib
+
+    lines = (
+        json.dumps({"text": hashlib.sha256(str(i).encode()).hexdigest() * 4}) + "\n" for i in range(30000)
+    )
+    data = gzip.compress("".join(lines).encode())  # ~8 MB of text that does not compress much
+    p = tmp_path / "bad.jsonl.gz"
+    p.write_bytes(data[: len(data) // 2])
+    got = _read(_src(tmp_path, SourceFormat.JSONL_GZ), p)
+    assert all(isinstance(d, Document) for d in got[:-1]) and len(got) > 1
+    assert isinstance(got[-1], Rejected) and got[-1].reason is Reason.UNREADABLE_FILE
+    assert got[-1].key == "s/bad.jsonl.gz:file"
+
+
+def test_parquet_by_row_group(tmp_path):
+    p = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": ["a", None, "c", "d", "e"], "id": [1, 2, 3, 4, 5]}), p, row_group_size=2)
+    got = _read(_src(tmp_path, SourceFormat.PARQUET), p)
+    assert [(type(d).__name__, d.key) for d in got] == [
+        ("Document", "s/t.parquet:0"),
+        ("Rejected", "s/t.parquet:1"),
+        ("Document", "s/t.parquet:2"),
+        ("Document", "s/t.parquet:3"),
+        ("Document", "s/t.parquet:4"),
+    ]
+    assert got[1].reason is Reason.NON_STRING_TEXT
+    missing = _read(_src(tmp_path, SourceFormat.PARQUET, text_field="body"), p)
+    assert [d.reason for d in missing] == [Reason.MISSING_TEXT] * 5
+
+
+def test_text_whole_file_and_blank_line_blocks(tmp_path):
+    p = tmp_path / "b.txt"
+    p.write_bytes(b"first\r\nstill first\r\n\r\n \t\r\nsecond\n\n\n\nthird\xff\n\n")
+    whole = _read(_src(tmp_path, SourceFormat.TEXT), p)
+    assert [(d.key, d.reason) for d in whole] == [("s/b.txt:0", Reason.INVALID_UTF8)]
+    blocks = _read(_src(tmp_path, SourceFormat.TEXT, text_split=TextSplit.BLANK_LINES), p)
+    assert blocks[:2] == [Document("s/b.txt:0", "first\r\nstill first"), Document("s/b.txt:1", "second")]
+    assert (
+        blocks[2].key == "s/b.txt:2"
+        and blocks[2].reason is Reason.INVALID_UTF8
+        and blocks[2].raw == b"third\xff"
+    )
+
+
+def test_bad_json_lines(tmp_path):
+    p = tmp_path / "h.jsonl"
+    p.write_bytes(
+        b"\n".join(
+            [
+                b'{"text": "ok"}',
+                b"{nope",
+                b"[1]",
+                b'{"id": 1}',
+                b'{"text": null}',
+                b'{"text": 3}',
+                b'{"text": "\\udc80"}',
+                b'{"text": "\xc3\x28"}',
+                b'"just a string"',
+            ]
+        )
+    )
+    got = _read(_src(tmp_path, SourceFormat.JSONL), p)
+    assert [d.reason for d in got[1:]] == [
+        Reason.INVALID_JSON,
+        Reason.NOT_AN_OBJECT,
+        Reason.MISSING_TEXT,
+        Reason.NON_STRING_TEXT,
+        Reason.NON_STRING_TEXT,
+        Reason.INVALID_UNICODE,
+        Reason.INVALID_UTF8,
+        Reason.NOT_AN_OBJECT,
+    ]
+    assert got[1].raw == b"{nope"
+
+
+def test_relative_path():
+    assert readers.relative_path("/a/b/c.txt", "/a") == "b/c.txt"
+    assert readers.relative_path("gs://x/y/z.txt", "gs://x/") == "y/z.txt"
+    assert readers.relative_path("/other/c.txt", "/a") == "/other/c.txt"

@@ -1,0 +1,210 @@
+"""Gradient fingerprints (replay.fingerprint) and the environment record (replay.env)."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from replay import env as envm
+from replay import fingerprint as fpm
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+BITS = {"float32": 32, "bfloat16": 16}
+
+
+def _array(seed, shape, dtype):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32).astype(DTYPES[dtype])
+
+
+@pytest.fixture(scope="module")
+def fp_jit():
+    return jax.jit(fpm.fingerprint)
+
+
+def test_pinned_golden_values():
+    """Guards the formula against silent change: values computed once and pinned."""
+    x = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    assert fpm.fingerprint_np(x).tolist() == np.asarray(fpm.fingerprint(jnp.asarray(x))).tolist()
+    assert fpm.fingerprint_hex(fpm.fingerprint_np(x)) == GOLDEN_F32
+    assert fpm.fingerprint_hex(fpm.fingerprint_np(x.astype(ml_dtypes.bfloat16))) == GOLDEN_BF16
+    assert fpm.fingerprint_hex(fpm.fingerprint_np(np.arange(10, dtype=np.int32))) == GOLDEN_I32
+
+
+GOLDEN_F32 = "ad24cce7c17180ed"
+GOLDEN_BF16 = "1d6613e8a0efc2c5"
+GOLDEN_I32 = "197b57b8bf565a1c"
+
+
+def _py_fmix32(h):
+    m = 0xFFFFFFFF
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & m
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & m
+    return h ^ (h >> 16)
+
+
+def test_formula_written_out_in_plain_python():
+    """The docstring formula, element by element in Python ints, equals both implementations."""
+    x = np.array([[1.5, -2.0, 3.25], [0.0, -0.0, 1e-30]], np.float32)
+    m = 0xFFFFFFFF
+    lanes = []
+    for a, b, c in fpm.LANE_CONSTANTS:
+        total = 0
+        for i, w in enumerate(x.reshape(-1).view(np.uint32).tolist()):
+            k = _py_fmix32((i * a + b) & m)
+            total += _py_fmix32((((w ^ k) * c) + i) & m)
+        lanes.append(total & m)
+    assert fpm.fingerprint_np(x).tolist() == [*lanes, 0, 0]
+    assert np.asarray(fpm.fingerprint(jnp.asarray(x))).tolist() == [*lanes, 0, 0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_jnp_equals_numpy_twin(fp_jit, shape, dtype, seed):
+    x = _array(seed, shape, dtype)
+    np.testing.assert_array_equal(np.asarray(fp_jit(jnp.asarray(x))), fpm.fingerprint_np(x))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(sorted(DTYPES)), seed=st.integers(0, 2**31 - 1))
+def test_any_single_bit_flip_changes_both_lanes(fp_jit, data, dtype, seed):
+    shape = data.draw(st.lists(st.integers(1, 16), min_size=1, max_size=3).map(tuple))
+    x = _array(seed, shape, dtype)
+    element = data.draw(st.integers(0, x.size - 1))
+    bit = data.draw(st.sampled_from([0, 1, BITS[dtype] - 1]) | st.integers(0, BITS[dtype] - 1))
+    before = np.asarray(fp_jit(jnp.asarray(x)))
+    flipped = np.asarray(fpm.flip_bit(jnp.asarray(x), element, bit, True))
+    # exactly that bit of that element changed
+    u = np.uint16 if dtype == "bfloat16" else np.uint32
+    diff = flipped.view(u).reshape(-1) ^ x.view(u).reshape(-1)
+    assert diff.tolist() == [(1 << bit) if i == element else 0 for i in range(x.size)]
+    after = np.asarray(fp_jit(jnp.asarray(flipped)))
+    assert before[0] != after[0] and before[1] != after[1]
+    np.testing.assert_array_equal(after, fpm.fingerprint_np(flipped))
+
+
+def test_lowest_mantissa_bit_of_every_element_is_seen(fp_jit):
+    """Exhaustive over one leaf: flipping bit 0 of any element changes the fingerprint."""
+    x = _array(3, (7, 9), "float32")
+    base = fpm.fingerprint_np(x)
+    flat = x.reshape(-1).view(np.uint32)
+    for e in range(x.size):
+        y = flat.copy()
+        y[e] ^= 1
+        assert fpm.fingerprint_int(fpm.fingerprint_np(y.view(np.float32).reshape(x.shape))) != fpm.fingerprint_int(base)
+
+
+def test_disabled_flip_is_identity():
+    x = _array(5, (33,), "bfloat16")
+    y = np.asarray(fpm.flip_bit(jnp.asarray(x), 4, 15, False))
+    assert y.view(np.uint16).tolist() == x.view(np.uint16).tolist()
+
+
+def test_swapping_two_elements_changes_it():
+    x = _array(1, (64,), "float32")
+    y = x.copy()
+    y[[3, 40]] = y[[40, 3]]
+    assert fpm.fingerprint_int(fpm.fingerprint_np(x)) != fpm.fingerprint_int(fpm.fingerprint_np(y))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 200), cuts=st.lists(st.integers(0, 200), max_size=6),
+       order=st.randoms(use_true_random=False))
+def test_blocks_in_any_order_add_up_to_the_whole(seed, n, cuts, order):
+    """Summing the per-element contributions in another grouping/order gives the same value."""
+    x = _array(seed, (n,), "float32")
+    bounds = sorted({0, n, *[c % (n + 1) for c in cuts]})
+    parts = [fpm.fingerprint_np(x[a:b], global_shape=(n,), offsets=(a,)) for a, b in zip(bounds, bounds[1:])]
+    order.shuffle(parts)
+    np.testing.assert_array_equal(fpm.add_fingerprints(*parts), fpm.fingerprint_np(x))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 100), chunks=st.integers(1, 9))
+def test_flat_chunks_padded_add_up(seed, n, chunks):
+    x = _array(seed, (n,), "float32")
+    c = -(-n // chunks)
+    flat = np.pad(x, (0, c * chunks - n))
+    parts = [np.asarray(fpm.fingerprint_flat_chunk(jnp.asarray(flat[i * c:(i + 1) * c]), i * c, n))
+             for i in range(chunks)]
+    np.testing.assert_array_equal(fpm.add_fingerprints(*parts), fpm.fingerprint_np(x))
+
+
+@pytest.mark.parametrize("spec", [P("a", "b"), P("b", "a"), P(("a", "b"), None), P(None, ("b", "a")), P("a", None)])
+def test_device_partials_psum_to_global_under_any_sharding(spec):
+    """Inside shard_map, each device fingerprints its block with global indices; psum == global."""
+    mesh = Mesh(np.asarray(sorted(jax.devices(), key=lambda d: d.id)).reshape(4, 2), ("a", "b"))
+    x = _array(11, (8, 16), "float32")
+    xs = jax.device_put(x, NamedSharding(mesh, spec))
+
+    def per_device(block):
+        offsets = []
+        for dim, axes in enumerate(spec):
+            axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+            lin = 0
+            for a in axes:
+                lin = lin * mesh.shape[a] + jax.lax.axis_index(a)
+            offsets.append(lin * block.shape[dim])
+        part = fpm.fingerprint(block, global_shape=x.shape, offsets=offsets)
+        # only devices holding distinct blocks count: divide out replication by masking
+        used = set(a for axes in spec if axes is not None for a in (axes if isinstance(axes, tuple) else (axes,)))
+        keep = jnp.bool_(True)
+        for a in mesh.axis_names:
+            if a not in used:
+                keep = keep & (jax.lax.axis_index(a) == 0)
+        return jax.lax.psum(jnp.where(keep, part, jnp.zeros_like(part)), mesh.axis_names)
+
+    out = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=P(), check_vma=False))(xs)
+    np.testing.assert_array_equal(np.asarray(out), fpm.fingerprint_np(x))
+
+
+def test_nan_and_inf_counted():
+    x = np.array([1.0, np.nan, np.inf, -np.inf, np.nan, 0.0], np.float32)
+    fp = fpm.fingerprint_np(x)
+    assert fp[2:].tolist() == [2, 2]
+    np.testing.assert_array_equal(np.asarray(fpm.fingerprint(jnp.asarray(x))), fp)
+    assert fpm.summarize(fp)["nan"] == 2 and fpm.summarize(fp)["inf"] == 2
+
+
+def test_unsupported_dtype_is_a_clear_error():
+    with pytest.raises(fpm.FingerprintDtypeError, match="int8"):
+        fpm.fingerprint(jnp.zeros(3, jnp.int8))
+    with pytest.raises(TypeError, match="float64"):
+        fpm.fingerprint_np(np.zeros(3, np.float64))
+
+
+def test_tree_fingerprints_keys_are_leaf_paths():
+    tree = {"a": jnp.ones((2,)), "b": [jnp.zeros((3,), jnp.bfloat16)]}
+    out = fpm.tree_fingerprints(tree)
+    assert sorted(out) == ["['a']", "['b'][0]"]
+
+
+def test_environment_record_and_compare():
+    mesh = Mesh(np.asarray(sorted(jax.devices(), key=lambda d: d.id)).reshape(4, 2), ("data", "expert"))
+    rec = envm.record_environment(mesh)
+    assert rec["versions"]["jax"] == jax.__version__
+    assert rec["backend"]["device_count"] == 8 and rec["backend"]["platform"] == "cpu"
+    assert rec["mesh"] == {
+        "axis_names": ["data", "expert"], "shape": [4, 2], "device_ids": list(range(8)),
+        "device_coords": {str(i): {"data": i // 2, "expert": i % 2} for i in range(8)},
+    }
+    assert "jax_enable_x64" in rec["jax_config"] and "jax_default_prng_impl" in rec["jax_config"]
+    assert "XLA_FLAGS" in rec["env"]
+    assert envm.compare_environment(rec, rec) == []
+    other = {**rec, "versions": {**rec["versions"], "jax": "0.0.1"}, "hostname": "elsewhere",
+             "mesh": {**rec["mesh"], "device_ids": list(reversed(range(8)))}}
+    diffs = envm.compare_environment(rec, other)
+    assert any(d.startswith("versions.jax: recorded") and "'0.0.1'" in d for d in diffs)
+    assert any(d.startswith("mesh.device_ids") for d in diffs)
+    assert any(d.startswith("note: hostname") for d in diffs)
+    assert len(diffs) == 3

@@ -1,0 +1,177 @@
+"""The training command: run directory, determinism, kill-and-restart, events, config errors."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from replay import protocol as proto
+from replay.reference import checkpoint as ckpt
+from replay.reference import run as runm
+from replay.reference.testing import write_tiny_run
+from replay.reference.train import main as train_main
+
+STEPS = 30
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    path = write_tiny_run(str(folder), checkpoint_every=10, skip_windows=[[3, 4]])
+    cfg = runm.load_run_config(path)
+    trainer, mesh, _ = runm.make_trainer(cfg)
+    run_a = folder / "run_a"
+    summary = runm.train(str(run_a), cfg, STEPS, trainer=trainer, mesh=mesh, log=lambda s: None)
+    return folder, path, cfg, trainer, mesh, run_a, summary
+
+
+def _lines(run_dir):
+    return (pathlib.Path(run_dir) / proto.FINGERPRINTS_NAME).read_text().splitlines()
+
+
+def test_two_runs_of_30_steps_have_bit_identical_fingerprints(tiny):
+    folder, path, cfg, trainer, mesh, run_a, _ = tiny
+    run_b = folder / "run_b"
+    runm.train(str(run_b), cfg, STEPS, trainer=trainer, mesh=mesh, log=lambda s: None)
+    a, b = _lines(run_a), _lines(run_b)
+    assert len(a) == STEPS
+    assert [json.loads(x)["step"] for x in a] == list(range(STEPS))
+    assert a == b  # byte-identical lines: every leaf, every device, loss, norm, batch hash
+    fps = proto.read_fingerprints(str(run_a))
+    assert len({fp.batch_hash for fp in fps.values()}) == STEPS  # a different batch each step
+
+
+def test_run_directory_layout_and_events(tiny):
+    folder, path, cfg, trainer, mesh, run_a, _ = tiny
+    assert sorted(os.listdir(run_a)) == ["checkpoints", "env.json", "events.jsonl", "fingerprints.jsonl",
+                                         "run_config.yaml"]
+    assert ckpt.all_steps(str(run_a / "checkpoints")) == [0, 10, 20, 30]
+    env = json.loads((run_a / "env.json").read_text())
+    assert env["mesh"]["shape"] == [4, 2] and env["backend"]["device_count"] == 8
+    events = proto.read_events(str(run_a))
+    kinds = [(e["event"], e["step"]) for e in events]
+    assert kinds[0] == ("start", 0) and kinds[-1] == ("end", STEPS)
+    assert ("skipped_window", 3) in kinds
+    # phase 1 starts at data step 10 = training step 8 (steps 3..4 skipped two data steps)
+    assert ("phase_change", 8) in kinds
+    assert [s for e, s in kinds if e == "checkpoint"] == [0, 10, 20, 30]
+    saved = yaml.safe_load((run_a / "run_config.yaml").read_text())
+    assert saved == cfg.to_dict()
+
+
+def test_loss_goes_down_on_synthetic_data(tiny):
+    losses = tiny[-1]["losses"]
+    first = np.mean([losses[s] for s in range(5)])
+    last = np.mean([losses[s] for s in range(STEPS - 5, STEPS)])
+    assert last < first - 0.1, (first, last)
+
+
+def test_checkpoint_holds_loader_state_and_restores(tiny):
+    folder, path, cfg, trainer, mesh, run_a, _ = tiny
+    state, loader_state = trainer.restore(str(run_a), 20, mesh)
+    assert loader_state["next_step"] == 20
+    fps = proto.read_fingerprints(str(run_a))
+    data = runm.build_loader(cfg, mesh, state=loader_state)
+    _, fp = trainer.train_step(state, data.batch_at(20), 20)
+    assert fp.bits_equal(fps[20])
+
+
+def test_canary_batch_is_the_batch_of_its_step(tiny):
+    folder, path, cfg, trainer, mesh, run_a, _ = tiny
+    from replay import fingerprint as fpm
+
+    batch = runm.canary_batch(cfg, mesh)
+    assert fpm.fingerprint_hex(fpm.fingerprint_np(batch["inputs"])) == proto.read_fingerprints(str(run_a))[0].batch_hash
+
+
+def test_sigkill_at_a_random_step_then_restart_matches_uninterrupted(tiny):
+    """A subprocess (loader with a Grain worker process) is SIGKILLed mid-run and restarted."""
+    folder, path, cfg, trainer, mesh, run_a, _ = tiny
+    raw = yaml.safe_load(pathlib.Path(path).read_text())
+    raw["loader"]["workers"] = 1
+    cfg_path = folder / "run_workers.yaml"
+    cfg_path.write_text(yaml.safe_dump(raw))
+    run_k = folder / "run_killed"
+    kill_at = int(np.random.default_rng(int(time.time())).integers(6, 26))
+    cmd = [sys.executable, "-m", "replay.reference.train", "--run", str(run_k), "--config", str(cfg_path),
+           "--steps", str(STEPS)]
+    env = dict(os.environ)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    fp_file = run_k / proto.FINGERPRINTS_NAME
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if fp_file.exists() and fp_file.read_text().count("\n") >= kill_at:
+            os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its Grain worker
+            break
+        time.sleep(0.002)
+    out = proc.communicate()[0].decode()
+    assert proc.returncode == -signal.SIGKILL, f"process ended before the kill (rc {proc.returncode}):\n{out}"
+    killed_lines = len(_lines(run_k))
+    assert killed_lines < STEPS
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _lines(run_k) == _lines(run_a)  # the uninterrupted run's history, byte for byte
+    restores = [e for e in proto.read_events(str(run_k)) if e["event"] == "restore"]
+    assert len(restores) == 1 and restores[0]["step"] in (0, 10, 20)
+    assert restores[0]["step"] <= killed_lines
+
+
+def test_cli_reports_config_errors_before_any_work(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"name": "x", "mixture": "m.yaml", "dataset": "d", "global_batch": 8,
+                                   "mesh": {"data": 4, "expert": 2}, "checkpoint_evry": 3}))
+    assert train_main(["--run", str(tmp_path / "run"), "--config", str(bad), "--steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown keys ['checkpoint_evry']" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"global_batch": 0}, r"global_batch: must be an int >= 1, got 0"),
+        ({"mesh": {"data": 8}}, r"mesh: needs axis 'expert'"),
+        ({"mesh": {"data": 0, "expert": 2}}, r"mesh.data: must be an int >= 1 or -1, got 0"),
+        ({"skip_windows": [[5, 2]]}, r"skip_windows\[0\]: end 2 < start 5"),
+        ({"model": {"top_k": 9}}, r"model.top_k: must be an int in \[1, n_experts=4\], got 9"),
+        ({"optimizer": {"b2": 1.5}}, r"optimizer.b2: must be in \[0, 1\), got 1.5"),
+        ({"canary": {"stp": 1}}, r"canary: unknown keys \['stp'\]"),
+    ],
+)
+def test_run_config_errors_name_the_field(change, match):
+    raw = {"name": "x", "mixture": "m.yaml", "dataset": "d", "global_batch": 8, "mesh": {"data": 4, "expert": 2},
+           "model": {"n_experts": 4}}
+    raw.update(change)
+    with pytest.raises(runm.RunConfigError, match=match):
+        runm.run_config_from_dict(raw, "/tmp")
+
+
+def test_run_directory_refuses_another_config(tiny, tmp_path):
+    folder, path, cfg, trainer, mesh, run_a, _ = tiny
+    import dataclasses
+
+    other = dataclasses.replace(cfg, seed=1)
+    with pytest.raises(runm.RunConfigError, match=r"started with another config \(differs in \['seed'\]\)"):
+        runm.train(str(run_a), other, STEPS, trainer=trainer, mesh=mesh, log=lambda s: None)
+
+
+DEMO_CONFIG = REPO / "configs" / "runs" / "demo.yaml"
+
+
+def test_demo_trains_and_loss_goes_down(tmp_path):
+    """On the real packed demo data (build/demo/dataset), when it has been built."""
+    cfg = runm.load_run_config(str(DEMO_CONFIG))
+    if not os.path.exists(os.path.join(cfg.dataset, "manifest.json")):
+        pytest.skip(f"demo dataset not built at {cfg.dataset} (see docs/trainer.md)")
+    summary = runm.train(str(tmp_path / "demo"), cfg, 30, log=lambda s: None)
+    losses = summary["losses"]
+    assert np.mean([losses[s] for s in range(25, 30)]) < np.mean([losses[s] for s in range(5)]) - 0.2

@@ -1,0 +1,197 @@
+"""The sharded, fingerprinted train step of the reference trainer (8 CPU devices)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from replay import fingerprint as fpm
+from replay.protocol import FaultSpec, StepFingerprints, Trainer
+from replay.reference import checkpoint as ckpt
+from replay.reference.testing import random_batch, tiny_model_config
+from replay.reference.trainer import (
+    FaultSpecError,
+    OptimizerConfig,
+    ReferenceTrainer,
+    TrainerConfigError,
+    device_rows,
+    make_mesh,
+)
+
+V, S, B = 128, 32, 8
+
+
+def _bits(tree):
+    out = []
+    for x in jax.tree_util.tree_leaves(jax.device_get(tree)):
+        x = np.asarray(x)
+        out.append(x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32).tobytes() if x.dtype.kind == "f"
+                   else x.tobytes())
+    return out
+
+
+@pytest.fixture(scope="module")
+def env():
+    trainer = ReferenceTrainer(tiny_model_config(V), OptimizerConfig(warmup_steps=0))
+    mesh = make_mesh({"data": 4, "expert": 2})
+    state = trainer.init_state(mesh, seed=0)
+    batch = random_batch(7, B, S, V)
+    new_state, fp = trainer.train_step(state, batch, step=3)
+    return trainer, mesh, state, batch, new_state, fp
+
+
+def test_implements_the_protocol(env):
+    trainer = env[0]
+    assert isinstance(trainer, Trainer)
+
+
+def test_step_is_bit_deterministic(env):
+    trainer, mesh, state, batch, new_state, fp = env
+    again_state, again = trainer.train_step(state, batch, step=3)
+    assert again.bits_equal(fp)
+    assert _bits(again_state) == _bits(new_state)
+
+
+def test_fingerprints_do_not_change_the_update(env):
+    trainer, mesh, state, batch, new_state, fp = env
+    plain = ReferenceTrainer(trainer.model, trainer.optimizer_config, fingerprints=False)
+    plain_state, plain_fp = plain.train_step(state, batch, step=3)
+    assert _bits(plain_state) == _bits(new_state)  # params and AdamW moments, bit for bit
+    assert (plain_fp.loss_bits, plain_fp.grad_norm_bits, plain_fp.batch_hash) == (
+        fp.loss_bits, fp.grad_norm_bits, fp.batch_hash)
+    assert plain_fp.leaves == {} and plain_fp.devices == {}
+
+
+def test_device_contributions_fingerprint_and_sum_to_the_step(env):
+    """8-device run vs the sum of its per-device contributions."""
+    trainer, mesh, state, batch, new_state, fp = env
+    per_device, reduced, fp_c = trainer.device_contributions(state, batch, step=3)
+    assert sorted(per_device) == sorted(fp.devices) == list(range(8))
+    fp = fp_c
+    for dev, grads in per_device.items():
+        got = {p: fpm.fingerprint_int(fpm.fingerprint_np(g))
+               for p, g in zip(trainer.leaf_paths, jax.tree_util.tree_leaves(grads))}
+        assert got == fp.devices[dev]
+    # the float sum of the contributions in device order is the reduced gradient, bit for bit
+    order = [int(d.id) for d in mesh.devices.reshape(-1)]
+    total = per_device[order[0]]
+    for dev in order[1:]:
+        total = jax.tree_util.tree_map(np.add, total, per_device[dev])
+    summed = {p: fpm.summarize(fpm.fingerprint_np(g)) for p, g in zip(trainer.leaf_paths, jax.tree_util.tree_leaves(total))}
+    assert summed == fp.leaves
+    assert _bits(total) == _bits(reduced)
+
+
+def test_device_coords_and_batch_hash(env):
+    trainer, mesh, state, batch, new_state, fp = env
+    assert fp.device_coords == {i: {"data": i // 2, "expert": i % 2} for i in range(8)}
+    assert fp.batch_hash == fpm.fingerprint_hex(fpm.fingerprint_np(batch["inputs"]))
+    assert device_rows(mesh, B) == {i: slice(i, i + 1) for i in range(8)}
+
+
+def test_router_health_figures(env):
+    fp = env[-1]
+    r = fp.router
+    assert sum(r["expert_share"]) == pytest.approx(1.0)
+    assert len(r["expert_share"]) == 4
+    assert 0.0 <= r["dropped_fraction"] < 1.0
+    assert 0.0 < r["entropy"] <= np.log(4) + 1e-6
+    assert r["z_loss"] > 0 and np.isfinite(r["loss"])
+    assert np.float32(r["loss"]).view(np.uint32) == fp.loss_bits
+
+
+def test_json_round_trip(env):
+    fp = env[-1]
+    back = StepFingerprints.from_json(fp.to_json())
+    assert back == fp and back.bits_equal(fp)
+
+
+def test_fault_flips_exactly_one_device_leaf_without_recompiling(env):
+    trainer, mesh, state, batch, new_state, fp = env
+    step_fn = trainer._step_fn(mesh, B)
+    compiled_before = step_fn._cache_size()
+    rng = np.random.default_rng(0)
+    for i, leaf in enumerate(trainer.leaf_paths):
+        device = int(rng.integers(0, 8))
+        element = int(rng.integers(0, trainer.leaf_sizes[i]))
+        bit = [0, 1, 22, 31][i % 4]  # lowest mantissa bit, exponent, sign among them
+        fault = FaultSpec(step=3, device_id=device, leaf=leaf, element=element, bit=bit)
+        _, hit = trainer.train_step(state, batch, step=3, fault=fault)
+        for dev in range(8):
+            for p in trainer.leaf_paths:
+                same = hit.devices[dev][p] == fp.devices[dev][p]
+                assert same == (not (dev == device and p == leaf)), (leaf, dev, p)
+        assert hit.batch_hash == fp.batch_hash
+    assert step_fn._cache_size() == compiled_before  # the fault is a traced input
+
+
+def test_fault_at_another_step_does_nothing(env):
+    trainer, mesh, state, batch, new_state, fp = env
+    fault = FaultSpec(step=4, device_id=1, leaf=trainer.leaf_paths[0], element=0, bit=0)
+    _, out = trainer.train_step(state, batch, step=3, fault=fault)
+    assert out.bits_equal(fp)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"leaf": "['nope']"}, r"fault.leaf .\['nope'\]. is not a parameter leaf"),
+        ({"element": 10**9}, r"fault.element 1000000000 outside \[0, "),
+        ({"bit": 32}, r"fault.bit 32 outside \[0, 32\)"),
+        ({"device_id": 99}, r"fault.device_id 99 not in the mesh's devices"),
+    ],
+)
+def test_bad_fault_is_a_clear_error(env, change, match):
+    trainer, mesh, state, batch, _, _ = env
+    fault = dataclasses.replace(FaultSpec(step=3, device_id=0, leaf="['embed']", element=0, bit=0), **change)
+    with pytest.raises(FaultSpecError, match=match):
+        trainer.train_step(state, batch, step=3, fault=fault)
+
+
+def test_single_device_fingerprints_for_canaries(env):
+    trainer, mesh, state, batch, _, _ = env
+    devs = sorted(jax.devices(), key=lambda d: d.id)
+    a = trainer.single_device_fingerprints(state, batch, devs[0])
+    b = trainer.single_device_fingerprints(state, batch, devs[5])
+    assert a == b and sorted(a) == sorted(trainer.leaf_paths)
+    leaf = "['layers'][1]['router']"
+    fault = FaultSpec(step=0, device_id=5, leaf=leaf, element=3, bit=0)
+    c = trainer.single_device_fingerprints(state, batch, devs[5], fault=fault)
+    assert [p for p in a if a[p] != c[p]] == [leaf]
+    assert trainer.single_device_fingerprints(state, batch, devs[0], fault=fault) == a  # not that device
+
+
+def test_checkpoint_round_trip_resumes_bit_identically(env, tmp_path):
+    trainer, mesh, state, batch, new_state, fp = env
+    mngr = ckpt.manager(str(tmp_path))
+    ckpt.save(mngr, 3, state, {"next_step": 3})
+    mngr.wait_until_finished()
+    mngr.close()
+    assert ckpt.all_steps(str(tmp_path)) == [3]
+    restored, loader_state = ckpt.restore(str(tmp_path), 3, trainer.abstract_state(mesh))
+    assert loader_state == {"next_step": 3}
+    assert _bits(restored) == _bits(state)
+    _, again = trainer.train_step(restored, batch, step=3)
+    assert again.bits_equal(fp)
+    with pytest.raises(FileNotFoundError, match=r"no complete checkpoint at step 4 .* present: \[3\]"):
+        ckpt.restore(str(tmp_path), 4, trainer.abstract_state(mesh))
+
+
+def test_bad_mesh_and_batch_are_clear_errors(env):
+    trainer, mesh, state, batch, _, _ = env
+    with pytest.raises(TrainerConfigError, match=r"use 6 devices, 8 available"):
+        make_mesh({"data": 3, "expert": 2})
+    with pytest.raises(TrainerConfigError, match=r"needs axis 'expert'"):
+        make_mesh({"data": 8})
+    with pytest.raises(ValueError, match=r"global batch 4 must be a multiple of the device count 8"):
+        trainer.train_step(state, {k: v[:4] for k, v in batch.items()}, step=0)
+    with pytest.raises(ValueError, match=r"batch lacks keys \['targets'\]"):
+        trainer.train_step(state, {k: v for k, v in batch.items() if k != "targets"}, step=0)
+
+
+def test_contributions_program_matches_the_step_here(env):
+    """On this CPU build the extra outputs do not change the step's bits (not promised elsewhere)."""
+    trainer, mesh, state, batch, new_state, fp = env
+    _, _, fp_c = trainer.device_contributions(state, batch, step=3)
+    assert fp_c.bits_equal(fp)

@@ -1,0 +1,211 @@
+"""Range replay, drills, canary and inspect on the reference trainer with 8 CPU devices.
+
+The run under test is described in ``test_replay_support`` (trained once per test session).
+"""
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+
+import jax
+import pytest
+
+from replay import canary, compare, drill, engine, forensics, runlog
+from replay.protocol import FaultSpec
+from replay.verdict import Cause, Evidence, Verdict
+
+from test_replay_support import CHECKPOINT_EVERY, STEPS, replay_made, replay_session  # noqa: F401  (fixtures)
+
+
+@pytest.fixture(scope="module")
+def session(replay_session):
+    return replay_session
+
+
+def test_run_directory_as_written(session):
+    run = session.run
+    assert run.logged_steps == (0, STEPS)
+    assert run.checkpoints == [0, 4, 8, STEPS]
+    assert [e["step"] for e in run.events_of("restore")] == [4]
+    assert [e["step"] for e in run.events_of("phase_change")] == [6]
+    assert engine.skip_windows(run) == [(8, 8)]
+    assert session.setup.shape == (2, 2) and session.setup.run_device_ids == (0, 1, 2, 3)
+
+
+def test_unmodified_range_acquitted_bit_for_bit_across_kill_and_resume(session):
+    rep = engine.replay_range(session, 3, 10, device_spec="all")
+    assert rep.verdict is Verdict.ACQUITTED and rep.decision.cause is Cause.REPRODUCED
+    assert rep.checkpoint == 0 and rep.checkpoints == [0, 4, 8]
+    assert [r.assignment for r in rep.replays] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    exact, other = rep.replays
+    assert {d.evidence for d in exact.diffs} == {Evidence.BIT_EXACT}
+    assert {d.evidence for d in other.diffs} == {Evidence.PER_SHARD}
+    for r in rep.replays:  # steps 0..9, each equal to the log in every field
+        assert [d.step for d in r.diffs] == list(range(10)) and all(d.ok for d in r.diffs)
+        for fp in r.fingerprints:
+            logged = session.run.fingerprints[fp.step]
+            pairing = compare.pair_devices(compare.coords_of(logged), compare.coords_of(fp))
+            assert fp.loss_bits == logged.loss_bits and fp.batch_hash == logged.batch_hash
+            assert fp.leaves == logged.leaves
+            assert all(fp.devices[pairing[d]] == logged.devices[d] for d in logged.devices)
+    out = rep.to_dict()
+    assert out["verdict"] == "acquitted" and out["exit_code"] == 0 and out["first_divergent_step"] is None
+    assert out["skip_windows"] == [[8, 8]] and out["phase_changes"][0]["step"] == 6
+    assert out["timing"]["steps_replayed"] == 20
+
+
+def test_one_device_set_of_run_shape_rotated(session):
+    rep = engine.replay_range(session, 5, 6, device_spec="0-3")
+    assert rep.verdict is Verdict.ACQUITTED
+    assert [r.assignment for r in rep.replays] == [(0, 1, 2, 3), (1, 2, 3, 0)]
+    assert rep.decision.independent_replays == 2
+
+
+def test_hundred_drills_all_convicted(session):
+    rng = random.Random(1234)
+    bits_seen = set()
+    for i in range(100):
+        # Every tenth drill pins the lowest mantissa bit; the rest draw every field at random.
+        f = drill.random_fault(session, rng, bit=0 if i % 10 == 0 else None)
+        bits_seen.add(f.bit)
+        res = drill.run_drill(session, f, canary=(i % 25 == 0))
+        d = res.range_report.decision
+        assert res.caught, (f, d.explanation)
+        assert d.verdict is Verdict.CONVICTED and d.devices == (f.device_id,) and d.step == f.step
+        assert f.leaf in d.leaves
+        if res.canary_report is not None:
+            assert res.canary_report.decision.odd_devices == (f.device_id,)
+    assert 0 in bits_seen and len(bits_seen) > 10
+
+
+def test_hundred_clean_replays_no_conviction(session):
+    rng = random.Random(99)
+    specs = ["all", "good", "0-3", "4-7", "process:0"]
+    session.run.quarantine = frozenset({1})
+    try:
+        for _ in range(100):
+            start = rng.randrange(0, STEPS)
+            stop = min(STEPS, start + rng.randrange(1, 3))
+            spec = rng.choice(specs)
+            rep = engine.replay_range(session, start, stop, device_spec=spec)
+            assert rep.verdict is Verdict.ACQUITTED, rep.decision.explanation
+            if spec == "good":
+                assert all(1 not in r.assignment for r in rep.replays)
+    finally:
+        session.run.quarantine = frozenset()
+
+
+def state_before(session, step, assignment=(0, 1, 2, 3)):
+    ckpt = session.run.checkpoint_for(step)
+    _, _, kept = session.run_steps(assignment, ckpt, step, keep_state_at=step - 1) if step > ckpt else (0, 0, {})
+    return kept.get(step - 1) if step > ckpt else session.restore(ckpt, assignment)
+
+
+def test_swapped_rows_in_log_is_a_data_difference(session):
+    step = 6
+    state = state_before(session, step)
+    batch = session.numpy_batch(step, (0, 1, 2, 3))
+    swapped = {k: v.copy() for k, v in batch.items()}
+    for v in swapped.values():
+        v[[1, 6]] = v[[6, 1]]  # two rows of one batch, held by different devices
+    sharding = session.setup.trainer.batch_sharding(session.mesh((0, 1, 2, 3)))
+    swapped = {k: jax.device_put(v, sharding) for k, v in swapped.items()}
+    _, fp = session.setup.trainer.train_step(state, swapped, step)
+    log = dict(session.run.fingerprints)
+    log[step] = fp
+    rep = engine.replay_range(session, step, step + 1, device_spec="all", log=log)
+    assert rep.verdict is Verdict.ACQUITTED and rep.decision.cause is Cause.DATA_ORDER
+    assert rep.decision.step == step and rep.decision.devices == ()
+    assert "data or order difference" in rep.decision.explanation
+    assert rep.to_dict()["replays"][0]["steps"][-1]["kind"] == "data"
+
+
+def test_flaky_replay_device_is_ambiguous(session):
+    """A replay device that computes one wrong bit (a fault in the replay, not the log): replays disagree."""
+    fault = FaultSpec(step=5, device_id=6, leaf=session.setup.trainer.leaf_paths[0], element=3, bit=2)
+    first = engine.replay_range(session, 5, 6, device_spec="all")
+    orig = session.run_steps
+
+    def flaky(assignment, *a, **kw):
+        if 6 in assignment:
+            kw["fault"] = fault
+        return orig(assignment, *a, **kw)
+
+    session.run_steps = flaky
+    try:
+        rep = engine.replay_range(session, 5, 6, device_spec="all")
+    finally:
+        del session.run_steps
+    assert first.verdict is Verdict.ACQUITTED
+    assert rep.verdict is Verdict.AMBIGUOUS and rep.decision.cause is Cause.REPLAYS_DISAGREE
+    assert rep.disagreement["step"] == 5 and rep.disagreement["devices_b"] == [6]
+
+
+def test_differing_elements_from_next_checkpoint(session, tmp_path):
+    """A run whose device 2 flipped a bit at step 7, checkpointed at 8: the replay convicts device 2
+    and, restoring the run's checkpoint 8, counts the parameters that differ from the replay's."""
+    from replay.reference import checkpoint as ckpt
+
+    run_dir = str(tmp_path / "faulty")
+    shutil.copytree(session.run.run_dir, run_dir)
+    leaf = session.setup.trainer.leaf_paths[-1]
+    f = FaultSpec(step=7, device_id=2, leaf=leaf, element=1, bit=30)
+    home = (0, 1, 2, 3)
+    fps, _, kept = session.run_steps(home, 4, 8, fault=f, keep_state_at=7)
+    _, loader_state = session.setup.trainer.restore(session.run.run_dir, 8, session.mesh(home))
+    shutil.rmtree(os.path.join(run_dir, "checkpoints", "8"))
+    m = ckpt.manager(os.path.join(run_dir, "checkpoints"))
+    ckpt.save(m, 8, kept[7], loader_state)
+    m.wait_until_finished()
+    m.close()
+    lines = [json.loads(x) for x in open(os.path.join(run_dir, "fingerprints.jsonl"))]
+    lines[7] = fps[-1].to_dict()
+    with open(os.path.join(run_dir, "fingerprints.jsonl"), "w") as out:
+        out.writelines(json.dumps(x) + "\n" for x in lines)
+    faulty = engine.Session(runlog.load_run(run_dir), dataclasses.replace(session.setup))
+    rep = engine.replay_range(faulty, 7, 8, device_spec="all")
+    assert rep.verdict is Verdict.CONVICTED and rep.decision.devices == (2,) and rep.decision.step == 7
+    assert rep.differing_elements and rep.differing_elements.get(f"['params']{leaf}", 0) >= 1
+    assert rep.to_dict()["differing_elements"] == rep.differing_elements
+
+
+def test_canary_golden_created_then_matched_and_odd_device_named(session, tmp_path):
+    golden = str(tmp_path / "golden.json")
+    first = canary.run_canary(session, device_spec="all", repeats=2, golden_path=golden)
+    assert first.decision.verdict is Verdict.ACQUITTED and first.decision.golden_status == "created"
+    assert first.spec.step == 1 and first.spec.weights == "init:7" and first.spec.rows == 8
+    table = json.load(open(golden))
+    assert list(table) == [first.env_key] and table[first.env_key]["signature"] == first.decision.reference
+    second = canary.run_canary(session, device_spec="all", repeats=2, golden_path=golden)
+    assert second.decision.golden_status == "matched" and second.decision.verdict is Verdict.ACQUITTED
+    fault = FaultSpec(step=0, device_id=5, leaf=session.setup.trainer.leaf_paths[1], element=0, bit=0)
+    bad = canary.run_canary(session, device_spec="all", repeats=1, golden_path=golden, fault=fault)
+    assert bad.decision.verdict is Verdict.CONVICTED and bad.decision.odd_devices == (5,)
+    assert bad.to_dict()["devices"][5]["status"] == "differs_from_golden"
+    table[first.env_key]["signature"] = "0" * 64
+    json.dump(table, open(golden, "w"))
+    changed = canary.run_canary(session, device_spec="0,1", repeats=1, golden_path=golden)
+    assert changed.decision.verdict is Verdict.AMBIGUOUS and changed.decision.golden_status == "mismatch-all"
+
+
+def test_inspect_lists_documents_of_each_row(session):
+    from loader.testing import SYNTHETIC_RELPATH, row_origin
+
+    data = session.loader(session.home_assignment())
+    rep = forensics.inspect_steps(data, 5, 7)
+    out = rep.to_dict()
+    assert len(out["rows"]) == 16
+    for r in out["rows"]:
+        packed = data.read_rows(r["step"])[r["position"]]
+        source, record = row_origin(packed.tokens, ["a", "b"], 64)
+        assert (r["source"], r["record"]) == (source, record)
+        assert [d["key"] for d in r["documents"]] == list(packed.doc_keys)
+        assert all(d["key"].startswith(f"{source}/{SYNTHETIC_RELPATH}:") for d in r["documents"])
+        spans = [d["span"] for d in r["documents"]]
+        assert spans[0][0] == 0 and spans[-1][1] == r["tokens"] == 16 - r["padding"]
+    assert sum(s["rows"] for s in out["sources"].values()) == 16
+    assert sum(len(v) for v in out["shards"].values()) == len({(r["shard"], r["record_in_shard"]) for r in out["rows"]})
+    with pytest.raises(forensics.TokenizerUnavailableError, match="is not there"):
+        forensics.inspect_steps(data, 5, 6, text=True, tokenizer_path="/nonexistent/tok.model")

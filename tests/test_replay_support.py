@@ -1,0 +1,86 @@
+"""Shared fixtures of the replay tests: one short reference-trainer run, trained once per test session.
+
+The run (``replay.reference.run.train``, the library function behind ``python -m
+replay.reference.train``) uses a 2x2 mesh of devices 0-3, so that devices 4-7 form a second,
+disjoint good set. It has a mixture phase change at step 6, a skipped data window at step 8,
+and was killed after step 5 (checkpoint 6 never committed, a torn last line in
+fingerprints.jsonl) and resumed from checkpoint 4.
+"""
+
+import dataclasses
+import os
+import shutil
+
+import jax
+import pytest
+import yaml
+
+from loader.testing import synthetic_mixture, write_synthetic_dataset
+from replay import engine, runlog
+
+STEPS = 12
+CHECKPOINT_EVERY = 4
+MODEL = {"d_model": 16, "n_layers": 1, "n_heads": 2, "head_dim": 8, "n_experts": 2, "top_k": 1, "d_ff": 16}
+
+
+def write_run_inputs(root, *, tokenizer=None, vocab_size=64):
+    """A synthetic dataset with two sources and a phase change at step 6, plus its mixture YAML."""
+    mix = synthetic_mixture({"a": 0.5, "b": 0.5}, seq_len=16, phases=[(6, {"a": 0.25, "b": 0.75})])
+    raw = mix.to_dict()
+    if tokenizer is not None:
+        raw["tokenizer"] = {"path": tokenizer}
+    mix_path = os.path.join(root, "mixture.yaml")
+    with open(mix_path, "w") as f:
+        yaml.safe_dump(raw, f)
+    from contract.config import load_mixture
+
+    mix = load_mixture(mix_path)
+    write_synthetic_dataset(os.path.join(root, "dataset"), {"a": 40, "b": 30}, seq_len=16, vocab_size=vocab_size,
+                            mixture=mix)
+    return mix_path
+
+
+def run_config(root, mix_path, **over):
+    from replay.reference import run as ref_run
+
+    raw = {"name": "t", "mixture": mix_path, "dataset": os.path.join(root, "dataset"), "global_batch": 8,
+           "seed": 3, "mesh": {"data": 2, "expert": 2}, "model": MODEL, "checkpoint_every": CHECKPOINT_EVERY,
+           "skip_windows": [[8, 8]], "optimizer": {"warmup_steps": 2}, "canary": {"step": 1, "seed": 7}}
+    raw.update(over)
+    return ref_run.run_config_from_dict(raw, root)
+
+
+@pytest.fixture(scope="session")
+def replay_made(tmp_path_factory):
+    """(run_dir, trainer): the killed-and-resumed run of the module docstring."""
+    from replay.reference import run as ref_run
+
+    root = str(tmp_path_factory.mktemp("replay_run"))
+    mix_path = write_run_inputs(root)
+    cfg = run_config(root, mix_path)
+    from loader.reader import read_manifest
+    from replay.reference.trainer import ReferenceTrainer, make_mesh
+
+    manifest, _ = read_manifest(cfg.dataset)
+    trainer = ReferenceTrainer(cfg.model_config(int(manifest.tokenizer["vocab_size"])), cfg.optimizer)
+    mesh = make_mesh(dict(cfg.mesh), jax.devices()[:4])
+    run_dir = os.path.join(root, "run")
+    quiet = lambda s: None  # noqa: E731
+    ref_run.train(run_dir, cfg, 6, trainer=trainer, mesh=mesh, log=quiet)
+    # The kill: checkpoint 6 was never committed and the last fingerprint line is torn.
+    shutil.rmtree(os.path.join(run_dir, "checkpoints", "6"))
+    with open(os.path.join(run_dir, "fingerprints.jsonl"), "a") as f:
+        f.write('{"batch_hash": "12ab", "devi')
+    ref_run.train(run_dir, cfg, STEPS, trainer=trainer, mesh=mesh, log=quiet)
+    return run_dir, trainer
+
+
+@pytest.fixture(scope="session")
+def replay_session(replay_made):
+    run_dir, trainer = replay_made
+    run = runlog.load_run(run_dir)
+    setup = engine.default_setup(run)
+    # Reuse the training's trainer: same mesh, so its compiled step is reused (a test-time saving only).
+    return engine.Session(run, dataclasses.replace(setup, trainer=trainer))
+
+
