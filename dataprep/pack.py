@@ -111,7 +111,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, list[
 def pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
     """Beam options from the remaining arguments; the runner defaults to FnApiRunner.
 
-    The DirectRunner of Beam >= 2.6x first tries the Prism runner (a downloaded Go binary
+    The DirectRunner of Beam 2.77 first tries the Prism runner (a downloaded Go binary
     that ignores ``--direct_num_workers``); FnApiRunner is the DirectRunner's own batch
     engine and honours ``--direct_num_workers`` and ``--direct_running_mode``.
     """

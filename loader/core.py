@@ -32,15 +32,76 @@ from loader import state as st
 from loader.source import RowRef, StepSource
 
 log = logging.getLogger("loader")
+_THREADS: list[tuple[threading.Thread, threading.Event]] = []  # live prefetch threads
+
+
 def _stop_all() -> None:
     """At interpreter exit, stop prefetch threads of iterators never closed."""
-    for thread, ev in _THREADS:
+    for thread, ev in _THREADS[:]:  # a copy: finishing iterators remove themselves
         ev.set()
         thread.join(timeout=5)
 
 
-_THREADS: list[tuple[threading.Thread, threading.Event]] = []
 atexit.register(_stop_all)
+
+
+class _Stage:
+    """Runs ``make_iter()`` on a daemon thread into a bounded queue; iterate it to consume.
+
+    ``close()`` stops the thread and closes the iterator it was draining (on that thread),
+    so chained stages shut down from the last one. An exception in the thread is re-raised
+    by the consumer.
+    """
+
+    def __init__(self, make_iter, depth: int, name: str):
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(make_iter,), name=name, daemon=True)
+        self.thread.start()
+        _THREADS.append((self.thread, self.stop))
+
+    def _put(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, make_iter) -> None:
+        source = None
+        try:
+            source = make_iter()
+            for item in source:
+                if not self._put(("item", item)):
+                    return
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, re-raised there
+            self._put(("error", e))
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+
+    def get(self):
+        kind, item = self.queue.get()
+        if kind == "error":
+            raise item
+        return item
+
+    def __iter__(self):
+        try:
+            while True:
+                yield self.get()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        try:
+            _THREADS.remove((self.thread, self.stop))
+        except ValueError:
+            pass
 
 
 class LoaderConfigError(ValueError):
@@ -102,6 +163,7 @@ class DataLoader:
         for w in self.schedule.skip_windows:
             log.info("data skip window: training steps %d..%d train on the data of steps %d..", w.start, w.end,
                      self.schedule.data_step(w.start))
+        self.context_axis = context_axis
         self.sharding = NamedSharding(self.mesh, PartitionSpec(tuple(data_axes), context_axis))
         self.global_shape = (global_batch, self.seq_len)
         index_map = self.sharding.addressable_devices_indices_map(self.global_shape)
@@ -119,8 +181,7 @@ class DataLoader:
         self.events: list[dict] = []
         self._next_step = 0
         self._lock = threading.Lock()
-        self._m = {"rows_served": 0, "tokens_served": 0, "wait_s_last_step": 0.0, "steps_served": 0,
-                   "prefetch_occupancy": 0, "last_step": None}
+        self._m = {"rows_served": 0, "tokens_served": 0, "wait_s_last_step": 0.0}
         self._queue: queue.Queue | None = None
 
     # ---------------------------------------------------------------- pure lookups
@@ -151,17 +212,25 @@ class DataLoader:
         """Global ``jax.Array`` s (int32 ``[B, L]``, :attr:`sharding`) from host-local arrays.
 
         ``host`` holds the six keys, or only the three ``inputs*`` keys (what the step
-        source produces); then the ``targets*`` keys are derived on the devices by one
-        jitted function (``loader.device``), compiled once.
+        source produces); then, when the sequence is not split over a context axis, the
+        ``targets*`` keys are derived on the devices by one jitted function
+        (``loader.device``, compiled once, device-local: no collectives); with a context
+        axis they are derived on the host, which holds whole rows.
         """
         import jax
 
         def slice_for(arr):
             def cb(index):
                 rows, cols = index
-                return arr[self._local_index(rows)][:, cols] if cols != slice(None) else arr[self._local_index(rows)]
+                return arr[self._local_index(rows), cols]
             return cb
 
+        if "targets" not in host and self.context_axis is not None:
+            # Sequence split over devices: the one-slot shift of the targets would cross
+            # shards (a collective, unsafe to launch from the prefetch thread next to the
+            # trainer's programs). Hosts hold whole rows, so derive the targets here.
+            host = rd.derive_batch(*(host[k].astype(np.int32) for k in ("inputs", "inputs_segmentation",
+                                                                          "inputs_position")))
         if "targets" in host:  # already the six keys
             return {k: jax.make_array_from_callback(self.global_shape, self.sharding, slice_for(host[k]))
                     for k in rd.BATCH_KEYS}
@@ -193,11 +262,11 @@ class DataLoader:
             self._m["tokens_served"] += int(host["tokens"]) if "tokens" in host else int(
                 np.count_nonzero(host["inputs_segmentation"]))
             self._m["wait_s_last_step"] = wait_s
-            self._m["steps_served"] += 1
-            self._m["last_step"] = step
 
     def batch_at(self, step: int) -> dict[str, Any]:
         """The global batch of training ``step`` (pure function of the step); see the module docstring.
+
+        Also sets :meth:`state`'s next step to ``step + 1``.
 
         Raises:
           loader.index.ScheduleError: ``step`` < 0.
@@ -241,66 +310,34 @@ class DataLoader:
     def iterate(self, start_step: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
         """Yields ``(step, batch)`` from ``start_step`` (default: :meth:`state`'s next step) on, forever.
 
-        Host batches are prepared ``prefetch`` steps ahead on a background thread (reading
-        in this process when ``workers == 0``, else in ``workers`` Grain worker processes);
-        the output does not depend on either.
+        Two background stages, each ``prefetch`` steps deep: one reads host rows (in this
+        process, ``read_threads`` steps at a time, or in ``workers`` Grain worker
+        processes), the next builds the global arrays; the trainer's thread only dequeues.
+        The output does not depend on any of these settings.
         """
         start = self._next_step if start_step is None else int(start_step)
         if start < 0:
             raise ix.ScheduleError(f"start_step must be >= 0, got {start}")
         depth = max(1, self.prefetch)
-        q: queue.Queue = queue.Queue(maxsize=depth)
-        stop = threading.Event()
-        self._queue = q
-
-        def produce():
-            source = self._host_iter(start)
-            try:
-                for host in source:
-                    while not stop.is_set():
-                        try:
-                            q.put(host, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
-                        return
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer, re-raised there
-                while not stop.is_set():
-                    try:
-                        q.put(e, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-            finally:
-                close = getattr(source, "close", None)
-                if close is not None:
-                    close()
-
-        thread = threading.Thread(target=produce, name="loader-prefetch", daemon=True)
-        thread.start()
-        _THREADS.append((thread, stop))
+        hosts = _Stage(lambda: self._host_iter(start), depth, "loader-read")
+        batches = _Stage(lambda: ((h, self.to_global(h)) for h in hosts), depth, "loader-arrays")
+        self._queue = batches.queue
         try:
             step = start
             while True:
                 t0 = time.perf_counter()
-                host = q.get()
+                host, batch = batches.get()
                 wait = time.perf_counter() - t0
-                if isinstance(host, BaseException):
-                    raise host
                 if int(host["step"]) != step:  # pragma: no cover - an ordering bug, fail loudly
                     raise RuntimeError(f"prefetch produced step {int(host['step'])}, expected {step}")
-                self._m["prefetch_occupancy"] = q.qsize()
                 self._account(step, host, wait)
-                yield step, self.to_global(host)
+                yield step, batch
                 step += 1
         finally:
-            stop.set()
             self._queue = None
-            try:
-                _THREADS.remove((thread, stop))
-            except ValueError:
-                pass
+            for stage in (batches, hosts):  # stop both stages and wait for their threads
+                stage.close()
+                stage.thread.join(timeout=30)
 
     def grain_dataset(self, start_step: int = 0, stop_step: int = 2**62):
         """A ``grain.MapDataset`` of host batches for steps ``[start_step, stop_step)``.

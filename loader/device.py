@@ -3,8 +3,11 @@
 Hosts send ``inputs``, ``inputs_segmentation`` and ``inputs_position``; this function, compiled once per
 loader (static shapes), computes the targets keys on the devices with the same
 sharding. It is the twin of the numpy ``loader.reader.derive_batch`` (tests check that
-they agree bit for bit): integer ops only, so the result is exact. With a context axis the
-one-slot shift crosses shard boundaries; GSPMD inserts the neighbour exchange.
+they agree bit for bit): integer ops only, so the result is exact. The loader uses it only
+when the sequence dimension is not sharded: then every device holds whole rows and the
+program has no collectives, so the prefetch thread may launch it beside the trainer's own
+programs without any risk of a cross-device ordering deadlock (tests check the compiled
+program for collectives).
 """
 
 from __future__ import annotations

@@ -68,6 +68,9 @@ def read_manifest(dataset: str) -> tuple[Manifest, str]:
 def check_against_mixture(manifest: Manifest, mixture: MixtureConfig, where: str) -> None:
     """Checks format version, seq_len, tokenizer and sources of ``manifest`` against ``mixture``.
 
+    The tokenizer check uses the mixture's pinned sha256, or, when it pins none and its
+    tokenizer file exists, that file's sha256.
+
     Raises:
       DatasetError: naming the field, the dataset's value and the config's.
     """
@@ -82,6 +85,14 @@ def check_against_mixture(manifest: Manifest, mixture: MixtureConfig, where: str
     got = manifest.tokenizer.get("sha256")
     if want is not None and got != want:
         raise DatasetError(f"{where}: tokenizer sha256 {got} != the mixture's pinned {want}")
+    if want is None and os.path.isfile(mixture.tokenizer.path):
+        # Not pinned, but the model the config names is here: it must be the one packed with.
+        have = file_sha256(mixture.tokenizer.path)
+        if have != got:
+            raise DatasetError(
+                f"{where}: dataset packed with tokenizer sha256 {got}, but the mixture's tokenizer "
+                f"{mixture.tokenizer.path} has sha256 {have}"
+            )
     missing = [n for n in mixture.source_names if n not in manifest.sources]
     if missing:
         raise DatasetError(f"{where}: mixture sources {missing} are not in the dataset (has {sorted(manifest.sources)})")

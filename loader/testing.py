@@ -165,7 +165,8 @@ def write_synthetic_dataset(
       The manifest, also written to ``<path>/manifest.json`` (last, as the commit marker).
 
     Raises:
-      ValueError: bad counts, or ``manifest.json`` already exists at ``path``.
+      ValueError: bad counts, a mixture whose seq_len differs, or ``manifest.json``
+        already exists at ``path``.
     """
     from array_record.python.array_record_module import ArrayRecordWriter
 
@@ -178,6 +179,8 @@ def write_synthetic_dataset(
             raise ValueError(f"source {n!r}: rows must be >= 1, got {rows}")
     if os.path.exists(os.path.join(path, MANIFEST_NAME)):
         raise ValueError(f"{path} already holds a {MANIFEST_NAME}")
+    if mixture is not None and mixture.seq_len != seq_len:
+        raise ValueError(f"mixture seq_len {mixture.seq_len} != dataset seq_len {seq_len}")
     if mixture is None:
         mixture = synthetic_mixture({n: 1.0 for n in sources}, seq_len=seq_len, shards_per_source=shards_per_source)
     dtype = codec.token_dtype_for_vocab(vocab_size)

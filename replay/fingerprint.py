@@ -10,33 +10,38 @@ Formula
 For an array ``x`` of global shape ``S`` (any rank), each element ``x[n]`` with global
 row-major flat index ``i = sum_d n_d * stride_d(S)`` (taken mod 2^32) contributes::
 
-    w        = bit pattern of x[n] as uint32   (float32/int32/uint32: bitcast;
-                                                bfloat16/float16: bitcast to uint16, zero-extended)
-    k_L(i)   = fmix32(i * A_L + B_L)                         index key of lane L
-    m_L(w,i) = fmix32((w XOR k_L(i)) * C_L + i)              the mix; L in {0, 1}
+    w     = bit pattern of x[n] as uint32   (float32/int32/uint32: bitcast;
+                                             bfloat16/float16: bitcast to uint16, zero-extended)
+    m_0   = fmix32((w XOR (i * A)) * C + i)           lane 0
+    t     = (m_0 XOR B) * D
+    m_1   = t XOR (t >> 16)                           lane 1
 
-    fp_L     = ( sum over elements of m_L(w, i) )  mod 2^32
-    nan      = number of NaN elements,  inf = number of +-Inf elements
+    fp_L  = ( sum over elements of m_L )  mod 2^32,   L in {0, 1}
+    nan   = number of NaN elements,  inf = number of +-Inf elements
 
 with ``fmix32`` MurmurHash3's 32-bit finalizer (Appleby, MurmurHash3.cpp,
 ``fmix32``: ``h ^= h >> 16; h *= 0x85EBCA6B; h ^= h >> 13; h *= 0xC2B2AE35; h ^= h >> 16``)
-and the constants of :data:`LANE_CONSTANTS` (odd multipliers). All arithmetic is uint32 and
-wraps. The result is a ``uint32[4]`` array ``[fp_0, fp_1, nan, inf]``; ``(fp_1 << 32) | fp_0``
-is the 64-bit fingerprint written to logs (:func:`fingerprint_int`).
+and the constants ``A, B, C, D`` of :data:`MIX_CONSTANTS` (``A, C, D`` odd). All arithmetic
+is uint32 and wraps. The result is a ``uint32[4]`` array ``[fp_0, fp_1, nan, inf]``;
+``(fp_1 << 32) | fp_0`` is the 64-bit fingerprint written to logs (:func:`fingerprint_int`).
+About 15 integer operations per element, in one fused pass.
 
 Properties (each tested in ``tests/test_fingerprint.py``):
 
-* For a fixed index ``i``, ``w -> m_L(w, i)`` is a bijection of uint32: XOR with a
-  constant, multiplication by an odd constant, addition of a constant and ``fmix32`` are
-  each invertible mod 2^32. So changing any one element, by any bit, changes both lanes'
+* For a fixed index ``i``, ``w -> m_0`` and ``w -> m_1`` are bijections of uint32: XOR
+  with a constant, multiplication by an odd constant, addition of a constant,
+  ``t -> t XOR (t >> k)`` and ``fmix32`` are each invertible mod 2^32. So changing any
+  one element, by any bit, changes both lanes'
   sums (the sum moves by a non-zero amount mod 2^32): it is never a "maybe".
 * Integer addition mod 2^32 is associative and commutative, so the value does not depend on
   reduction order, and the fingerprints of disjoint shards (each using *global* indices)
   add up, lane by lane and count by count, mod 2^32, to the fingerprint of the whole array
   (:func:`add_fingerprints`; ``jax.lax.psum`` of ``uint32`` does the same inside
   ``shard_map``).
-* The index enters twice, so moving a value to another position changes the sum (no
-  XOR-only reduction, which would be blind to order and to pairs of equal changes).
+* The index enters twice before the non-linear ``fmix32``, so moving a value to another
+  position changes the sum (no XOR-only reduction, which would be blind to order and to
+  pairs of equal changes). Lane 1 is a non-affine bijection of lane 0's term, so its sum
+  carries 32 further bits.
 
 Everything here is pure ``jax.numpy`` and works inside ``jax.jit`` and ``shard_map``;
 :func:`fingerprint_np` is the NumPy twin used on hosts and in tests. x64 mode is not
@@ -51,12 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# (A_L, B_L, C_L) per lane: odd 32-bit constants (A, C from the golden ratio and
-# xxHash's PRIME32 set; B arbitrary).
-LANE_CONSTANTS: tuple[tuple[int, int, int], ...] = (
-    (0x9E3779B1, 0x7F4A7C15, 0x85EBCA77),
-    (0xC2B2AE3D, 0x27D4EB2F, 0x165667B1),
-)
+# (A, B, C, D): odd multipliers A, C, D (golden ratio, xxHash PRIME32_2 and _3), B arbitrary.
+MIX_CONSTANTS: tuple[int, int, int, int] = (0x9E3779B1, 0x7F4A7C15, 0x85EBCA77, 0xC2B2AE3D)
 _FMIX_M1 = 0x85EBCA6B
 _FMIX_M2 = 0xC2B2AE35
 FINGERPRINT_FIELDS = ("fp0", "fp1", "nan", "inf")
@@ -157,18 +158,31 @@ def fingerprint(
       FingerprintDtypeError: unsupported dtype.
     """
     w = bit_pattern(x)
-    idx = global_index(x.shape, x.shape if global_shape is None else global_shape, offsets)
-    lanes = []
-    for a, b, c in LANE_CONSTANTS:
-        k = _fmix32(idx * _u32(a) + _u32(b))
-        m = _fmix32((w ^ k) * _u32(c) + idx)
-        lanes.append(jnp.sum(m, dtype=jnp.uint32))
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        nan = jnp.sum(jnp.isnan(x), dtype=jnp.uint32)
-        inf = jnp.sum(jnp.isinf(x), dtype=jnp.uint32)
+    if global_shape is None and offsets is None:
+        idx = jax.lax.iota(jnp.uint32, w.size).reshape(w.shape)
     else:
-        nan = inf = jnp.uint32(0)
-    return jnp.stack([lanes[0], lanes[1], nan, inf])
+        idx = global_index(x.shape, x.shape if global_shape is None else global_shape, offsets)
+    return _reduce(w, idx, x, None)
+
+
+def _mix(w: jnp.ndarray, idx: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    a, b, c, d = MIX_CONSTANTS
+    m0 = _fmix32((w ^ (idx * _u32(a))) * _u32(c) + idx)
+    t = (m0 ^ _u32(b)) * _u32(d)
+    return m0, t ^ (t >> 16)
+
+
+def _reduce(w, idx, x, valid) -> jnp.ndarray:
+    """One fused pass: the four per-element terms stacked, summed over elements."""
+    m0, m1 = _mix(w, idx)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        nan, inf = jnp.isnan(x).astype(jnp.uint32), jnp.isinf(x).astype(jnp.uint32)
+    else:
+        nan = inf = jnp.zeros_like(w)
+    terms = jnp.stack([m0, m1, nan, inf], axis=-1).reshape(-1, 4)
+    if valid is not None:
+        terms = jnp.where(valid.reshape(-1, 1), terms, jnp.uint32(0))
+    return jnp.sum(terms, axis=0, dtype=jnp.uint32)
 
 
 def fingerprint_flat_chunk(flat: jnp.ndarray, start: Any, total: int) -> jnp.ndarray:
@@ -185,20 +199,7 @@ def fingerprint_flat_chunk(flat: jnp.ndarray, start: Any, total: int) -> jnp.nda
     """
     n = flat.shape[0]
     pos = jax.lax.iota(jnp.int32, n) + jnp.asarray(start, jnp.int32)
-    valid = pos < total
-    w = bit_pattern(flat)
-    idx = pos.astype(jnp.uint32)
-    out = []
-    for a, b, c in LANE_CONSTANTS:
-        k = _fmix32(idx * _u32(a) + _u32(b))
-        m = _fmix32((w ^ k) * _u32(c) + idx)
-        out.append(jnp.sum(jnp.where(valid, m, jnp.uint32(0)), dtype=jnp.uint32))
-    if jnp.issubdtype(flat.dtype, jnp.floating):
-        out.append(jnp.sum(valid & jnp.isnan(flat), dtype=jnp.uint32))
-        out.append(jnp.sum(valid & jnp.isinf(flat), dtype=jnp.uint32))
-    else:
-        out += [jnp.uint32(0), jnp.uint32(0)]
-    return jnp.stack(out)
+    return _reduce(bit_pattern(flat), pos.astype(jnp.uint32), flat, pos < total)
 
 
 def flip_bit(x: jnp.ndarray, element: Any, bit: Any, enabled: Any) -> jnp.ndarray:
@@ -284,11 +285,13 @@ def fingerprint_np(
         idx = (idx + coord * np.uint64(stride)) & np.uint64(0xFFFFFFFF)
     idx = idx.astype(np.uint32)
     out = np.zeros(4, np.uint32)
+    a, b, c, d = (np.uint32(v) for v in MIX_CONSTANTS)
     with np.errstate(over="ignore"):
-        for lane, (a, b, c) in enumerate(LANE_CONSTANTS):
-            k = _np_fmix32(idx * np.uint32(a) + np.uint32(b))
-            m = _np_fmix32((w ^ k) * np.uint32(c) + idx)
-            out[lane] = np.uint32(int(m.astype(np.uint64).sum()) & 0xFFFFFFFF)
+        m0 = _np_fmix32((w ^ (idx * a)) * c + idx)
+        t = (m0 ^ b) * d
+        m1 = t ^ (t >> np.uint32(16))
+    out[0] = np.uint32(int(m0.astype(np.uint64).sum()) & 0xFFFFFFFF)
+    out[1] = np.uint32(int(m1.astype(np.uint64).sum()) & 0xFFFFFFFF)
     if np.issubdtype(x.dtype, np.floating) or name == "bfloat16":
         xf = x.astype(np.float32)
         out[2] = np.count_nonzero(np.isnan(xf))

@@ -21,7 +21,7 @@ import zstandard
 from array_record.python.array_record_module import ArrayRecordReader
 
 from contract.codec import decode_row
-from contract.config import ConfigError
+from contract.config import ConfigError, mixture_from_dict
 from contract.manifest import Manifest
 from dataprep import faults, pack, testing
 
@@ -131,6 +131,7 @@ def test_reference_run_reconciles_and_decodes(corpus, reference):
     assert m.token_dtype == "uint16" and m.seq_len == SEQ_LEN
     assert m.tokenizer["eos_id"] == 2 and m.tokenizer["vocab_size"] == 400
     assert not (out / "_stats.json").exists()
+    assert mixture_from_dict(m.config).sha256() == m.config_sha256  # the loader can re-read the config
     # the Beam counters agree with the ledger
     for n, e in m.sources.items():
         assert result.metrics[f"{n}.read"] == e.ledger.read
@@ -357,7 +358,7 @@ def test_config_mistakes_stop_before_any_work(corpus, tmp_path, mutate, field):
 
     raw = yaml.safe_load(cfg.read_text())
     mutate(raw)
-    bad = d / f"bad-{abs(hash(field)) % 10**8}.yaml"
+    bad = d / f"bad-{tmp_path.name}.yaml"  # beside the good config: same relative paths
     bad.write_text(yaml.safe_dump(raw))
     out = tmp_path / "never"
     with pytest.raises(ConfigError, match=field.replace("[", "\\[").replace("]", "\\]")):

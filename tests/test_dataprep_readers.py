@@ -6,6 +6,8 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from contract.config import SourceConfig, SourceFormat, TextSplit
 from dataprep import readers
@@ -125,3 +127,33 @@ def test_relative_path():
     assert readers.relative_path("/a/b/c.txt", "/a") == "b/c.txt"
     assert readers.relative_path("gs://x/y/z.txt", "gs://x/") == "y/z.txt"
     assert readers.relative_path("/other/c.txt", "/a") == "/other/c.txt"
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6,
+)
+_lines = st.one_of(
+    st.binary(max_size=40).map(lambda b: b.replace(b"\n", b" ")),
+    _json_values.map(lambda v: json.dumps(v).encode()),
+    st.dictionaries(st.sampled_from(["text", "id", "x"]), _json_values, max_size=3).map(
+        lambda d: json.dumps(d).encode()
+    ),
+    st.text(max_size=30).map(lambda t: json.dumps({"text": t}).encode()),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(_lines, max_size=12), crlf=st.booleans())
+def test_any_jsonl_bytes_give_one_item_per_non_blank_line(tmp_path, lines, crlf):
+    p = tmp_path / "fuzz.jsonl"
+    p.write_bytes((b"\r\n" if crlf else b"\n").join(lines))
+    got = _read(_src(tmp_path, SourceFormat.JSONL), p)
+    non_blank = [i + 1 for i, line in enumerate(lines) if line.strip()]
+    assert [d.key for d in got] == [f"s/fuzz.jsonl:{i}" for i in non_blank]
+    for d in got:
+        if isinstance(d, Document):
+            d.text.encode("utf-8")  # every accepted text is valid Unicode
+        else:
+            assert d.reason in set(Reason) - {Reason.EMPTY, Reason.UNREADABLE_FILE}

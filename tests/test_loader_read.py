@@ -12,7 +12,8 @@ import unicodedata
 import jax
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh
 
 import loader
@@ -225,6 +226,16 @@ def test_fault_seq_len_disagrees(ds):
         loader.build(lt.synthetic_mixture({"a": 1.0}, seq_len=32), ds, global_batch=8)
 
 
+def test_fault_tokenizer_file_differs(ds, tmp_path):
+    """An unpinned mixture whose tokenizer file exists must name the model the dataset was packed with."""
+    model = tmp_path / "tok" / "tokenizer.model"
+    model.parent.mkdir()
+    model.write_bytes(b"another model")
+    other = lt.synthetic_mixture({"a": 1.0}, seq_len=SEQ, root=str(tmp_path / "tok"))
+    with pytest.raises(loader.DatasetError, match="tokenizer.*has sha256"):
+        loader.build(other, ds, global_batch=8)
+
+
 def test_fault_tokenizer_pin(ds):
     with pytest.raises(loader.DatasetError, match="tokenizer sha256"):
         loader.build(mix(tokenizer_sha256="0" * 64), ds, global_batch=8)
@@ -329,3 +340,15 @@ def test_pack_inputs_matches_codec(segments_per_row, L, narrow):
     from_ids = loader.derive_batch(inputs.astype(np.int32), seg.astype(np.int32))
     for k in loader.BATCH_KEYS:
         np.testing.assert_array_equal(given_pos[k], from_ids[k])
+
+
+def test_device_derivation_has_no_collectives():
+    """The targets program launched from the prefetch thread must not communicate."""
+    from loader.device import make_derive
+
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("data", "expert"))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "expert"), None))
+    shape = jax.ShapeDtypeStruct((16, 32), np.int32)
+    hlo = make_derive(sharding).lower(shape, shape, shape).compile().as_text()
+    for op in ("all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter"):
+        assert op not in hlo

@@ -156,7 +156,7 @@ def test_swapped_rows_in_logged_file_reported_as_data_order(replay_session, run_
     assert out["convicted_devices"] == [] and "replay inspect" in out["explanation"]
 
 
-def test_canary_inspect_and_drill_commands(replay_session, run_copy, tmp_path, capsys):
+def test_canary_command(run_copy, tmp_path):
     j = str(tmp_path / "c.json")
     assert cli.main(["canary", "--run", run_copy, "--devices", "all", "--repeats", "1", "--json", j]) == 0
     out = json.load(open(j))
@@ -165,6 +165,9 @@ def test_canary_inspect_and_drill_commands(replay_session, run_copy, tmp_path, c
     assert cli.main(["canary", "--run", run_copy, "--devices", "process:0", "--repeats", "1", "--json", j]) == 0
     assert json.load(open(j))["golden"]["status"] == "matched"
 
+
+def test_inspect_command(run_copy, tmp_path, capsys):
+    j = str(tmp_path / "i.json")
     assert cli.main(["inspect", "--run", run_copy, "--steps", "3:5", "--json", j]) == 0
     out = json.load(open(j))
     assert len(out["rows"]) == 16 and set(out["sources"]) == {"a", "b"}
@@ -172,6 +175,9 @@ def test_canary_inspect_and_drill_commands(replay_session, run_copy, tmp_path, c
     assert cli.main(["inspect", "--run", run_copy, "--steps", "3", "--text"]) == ExitCode.RUN_ERROR
     assert "tokenizer" in capsys.readouterr().err
 
+
+def test_drill_command(replay_session, run_copy, tmp_path, capsys):
+    j = str(tmp_path / "d.json")
     assert cli.main(["drill", "--run", run_copy, "--count", "3", "--seed", "5", "--json", j]) == 0
     out = json.load(open(j))
     assert out["caught"] == out["total"] == 3

@@ -1,0 +1,98 @@
+"""Cost of gradient fingerprints: the reference train step with and without them, same run.
+
+    python benchmarks/fingerprint.py            # demo-size model, seq_len 1024 (a few minutes on CPU)
+    python benchmarks/fingerprint.py --quick    # seq_len 256, fewer steps (under a minute)
+
+Prints ONE JSON object: ``overhead`` = median step time with fingerprints / median step
+time without - 1 (the reference: the identical step compiled without fingerprinting, in the
+same process, steps interleaved so machine load affects both alike), the two medians, and
+the model and batch sizes. Runs on 8 host CPU devices unless XLA_FLAGS already says
+otherwise (on GPU/TPU it uses the accelerators that are there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sequence and few steps (< 1 minute)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per variant")
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--global-batch", type=int, default=8)
+    args = ap.parse_args(argv)
+
+    import jax
+    import numpy as np
+
+    from replay.reference.model import ModelConfig
+    from replay.reference.testing import random_batch
+    from replay.reference.trainer import OptimizerConfig, ReferenceTrainer, make_mesh
+
+    seq_len = args.seq_len or (256 if args.quick else 1024)
+    steps = args.steps or (8 if args.quick else 20)
+    # The demo model (configs/runs/demo.yaml) with the demo tokenizer's vocabulary.
+    model = ModelConfig(vocab_size=8000, d_model=128, n_layers=2, n_heads=4, head_dim=32, n_experts=8, top_k=2,
+                        d_ff=256, capacity_factor=1.25)
+    n_dev = jax.device_count()
+    mesh = make_mesh({"data": -1, "expert": 2 if n_dev % 2 == 0 else 1})
+    with_fp = ReferenceTrainer(model, OptimizerConfig())
+    without = ReferenceTrainer(model, OptimizerConfig(), fingerprints=False)
+    state = with_fp.init_state(mesh, seed=0)
+    batches = [random_batch(i, args.global_batch, seq_len, model.vocab_size) for i in range(4)]
+    batches = [{k: jax.device_put(v, with_fp.batch_sharding(mesh)) for k, v in b.items()} for b in batches]
+
+    def timed(trainer, step):
+        t0 = time.perf_counter()
+        new_state, fp = trainer.train_step(state, batches[step % len(batches)], step)
+        jax.block_until_ready(new_state)
+        return time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    for tr in (with_fp, without):  # compile and warm up
+        timed(tr, 0)
+        timed(tr, 1)
+    compile_s = time.perf_counter() - t0
+    t_with, t_without = [], []
+    for i in range(steps):
+        order = (with_fp, without) if i % 2 == 0 else (without, with_fp)
+        for tr in order:
+            (t_with if tr is with_fp else t_without).append(timed(tr, i))
+    med_with, med_without = statistics.median(t_with), statistics.median(t_without)
+    n_params = sum(with_fp.leaf_sizes)
+    result = {
+        "benchmark": "fingerprint",
+        "overhead": round(med_with / med_without - 1.0, 4),
+        "ratio_with_over_without": round(med_with / med_without, 4),
+        "step_s_with_fingerprints": round(med_with, 5),
+        "step_s_without_fingerprints": round(med_without, 5),
+        "min_step_s_with": round(min(t_with), 5),
+        "min_step_s_without": round(min(t_without), 5),
+        "reference": "the same train step compiled without fingerprints, same process, interleaved",
+        "timed_steps_each": steps,
+        "params": n_params,
+        "fingerprinted_elements_per_step": n_params * (mesh.size + 1),
+        "global_batch": args.global_batch,
+        "seq_len": seq_len,
+        "devices": mesh.size,
+        "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape))),
+        "platform": jax.devices()[0].platform,
+        "device_kind": jax.devices()[0].device_kind,
+        "compile_and_warmup_s": round(compile_s, 2),
+        "quick": bool(args.quick),
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
