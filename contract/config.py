@@ -183,6 +183,9 @@ _TOP_KEYS = {
 _TOKENIZER_KEYS = {"path", "sha256", "add_bos", "add_eos"}
 _SOURCE_KEYS = {"name", "paths", "root", "format", "text_field", "id_field", "text_split", "weight"}
 _PHASE_KEYS = {"from_step", "weights"}
+# Names that a source's folder in the dataset would collide with (compared lower-cased, for
+# case-insensitive file systems): the dead-letter folder and the manifest.
+_RESERVED_SOURCE_NAMES = {"errors", "manifest.json"}
 
 
 def _is_url(path: str) -> bool:
@@ -305,6 +308,11 @@ def mixture_from_dict(raw: Any, base_dir: Optional[str] = None, path: Optional[s
         sname = _str(f"{where}.name", s["name"])
         if not _NAME_RE.match(sname):
             raise ConfigError(f"{where}.name: must match {_NAME_RE.pattern}, got {sname!r}")
+        if sname.lower() in _RESERVED_SOURCE_NAMES:
+            raise ConfigError(
+                f"{where}.name: {sname!r} is reserved (the dataset folder holds {sorted(_RESERVED_SOURCE_NAMES)}); "
+                "choose another name"
+            )
         if sname in seen:
             raise ConfigError(f"{where}.name: duplicate source name {sname!r}")
         seen.add(sname)
@@ -369,7 +377,12 @@ def mixture_from_dict(raw: Any, base_dir: Optional[str] = None, path: Optional[s
             # ``to_dict()`` writes the step-0 phase (the sources' weights) first; accept it back
             # when it says the same as the sources, so that a normalized config round-trips.
             w0 = p["weights"]
-            if not isinstance(w0, Mapping) or {n: float(w0.get(n, 0.0)) for n in base_weights} != base_weights:
+            if isinstance(w0, Mapping):
+                unknown = sorted(set(w0) - seen, key=str)
+                if unknown:
+                    raise ConfigError(f"{where}.weights: unknown source(s) {unknown}; sources are {sorted(seen)}")
+                w0 = {n: _weight(f"{where}.weights.{n}", w0.get(n, 0.0)) for n in base_weights}
+            if not isinstance(w0, Mapping) or w0 != base_weights:
                 raise ConfigError(f"{where}: a phase at step 0 must repeat the sources' weights {base_weights}, "
                                   f"got {w0!r}; set sources[*].weight instead")
             continue
@@ -401,17 +414,48 @@ def mixture_from_dict(raw: Any, base_dir: Optional[str] = None, path: Optional[s
     )
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping.
+
+    Plain YAML loading keeps the last value silently, so ``weight: 0.9`` followed further
+    down by ``weight: 0.1`` would be a mistake nobody sees.
+    """
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            self.flatten_mapping(node)
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    hash(key)
+                except TypeError:
+                    continue  # the base class reports unhashable keys
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"found duplicate key {key!r} (first at line {seen[key].line + 1})", key_node.start_mark,
+                    )
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_mixture(path: str) -> MixtureConfig:
     """Reads and validates a mixture config from a local YAML file.
 
     Raises:
-      ConfigError: the file is missing, is not YAML, or fails validation.
+      ConfigError: the file is missing, is not YAML (or repeats a key in one mapping), or
+        fails validation.
     """
     try:
         with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
+            raw = yaml.load(f, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a folder, not a YAML file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     try:

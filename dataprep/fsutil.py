@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import BinaryIO
 
 from apache_beam.io.filesystem import BeamIOError, CompressionTypes
@@ -76,6 +77,37 @@ def exists(path: str) -> bool:
 
 def join(base: str, *parts: str) -> str:
     return FileSystems.join(base, *parts)
+
+
+def is_not_a_file(path: str) -> bool:
+    """True for what a glob may match but is no input file: a local folder, FIFO, socket or
+    device (reading a FIFO would block for ever), or an object-store "folder" placeholder
+    (a name ending in ``/``)."""
+    if path.endswith("/"):
+        return True
+    from apache_beam.io.localfilesystem import LocalFileSystem
+
+    try:
+        local = isinstance(FileSystems.get_filesystem(path), LocalFileSystem)
+    except ValueError:
+        return False
+    return local and os.path.exists(path) and not os.path.isfile(path)
+
+
+def real_path(path: str) -> str:
+    """The canonical name of a local file (symbolic links resolved); other paths unchanged."""
+    from apache_beam.io.localfilesystem import LocalFileSystem
+
+    try:
+        local = isinstance(FileSystems.get_filesystem(path), LocalFileSystem)
+    except ValueError:
+        return path
+    return os.path.realpath(path) if local else path
+
+
+def has_glob(pattern: str) -> bool:
+    """True when ``pattern`` holds a glob character (``*``, ``?`` or ``[``)."""
+    return any(ch in pattern for ch in "*?[")
 
 
 def delete(path: str) -> None:

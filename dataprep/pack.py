@@ -37,12 +37,21 @@ if not __package__:  # run as a script: the repository root replaces dataprep/ o
     sys.path[0] = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 
 import apache_beam as beam  # noqa: E402
+from apache_beam.io.filesystems import FileSystems  # noqa: E402
 from apache_beam.metrics.metric import MetricsFilter  # noqa: E402
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions  # noqa: E402
 
 from contract.codec import FORMAT_VERSION, token_dtype_for_vocab  # noqa: E402
 from contract.config import ConfigError, MixtureConfig, load_mixture  # noqa: E402
-from contract.manifest import ERRORS_DIR, MANIFEST_NAME, Ledger, Manifest, ShardInfo, SourceEntry  # noqa: E402
+from contract.manifest import (  # noqa: E402
+    ERRORS_DIR,
+    MANIFEST_NAME,
+    Ledger,
+    Manifest,
+    ShardInfo,
+    SourceEntry,
+    shard_name,
+)
 from dataprep import fsutil, pipeline, preflight  # noqa: E402
 
 DEFAULT_RUNNER = "FnApiRunner"
@@ -56,6 +65,38 @@ class LedgerError(RuntimeError):
 
 class OutputExistsError(ValueError):
     """The output folder already holds a committed dataset (manifest.json)."""
+
+
+class OutputNotAFolderError(OutputExistsError):
+    """``--output`` (or a folder above it) is an existing file, so no dataset can be written there."""
+
+
+def check_output_location(output: str) -> None:
+    """Raises :class:`OutputNotAFolderError` where a local ``--output`` cannot be a folder.
+
+    Checked before any work, so that a typo does not surface as a crash of the pipeline's
+    last step. Object stores (``gs://``) have no folders and need no check.
+    """
+    import os
+
+    from apache_beam.io.localfilesystem import LocalFileSystem
+
+    try:
+        if not isinstance(FileSystems.get_filesystem(output), LocalFileSystem):
+            return
+    except ValueError:
+        return
+    path = os.path.abspath(output)
+    while True:
+        if os.path.lexists(path):
+            if not os.path.isdir(path):
+                what = "is a file" if path == os.path.abspath(output) else f"is inside {path}, which is a file"
+                raise OutputNotAFolderError(f"--output {output} {what}, not a folder")
+            return
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +134,31 @@ def tool_versions() -> dict[str, str]:
     }
 
 
+_EPILOG = """\
+Every other option is a Beam pipeline option, passed on to Beam (an option that neither
+this command nor Beam knows is an error). The runner defaults to FnApiRunner, the
+DirectRunner's local batch engine.
+
+examples:
+  python -m dataprep.pack --config configs/mixtures/demo.yaml --output build/demo/dataset
+  python -m dataprep.pack --config ... --output ... \\
+      --direct_num_workers=2 --direct_running_mode=multi_processing
+  python -m dataprep.pack --config ... --output gs://BUCKET/datasets/NAME-vN \\
+      --runner DataflowRunner --project PROJECT --region REGION \\
+      --temp_location gs://BUCKET/tmp --setup_file ./pyproject.toml
+
+exit status: 0 done; 2 bad config, arguments or output folder (checked before any work);
+3 the ledger does not reconcile (no manifest.json written).
+"""
+
+
 def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
-        prog="python -m dataprep.pack", description=__doc__.split("\n")[0], allow_abbrev=False
+        prog="python -m dataprep.pack",
+        description=__doc__.split("\n")[0],
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
     )
     parser.add_argument("--config", required=True, help="mixture config YAML (configs/mixtures/*.yaml)")
     parser.add_argument("--output", required=True, help="dataset folder, local or gs://...")
@@ -111,11 +174,22 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, list[
 def pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
     """Beam options from the remaining arguments; the runner defaults to FnApiRunner.
 
+    Raises:
+      ConfigError: an argument is not a Beam option (Beam itself would drop it silently).
+
     The DirectRunner of Beam 2.77 first tries the Prism runner (a downloaded Go binary
     that ignores ``--direct_num_workers``); FnApiRunner is the DirectRunner's own batch
     engine and honours ``--direct_num_workers`` and ``--direct_running_mode``.
     """
     options = PipelineOptions(list(beam_args))
+    unknown = sorted(
+        set(options.get_all_options(retain_unknown_options=True)) - set(options.get_all_options())
+    )
+    if unknown:
+        raise ConfigError(
+            f"unknown option(s) {['--' + u for u in unknown]}: neither this command's "
+            "(--config, --output, --overwrite, --quiet) nor a Beam pipeline option"
+        )
     std = options.view_as(StandardOptions)
     if not std.runner:
         std.runner = DEFAULT_RUNNER
@@ -174,14 +248,20 @@ def build_manifest(config: MixtureConfig, pre: preflight.Preflight, stats: list[
 
 
 def _clear_dead_letters(output: str, config: MixtureConfig) -> None:
-    """Removes dead-letter files of an earlier, uncommitted or overwritten run at ``output``.
+    """Removes dead-letter files and stale shards of an earlier, uncommitted or overwritten run.
 
     Shards have fixed names and are rewritten; dead-letter files exist only for buckets with
-    rejections, so a stale one could otherwise survive a rerun.
+    rejections, and shards named for another shard count are not rewritten, so a stale one
+    could otherwise survive a rerun beside the new dataset.
     """
     for source in config.source_names:
         for path in fsutil.match(fsutil.join(output, ERRORS_DIR, f"{source}-?????-of-?????.jsonl")):
             fsutil.delete(path)
+        # Shards of an earlier run with another shards_per_source are not rewritten either.
+        current = {shard_name(i, config.shards_per_source) for i in range(config.shards_per_source)}
+        for path in fsutil.match(fsutil.join(output, source, "data-?????-of-?????.array_record")):
+            if FileSystems.split(path)[1] not in current:
+                fsutil.delete(path)
 
 
 def _metrics(result) -> dict[str, int]:
@@ -207,14 +287,22 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
       The :class:`PackResult`.
 
     Raises:
-      ConfigError: the config or a file check failed (before any work started).
+      ConfigError: the config, a file check or a Beam option failed (before any work started).
       OutputExistsError: ``--output`` holds a committed dataset and ``--overwrite`` is off.
       LedgerError: the counts do not reconcile (``manifest.json`` is not written).
     """
     args, beam_args = parse_args(argv)
     config = load_mixture(args.config)
     pre = preflight.preflight(config)
+    if not args.output.strip():
+        raise ConfigError("--output: must name a folder, got an empty string")  # "" would be "/"
     output = args.output.rstrip("/") or "/"
+    check_output_location(output)
+    options = pipeline_options(beam_args)
+    try:
+        p = beam.Pipeline(options=options)  # checks the runner, before the output is touched
+    except ValueError as e:
+        raise ConfigError(f"Beam options: {e}") from None
     manifest_path = fsutil.join(output, MANIFEST_NAME)
     if fsutil.exists(manifest_path):
         if not args.overwrite:
@@ -223,9 +311,7 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
             )
         fsutil.delete(manifest_path)
     _clear_dead_letters(output, config)
-    options = pipeline_options(beam_args)
     vocab = int(pre.tokenizer_info["vocab_size"])
-    p = beam.Pipeline(options=options)
     _ = p | "Pack" >> pipeline.PackSources(
         config, pre.files, pre.tokenizer_sha256, token_dtype_for_vocab(vocab).name, output
     )

@@ -32,9 +32,12 @@ class Preflight:
 def match_inputs(config: MixtureConfig) -> dict[str, tuple[str, ...]]:
     """Returns, per source, the input files its paths match.
 
+    Folders (and FIFOs, devices) that a glob matches (``in/*`` over a tree) are not inputs and
+    are left out.
+
     Raises:
-      ConfigError: a path or glob matches no file (naming ``sources[i].paths[j]``), or
-        two sources read the same file.
+      ConfigError: a path or glob matches no file (naming ``sources[i].paths[j]``), a path
+        names a folder, a matched file's name is not UTF-8, or two sources read the same file.
     """
     files: dict[str, tuple[str, ...]] = {}
     owner: dict[str, str] = {}
@@ -42,16 +45,35 @@ def match_inputs(config: MixtureConfig) -> dict[str, tuple[str, ...]]:
         found: set[str] = set()
         for j, pattern in enumerate(source.paths):
             matched = fsutil.match(pattern)
-            if not matched:
+            if not matched and fsutil.has_glob(pattern) and fsutil.exists(pattern):
+                matched = [pattern]  # a file whose name holds glob characters, e.g. "a[1].jsonl"
+            files_only = [m for m in matched if not fsutil.is_not_a_file(m)]
+            if not files_only:
+                if matched and not fsutil.has_glob(pattern):
+                    raise ConfigError(
+                        f"sources[{i}].paths[{j}]: {pattern!r} is a folder or other non-regular file, "
+                        f"not an input file; name the files, e.g. {fsutil.join(pattern, '*')!r}"
+                    )
                 raise ConfigError(f"sources[{i}].paths[{j}]: {pattern!r} matches no file")
-            found.update(matched)
+            for m in files_only:
+                try:
+                    m.encode("utf-8")
+                except UnicodeEncodeError:
+                    shown = m.encode("utf-8", "surrogateescape")
+                    raise ConfigError(
+                        f"sources[{i}].paths[{j}]: {pattern!r} matches the file {shown!r}, whose name is "
+                        "not valid UTF-8 (document keys are UTF-8); rename it or narrow the pattern"
+                    ) from None
+            found.update(files_only)
         for f in sorted(found):
-            if f in owner:
+            same = fsutil.real_path(f)  # one file through two links, or two spellings
+            if same in owner:
                 raise ConfigError(
-                    f"sources[{i}].paths: {f} is also an input of source {owner[f]!r}; "
-                    "a file may belong to one source only"
+                    f"sources[{i}].paths: {f} is also an input of source {owner[same]!r}"
+                    + (f" (as {same})" if same != f else "")
+                    + "; a file may belong to one source only"
                 )
-            owner[f] = source.name
+            owner[same] = source.name
         files[source.name] = tuple(sorted(found))
     return files
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import itertools
 import sys
 from typing import Iterator, Optional, Sequence
 
@@ -104,7 +105,9 @@ def train(
       The sha256 hex digest of the model written.
 
     Raises:
-      TrainError: ``vocab_size`` < 16, ``sample_fraction`` not in (0, 1], or no line sampled.
+      TrainError: ``vocab_size`` < 16, ``sample_fraction`` not in (0, 1], ``seed`` not in
+        [0, 2**32), ``max_sentences`` < 1, ``out`` is a folder (or under a file), no line
+        sampled, or SentencePiece refuses the sample (e.g. fewer pieces than characters).
       ConfigError: an input glob matches nothing.
     """
     if vocab_size < 16:
@@ -113,14 +116,62 @@ def train(
         raise TrainError(f"--sample-fraction must be in (0, 1], got {sample_fraction}")
     if model_type not in ("unigram", "bpe"):
         raise TrainError(f"--model-type must be unigram or bpe, got {model_type!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise TrainError(f"--seed (default: the config's seed) must be an integer in [0, 2**32), got {seed!r}")
+    if isinstance(max_sentences, bool) or not isinstance(max_sentences, int) or max_sentences < 1:
+        raise TrainError(f"--max-sentences must be >= 1, got {max_sentences!r}")
+    _check_out(out)
     files = preflight.match_inputs(config)
-    lines = list(sample_lines(config, files, sample_fraction, seed))
-    if not lines:
+    # Streamed, not a list: SentencePiece keeps a sample of at most ``max_sentences`` lines
+    # itself, so a corpus larger than memory can be sampled.
+    lines = sample_lines(config, files, sample_fraction, seed)
+    first = next(lines, None)
+    if first is None:
         raise TrainError("the sample holds no text; raise --sample-fraction")
     spm.set_random_generator_seed(seed)
     model = io.BytesIO()
+    try:
+        _train_spm(
+            itertools.chain([first], lines), model, vocab_size, model_type, byte_fallback, max_sentences,
+            character_coverage, num_threads,
+        )
+    except RuntimeError as e:  # SentencePiece's own checks, e.g. a vocabulary too small
+        raise TrainError(f"SentencePiece refused to train: {e}") from None
+    data = model.getvalue()
+    sha = hashlib.sha256(data).hexdigest()
+    fsutil.write_bytes(out, data)
+    name = out.rsplit("/", 1)[-1]
+    fsutil.write_bytes(out + ".sha256", f"{sha}  {name}\n".encode("ascii"))
+    return sha
+
+
+def _check_out(out: str) -> None:
+    """Raises :class:`TrainError` where a local ``out`` cannot be written as a file."""
+    import os
+
+    from apache_beam.io.filesystems import FileSystems
+    from apache_beam.io.localfilesystem import LocalFileSystem
+
+    try:
+        if not isinstance(FileSystems.get_filesystem(out), LocalFileSystem):
+            return
+    except ValueError:
+        return
+    path = os.path.abspath(out)
+    if out.endswith("/") or os.path.isdir(path):
+        raise TrainError(f"--out {out} is a folder; name the model file, e.g. {out.rstrip('/')}/tokenizer.model")
+    parent = os.path.dirname(path)
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise TrainError(f"--out {out} is inside {parent}, which is a file, not a folder")
+
+
+def _train_spm(
+    sentences, model, vocab_size, model_type, byte_fallback, max_sentences, character_coverage, num_threads
+) -> None:
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines),
+        sentence_iterator=sentences,
         model_writer=model,
         vocab_size=vocab_size,
         model_type=model_type,
@@ -137,12 +188,6 @@ def train(
         hard_vocab_limit=False,
         minloglevel=2,
     )
-    data = model.getvalue()
-    sha = hashlib.sha256(data).hexdigest()
-    fsutil.write_bytes(out, data)
-    name = out.rsplit("/", 1)[-1]
-    fsutil.write_bytes(out + ".sha256", f"{sha}  {name}\n".encode("ascii"))
-    return sha
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -29,7 +29,7 @@ from contract.config import MixtureConfig, load_mixture
 from loader import index as ix
 from loader import reader as rd
 from loader import state as st
-from loader.source import RowRef, StepSource
+from loader.source import RowRef, StepSource, unpack
 
 log = logging.getLogger("loader")
 _THREADS: list[tuple[threading.Thread, threading.Event]] = []  # live prefetch threads
@@ -81,7 +81,10 @@ class _Stage:
         finally:
             close = getattr(source, "close", None)
             if close is not None:
-                close()
+                try:
+                    close()
+                except Exception as e:  # noqa: BLE001 - shutting down; the consumer has its answer
+                    log.warning("closing %s: %r", self.thread.name, e)
 
     def get(self):
         kind, item = self.queue.get()
@@ -205,14 +208,14 @@ class DataLoader:
         """This process's rows of ``step`` as numpy: the six keys, int32 ``[n_local, L]``
         (rows in increasing global-batch position, :attr:`local_rows`)."""
         host = self.source(step)
-        return rd.derive_batch(*(host[k].astype(np.int32) for k in ("inputs", "inputs_segmentation", "inputs_position")))
+        return rd.derive_batch(*unpack(host))
 
     # ---------------------------------------------------------------- global arrays
     def to_global(self, host: Mapping[str, np.ndarray]) -> dict[str, Any]:
         """Global ``jax.Array`` s (int32 ``[B, L]``, :attr:`sharding`) from host-local arrays.
 
-        ``host`` holds the six keys, or only the three ``inputs*`` keys (what the step
-        source produces); then, when the sequence is not split over a context axis, the
+        ``host`` holds the six keys, or ``packed`` (what the step source produces: tokens,
+        ids and positions, ``[n, 3, L]``); then, when the sequence is not split over a context axis, the
         ``targets*`` keys are derived on the devices by one jitted function
         (``loader.device``, compiled once, device-local: no collectives); with a context
         axis they are derived on the host, which holds whole rows.
@@ -229,18 +232,26 @@ class DataLoader:
             # Sequence split over devices: the one-slot shift of the targets would cross
             # shards (a collective, unsafe to launch from the prefetch thread next to the
             # trainer's programs). Hosts hold whole rows, so derive the targets here.
-            host = rd.derive_batch(*(host[k].astype(np.int32) for k in ("inputs", "inputs_segmentation",
-                                                                          "inputs_position")))
+            host = rd.derive_batch(*unpack(host))
         if "targets" in host:  # already the six keys
             return {k: jax.make_array_from_callback(self.global_shape, self.sharding, slice_for(host[k]))
                     for k in rd.BATCH_KEYS}
-        inputs, seg, pos = (jax.make_array_from_callback(self.global_shape, self.sharding, slice_for(host[k]))
-                            for k in ("inputs", "inputs_segmentation", "inputs_position"))
+        packed = host["packed"]
+
+        def packed_cb(index):
+            rows, _, cols = index
+            return packed[self._local_index(rows), :, cols]
+
         if self._derive is None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
             from loader.device import make_derive
 
-            self._derive = make_derive(self.sharding)
-        return self._derive(inputs, seg, pos)
+            spec = self.sharding.spec
+            self._packed_sharding = NamedSharding(self.mesh, PartitionSpec(spec[0], None, None))
+            self._derive = make_derive(self.sharding, self._packed_sharding)
+        b, L = self.global_shape
+        return self._derive(jax.make_array_from_callback((b, 3, L), self._packed_sharding, packed_cb))
 
     def _local_index(self, rows: slice):
         """Host-array index of a device's global row slice: a slice (a view) when contiguous."""
@@ -259,8 +270,7 @@ class DataLoader:
         with self._lock:
             self._next_step = step + 1
             self._m["rows_served"] += self.global_batch
-            self._m["tokens_served"] += int(host["tokens"]) if "tokens" in host else int(
-                np.count_nonzero(host["inputs_segmentation"]))
+            self._m["tokens_served"] += int(host["tokens"])
             self._m["wait_s_last_step"] = wait_s
 
     def batch_at(self, step: int) -> dict[str, Any]:

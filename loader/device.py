@@ -1,8 +1,8 @@
 """The jitted half of batch assembly: derive targets and positions on the trainer's mesh.
 
-Hosts send ``inputs``, ``inputs_segmentation`` and ``inputs_position``; this function, compiled once per
-loader (static shapes), computes the targets keys on the devices with the same
-sharding. It is the twin of the numpy ``loader.reader.derive_batch`` (tests check that
+Hosts send one array ``[B, 3, L]`` holding tokens, segment ids and positions (one
+transfer instead of three); this function, compiled once per loader (static shapes),
+unpacks it and computes the targets keys on the devices. It is the twin of the numpy ``loader.reader.derive_batch`` (tests check that
 they agree bit for bit): integer ops only, so the result is exact. The loader uses it only
 when the sequence dimension is not sharded: then every device holds whole rows and the
 program has no collectives, so the prefetch thread may launch it beside the trainer's own
@@ -40,7 +40,16 @@ def derive(inputs: jax.Array, seg: jax.Array, pos: jax.Array) -> dict[str, jax.A
     }
 
 
-def make_derive(sharding):
-    """``derive`` jitted with every input and output on ``sharding``."""
+def derive_packed(packed: jax.Array) -> dict[str, jax.Array]:
+    """:func:`derive` of ``packed[:, 0]`` (tokens), ``packed[:, 1]`` (ids), ``packed[:, 2]`` (positions).
+
+    ``packed`` is ``[B, 3, L]`` uint16 or int32 (ids and positions are non-negative, so
+    their uint16 form is their value).
+    """
+    return derive(packed[:, 0], packed[:, 1], packed[:, 2])
+
+
+def make_derive(sharding, packed_sharding):
+    """:func:`derive_packed` jitted: input on ``packed_sharding`` (``[B, 3, L]``), outputs on ``sharding``."""
     keys = ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position", "targets_position")
-    return jax.jit(derive, in_shardings=(sharding, sharding, sharding), out_shardings={k: sharding for k in keys})
+    return jax.jit(derive_packed, in_shardings=packed_sharding, out_shardings={k: sharding for k in keys})

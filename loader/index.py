@@ -42,7 +42,6 @@ and the realized weights are reported by :meth:`Schedule.normalized_weights`.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 import hashlib
@@ -160,7 +159,7 @@ def interleave_period(a: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     lcm = functools.reduce(math.lcm, (a[k] for k in positive), 1)
     n = [0] * len(a)
     # release(k): first 1-based row t with m*(a_k*t - n_k*D) >= D.
-    pending = [(-(-D * (m * 0 + 1) // (m * a[k])), k) for k in positive]
+    pending = [(-(-D // (m * a[k])), k) for k in positive]
     heapq.heapify(pending)
     ready: list[tuple[int, int]] = []  # (deadline * m * lcm, k)
     for t in range(1, D + 1):
@@ -177,13 +176,11 @@ def interleave_period(a: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     if n != list(a):
         raise RuntimeError(f"interleave of quotas {a} ended with counts {n}")
     # The bound, checked exactly in integers: |n_k(t)*D - a_k*t| < D.
-    counts = np.zeros(len(a), np.int64)
     t = np.arange(1, D + 1, dtype=np.int64)
     for k in positive:
         nk = np.cumsum(src == k)
         if np.abs(nk * D - a[k] * t).max() >= D:
             raise RuntimeError(f"interleave of quotas {a} leaves the +-1 bound for source {k}")
-        counts[k] = nk[-1]
     return src, draw
 
 
@@ -521,7 +518,6 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "SkipWindow",
-    "bisect",
     "check_skip_windows",
     "data_step",
     "exact_weights",

@@ -46,6 +46,12 @@ class RowRef:
         return dataclasses.asdict(self)
 
 
+def unpack(host: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(inputs, inputs_segmentation, inputs_position)``, int32 ``[n, L]``, of a host batch."""
+    packed = host["packed"].astype(np.int32)
+    return packed[:, 0], packed[:, 1], packed[:, 2]
+
+
 class _Names:
     """``names[i]``: "<source> record <r>" of the i-th row, built only when an error needs it."""
 
@@ -66,7 +72,7 @@ class StepSource:
         holds (``B`` = global batch).
       seq_len: slots per row.
       pad_id: token id written on padding.
-      token_dtype: dtype of the host ``inputs`` array (the dataset's, e.g. uint16, or int32).
+      token_dtype: the dataset's token dtype (uint16 allows the narrow host array).
     """
 
     def __init__(self, schedule: ix.Schedule, shards: ShardSet, local_rows: np.ndarray, seq_len: int,
@@ -76,16 +82,20 @@ class StepSource:
         self.local_rows = np.asarray(local_rows, np.int64)
         self.seq_len = seq_len
         self.pad_id = pad_id
-        # Narrow host arrays when the values fit; the devices widen them to int32 (loader.device).
-        self.token_dtype = np.dtype(token_dtype)
-        self.index_dtype = np.dtype(np.int16 if seq_len <= 2**15 else np.int32)
+        # One host array [n, 3, L] of tokens, segment ids and positions: uint16 when the tokens
+        # are uint16 and ids and positions (<= seq_len) fit, else int32; the devices widen it.
+        narrow = np.dtype(token_dtype) == np.uint16 and seq_len < 2**15
+        self.packed_dtype = np.dtype(np.uint16 if narrow else np.int32)
 
-    def refs(self, step: int, positions: np.ndarray | None = None) -> list[RowRef]:
-        """:class:`RowRef` of each row of ``step`` (all ``B`` rows, or those at ``positions``)."""
+    def _locate(self, step: int, positions: np.ndarray | None) -> ix.RowLocations:
         rows = self.schedule.step_rows(step)
         if positions is not None:
             rows = rows[np.asarray(positions, np.int64)]
-        loc = self.schedule.locate(rows)
+        return self.schedule.locate(rows)
+
+    def refs(self, step: int, positions: np.ndarray | None = None) -> list[RowRef]:
+        """:class:`RowRef` of each row of ``step`` (all ``B`` rows, or those at ``positions``)."""
+        loc = self._locate(step, positions)
         shard, in_shard = self.shards.locate(loc.source, loc.record)
         return [
             RowRef(int(g), int(p), self.schedule.sources[int(k)], int(e), int(i), int(r),
@@ -96,27 +106,29 @@ class StepSource:
 
     def read_rows(self, step: int, positions: np.ndarray | None = None) -> list[codec.PackedRow]:
         """The stored rows of ``step`` (all, or those at ``positions``), in batch order."""
-        rows = self.schedule.step_rows(step)
-        if positions is not None:
-            rows = rows[np.asarray(positions, np.int64)]
-        loc = self.schedule.locate(rows)
+        loc = self._locate(step, positions)
         data = self.shards.read(loc.source, loc.record)
         return decode_all(data, _Names(self.schedule.sources, loc))
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
-        """Host-local arrays of ``step``: ``inputs``, ``inputs_segmentation`` and
-        ``inputs_position`` (``[n, seq_len]``, in :attr:`token_dtype` and :attr:`index_dtype`;
-        the targets keys derive from them,
-        ``loader.reader.derive_batch``),
-        ``step`` (int64 scalar), ``tokens`` (int64 scalar, non-padding tokens) and ``source``
-        (int32 ``[n]``, schedule source index)."""
+        """Host-local arrays of ``step``.
+
+        Returns:
+          ``packed``: ``[n, 3, seq_len]`` in :attr:`packed_dtype`, tokens, segment ids and
+          positions of the host's rows (:func:`unpack`; the targets keys derive from them,
+          ``loader.reader.derive_batch``); ``step`` (int64 scalar); ``tokens`` (int64
+          scalar, non-padding tokens); ``source`` (int32 ``[n]``, schedule source index).
+        """
         step = int(step)
-        rows = self.schedule.step_rows(step)[self.local_rows]
-        loc = self.schedule.locate(rows)
+        loc = self._locate(step, self.local_rows)
         data = self.shards.read(loc.source, loc.record)
         rows = decode_all(data, _Names(self.schedule.sources, loc))
-        inputs, seg, pos = pack_inputs(rows, self.seq_len, self.pad_id, self.token_dtype, self.index_dtype)
-        out = {"inputs": inputs, "inputs_segmentation": seg, "inputs_position": pos}
+        packed = np.empty((len(rows), 3, self.seq_len), self.packed_dtype)
+        # int16 ids/positions reinterpret as uint16 unchanged (they are >= 0)
+        index_dtype = np.int16 if self.packed_dtype == np.uint16 else np.int32
+        inputs, seg, pos = pack_inputs(rows, self.seq_len, self.pad_id, self.packed_dtype, index_dtype)
+        packed[:, 0], packed[:, 1], packed[:, 2] = inputs, seg.view(self.packed_dtype), pos.view(self.packed_dtype)
+        out = {"packed": packed}
         out["step"] = np.int64(step)
         out["tokens"] = np.int64(sum(r.num_tokens for r in rows))
         out["source"] = loc.source.astype(np.int32)

@@ -27,24 +27,20 @@ replay. On an accelerator pod these are different chips.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
-import random
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
 from replay import compare as cmp
 from replay import devices as dv
 from replay.protocol import FaultSpec, StepFingerprints
-from replay.runlog import RunDirError, RunLog, load_run
-from replay.verdict import (
-    Cause, Decision, Divergence, DivergenceKind, Evidence, ExitCode, ReplayOutcome, Verdict, decide,
-)
+from replay.runlog import RunDirError, RunLog
+from replay.verdict import Decision, Evidence, ReplayOutcome, Verdict, decide
 
-CANARY_VERSION = 1
+
+PREFETCH_MIN_STEPS = 8  # stretches this long read batches through the loader's prefetch
 
 
 class EnvDriftError(RuntimeError):
@@ -273,26 +269,50 @@ class Session:
         later = sorted(c for c in checkpoints if checkpoint < c < stop)
         step = checkpoint
         while step < stop:
-            state, fp = trainer.train_step(state, self.batch(step, assignment), step, fault)
-            fps.append(fp)
-            advance(1)
-            if keep_state_at is not None and step == keep_state_at:
-                kept[step] = state
-            if log is not None:
-                logged = log[step]
-                pairing = cmp.pair_devices(cmp.coords_of(logged), cmp.coords_of(fp))
-                diff = cmp.compare_step(logged, fp, pairing, tolerance)
-                diffs.append(diff)
-                if not diff.ok:
-                    nxt = [c for c in later if c > step]
-                    if not nxt:
+            batches = self._batches_from(step, stop, assignment)
+            try:
+                for step, batch in batches:
+                    state, fp = trainer.train_step(state, batch, step, fault)
+                    fps.append(fp)
+                    advance(1)
+                    if keep_state_at is not None and step == keep_state_at:
+                        kept[step] = state
+                    if log is None:
+                        continue
+                    logged = log[step]
+                    pairing = cmp.pair_devices(cmp.coords_of(logged), cmp.coords_of(fp))
+                    diff = cmp.compare_step(logged, fp, pairing, tolerance)
+                    diffs.append(diff)
+                    if not diff.ok:
                         break
-                    advance(nxt[0] - step - 1)
-                    step = nxt[0]
-                    state = self.restore(step, assignment)
+                else:
+                    step = stop
                     continue
-            step += 1
+            finally:
+                batches.close()
+            nxt = [c for c in later if c > step]
+            if not nxt:
+                break
+            advance(nxt[0] - step - 1)
+            step = nxt[0]
+            state = self.restore(step, assignment)
         return fps, diffs, kept
+
+    def _batches_from(self, start: int, stop: int, assignment: Sequence[int]) -> Iterator[tuple[int, Any]]:
+        """``(step, batch)`` for ``start .. stop-1``: through the loader's prefetching ``iterate`` for
+        long stretches (data overlaps compute, as in training), one cached ``batch_at`` each otherwise."""
+        if stop - start >= PREFETCH_MIN_STEPS:
+            it = self.loader(assignment).iterate(start)
+            try:
+                for step, batch in it:
+                    if step >= stop:
+                        return
+                    yield step, batch
+            finally:
+                it.close()
+        else:
+            for step in range(start, stop):
+                yield step, self.batch(step, assignment)
 
 
 # ----------------------------------------------------------------------------- environment

@@ -10,6 +10,9 @@ import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
 
+# Session-scoped fixtures of the replay tests (one trained run shared by their modules).
+pytest_plugins = ["test_replay_support"]
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO_ROOT.parent / "shared"
 

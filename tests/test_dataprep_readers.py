@@ -150,6 +150,8 @@ def test_any_jsonl_bytes_give_one_item_per_non_blank_line(tmp_path, lines, crlf)
     p = tmp_path / "fuzz.jsonl"
     p.write_bytes((b"\r\n" if crlf else b"\n").join(lines))
     got = _read(_src(tmp_path, SourceFormat.JSONL), p)
+    bom = b"\xef\xbb\xbf"  # a byte order mark at the file start is not content
+    lines = [lines[0][len(bom) :] if lines[0].startswith(bom) else lines[0], *lines[1:]] if lines else lines
     non_blank = [i + 1 for i, line in enumerate(lines) if line.strip()]
     assert [d.key for d in got] == [f"s/fuzz.jsonl:{i}" for i in non_blank]
     for d in got:

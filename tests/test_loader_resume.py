@@ -93,6 +93,11 @@ def test_worker_processes_give_same_stream(ds, reference):
     assert stream(w, 5) == reference[3:8]
 
 
+def test_read_threads_give_same_stream(ds, reference):
+    t = loader.build(mix(), ds, global_batch=B, read_threads=3, prefetch=1)
+    assert stream(t, 6, start=2) == reference[2:8]
+
+
 def test_grain_checkpoint_roundtrip(ds):
     data = loader.build(mix(), ds, global_batch=B)
     grain.experimental.assert_equal_output_after_checkpoint(data.grain_dataset(0, 5).to_iter_dataset())

@@ -93,7 +93,7 @@ def test_canary_batch_is_the_batch_of_its_step(tiny):
 
 
 def test_sigkill_at_a_random_step_then_restart_matches_uninterrupted(tiny):
-    """A subprocess (loader with a Grain worker process) is SIGKILLed mid-run and restarted."""
+    """A training subprocess (loader with a Grain worker process) is SIGKILLed mid-run, then resumed."""
     folder, path, cfg, trainer, mesh, run_a, _ = tiny
     raw = yaml.safe_load(pathlib.Path(path).read_text())
     raw["loader"]["workers"] = 1
@@ -117,8 +117,10 @@ def test_sigkill_at_a_random_step_then_restart_matches_uninterrupted(tiny):
     assert proc.returncode == -signal.SIGKILL, f"process ended before the kill (rc {proc.returncode}):\n{out}"
     killed_lines = len(_lines(run_k))
     assert killed_lines < STEPS
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # restart: a new train() call on the same run directory (in this process, reusing the
+    # compiled step; the subprocess above is the one killed)
+    cfg_w = runm.load_run_config(str(cfg_path))
+    runm.train(str(run_k), cfg_w, STEPS, trainer=trainer, mesh=mesh, log=lambda s: None)
     assert _lines(run_k) == _lines(run_a)  # the uninterrupted run's history, byte for byte
     restores = [e for e in proto.read_events(str(run_k)) if e["event"] == "restore"]
     assert len(restores) == 1 and restores[0]["step"] in (0, 10, 20)
@@ -167,11 +169,13 @@ def test_run_directory_refuses_another_config(tiny, tmp_path):
 DEMO_CONFIG = REPO / "configs" / "runs" / "demo.yaml"
 
 
+@pytest.mark.skipif(os.environ.get("MOE_DEMO_TRAIN") != "1",
+                    reason="minutes on CPU: set MOE_DEMO_TRAIN=1 to train the demo (docs/trainer.md has its figures)")
 def test_demo_trains_and_loss_goes_down(tmp_path):
     """On the real packed demo data (build/demo/dataset), when it has been built."""
     cfg = runm.load_run_config(str(DEMO_CONFIG))
     if not os.path.exists(os.path.join(cfg.dataset, "manifest.json")):
         pytest.skip(f"demo dataset not built at {cfg.dataset} (see docs/trainer.md)")
-    summary = runm.train(str(tmp_path / "demo"), cfg, 30, log=lambda s: None)
+    summary = runm.train(str(tmp_path / "demo"), cfg, 20, log=lambda s: None)
     losses = summary["losses"]
-    assert np.mean([losses[s] for s in range(25, 30)]) < np.mean([losses[s] for s in range(5)]) - 0.2
+    assert np.mean([losses[s] for s in range(15, 20)]) < np.mean([losses[s] for s in range(5)]) - 0.5

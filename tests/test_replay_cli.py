@@ -17,7 +17,7 @@ import pytest
 from replay import cli, engine
 from replay.verdict import ExitCode
 
-from test_replay_support import STEPS, replay_made, replay_session  # noqa: F401  (fixtures)
+from test_replay_support import STEPS
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from replay import canary, compare, drill, engine, forensics, runlog
 from replay.protocol import FaultSpec
 from replay.verdict import Cause, Evidence, Verdict
 
-from test_replay_support import CHECKPOINT_EVERY, STEPS, replay_made, replay_session  # noqa: F401  (fixtures)
+from test_replay_support import STEPS
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +209,22 @@ def test_inspect_lists_documents_of_each_row(session):
     assert sum(len(v) for v in out["shards"].values()) == len({(r["shard"], r["record_in_shard"]) for r in out["rows"]})
     with pytest.raises(forensics.TokenizerUnavailableError, match="is not there"):
         forensics.inspect_steps(data, 5, 6, text=True, tokenizer_path="/nonexistent/tok.model")
+
+
+def test_inspect_text_decodes_with_the_dataset_tokenizer(shared_dir, tmp_path):
+    """--text: each document's tokens decoded by the dataset's SentencePiece model (a real one from ../shared)."""
+    import loader
+    import sentencepiece as spm
+    from test_replay_support import write_run_inputs
+
+    model = str(shared_dir / "tokenizers" / "en_unigram_1000.model")
+    write_run_inputs(str(tmp_path), tokenizer=model, vocab_size=1000)
+    data = loader.build(mixture=str(tmp_path / "mixture.yaml"), dataset=str(tmp_path / "dataset"), global_batch=8)
+    assert data.mixture.tokenizer.path == model
+    rep = forensics.inspect_steps(data, 2, 3, text=True, tokenizer_path=model)
+    sp = spm.SentencePieceProcessor(model_file=model)
+    rows = data.read_rows(2)
+    assert len(rep.rows) == 8
+    for r, packed in zip(rep.rows, rows):
+        for d, seg in zip(r["documents"], packed.segments()):
+            assert d["text"] == sp.decode([int(t) for t in seg]) and d["tokens"] == len(seg)

@@ -5,18 +5,16 @@ replay.reference.train``) uses a 2x2 mesh of devices 0-3, so that devices 4-7 fo
 disjoint good set. It has a mixture phase change at step 6, a skipped data window at step 8,
 and was killed after step 5 (checkpoint 6 never committed, a torn last line in
 fingerprints.jsonl) and resumed from checkpoint 4.
+
+Registered as a plugin by ``tests/conftest.py`` (``pytest_plugins``) so that the session-scoped
+fixtures exist once for every replay test module; heavy imports happen inside the fixtures.
 """
 
 import dataclasses
 import os
 import shutil
 
-import jax
 import pytest
-import yaml
-
-from loader.testing import synthetic_mixture, write_synthetic_dataset
-from replay import engine, runlog
 
 STEPS = 12
 CHECKPOINT_EVERY = 4
@@ -25,10 +23,16 @@ MODEL = {"d_model": 16, "n_layers": 1, "n_heads": 2, "head_dim": 8, "n_experts":
 
 def write_run_inputs(root, *, tokenizer=None, vocab_size=64):
     """A synthetic dataset with two sources and a phase change at step 6, plus its mixture YAML."""
+    import yaml
+
+    from loader.testing import synthetic_mixture, write_synthetic_dataset
+
     mix = synthetic_mixture({"a": 0.5, "b": 0.5}, seq_len=16, phases=[(6, {"a": 0.25, "b": 0.75})])
     raw = mix.to_dict()
-    if tokenizer is not None:
-        raw["tokenizer"] = {"path": tokenizer}
+    if tokenizer is not None:  # a real model: pinned, so the manifest records its sha256
+        import hashlib
+
+        raw["tokenizer"] = {"path": tokenizer, "sha256": hashlib.sha256(open(tokenizer, "rb").read()).hexdigest()}
     mix_path = os.path.join(root, "mixture.yaml")
     with open(mix_path, "w") as f:
         yaml.safe_dump(raw, f)
@@ -53,6 +57,8 @@ def run_config(root, mix_path, **over):
 @pytest.fixture(scope="session")
 def replay_made(tmp_path_factory):
     """(run_dir, trainer): the killed-and-resumed run of the module docstring."""
+    import jax
+
     from replay.reference import run as ref_run
 
     root = str(tmp_path_factory.mktemp("replay_run"))
@@ -77,6 +83,9 @@ def replay_made(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def replay_session(replay_made):
+    """A ``replay.engine.Session`` on the run, reusing the training's trainer (and compiled steps)."""
+    from replay import engine, runlog
+
     run_dir, trainer = replay_made
     run = runlog.load_run(run_dir)
     setup = engine.default_setup(run)

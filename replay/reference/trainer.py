@@ -293,7 +293,7 @@ class ReferenceTrainer:
             if with_fp:
                 lin = linear_index()
                 grads = self._inject(grads, fault, dev_table[lin])
-                out["devices"] = jnp.stack([fpm.fingerprint(g) for g in jax.tree_util.tree_leaves(grads)])[None]
+                out["devices"] = jnp.stack([fpm.fingerprint(g, counts=False) for g in jax.tree_util.tree_leaves(grads)])[None]
             if keep_local:
                 out["local_grads"] = jax.tree_util.tree_map(lambda g: g[None], grads)
             grads = jax.lax.psum(grads, axes)
@@ -450,7 +450,7 @@ class ReferenceTrainer:
         def per_device(params, batch, fault, total_tokens, total_rows):
             (loss, _), grads = jax.value_and_grad(local_loss, has_aux=True)(params, batch, cfg, total_tokens, total_rows)
             grads = self._inject(grads, fault, jnp.int32(device.id))
-            fps = jnp.stack([fpm.fingerprint(g) for g in jax.tree_util.tree_leaves(grads)])
+            fps = jnp.stack([fpm.fingerprint(g, counts=False) for g in jax.tree_util.tree_leaves(grads)])
             return grads, loss, fps
 
         sharded = jax.shard_map(

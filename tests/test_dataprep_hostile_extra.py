@@ -1,0 +1,412 @@
+"""Regression tests for what a hostile review of dataprep broke (configs, inputs, output folder).
+
+Each test pins one fixed failure: a config mistake that crashed or passed silently, an input
+that was lost silently or crashed the pipeline, an output folder problem found only at the
+pipeline's last step, a Beam option dropped silently.
+"""
+
+import base64
+import gzip
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+import zstandard
+
+from contract.config import ConfigError, SourceConfig, SourceFormat, TextSplit, load_mixture, mixture_from_dict
+from dataprep import pack, preflight, readers, testing
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _base(**extra):
+    cfg = {
+        "name": "t",
+        "version": 1,
+        "tokenizer": {"path": "tok.model"},
+        "sources": [{"name": "a", "paths": ["in/*.jsonl"], "format": "jsonl"}],
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def _src(root, fmt, split=TextSplit.FILE):
+    return SourceConfig(name="s", paths=(str(root),), root=str(root), format=SourceFormat(fmt), text_split=split)
+
+
+def _items(root, fmt, name, data, split=TextSplit.FILE):
+    p = pathlib.Path(root) / name
+    p.write_bytes(data)
+    return list(readers.read_file(_src(root, fmt, split), str(p)))
+
+
+# --- config ----------------------------------------------------------------------------
+
+
+def test_step0_phase_with_non_numeric_weight_is_a_config_error():
+    # Was: ValueError "could not convert string to float" (a traceback, not exit status 2).
+    raw = _base(phases=[{"from_step": 0, "weights": {"a": "x"}}])
+    with pytest.raises(ConfigError, match=r"^phases\[0\]\.weights\.a: must be a number, got 'x'$"):
+        mixture_from_dict(raw, base_dir="/d")
+    raw = _base(phases=[{"from_step": 0, "weights": {"a": 1.0, "zz": 1.0}}])
+    with pytest.raises(ConfigError, match=r"phases\[0\]\.weights: unknown source\(s\) \['zz'\]"):
+        mixture_from_dict(raw, base_dir="/d")
+    # The normalized form still reads back (manifest.json writes the step-0 phase).
+    cfg = mixture_from_dict(_base(), base_dir="/d")
+    assert mixture_from_dict(cfg.to_dict(), base_dir="/d") == cfg
+
+
+def test_yaml_key_given_twice_is_a_config_error(tmp_path):
+    # Was: the last value won silently (weight 1 then weight 0 gave weight 0).
+    p = tmp_path / "mix.yaml"
+    p.write_text(
+        "name: t\nversion: 1\ntokenizer: {path: tok.model}\nsources:\n"
+        "  - name: a\n    paths: [in/a.jsonl]\n    format: jsonl\n    weight: 1\n    weight: 0\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_mixture(str(p))
+    assert "found duplicate key 'weight' (first at line 8)" in str(e.value)
+    assert 'line 9' in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["errors", "Errors", "manifest.json", "MANIFEST.JSON"])
+def test_source_names_that_collide_with_the_dataset_layout_are_refused(name):
+    # Was: accepted; a source "manifest.json" makes <output>/manifest.json a folder, and a
+    # source "errors" mixes its shards into the dead-letter folder.
+    raw = _base()
+    raw["sources"][0]["name"] = name
+    with pytest.raises(ConfigError, match=r"^sources\[0\]\.name: '.*' is reserved"):
+        mixture_from_dict(raw, base_dir="/d")
+
+
+def test_config_path_that_is_a_folder_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="is a folder, not a YAML file"):
+        load_mixture(str(tmp_path))
+
+
+# --- preflight -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    sha = testing.train_small_tokenizer(str(d / "tok.model"))
+    return d / "tok.model", sha
+
+
+def _write_config(d, tok_path, sources, **extra):
+    cfg = {"name": "t", "version": 1, "tokenizer": {"path": str(tok_path)}, "sources": sources}
+    cfg.update(extra)
+    (d / "mix.yaml").write_text(yaml.safe_dump(cfg, allow_unicode=True))
+    return d / "mix.yaml"
+
+
+def test_glob_matching_folders_and_fifos_keeps_only_files(tmp_path, tok):
+    (tmp_path / "in/sub.jsonl").mkdir(parents=True)
+    (tmp_path / "in/a.jsonl").write_text('{"text": "x"}\n')
+    os.mkfifo(tmp_path / "in/pipe.jsonl")  # reading it would block the pipeline for ever
+    cfg = load_mixture(str(_write_config(tmp_path, tok[0], [{"name": "a", "paths": ["in/*"], "format": "jsonl"}])))
+    assert preflight.match_inputs(cfg) == {"a": (str(tmp_path / "in/a.jsonl"),)}
+
+
+def test_explicit_folder_path_is_a_config_error(tmp_path, tok):
+    # Was: accepted; the folder was then "read" and reported as an unreadable file.
+    (tmp_path / "in/d.jsonl").mkdir(parents=True)
+    cfg = load_mixture(str(_write_config(tmp_path, tok[0], [{"name": "a", "paths": ["in/d.jsonl"], "format": "jsonl"}])))
+    with pytest.raises(ConfigError, match=r"^sources\[0\]\.paths\[0\]: '.*/in/d.jsonl' is a folder"):
+        preflight.match_inputs(cfg)
+    cfg = load_mixture(str(_write_config(tmp_path, tok[0], [{"name": "a", "paths": ["in/*"], "format": "jsonl"}])))
+    with pytest.raises(ConfigError, match=r"^sources\[0\]\.paths\[0\]: '.*/in/\*' matches no file$"):
+        preflight.match_inputs(cfg)
+
+
+def test_file_name_that_is_not_utf8_is_a_config_error_before_any_work(tmp_path, tok):
+    # Was: UnicodeEncodeError from Beam's Create while building the pipeline (a traceback).
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in/ok.jsonl").write_text('{"text": "x"}\n')
+    with open(os.path.join(os.fsencode(tmp_path / "in"), b"bad\xffname.jsonl"), "wb") as f:
+        f.write(b'{"text": "y"}\n')
+    cfg_path = _write_config(tmp_path, tok[0], [{"name": "a", "paths": ["in/*.jsonl"], "format": "jsonl"}])
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=r"sources\[0\]\.paths\[0\]: .* matches the file b'.*bad\\xffname\.jsonl'"):
+        pack.run(["--config", str(cfg_path), "--output", str(out)], print_summary=False)
+    assert not out.exists()
+
+
+def test_file_name_with_glob_characters_given_literally(tmp_path, tok):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in/a[1].jsonl").write_text('{"text": "x"}\n')
+    cfg = load_mixture(str(_write_config(tmp_path, tok[0], [{"name": "a", "paths": ["in/a[1].jsonl"], "format": "jsonl"}])))
+    assert preflight.match_inputs(cfg) == {"a": (str(tmp_path / "in/a[1].jsonl"),)}
+
+
+# --- readers ---------------------------------------------------------------------------
+
+
+def test_bom_at_file_start_is_not_part_of_the_first_document(tmp_path):
+    # Was: the first JSONL line of a file with a BOM was rejected as invalid JSON.
+    got = _items(tmp_path, "jsonl", "b.jsonl", b'\xef\xbb\xbf{"text": "one"}\r\n{"text": "two"}\n')
+    assert got == [readers.Document("s/b.jsonl:1", "one"), readers.Document("s/b.jsonl:2", "two")]
+    got = _items(tmp_path, "jsonl", "only.jsonl", b"\xef\xbb\xbf\n")
+    assert got == []
+    got = _items(tmp_path, "text", "b.txt", b"\xef\xbb\xbfplain text\r\n")
+    assert got == [readers.Document("s/b.txt:0", "plain text\r\n")]
+    got = _items(tmp_path, "text", "k.txt", b"\xef\xbb\xbf\n\nblock one\n\nblock two\n", TextSplit.BLANK_LINES)
+    assert got == [readers.Document("s/k.txt:0", "block one"), readers.Document("s/k.txt:1", "block two")]
+
+
+def _lines(n):
+    return b"".join(b'{"text": "line %d %s"}\n' % (i, str(i * 7919 % 1000003).encode() * 20) for i in range(n))
+
+
+def test_truncated_zst_is_a_dead_letter_not_a_silent_loss(tmp_path):
+    # Was: zstandard's stream_reader ends a truncated stream cleanly: no document, no dead
+    # letter, the file vanished from the ledger.
+    z = zstandard.ZstdCompressor(level=3).compress(_lines(20000))
+    got = _items(tmp_path, "jsonl.zst", "t.jsonl.zst", z[: len(z) // 2])
+    docs, last = got[:-1], got[-1]
+    assert all(isinstance(d, readers.Document) for d in docs)
+    assert [d.key for d in docs] == [f"s/t.jsonl.zst:{i}" for i in range(1, len(docs) + 1)]
+    assert len(docs) > 1000  # the complete lines before the cut are kept
+    assert last.key == "s/t.jsonl.zst:file" and last.reason is readers.Reason.UNREADABLE_FILE
+    assert last.detail == "ZstdError: zstd stream ends inside a frame (truncated file)"
+    assert _lines(20000).startswith(b"".join(json.dumps({"text": d.text}).encode() + b"\n" for d in docs) + last.raw)
+    # Several frames back to back read as one stream; an empty file is no document.
+    two = _items(tmp_path, "jsonl.zst", "two.jsonl.zst", zstandard.ZstdCompressor().compress(_lines(3)) * 2)
+    assert [d.key for d in two] == [f"s/two.jsonl.zst:{i}" for i in range(1, 7)]
+    assert _items(tmp_path, "jsonl.zst", "e.jsonl.zst", b"") == []
+
+
+def test_truncated_gz_keeps_the_lines_before_the_cut(tmp_path):
+    # Was: the whole last 1 MB read buffer (every line of a small file) was lost.
+    g = gzip.compress(_lines(20000), mtime=0)
+    got = _items(tmp_path, "jsonl.gz", "t.jsonl.gz", g[: len(g) // 2])
+    docs, last = got[:-1], got[-1]
+    assert len(docs) > 1000 and all(isinstance(d, readers.Document) for d in docs)
+    assert last.key == "s/t.jsonl.gz:file" and last.reason is readers.Reason.UNREADABLE_FILE
+    assert last.detail.startswith("EOFError: Compressed file ended before the end-of-stream marker")
+    assert _lines(20000).startswith(b"".join(json.dumps({"text": d.text}).encode() + b"\n" for d in docs) + last.raw)
+
+
+def test_parquet_binary_text_column_is_read_as_utf8(tmp_path):
+    # Was: every row of a BINARY (no UTF8 annotation) column rejected as non_string_text.
+    pq.write_table(pa.table({"text": pa.array([b"caf\xc3\xa9", b"\xff\xfe", None], pa.binary())}), tmp_path / "b.parquet")
+    got = list(readers.read_file(_src(tmp_path, "parquet"), str(tmp_path / "b.parquet")))
+    assert got[0] == readers.Document("s/b.parquet:0", "café")
+    assert (got[1].key, got[1].reason, got[1].raw) == ("s/b.parquet:1", readers.Reason.INVALID_UTF8, b"\xff\xfe")
+    assert (got[2].key, got[2].reason) == ("s/b.parquet:2", readers.Reason.NON_STRING_TEXT)
+
+
+# --- the command -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory, tok):
+    d = tmp_path_factory.mktemp("small")
+    (d / "in").mkdir()
+    (d / "in/a.jsonl").write_bytes(
+        b'\xef\xbb\xbf{"text": "first after a BOM"}\n{"text": "</s> <unk>"}\nnot json\n{"text": null}\n'
+    )
+    z = zstandard.ZstdCompressor().compress(_lines(200))
+    (d / "in/t.jsonl.zst").write_bytes(z[: len(z) // 2])
+    cfg = _write_config(
+        d,
+        tok[0],
+        [
+            {"name": "a", "paths": ["in/*.jsonl"], "format": "jsonl"},
+            {"name": "z", "paths": ["in/*.jsonl.zst"], "format": "jsonl.zst"},
+        ],
+        seq_len=16,
+        shards_per_source=2,
+    )
+    return d, cfg
+
+
+def _files(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(pathlib.Path(folder).rglob("*")) if p.is_file()}
+
+
+def test_hostile_small_run_reconciles_and_reruns_identically(small, tmp_path):
+    d, cfg = small
+    out = tmp_path / "ds"
+    m = pack.run(["--config", str(cfg), "--output", str(out)], print_summary=False).manifest
+    a, z = m.sources["a"].ledger, m.sources["z"].ledger
+    assert (a.read, a.packed, a.rejected) == (4, 2, {"invalid_json": 1, "non_string_text": 1})
+    assert z.read == z.packed + 1 and z.rejected == {"unreadable_file": 1}
+    assert m.problems() == []
+    letters = [json.loads(x) for p in sorted((out / "errors").glob("*.jsonl")) for x in p.read_text().splitlines()]
+    assert sorted((x["key"], x["reason"]) for x in letters) == [
+        ("a/a.jsonl:3", "invalid_json"),
+        ("a/a.jsonl:4", "non_string_text"),
+        ("z/t.jsonl.zst:file", "unreadable_file"),
+    ]
+    # A crash before the commit (manifest missing, shards present), then a rerun: same bytes.
+    first = _files(out)
+    (out / "manifest.json").unlink()
+    pack.run(["--config", str(cfg), "--output", str(out)], print_summary=False)
+    assert _files(out) == first
+
+
+def test_rerun_with_fewer_shards_removes_stale_shards(small, tmp_path):
+    d, cfg = small
+    out = tmp_path / "ds"
+    pack.run(["--config", str(cfg), "--output", str(out)], print_summary=False)
+    raw = yaml.safe_load(cfg.read_text())
+    raw["shards_per_source"] = 1
+    cfg1 = d / "mix1.yaml"
+    cfg1.write_text(yaml.safe_dump(raw))
+    pack.run(["--config", str(cfg1), "--output", str(out), "--overwrite"], print_summary=False)
+    assert sorted(p.name for p in (out / "a").iterdir()) == ["data-00000-of-00001.array_record"]
+    assert sorted(p.name for p in (out / "z").iterdir()) == ["data-00000-of-00001.array_record"]
+
+
+def test_output_that_is_a_file_fails_before_any_work(small, tmp_path):
+    # Was: a NotADirectoryError traceback from the pipeline's last step.
+    _, cfg = small
+    f = tmp_path / "afile"
+    f.write_bytes(b"keep me")
+    with pytest.raises(pack.OutputNotAFolderError, match=r"^--output .*/afile is a file, not a folder$"):
+        pack.run(["--config", str(cfg), "--output", str(f)], print_summary=False)
+    with pytest.raises(pack.OutputNotAFolderError, match=r"^--output .*/afile/ds is inside .*/afile, which is a file"):
+        pack.run(["--config", str(cfg), "--output", str(f / "ds")], print_summary=False)
+    assert pack.main(["--config", str(cfg), "--output", str(f / "ds")]) == pack.EXIT_CONFIG
+    assert f.read_bytes() == b"keep me"
+
+
+def test_unknown_option_is_an_error_not_silently_dropped(small, tmp_path):
+    # Was: "--overwite" (a typo) or "--direct_num_worker=2" were dropped by Beam with a warning.
+    _, cfg = small
+    out = tmp_path / "ds"
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['--overwite'\]"):
+        pack.run(["--config", str(cfg), "--output", str(out), "--overwite"], print_summary=False)
+    assert pack.main(["--config", str(cfg), "--output", str(out), "--direct_num_worker=2"]) == pack.EXIT_CONFIG
+    assert not out.exists()
+
+
+def test_bad_runner_with_overwrite_keeps_the_committed_dataset(small, tmp_path):
+    # Was: manifest.json deleted (--overwrite) before Beam refused the runner name.
+    _, cfg = small
+    out = tmp_path / "ds"
+    pack.run(["--config", str(cfg), "--output", str(out)], print_summary=False)
+    before = _files(out)
+    with pytest.raises(ConfigError, match="Beam options: Unexpected pipeline runner: Bogus"):
+        pack.run(["--config", str(cfg), "--output", str(out), "--overwrite", "--runner", "Bogus"], print_summary=False)
+    assert _files(out) == before
+
+
+@pytest.mark.parametrize("form", [["-m", "dataprep.pack"], ["dataprep/pack.py"]])
+def test_help_is_complete(form):
+    proc = subprocess.run([sys.executable, *form, "--help"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for needle in ("--config", "--output", "--overwrite", "Beam pipeline option", "DataflowRunner", "exit status"):
+        assert needle in proc.stdout
+
+
+def test_empty_output_is_refused_not_the_root_folder(small):
+    # Was: "" became "/" (rstrip("/") or "/"), so the dataset would go to the root folder.
+    _, cfg = small
+    with pytest.raises(ConfigError, match=r"^--output: must name a folder, got an empty string$"):
+        pack.run(["--config", str(cfg), "--output", ""], print_summary=False)
+
+
+def test_same_file_through_a_symlink_in_two_sources_is_a_config_error(tmp_path, tok):
+    # Was: accepted; every document of the file was packed twice, under two keys.
+    (tmp_path / "in/a").mkdir(parents=True)
+    (tmp_path / "in/b").mkdir()
+    (tmp_path / "in/a/x.jsonl").write_text('{"text": "x"}\n')
+    os.symlink(tmp_path / "in/a/x.jsonl", tmp_path / "in/b/y.jsonl")
+    cfg = load_mixture(
+        str(
+            _write_config(
+                tmp_path,
+                tok[0],
+                [
+                    {"name": "a", "paths": ["in/a/*.jsonl"], "format": "jsonl"},
+                    {"name": "b", "paths": ["in/b/*.jsonl"], "format": "jsonl"},
+                ],
+            )
+        )
+    )
+    with pytest.raises(
+        ConfigError, match=r"^sources\[1\]\.paths: .*/in/b/y\.jsonl is also an input of source 'a' \(as .*/in/a/x\.jsonl\)"
+    ):
+        preflight.match_inputs(cfg)
+
+
+# --- tokenizer training ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--vocab-size", "20"], "SentencePiece refused to train: .*Vocabulary size is smaller than required_chars"),
+        (["--vocab-size", "300", "--seed", "-1"], r"--seed \(default: the config's seed\) must be an integer in \[0, 2\*\*32\), got -1"),
+        (["--vocab-size", "300", "--max-sentences", "0"], "--max-sentences must be >= 1, got 0"),
+        (["--vocab-size", "300", "--out", "{d}"], "--out {d} is a folder; name the model file"),
+        (["--vocab-size", "300", "--out", "{d}/mix.yaml/t.model"], "--out {d}/mix.yaml/t.model is inside {d}/mix.yaml, which is a file"),
+    ],
+)
+def test_train_tokenizer_mistakes_are_errors_not_tracebacks(small, args, message, capsys):
+    # Was: tracebacks (RuntimeError, OverflowError/TypeError, ValueError, IsADirectoryError,
+    # FileExistsError) from SentencePiece or the file system.
+    from dataprep import train_tokenizer
+
+    d, cfg = small
+    args = [a.replace("{d}", str(d)) for a in args]
+    if "--out" not in args:
+        args += ["--out", str(d / "never.model")]
+    assert train_tokenizer.main(["--config", str(cfg), *args]) == 2
+    import re
+
+    assert re.search(message.replace("{d}", re.escape(str(d))), capsys.readouterr().err)
+    assert not (d / "never.model").exists()
+
+
+# --- damaged bytes versus a failing file system ----------------------------------------
+
+
+def test_damaged_deflate_stream_is_a_dead_letter_not_a_crash(tmp_path):
+    # Was: zlib.error ("invalid distance too far back") escaped read_file and failed the run.
+    data = bytearray(gzip.compress(_lines(20000), mtime=0))
+    data[100:150] = b"\xff" * 50
+    got = _items(tmp_path, "jsonl.gz", "c.jsonl.gz", bytes(data))
+    assert got[-1].key == "s/c.jsonl.gz:file" and got[-1].reason is readers.Reason.UNREADABLE_FILE
+    assert got[-1].detail == "error: Error -3 while decompressing data: invalid distance too far back"
+    assert all(not isinstance(d, readers.Rejected) or d.reason is readers.Reason.INVALID_JSON for d in got[:-1])
+
+
+class _FlakyFile:
+    """A file object whose second read fails like a dropped network connection."""
+
+    def __init__(self, data):
+        self._f = __import__("io").BytesIO(data)
+        self._reads = 0
+
+    def read(self, n=-1):
+        self._reads += 1
+        if self._reads > 1:
+            raise ConnectionResetError("connection reset by peer")
+        return self._f.read(min(n, 64) if n and n > 0 else 64)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("fmt, data", [("jsonl", _lines(50)), ("jsonl.gz", gzip.compress(_lines(50), mtime=0))])
+def test_file_system_errors_are_raised_for_a_retry_not_turned_into_dead_letters(tmp_path, monkeypatch, fmt, data):
+    # Was: any OSError became an "unreadable_file" dead letter: a transient gs:// error cut
+    # the file short in one run and not the next (no byte-identical rerun, data lost).
+    from dataprep import fsutil
+
+    monkeypatch.setattr(fsutil, "open_raw", lambda path: _FlakyFile(data))
+    with pytest.raises(ConnectionResetError):
+        list(readers.read_file(_src(tmp_path, fmt), str(tmp_path / f"x.{fmt}")))
