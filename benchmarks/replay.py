@@ -42,14 +42,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _HERE]
 
-import jax  # noqa: E402
-import yaml  # noqa: E402
+import jax
+import yaml
 
-from contract.config import load_mixture  # noqa: E402
-from loader import testing as lt  # noqa: E402
-from replay import engine, runlog  # noqa: E402
-from replay.reference import run as ref_run  # noqa: E402
-from replay.reference.trainer import ReferenceTrainer, make_mesh  # noqa: E402
+from contract.config import load_mixture
+from loader import testing as lt
+from replay import engine, runlog
+from replay.reference import run as ref_run
+from replay.reference.trainer import ReferenceTrainer, make_mesh
 
 
 def make_run(tmp: str, *, seq_len: int, model: dict, global_batch: int, rows: int):
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
             session._states[(1, tuple(home))] = state1  # replay from "checkpoint" 1: the state after step 0
             session._batches.clear()
             t0 = time.perf_counter()
-            fps, diffs, _ = session.run_steps(home, 1, k + 1, log=run.fingerprints)
+            _, diffs, _ = session.run_steps(home, 1, k + 1, log=run.fingerprints)
             replay_times.append(time.perf_counter() - t0)
             if not all(d.ok for d in diffs) or len(diffs) != k:
                 print(f"replay did not reproduce the run: {[d.to_dict() for d in diffs if not d.ok][:1]}",

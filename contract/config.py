@@ -209,7 +209,7 @@ def _glob_root(pattern: str) -> str:
 
 
 def _check_keys(where: str, got: Mapping[str, Any], allowed: set[str]) -> None:
-    unknown = sorted(set(got) - allowed)
+    unknown = sorted(set(got) - allowed, key=repr)  # keys of mixed types (1, "x") still sort
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}")
 
@@ -310,11 +310,14 @@ def mixture_from_dict(raw: Any, base_dir: Optional[str] = None, path: Optional[s
             raise ConfigError(f"{where}.name: must match {_NAME_RE.pattern}, got {sname!r}")
         if sname.lower() in _RESERVED_SOURCE_NAMES:
             raise ConfigError(
-                f"{where}.name: {sname!r} is reserved (the dataset folder holds {sorted(_RESERVED_SOURCE_NAMES)}); "
-                "choose another name"
+                f"{where}.name: {sname!r} is reserved (the dataset folder holds "
+                f"{sorted(_RESERVED_SOURCE_NAMES)}); choose another name"
             )
         if sname in seen:
             raise ConfigError(f"{where}.name: duplicate source name {sname!r}")
+        twin = next((n for n in seen if n.lower() == sname.lower()), None)
+        if twin is not None:  # one folder on a case-insensitive file system (macOS, Windows)
+            raise ConfigError(f"{where}.name: {sname!r} differs from source {twin!r} only in case")
         seen.add(sname)
         paths = s["paths"]
         if isinstance(paths, str):
@@ -378,9 +381,11 @@ def mixture_from_dict(raw: Any, base_dir: Optional[str] = None, path: Optional[s
             # when it says the same as the sources, so that a normalized config round-trips.
             w0 = p["weights"]
             if isinstance(w0, Mapping):
-                unknown = sorted(set(w0) - seen, key=str)
+                unknown = sorted(set(w0) - seen, key=repr)
                 if unknown:
-                    raise ConfigError(f"{where}.weights: unknown source(s) {unknown}; sources are {sorted(seen)}")
+                    raise ConfigError(
+                        f"{where}.weights: unknown source(s) {unknown}; sources are {sorted(seen)}"
+                    )
                 w0 = {n: _weight(f"{where}.weights.{n}", w0.get(n, 0.0)) for n in base_weights}
             if not isinstance(w0, Mapping) or w0 != base_weights:
                 raise ConfigError(f"{where}: a phase at step 0 must repeat the sources' weights {base_weights}, "
@@ -394,7 +399,7 @@ def mixture_from_dict(raw: Any, base_dir: Optional[str] = None, path: Optional[s
         w = p["weights"]
         if not isinstance(w, Mapping):
             raise ConfigError(f"{where}.weights: must be a mapping of source name to weight, got {w!r}")
-        unknown = sorted(set(w) - seen)
+        unknown = sorted(set(w) - seen, key=repr)
         if unknown:
             raise ConfigError(f"{where}.weights: unknown source(s) {unknown}; sources are {sorted(seen)}")
         weights = {n: _weight(f"{where}.weights.{n}", w.get(n, 0.0)) for n in base_weights}

@@ -154,9 +154,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     console.rule("2. tokenizer")
     tok = out / "tokenizer.model"
     unpinned = load_mixture(str(pinned_config(out, None)))
-    sha = train_tokenizer.train(
-        unpinned, args.vocab_size, str(tok), sample_fraction=1.0, seed=0, max_sentences=300_000
-    )
+    try:
+        sha = train_tokenizer.train(
+            unpinned, args.vocab_size, str(tok), sample_fraction=1.0, seed=0, max_sentences=300_000
+        )
+    except (ConfigError, train_tokenizer.TrainError) as e:  # e.g. --vocab-size too small
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     console.print(f"{tok} (vocab {args.vocab_size}, byte fallback, sha256 {sha})")
     console.rule("3. pack")
     cfg = pinned_config(out, sha)
@@ -165,9 +169,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         shutil.rmtree(dataset)
     try:
         pack.run(["--config", str(cfg), "--output", str(dataset), *beam_args])
-    except (ConfigError, pack.LedgerError) as e:
+    except (ConfigError, pack.OutputExistsError, pack.LedgerError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else pack.EXIT_LEDGER
+        return pack.EXIT_LEDGER if isinstance(e, pack.LedgerError) else pack.EXIT_CONFIG
     console.print(f"config: {DEMO_CONFIG} (pinned copy {cfg})")
     console.print(f"read it with: Manifest.from_json(open('{dataset / 'manifest.json'}').read())")
     return 0

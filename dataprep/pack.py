@@ -13,8 +13,9 @@ On Dataflow, unchanged (Beam builds an sdist of this project from ``pyproject.to
         --runner DataflowRunner --project PROJECT --region us-central1 \
         --temp_location gs://BUCKET/tmp --setup_file ./pyproject.toml
 
-``python dataprep/pack.py ...`` works the same. Exit status: 0 done, 2 bad config or
-arguments (nothing was started), 3 the ledger does not reconcile (no manifest written).
+``python dataprep/pack.py ...`` works the same. Exit status: 0 done, 2 bad config,
+arguments or output folder (nothing was started), 3 the ledger does not reconcile (no
+manifest written).
 
 Order of work: the config is validated and every file check is made (globs, tokenizer
 sha256) before the pipeline is built; the pipeline writes shards, dead letters and a
@@ -74,6 +75,8 @@ class OutputNotAFolderError(OutputExistsError):
 def check_output_location(output: str) -> None:
     """Raises :class:`OutputNotAFolderError` where a local ``--output`` cannot be a folder.
 
+    Raises :class:`ConfigError` when no installed Beam file system serves its scheme.
+
     Checked before any work, so that a typo does not surface as a crash of the pipeline's
     last step. Object stores (``gs://``) have no folders and need no check.
     """
@@ -84,13 +87,14 @@ def check_output_location(output: str) -> None:
     try:
         if not isinstance(FileSystems.get_filesystem(output), LocalFileSystem):
             return
-    except ValueError:
-        return
+    except ValueError as e:  # a scheme no installed Beam file system serves
+        raise ConfigError(f"--output {output}: {e}") from None
     path = os.path.abspath(output)
     while True:
         if os.path.lexists(path):
             if not os.path.isdir(path):
-                what = "is a file" if path == os.path.abspath(output) else f"is inside {path}, which is a file"
+                inside = f"is inside {path}, which is a file"
+                what = "is a file" if path == os.path.abspath(output) else inside
                 raise OutputNotAFolderError(f"--output {output} {what}, not a folder")
             return
         parent = os.path.dirname(path)
@@ -152,6 +156,22 @@ exit status: 0 done; 2 bad config, arguments or output folder (checked before an
 """
 
 
+def check_inputs_outside_output(files: Mapping[str, Sequence[str]], output: str) -> None:
+    """Raises :class:`ConfigError` when an input file lies inside ``--output``.
+
+    A glob such as ``corpus/**/*.jsonl`` with ``--output corpus/ds`` would otherwise read the
+    previous run's dead letters (``errors/*.jsonl``) or shards back in as documents.
+    """
+    out = fsutil.real_path(output).rstrip("/") + "/"
+    for source in sorted(files):
+        for f in files[source]:
+            if fsutil.real_path(f).startswith(out):
+                raise ConfigError(
+                    f"sources: {f} (source {source!r}) lies inside --output {output}; "
+                    "the dataset's own files would be read back as inputs: narrow the glob or move --output"
+                )
+
+
 def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="python -m dataprep.pack",
@@ -182,12 +202,12 @@ def pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
     engine and honours ``--direct_num_workers`` and ``--direct_running_mode``.
     """
     options = PipelineOptions(list(beam_args))
-    unknown = sorted(
-        set(options.get_all_options(retain_unknown_options=True)) - set(options.get_all_options())
-    )
+    parsers = []  # Beam's own parser of every registered option, to find what it would drop
+    options.get_all_options(add_extra_args_fn=parsers.append)
+    _, unknown = parsers[0].parse_known_args(list(beam_args))
     if unknown:
         raise ConfigError(
-            f"unknown option(s) {['--' + u for u in unknown]}: neither this command's "
+            f"unknown argument(s) {unknown}: neither this command's "
             "(--config, --output, --overwrite, --quiet) nor a Beam pipeline option"
         )
     std = options.view_as(StandardOptions)
@@ -247,6 +267,26 @@ def build_manifest(config: MixtureConfig, pre: preflight.Preflight, stats: list[
     )
 
 
+def empty_source_warnings(config: MixtureConfig, manifest: Manifest) -> list[str]:
+    """Warnings for sources that packed no row but have weight > 0 in some phase.
+
+    The dataset is committed all the same (the ledger reconciles), but a loader cannot draw
+    rows from such a source, so the mixture as configured cannot be trained on.
+    """
+    out = []
+    for name in config.source_names:
+        entry = manifest.sources[name]
+        steps = [p.from_step for p in config.phases if p.weights.get(name, 0.0) > 0]
+        if entry.records == 0 and steps:
+            rejected = ", ".join(f"{k}: {v}" for k, v in sorted(entry.ledger.rejected.items())) or "none"
+            out.append(
+                f"warning: source {name!r} packed no rows (documents read {entry.ledger.read}, "
+                f"rejected {rejected}) but has weight > 0 from step {steps[0]}; "
+                f"a loader cannot draw from it (see {ERRORS_DIR}/)"
+            )
+    return out
+
+
 def _clear_dead_letters(output: str, config: MixtureConfig) -> None:
     """Removes dead-letter files and stale shards of an earlier, uncommitted or overwritten run.
 
@@ -297,7 +337,10 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
     if not args.output.strip():
         raise ConfigError("--output: must name a folder, got an empty string")  # "" would be "/"
     output = args.output.rstrip("/") or "/"
+    if fsutil.has_glob(output):  # Beam's FileSystems.match, used on the output, cannot quote them
+        raise ConfigError(f"--output {output}: must not contain the glob characters *, ? or [")
     check_output_location(output)
+    check_inputs_outside_output(pre.files, output)
     options = pipeline_options(beam_args)
     try:
         p = beam.Pipeline(options=options)  # checks the runner, before the output is touched
@@ -328,6 +371,8 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
         )
     fsutil.write_bytes(manifest_path, manifest.to_json().encode("ascii"))
     fsutil.delete(stats_path)
+    for line in empty_source_warnings(config, manifest):
+        print(line, file=sys.stderr)
     out = PackResult(output=output, manifest=manifest, metrics=metrics)
     if print_summary and not args.quiet:
         from dataprep import summary

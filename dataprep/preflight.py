@@ -44,7 +44,10 @@ def match_inputs(config: MixtureConfig) -> dict[str, tuple[str, ...]]:
     for i, source in enumerate(config.sources):
         found: set[str] = set()
         for j, pattern in enumerate(source.paths):
-            matched = fsutil.match(pattern)
+            try:
+                matched = fsutil.match(pattern)
+            except ValueError as e:  # a scheme no installed Beam file system serves
+                raise ConfigError(f"sources[{i}].paths[{j}]: {e}") from None
             if not matched and fsutil.has_glob(pattern) and fsutil.exists(pattern):
                 matched = [pattern]  # a file whose name holds glob characters, e.g. "a[1].jsonl"
             files_only = [m for m in matched if not fsutil.is_not_a_file(m)]
@@ -86,8 +89,14 @@ def check_tokenizer(config: MixtureConfig) -> tuple[str, dict[str, object]]:
         ``tokenizer.sha256``, or ``add_bos``/``add_eos`` ask for an id the model lacks.
     """
     path = config.tokenizer.path
-    if not fsutil.exists(path):
+    try:
+        found = fsutil.exists(path)
+    except ValueError as e:  # a scheme no installed Beam file system serves
+        raise ConfigError(f"tokenizer.path: {e}") from None
+    if not found:
         raise ConfigError(f"tokenizer.path: {path} does not exist")
+    if fsutil.is_not_a_file(path):  # a folder, or a device such as /dev/zero that never ends
+        raise ConfigError(f"tokenizer.path: {path} is a folder or other non-regular file, not a model file")
     try:
         sp, sha = tokenizer.load(path)
     except (IOError, RuntimeError) as e:

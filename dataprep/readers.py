@@ -45,6 +45,7 @@ class Reason(str, enum.Enum):
     INVALID_UNICODE = "invalid_unicode"  # lone surrogates (e.g. "\ud800" in JSON)
     EMPTY = "empty_after_tokenization"  # no token besides BOS/EOS
     UNREADABLE_FILE = "unreadable_file"  # corrupt compression or Parquet; rest of file lost
+    TOO_LONG = "too_long"  # a JSONL line or whole-file text document over MAX_DOCUMENT_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,13 +88,33 @@ def _check_text(key: str, text: str, raw: Union[bytes, str]) -> Item:
     return Document(key, text)
 
 
+class _LongInt(str):
+    """A JSON integer too long for ``int()`` (over ``sys.get_int_max_str_digits()`` digits)."""
+
+
+def _json_loads(s: str):
+    """``json.loads``; a valid line with a very long integer somewhere still parses.
+
+    Python refuses to convert integers of more than 4300 digits, so ``json.loads`` raises
+    ``ValueError`` for a valid JSON line holding one (in any field). Such a line is parsed
+    again with those integers kept as :class:`_LongInt` strings; a ``_LongInt`` text field
+    is still rejected as ``non_string_text``.
+    """
+    try:
+        return json.loads(s)
+    except ValueError as e:
+        if "integer string conversion" not in str(e):
+            raise
+        return json.loads(s, parse_int=lambda digits: int(digits) if len(digits) < 4000 else _LongInt(digits))
+
+
 def _from_json_line(source: SourceConfig, key: str, line: bytes) -> Item:
     try:
         s = line.decode("utf-8")
     except UnicodeDecodeError as e:
         return Rejected(key, Reason.INVALID_UTF8, line, str(e))
     try:
-        obj = json.loads(s)
+        obj = _json_loads(s)
     except (ValueError, RecursionError) as e:
         return Rejected(key, Reason.INVALID_JSON, line, str(e)[:200])
     if not isinstance(obj, dict):
@@ -101,24 +122,48 @@ def _from_json_line(source: SourceConfig, key: str, line: bytes) -> Item:
     if source.text_field not in obj:
         return Rejected(key, Reason.MISSING_TEXT, line, f"no field {source.text_field!r}")
     text = obj[source.text_field]
+    if isinstance(text, _LongInt):
+        return Rejected(key, Reason.NON_STRING_TEXT, line, f"{source.text_field} is int")
     if not isinstance(text, str):
         return Rejected(key, Reason.NON_STRING_TEXT, line, f"{source.text_field} is {type(text).__name__}")
     return _check_text(key, text, line)
 
 
 _BOM = b"\xef\xbb\xbf"
+# The largest JSONL line or whole-file text document read into memory. A longer one (a
+# decompression bomb without a newline, a stray multi-GB file) is rejected as ``too_long``
+# with its first ``TOO_LONG_RAW_BYTES`` bytes, instead of exhausting a worker's memory.
+MAX_DOCUMENT_BYTES = 256 << 20
+TOO_LONG_RAW_BYTES = 1024
 
 
 def _iter_jsonl(source: SourceConfig, rel: str, stream: io.BufferedIOBase) -> Iterator[Item]:
-    """Yields one item per non-blank line; a UTF-8 byte order mark at the file start is dropped.
+    """Yields one item per non-blank line; a UTF-8 byte order mark starting a line is dropped.
 
     ``stream`` may be a :class:`_Readable` that stops at a decompression error: then a last
     line without its newline is the cut-off part of a longer line, not a document; it is
     left to the caller's ``unreadable_file`` dead letter (``_Readable.partial``).
     """
-    for lineno, line in enumerate(stream, start=1):
-        if lineno == 1 and line.startswith(_BOM):
+    limit = MAX_DOCUMENT_BYTES
+    lineno = 0
+    while True:
+        line = stream.readline(limit + 1)
+        if not line:
+            return
+        lineno += 1
+        if line.startswith(_BOM):  # a file's BOM, or one left inside by concatenating files
             line = line[len(_BOM) :]
+        if len(line) > limit and not line.endswith(b"\n"):
+            head, size = line[:TOO_LONG_RAW_BYTES], len(line)
+            del line
+            more = b""
+            while not more.endswith(b"\n"):  # skip the rest of the line, a block at a time
+                more = stream.readline(1 << 20)
+                if not more:
+                    break
+                size += len(more)
+            yield _too_long(document_key(source.name, rel, lineno), head, size)
+            continue
         if not line.endswith(b"\n") and getattr(stream.raw, "error", None) is not None:
             stream.raw.partial = line
             return
@@ -127,14 +172,94 @@ def _iter_jsonl(source: SourceConfig, rel: str, stream: io.BufferedIOBase) -> It
         yield _from_json_line(source, document_key(source.name, rel, lineno), line.rstrip(b"\r\n"))
 
 
-def _iter_text(source: SourceConfig, rel: str, data: bytes) -> Iterator[Item]:
-    if data.startswith(_BOM):  # a byte order mark is not text of the document
-        data = data[len(_BOM) :]
-    if source.text_split is TextSplit.FILE:
-        blocks = [data]  # an empty file is an (empty) document: it is rejected, not skipped
+def _too_long(key: str, head: bytes, size: int) -> Rejected:
+    return Rejected(
+        key,
+        Reason.TOO_LONG,
+        head,
+        f"{size} bytes, over the limit of {MAX_DOCUMENT_BYTES}; raw holds the first {len(head)}",
+    )
+
+
+_BLANK_LINE = re.compile(rb"[ \t\f\v]*\r?\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Oversize:
+    """A blank-line block over ``MAX_DOCUMENT_BYTES``: its first bytes and its size."""
+
+    head: bytes
+    size: int
+
+
+def split_blank_lines(stream: io.BufferedIOBase, piece: int = 1 << 20) -> Iterator[Union[bytes, _Oversize]]:
+    """Streams ``stream`` as ``_BLANK_LINES.split(data)`` would split it, block by block.
+
+    A separator is the line break ending a line, then one or more blank lines (only spaces,
+    tabs, form feeds or vertical tabs, then ``\r?\n``); the blocks are what lies between.
+    Lines are read ``piece`` bytes at a time, so memory stays bounded by the largest block
+    kept (``MAX_DOCUMENT_BYTES``; a larger one is an :class:`_Oversize`). One difference
+    from the regex: a whitespace-only line longer than ``piece`` is not recognized as
+    blank. Empty or whitespace-only blocks may be yielded; the caller drops them.
+    """
+    block: list[bytes] = []  # the block's lines (in pieces); emptied once it is too long
+    head = b""  # the first bytes of a block that is too long
+    last = b""  # the block's last piece: its line ending is cut off
+    size = 0
+    in_block = False  # a block has begun since the start or the last separator
+    at_line_start = True
+    prev_line = False  # a complete line was read before this one
+    while True:
+        chunk = stream.readline(piece)
+        if not chunk:
+            break
+        if at_line_start and prev_line and chunk.endswith(b"\n") and _BLANK_LINE.fullmatch(chunk):
+            if in_block:  # the line break ending the block's last line starts the separator
+                cut = 2 if last.endswith(b"\r\n") else 1
+                if size > MAX_DOCUMENT_BYTES:
+                    yield _Oversize(head, size - cut)
+                else:
+                    data = b"".join(block)
+                    yield data[: len(data) - cut]
+                block, head, last, size, in_block = [], b"", b"", 0, False
+        else:
+            in_block = True
+            size += len(chunk)
+            last = chunk
+            if size <= MAX_DOCUMENT_BYTES:
+                block.append(chunk)
+            elif size - len(chunk) <= MAX_DOCUMENT_BYTES:  # this piece went over: keep the head only
+                head, block = b"".join(block + [chunk])[:TOO_LONG_RAW_BYTES], []
+        at_line_start = chunk.endswith(b"\n")
+        prev_line = prev_line or at_line_start
+    if in_block:
+        yield _Oversize(head, size) if size > MAX_DOCUMENT_BYTES else b"".join(block)
+
+
+def _iter_text_blocks(source: SourceConfig, rel: str, stream: io.BufferedReader) -> Iterator[Item]:
+    if stream.peek(3)[:3] == _BOM:  # a byte order mark is not text of the document
+        stream.read(3)
+    i = 0
+    for block in split_blank_lines(stream):
+        if isinstance(block, _Oversize):
+            yield _too_long(document_key(source.name, rel, i), block.head, block.size)
+            i += 1
+            continue
+        if not block.strip():
+            continue
+        yield from _iter_text(source, rel, block, index=i)
+        i += 1
+
+
+def _iter_text(source: SourceConfig, rel: str, data: bytes, index: Optional[int] = None) -> Iterator[Item]:
+    """One whole-file document, or (``index`` given) the blank-line block at ``index``."""
+    if index is not None:
+        blocks = [data]
     else:
-        blocks = [b for b in _BLANK_LINES.split(data) if b.strip()]
-    for i, block in enumerate(blocks):
+        if data.startswith(_BOM):  # a byte order mark is not text of the document
+            data = data[len(_BOM) :]
+        blocks = [data]  # an empty file is an (empty) document: it is rejected, not skipped
+    for i, block in enumerate(blocks, start=index or 0):
         key = document_key(source.name, rel, i)
         try:
             text = block.decode("utf-8")
@@ -176,6 +301,20 @@ def _iter_parquet(source: SourceConfig, rel: str, f) -> Iterator[Item]:
                 yield Rejected(key, Reason.NON_STRING_TEXT, raw, type(text).__name__)
             else:
                 yield _check_text(key, text, text)
+
+
+def _compressed_kind(head: bytes) -> Optional[tuple[str, str]]:
+    """(name, format to use) when ``head`` starts a gzip or zstd stream, else None."""
+    if head[:2] == b"\x1f\x8b":
+        return "gzip", SourceFormat.JSONL_GZ.value
+    if head[:4] == b"\x28\xb5\x2f\xfd":
+        return "zstd", SourceFormat.JSONL_ZST.value
+    return None
+
+
+def _utf16_bom(head: bytes) -> bool:
+    """A UTF-16 byte order mark (what Windows PowerShell 5's ``>`` writes)."""
+    return head[:2] in (b"\xff\xfe", b"\xfe\xff")
 
 
 def _unreadable_errors() -> tuple[type[BaseException], ...]:
@@ -233,20 +372,54 @@ def read_file(source: SourceConfig, path: str, root: Optional[str] = None) -> It
                     inner = _ZstdFrames(raw)
                 # Decompression errors are held back by _Readable until the complete lines
                 # before them are yielded, then raised below.
-                stream = _Readable(inner, hold_errors=_unreadable_errors())
-                yield from _iter_jsonl(source, rel, io.BufferedReader(stream, 1 << 20))
+                hold = _unreadable_errors() if fmt is not SourceFormat.JSONL else ()
+                stream = _Readable(inner, hold_errors=hold)
+                buffered = io.BufferedReader(stream, 1 << 20)
+                packed = _compressed_kind(buffered.peek(4)[:4]) if fmt is SourceFormat.JSONL else None
+                if packed is not None:  # a config mistake: one dead letter, not one per "line"
+                    name, fixed = packed
+                    yield Rejected(
+                        document_key(source.name, rel, "file"),
+                        Reason.UNREADABLE_FILE,
+                        b"",
+                        f"the file is {name}-compressed but the source's format is 'jsonl'; use {fixed!r}",
+                    )
+                    return
+                if _utf16_bom(buffered.peek(2)[:2]):
+                    yield Rejected(
+                        document_key(source.name, rel, "file"),
+                        Reason.INVALID_UTF8,
+                        b"",
+                        "the file is UTF-16 (it starts with a UTF-16 byte order mark); convert it to UTF-8",
+                    )
+                    return
+                yield from _iter_jsonl(source, rel, buffered)
                 if stream.error is not None:
                     raise stream.error
             elif fmt is SourceFormat.PARQUET:
                 yield from _iter_parquet(source, rel, raw)
+            elif fmt is SourceFormat.TEXT and source.text_split is TextSplit.FILE:
+                data = raw.read(MAX_DOCUMENT_BYTES + 1)
+                if len(data) > MAX_DOCUMENT_BYTES:
+                    size = len(data)
+                    head = data[:TOO_LONG_RAW_BYTES]
+                    del data
+                    while block := raw.read(1 << 20):
+                        size += len(block)
+                    yield _too_long(document_key(source.name, rel, 0), head, size)
+                else:
+                    yield from _iter_text(source, rel, data)
             elif fmt is SourceFormat.TEXT:
-                yield from _iter_text(source, rel, raw.read())
+                yield from _iter_text_blocks(source, rel, io.BufferedReader(_Readable(raw), 1 << 20))
             else:  # pragma: no cover - the config validates formats
                 raise ValueError(f"unknown format {fmt!r}")
     except _unreadable_errors() as e:
         partial = stream.partial if stream is not None else b""
         yield Rejected(
-            document_key(source.name, rel, "file"), Reason.UNREADABLE_FILE, partial, f"{type(e).__name__}: {e}"
+            document_key(source.name, rel, "file"),
+            Reason.UNREADABLE_FILE,
+            partial,
+            f"{type(e).__name__}: {e}",
         )
 
 
@@ -285,15 +458,23 @@ class _ZstdFrames(io.RawIOBase):
 
     (``zstandard``'s ``stream_reader`` returns a truncated stream as a clean, possibly empty
     end of data, which would lose the rest of the file silently.)
+
+    Memory stays bounded for any input, a decompression bomb included: the compressed bytes
+    are fed ``feed_size`` at a time, and a zstd block (at least 4 bytes with its header)
+    never decompresses to more than 128 KiB, so one feed yields at most
+    ``feed_size * 32768`` bytes (32 MiB for 1 KiB).
     """
 
-    def __init__(self, f, read_size: int = 1 << 20):
+    def __init__(self, f, read_size: int = 1 << 20, feed_size: int = 1 << 10):
         import zstandard
 
         self._zstd = zstandard
         self._f = f
         self._read_size = read_size
+        self._feed_size = feed_size
         self._d = None  # the decompressor of the frame in progress
+        self._in = memoryview(b"")
+        self._ipos = 0
         self._out = b""
         self._pos = 0
         self._eof = False
@@ -301,24 +482,28 @@ class _ZstdFrames(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b) -> int:
-        while self._pos >= len(self._out) and not self._eof:
+    def _next_output(self) -> None:
+        """Decompresses the next feed into ``_out`` (possibly empty); sets ``_eof`` at the end."""
+        if self._ipos >= len(self._in):
             data = self._f.read(self._read_size)
             if not data:
                 self._eof = True
                 if self._d is not None:
                     raise self._zstd.ZstdError("zstd stream ends inside a frame (truncated file)")
-                break
-            out = []
-            while data:
-                if self._d is None:
-                    self._d = self._zstd.ZstdDecompressor().decompressobj()
-                out.append(self._d.decompress(data))
-                if self._d.eof:
-                    data, self._d = self._d.unused_data, None
-                else:
-                    data = b""
-            self._out, self._pos = b"".join(out), 0
+                return
+            self._in, self._ipos = memoryview(data), 0
+        feed = self._in[self._ipos : self._ipos + self._feed_size]
+        self._ipos += len(feed)
+        if self._d is None:
+            self._d = self._zstd.ZstdDecompressor().decompressobj()
+        self._out, self._pos = self._d.decompress(feed), 0
+        if self._d.eof:  # the frame ended inside this feed: the rest starts the next frame
+            self._ipos -= len(self._d.unused_data)
+            self._d = None
+
+    def readinto(self, b) -> int:
+        while self._pos >= len(self._out) and not self._eof:
+            self._next_output()
         n = min(len(b), len(self._out) - self._pos)
         b[:n] = self._out[self._pos : self._pos + n]
         self._pos += n

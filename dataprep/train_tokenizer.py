@@ -117,7 +117,9 @@ def train(
     if model_type not in ("unigram", "bpe"):
         raise TrainError(f"--model-type must be unigram or bpe, got {model_type!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-        raise TrainError(f"--seed (default: the config's seed) must be an integer in [0, 2**32), got {seed!r}")
+        raise TrainError(
+            f"--seed (default: the config's seed) must be an integer in [0, 2**32), got {seed!r}"
+        )
     if isinstance(max_sentences, bool) or not isinstance(max_sentences, int) or max_sentences < 1:
         raise TrainError(f"--max-sentences must be >= 1, got {max_sentences!r}")
     _check_out(out)
@@ -159,7 +161,9 @@ def _check_out(out: str) -> None:
         return
     path = os.path.abspath(out)
     if out.endswith("/") or os.path.isdir(path):
-        raise TrainError(f"--out {out} is a folder; name the model file, e.g. {out.rstrip('/')}/tokenizer.model")
+        raise TrainError(
+            f"--out {out} is a folder; name the model file, e.g. {out.rstrip('/')}/tokenizer.model"
+        )
     parent = os.path.dirname(path)
     while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
         parent = os.path.dirname(parent)

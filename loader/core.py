@@ -16,6 +16,7 @@ import atexit
 import collections
 import concurrent.futures
 import logging
+import operator
 import queue
 import threading
 import time
@@ -43,6 +44,10 @@ def _stop_all() -> None:
 
 
 atexit.register(_stop_all)
+
+
+class _StageEnd(Exception):
+    """The stage's source is exhausted."""
 
 
 class _Stage:
@@ -76,6 +81,7 @@ class _Stage:
             for item in source:
                 if not self._put(("item", item)):
                     return
+            self._put(("end", None))  # the consumer must not wait for an item that never comes
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, re-raised there
             self._put(("error", e))
         finally:
@@ -90,12 +96,19 @@ class _Stage:
         kind, item = self.queue.get()
         if kind == "error":
             raise item
+        if kind == "end":
+            self.queue.put(("end", None))  # stays ended for any later get()
+            raise _StageEnd
         return item
 
     def __iter__(self):
         try:
             while True:
-                yield self.get()
+                try:
+                    item = self.get()
+                except _StageEnd:
+                    return
+                yield item
         finally:
             self.close()
 
@@ -144,7 +157,12 @@ class DataLoader:
         skip_windows = ix.check_skip_windows(skip_windows)
         self.mesh = mesh if mesh is not None else _default_mesh()
         axes = set(self.mesh.axis_names)
-        for a in (*data_axes, *([context_axis] if context_axis else [])):
+        named = (*data_axes, *([context_axis] if context_axis else []))
+        if len(set(named)) != len(named):
+            raise LoaderConfigError(
+                f"data axes {tuple(data_axes)} and context axis {context_axis!r} must name distinct mesh axes"
+            )
+        for a in named:
             if a not in axes:
                 raise LoaderConfigError(f"mesh axis {a!r} not in the mesh's axes {sorted(axes)}")
         data_size = int(np.prod([self.mesh.shape[a] for a in data_axes]))
@@ -178,8 +196,11 @@ class DataLoader:
         self._index_cache: dict = {}
         self._derive = None
         pad_id = int(self.manifest.tokenizer.get("pad_id", 0) or 0)
+        vocab = self.manifest.tokenizer.get("vocab_size")
         self.source = StepSource(self.schedule, shards, self.local_rows, self.seq_len, max(pad_id, 0),
-                                 self.manifest.token_dtype if self.manifest.token_dtype == "uint16" else np.int32)
+                                 self.manifest.token_dtype if self.manifest.token_dtype == "uint16" else np.int32,
+                                 token_width=rd.TOKEN_WIDTHS[self.manifest.token_dtype],
+                                 vocab_size=vocab if isinstance(vocab, int) and vocab > 0 else None)
         self.process_index = jax.process_index()
         self.events: list[dict] = []
         self._next_step = 0
@@ -282,6 +303,7 @@ class DataLoader:
           loader.index.ScheduleError: ``step`` < 0.
           loader.reader.DatasetError: a shard cannot be read or a record does not decode.
         """
+        step = ix.check_step(step)
         t0 = time.perf_counter()
         host = self.source(step)
         self._account(step, host, time.perf_counter() - t0)
@@ -295,24 +317,31 @@ class DataLoader:
             if not flags.FLAGS.is_parsed():  # Grain's worker pool reads absl flags; a library must not parse argv
                 flags.FLAGS.mark_as_parsed()
 
-            ds = self.grain_dataset(start_step).to_iter_dataset()
+            ds = self.grain_dataset(start_step, self._stop_step()).to_iter_dataset()
             ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers,
                                                              per_worker_buffer_size=max(1, self.prefetch)))
             return iter(ds)
         if self.read_threads <= 1:
-            return (self.source(s) for s in range(start_step, 2**62))
+            return (self.source(s) for s in range(start_step, self._stop_step()))
         return self._threaded_iter(start_step)
+
+    def _stop_step(self) -> int:
+        """One past the last training step whose rows the schedule can address (skip windows
+        only move data steps later, so this bound is safe for training steps)."""
+        return ix.MAX_GLOBAL_ROW // self.global_batch
 
     def _threaded_iter(self, start_step: int) -> Iterator[dict[str, np.ndarray]]:
         """Steps read concurrently by ``read_threads`` threads, yielded in step order."""
         pool = concurrent.futures.ThreadPoolExecutor(self.read_threads, thread_name_prefix="loader-read")
         pending: collections.deque = collections.deque()
-        nxt = start_step
+        nxt, stop = start_step, self._stop_step()
         try:
             while True:
-                while len(pending) < self.read_threads:
+                while len(pending) < self.read_threads and nxt < stop:
                     pending.append(pool.submit(self.source, nxt))
                     nxt += 1
+                if not pending:
+                    return
                 yield pending.popleft().result()
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -325,9 +354,8 @@ class DataLoader:
         processes), the next builds the global arrays; the trainer's thread only dequeues.
         The output does not depend on any of these settings.
         """
-        start = self._next_step if start_step is None else int(start_step)
-        if start < 0:
-            raise ix.ScheduleError(f"start_step must be >= 0, got {start}")
+        start = self._next_step if start_step is None else ix.check_step(start_step)
+        self.schedule.step_rows(start)  # a step past the addressable range fails here, not in a thread
         depth = max(1, self.prefetch)
         hosts = _Stage(lambda: self._host_iter(start), depth, "loader-read")
         batches = _Stage(lambda: ((h, self.to_global(h)) for h in hosts), depth, "loader-arrays")
@@ -336,7 +364,10 @@ class DataLoader:
             step = start
             while True:
                 t0 = time.perf_counter()
-                host, batch = batches.get()
+                try:
+                    host, batch = batches.get()
+                except _StageEnd:  # the last addressable step was served
+                    return
                 wait = time.perf_counter() - t0
                 if int(host["step"]) != step:  # pragma: no cover - an ordering bug, fail loudly
                     raise RuntimeError(f"prefetch produced step {int(host['step'])}, expected {step}")
@@ -378,8 +409,8 @@ class DataLoader:
             or records differ from this loader's (each change named), or skip windows were
             changed other than by appending windows that start at or after its next step.
         """
-        if not isinstance(state, st.LoaderState):
-            state = st.LoaderState.from_dict(state)
+        # A LoaderState object is checked like a dict (types, version, fingerprint).
+        state = st.LoaderState.from_dict(state.to_dict() if isinstance(state, st.LoaderState) else state)
         added = st.compare(state, self.manifest_sha256, self.schedule.to_dict())
         for w in added:
             event = {"event": "skip_window", "step": state.next_step, "start": w["start"], "end": w["end"]}
@@ -456,12 +487,24 @@ def build(
       loader.index.ScheduleError, LoaderConfigError: an argument out of range (named).
       loader.state.ResumeError: ``state`` does not fit (names what changed).
     """
+    ints = {}
     for name, value, lo in (("global_batch", global_batch, 1), ("seed", seed, 0), ("prefetch", prefetch, 0),
                             ("workers", workers, 0), ("read_threads", read_threads, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        # ints and numpy integers (a batch size computed with numpy is fine); never bool or float
+        try:
+            if isinstance(value, (bool, np.bool_)):
+                raise TypeError
+            ints[name] = operator.index(value)
+        except TypeError:
+            ints[name] = None
+        if ints[name] is None or ints[name] < lo:
             raise LoaderConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
+    global_batch, seed, prefetch, workers, read_threads = (
+        ints[k] for k in ("global_batch", "seed", "prefetch", "workers", "read_threads"))
     if isinstance(data_axes, str):
         data_axes = (data_axes,)
+    if context_axis is not None and not isinstance(context_axis, str):
+        raise LoaderConfigError(f"context_axis must be a mesh axis name or None, got {context_axis!r}")
     cfg = mixture if isinstance(mixture, MixtureConfig) else load_mixture(str(mixture))
     data = DataLoader(mixture=cfg, dataset=str(dataset), global_batch=global_batch, mesh=mesh, seed=seed,
                       data_axes=tuple(data_axes), context_axis=context_axis, skip_windows=skip_windows,

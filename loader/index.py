@@ -49,6 +49,7 @@ import heapq
 import itertools
 import json
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
@@ -62,6 +63,8 @@ except ImportError:  # pragma: no cover - grain is a dependency; kept for a clea
     _index_shuffle = None
 
 MAX_PERIOD = 1 << 20
+# Global rows stay below this (int64 arithmetic everywhere, with headroom for q * a_k + carries).
+MAX_GLOBAL_ROW = 1 << 62
 SHUFFLE_ROUNDS = 4
 
 
@@ -237,7 +240,21 @@ def check_skip_windows(windows: Sequence[SkipWindow | Sequence[int]]) -> tuple[S
     Raises:
       ScheduleError: a malformed window or starts that do not increase.
     """
-    out = tuple(w if isinstance(w, SkipWindow) else SkipWindow(*(int(x) for x in w)) for w in windows)
+    if isinstance(windows, (str, bytes, Mapping)):
+        raise ScheduleError(f"skip windows must be a sequence of (start, end) pairs, got {windows!r}")
+    out = []
+    for w in windows:
+        if isinstance(w, SkipWindow):
+            out.append(w)
+            continue
+        try:
+            if isinstance(w, (str, bytes, Mapping)):
+                raise TypeError
+            a, b = w
+        except (TypeError, ValueError):
+            raise ScheduleError(f"skip window must be a (start, end) pair of integers, got {w!r}") from None
+        out.append(SkipWindow(_as_int(a, "skip window start"), _as_int(b, "skip window end")))
+    out = tuple(out)
     for prev, cur in itertools.pairwise(out):
         if cur.start <= prev.start:
             raise ScheduleError(
@@ -246,14 +263,39 @@ def check_skip_windows(windows: Sequence[SkipWindow | Sequence[int]]) -> tuple[S
     return out
 
 
+def _as_int(value, what: str) -> int:
+    """``value`` as a Python int: ints and numpy integers only (no bool, float or str).
+
+    Raises:
+      ScheduleError: naming ``what``.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        raise ScheduleError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ScheduleError(f"{what} must be an integer, got {value!r}") from None
+
+
+def check_step(step) -> int:
+    """Returns ``step`` as a Python int >= 0.
+
+    Raises:
+      ScheduleError: not an integer (bool, float and str are refused, never truncated) or < 0.
+    """
+    step = _as_int(step, "step")
+    if step < 0:
+        raise ScheduleError(f"step must be >= 0, got {step}")
+    return step
+
+
 def data_step(step: int, windows: Sequence[SkipWindow]) -> int:
     """Returns the unskipped data step that training step ``step`` trains on (glossary).
 
     Raises:
       ScheduleError: ``step`` < 0.
     """
-    if step < 0:
-        raise ScheduleError(f"step must be >= 0, got {step}")
+    step = check_step(step)
     return step + sum(w.length for w in windows if w.start <= step)
 
 
@@ -445,6 +487,11 @@ class Schedule:
     def step_rows(self, step: int) -> np.ndarray:
         """Global rows of training ``step``: ``[d*B, (d+1)*B)`` with ``d = data_step(step)``, int64 ``[B]``."""
         d = self.data_step(step)
+        if (d + 1) * self.global_batch > MAX_GLOBAL_ROW:
+            raise ScheduleError(
+                f"step {step} (data step {d}) is past the last step this schedule can address: "
+                f"global rows must stay below 2**62, i.e. data step < {MAX_GLOBAL_ROW // self.global_batch}"
+            )
         return np.arange(d * self.global_batch, (d + 1) * self.global_batch, dtype=np.int64)
 
     def locate(self, global_rows: Sequence[int] | np.ndarray) -> RowLocations:
@@ -519,6 +566,7 @@ __all__ = [
     "ScheduleError",
     "SkipWindow",
     "check_skip_windows",
+    "check_step",
     "data_step",
     "exact_weights",
     "fingerprint",

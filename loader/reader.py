@@ -8,6 +8,7 @@ record of a step first (``loader.index``), then :meth:`ShardSet.read` issues one
 from __future__ import annotations
 
 import hashlib
+import struct
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,8 @@ from contract.manifest import MANIFEST_NAME, Manifest, ManifestError
 
 # Random access: no read-ahead (what Grain's ArrayRecordDataSource uses).
 READER_OPTIONS = "readahead_buffer_size:0"
+# token_dtype of the manifest -> token width in bytes of every record (contract.codec)
+TOKEN_WIDTHS = {"uint16": 2, "uint32": 4}
 BATCH_KEYS = (
     "inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position", "targets_position",
 )
@@ -55,11 +58,15 @@ def read_manifest(dataset: str) -> tuple[Manifest, str]:
             data = f.read()
     except FileNotFoundError:
         raise DatasetError(f"{path}: no manifest; the dataset is missing or was not committed") from None
+    except OSError as e:  # a file where the folder should be, permissions, I/O errors
+        raise DatasetError(f"{path}: cannot read the manifest ({e.strerror or e})") from None
     try:
         manifest = Manifest.from_json(data.decode("utf-8"))
+        problems = manifest.problems()
     except (ManifestError, UnicodeDecodeError) as e:
         raise DatasetError(f"{path}: {e}") from None
-    problems = manifest.problems()
+    except (TypeError, ValueError, AttributeError) as e:  # a field of the wrong type deeper down
+        raise DatasetError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
     if problems:
         raise DatasetError(f"{path}: does not reconcile: " + "; ".join(problems))
     return manifest, hashlib.sha256(data).hexdigest()
@@ -79,6 +86,17 @@ def check_against_mixture(manifest: Manifest, mixture: MixtureConfig, where: str
             f"{where}: record format version {manifest.record_format_version}, "
             f"this loader reads {codec.FORMAT_VERSION}"
         )
+    if manifest.token_dtype not in TOKEN_WIDTHS:
+        raise DatasetError(f"{where}: token_dtype {manifest.token_dtype!r}, expected one of {sorted(TOKEN_WIDTHS)}")
+    for key in ("pad_id", "vocab_size"):
+        v = manifest.tokenizer.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise DatasetError(f"{where}: tokenizer.{key} must be an integer, got {v!r}")
+    pad = manifest.tokenizer.get("pad_id")
+    if pad is not None and pad >= 2 ** (8 * TOKEN_WIDTHS[manifest.token_dtype]):
+        raise DatasetError(f"{where}: tokenizer.pad_id {pad} does not fit token_dtype {manifest.token_dtype}")
+    if manifest.seq_len < 1:
+        raise DatasetError(f"{where}: seq_len must be >= 1, got {manifest.seq_len}")
     if manifest.seq_len != mixture.seq_len:
         raise DatasetError(f"{where}: seq_len {manifest.seq_len} != mixture seq_len {mixture.seq_len}")
     want = mixture.tokenizer.sha256
@@ -116,7 +134,7 @@ class ShardSet:
         self._local = threading.local()
 
     def __getstate__(self):
-        return {"dataset": self.dataset, "shards": self.shards, "offsets": self.offsets}
+        return {"dataset": self.dataset, "shards": self.shards, "offsets": self.offsets}  # no readers, no caches
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -139,12 +157,20 @@ class ShardSet:
         source = np.asarray(source, np.int64)
         record = np.asarray(record, np.int64)
         shard = np.empty_like(record)
-        for k in np.unique(source):
+        for k in np.unique(source).tolist():
             sel = source == k
-            off = self.offsets[k]
-            shard[sel] = np.searchsorted(off, record[sel], side="right") - 1
-        in_shard = record - np.asarray([self.offsets[k][s] for k, s in zip(source, shard)], np.int64)
-        return shard, in_shard
+            shard[sel] = np.searchsorted(self.offsets[k], record[sel], side="right") - 1
+        flat, base = self._flat_offsets()
+        return shard, record - flat[base[source] + shard]
+
+    def _flat_offsets(self) -> tuple[np.ndarray, np.ndarray]:
+        """All sources' offsets back to back, and where each source's start: one gather per step."""
+        hit = getattr(self, "_flat", None)
+        if hit is None:
+            sizes = [len(o) for o in self.offsets]
+            hit = self._flat = (np.concatenate(self.offsets) if self.offsets else np.zeros(0, np.int64),
+                                np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64))
+        return hit
 
     def read(self, source: np.ndarray, record: np.ndarray) -> list[bytes]:
         """Returns the record bytes of each (source, record), in order; one read per shard.
@@ -152,18 +178,51 @@ class ShardSet:
         Raises:
           DatasetError: a shard cannot be read (named).
         """
-        shard, in_shard = self.locate(source, record)
-        out: list[bytes | None] = [None] * len(shard)
-        keys = np.stack([np.asarray(source, np.int64), shard], axis=1) if len(shard) else np.zeros((0, 2), np.int64)
-        for k, s in sorted({(int(a), int(b)) for a, b in keys}):
-            sel = np.nonzero((keys[:, 0] == k) & (keys[:, 1] == s))[0]
+        return self.read_located(source, record, *self.locate(source, record))
+
+    def read_located(self, source: np.ndarray, record: np.ndarray, shard: np.ndarray,
+                     in_shard: np.ndarray) -> list[bytes]:
+        """:meth:`read` with ``(shard, in_shard)`` already computed by :meth:`locate`.
+
+        Raises:
+          DatasetError: a record cannot be read; names the shard, the record in it and the
+            source record.
+        """
+        source = np.asarray(source, np.int64)
+        n = len(shard)
+        if n == 0:
+            return []
+        # one group per (source, shard), in (source, shard) order: a stable sort of one key
+        key = source * (1 << 32) + shard
+        order = np.argsort(key, kind="stable")
+        skey = key[order]
+        bounds = np.flatnonzero(np.diff(skey)) + 1
+        out: list[bytes | None] = [None] * n
+        for grp in np.split(order, bounds):
+            k, s = int(source[grp[0]]), int(shard[grp[0]])
+            idx = in_shard[grp].tolist()
             try:
-                data = self._reader(k, s).read([int(i) for i in in_shard[sel]])
+                data = self._reader(k, s).read(idx)
             except Exception as e:  # array_record raises RuntimeError/OSError variants
-                raise DatasetError(f"reading {self.path(k, s)}: {e}") from e
-            for j, d in zip(sel.tolist(), data):
+                raise DatasetError(self._read_fault(k, s, idx, e)) from e
+            for j, d in zip(grp.tolist(), data):
                 out[j] = d
         return out  # type: ignore[return-value]
+
+    def _read_fault(self, source: int, shard: int, idx: list[int], err: Exception) -> str:
+        """The message for a failed batched read: finds the records that fail one by one."""
+        bad = []
+        for i in sorted(set(idx)):
+            try:
+                self._reader(source, shard).read([i])
+            except Exception:  # noqa: BLE001 - probing which record fails
+                bad.append(i)
+        where = self.path(source, shard)
+        if bad:
+            first = int(self.offsets[source][shard])
+            recs = ", ".join(f"{i} (source record {first + i})" for i in bad[:8])
+            return f"reading {where}: record(s) in shard {recs} unreadable: {err}"
+        return f"reading {where}: {err}"
 
 
 def open_dataset(
@@ -196,22 +255,30 @@ def open_dataset(
             size = os.path.getsize(full)
             if size != info.bytes:
                 raise DatasetError(f"shard {full}: {size} bytes, manifest says {info.bytes} (truncated or altered)")
+            if verify_sha256:  # first: an altered shard is named as such, whatever else it breaks
+                digest = file_sha256(full)
+                if digest != info.sha256:
+                    raise DatasetError(f"shard {full}: sha256 {digest} != manifest {info.sha256} (altered)")
             try:
                 reader = _open_reader(full)
             except Exception as e:
                 raise DatasetError(f"shard {full}: does not open as ArrayRecord: {e}") from e
+            fault, n = None, None
             try:
-                if not reader.ok():
-                    raise DatasetError(f"shard {full}: reader is not ok()")
-                n = reader.num_records()
-                if n != info.records:
-                    raise DatasetError(f"shard {full}: {n} records, manifest says {info.records}")
-            finally:
-                reader.close()
-            if verify_sha256:
-                digest = file_sha256(full)
-                if digest != info.sha256:
-                    raise DatasetError(f"shard {full}: sha256 {digest} != manifest {info.sha256} (altered)")
+                if reader.ok():
+                    n = reader.num_records()
+                else:
+                    fault = "reader is not ok()"
+            except Exception as e:  # noqa: BLE001 - array_record raises RuntimeError on a corrupted index
+                fault = f"corrupted ArrayRecord file: {e}"
+            try:
+                reader.close()  # a reader that is not ok() raises its status here
+            except Exception as e:  # noqa: BLE001
+                fault = f"{fault or 'closing failed'}: {e}"
+            if fault is not None:
+                raise DatasetError(f"shard {full}: {fault}")
+            if n != info.records:
+                raise DatasetError(f"shard {full}: {n} records, manifest says {info.records}")
             paths.append(info.path)
         shard_paths.append(paths)
         offsets.append(np.concatenate([[0], np.cumsum([s.records for s in entry.shards])]).astype(np.int64))
@@ -339,3 +406,130 @@ def decode_all(records: Sequence[bytes], where: Mapping[int, str] | None = None)
             name = where.get(i, f"record {i}") if where else f"record {i}"
             raise DatasetError(f"{name}: {e}") from None
     return out
+
+
+# The record header of contract.codec (format version 1), parsed here without building
+# PackedRow objects: the loader's hot path only needs tokens and segment lengths.
+_HEADER = struct.Struct("<4sBBHIII")
+assert _HEADER.size == codec._HEADER.size  # noqa: SLF001 - same layout as the codec
+
+
+class _BadRecord(Exception):
+    def __init__(self, i: int):
+        self.i = i
+
+
+def pack_records(
+    records: Sequence[bytes], seq_len: int, token_width: int, pad_id: int = 0,
+    out_dtype: np.dtype | str = np.int32, vocab_size: int | None = None,
+    where: Mapping[int, str] | None = None,
+) -> tuple[np.ndarray, int]:
+    """Tokens, segment ids and positions of encoded rows, straight from the record bytes.
+
+    The loader's per-step path: the same values as ``pack_inputs(decode_all(records), ...)``
+    without building :class:`contract.codec.PackedRow` objects (one header unpack and two
+    ``np.frombuffer`` per row; everything else over the whole step at once).
+
+    Checks every record as ``contract.codec.decode_row`` does (magic, version, width,
+    ``T <= seq_len``, lengths partition the tokens, no truncation or trailing bytes; the
+    document keys' bytes are counted, not decoded), and also that its seq_len is
+    ``seq_len``, its token width is ``token_width`` (``None``: 2 or 4 bytes, but not
+    wider than ``out_dtype``: a wider token would be silently narrowed) and, when ``vocab_size`` is given, that every token is below it.
+
+    Legend: ``n`` records, ``L = seq_len``.
+
+    Returns:
+      ``(packed, tokens)``: ``packed`` ``[n, 3, L]`` of ``out_dtype``: tokens (``pad_id`` on
+      padding), 1-based segment ids, positions restarting at 0 per segment (both 0 on
+      padding); ``tokens`` the number of non-padding tokens.
+
+    Raises:
+      DatasetError: a record fails a check; ``where[i]`` (or "record i") names it.
+    """
+    n, L = len(records), int(seq_len)
+    out_dtype = np.dtype(out_dtype)
+    packed = np.zeros((n, 3, L), out_dtype)
+    if n == 0:
+        return packed, 0
+    # token_width None: each record's own width (2 or 4), as long as out_dtype holds it
+    widths = (token_width,) if token_width else tuple(w for w in (2, 4) if w <= max(out_dtype.itemsize, 2))
+    tdt = {2: "<u2", 4: "<u4"}
+    W = np.empty(n, np.int64)
+    T = np.empty(n, np.int64)
+    S = np.empty(n, np.int64)
+    size = np.empty(n, np.int64)
+    meta = []
+    tok = packed[:, 0]
+    unpack, frombuffer, hsize = _HEADER.unpack_from, np.frombuffer, _HEADER.size
+    i = 0
+    try:
+        for i, rec in enumerate(records):
+            magic, version, width, _, sl, t, sg = unpack(rec)
+            if magic != codec.MAGIC or version != codec.FORMAT_VERSION or width not in widths or sl != L:
+                raise _BadRecord(i)
+            T[i], S[i], W[i], size[i] = t, sg, width, len(rec)
+            tok[i, :t] = frombuffer(rec, tdt[width], t, hsize)  # ValueError when t > L or truncated
+            if pad_id and t < L:
+                tok[i, t:] = pad_id
+            meta.append(frombuffer(rec, "<u4", 3 * sg, hsize + t * width))
+    except (_BadRecord, struct.error, ValueError):
+        _explain(records, i, L, widths, where)
+    # Segment lengths and key lengths of every segment of the step, row after row.
+    allmeta = np.concatenate(meta).astype(np.int64)
+    n_seg = int(S.sum())
+    seg_first = np.cumsum(S) - S  # first segment of each row
+    row = np.repeat(np.arange(n), S)
+    rank = np.arange(n_seg) - seg_first[row]  # segment index within its row
+    base = 3 * seg_first[row] + rank
+    lengths = allmeta[base]
+    keylens = allmeta[base + 2 * S[row]]
+    bad = (np.bincount(row, lengths, minlength=n) != T) | (
+        hsize + T * W + 12 * S + np.bincount(row, keylens, minlength=n) != size)
+    if n_seg and lengths.min() == 0:
+        bad[row[lengths == 0]] = True
+    if bad.any():
+        _explain(records, int(np.argmax(bad)), L, widths, where)
+    if vocab_size is not None and int(tok.max()) >= vocab_size:
+        over = (tok >= vocab_size) & (np.arange(L) < T[:, None])
+        if over.any():
+            i = int(np.argmax(over.any(axis=1)))
+            raise DatasetError(f"{_name(where, i)}: token {int(tok[i][over[i]].max())} >= vocab_size {vocab_size}")
+    # Segment ids and positions: one running sum of marks per row (int32, then narrowed).
+    if n_seg:
+        starts = np.cumsum(lengths) - lengths - np.repeat(np.cumsum(T) - T, S)  # start slot in its row
+        marks = np.zeros((n, L + 1), np.int32)
+        # ids: +1 at each segment start, -S at the first padding slot (column L when full)
+        marks[row, starts] = 1
+        marks[np.arange(n), T] -= S.astype(np.int32)
+        packed[:, 1] = np.cumsum(marks[:, :L], axis=1, dtype=np.int32)
+        # positions: +1 per token after each start, 1 - previous length at a later start,
+        # and minus the last position at the first padding slot
+        marks[:] = 0
+        marks[:, 1:] = np.arange(1, L + 1) < T[:, None]
+        later = np.flatnonzero(rank > 0)
+        marks[row[later], starts[later]] = 1 - lengths[later - 1]
+        has = S > 0
+        last = np.cumsum(S)[has] - 1
+        marks[np.flatnonzero(has), T[has]] = 1 - lengths[last]
+        packed[:, 2] = np.cumsum(marks[:, :L], axis=1, dtype=np.int32)
+    return packed, int(T.sum())
+
+
+def _name(where, i: int) -> str:
+    return where.get(i, f"record {i}") if where else f"record {i}"
+
+
+def _explain(records, i: int, seq_len: int, widths: tuple[int, ...], where) -> None:
+    """Raises the DatasetError for record ``i``, which a fast check of :func:`pack_records` failed."""
+    name = _name(where, i)
+    try:
+        row = codec.decode_row(records[i])
+    except codec.RecordError as e:
+        raise DatasetError(f"{name}: {e}") from None
+    if row.seq_len != seq_len:
+        raise DatasetError(f"{name}: record has seq_len {row.seq_len}, the dataset's is {seq_len}")
+    width = row.tokens.dtype.itemsize
+    if width not in widths:
+        raise DatasetError(f"{name}: record has {width}-byte tokens, expected {' or '.join(map(str, widths))} "
+                           "(the dataset's token_dtype)")
+    raise DatasetError(f"{name}: record does not decode")  # pragma: no cover - the checks above agree

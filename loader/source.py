@@ -15,7 +15,7 @@ import numpy as np
 
 from contract import codec
 from loader import index as ix
-from loader.reader import ShardSet, decode_all, pack_inputs
+from loader.reader import ShardSet, decode_all, pack_records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +53,19 @@ def unpack(host: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 
 class _Names:
-    """``names[i]``: "<source> record <r>" of the i-th row, built only when an error needs it."""
+    """``names[i]``: "<source> record <r> (<shard> record <j>)" of the i-th row, built only
+    when an error needs it."""
 
-    def __init__(self, sources, loc):
-        self.sources, self.loc = sources, loc
+    def __init__(self, sources, loc, shards: ShardSet, shard=None, in_shard=None):
+        self.sources, self.loc, self.shards = sources, loc, shards
+        self.shard, self.in_shard = shard, in_shard
 
     def get(self, i, default=None):
-        return f"{self.sources[int(self.loc.source[i])]} record {int(self.loc.record[i])}"
+        k, r = int(self.loc.source[i]), int(self.loc.record[i])
+        if self.shard is None:
+            self.shard, self.in_shard = self.shards.locate(self.loc.source, self.loc.record)
+        s, j = int(self.shard[i]), int(self.in_shard[i])
+        return f"{self.sources[k]} record {r} (shard {self.shards.path(k, s)} record {j})"
 
 
 class StepSource:
@@ -73,10 +79,14 @@ class StepSource:
       seq_len: slots per row.
       pad_id: token id written on padding.
       token_dtype: the dataset's token dtype (uint16 allows the narrow host array).
+      token_width: bytes per stored token (2 or 4) that every record must have; ``None``:
+        either, as long as the host array holds it.
+      vocab_size: when given, every token must be below it (else ``DatasetError``).
     """
 
     def __init__(self, schedule: ix.Schedule, shards: ShardSet, local_rows: np.ndarray, seq_len: int,
-                 pad_id: int = 0, token_dtype: np.dtype | str = np.int32):
+                 pad_id: int = 0, token_dtype: np.dtype | str = np.int32, token_width: int | None = None,
+                 vocab_size: int | None = None):
         self.schedule = schedule
         self.shards = shards
         self.local_rows = np.asarray(local_rows, np.int64)
@@ -86,9 +96,11 @@ class StepSource:
         # are uint16 and ids and positions (<= seq_len) fit, else int32; the devices widen it.
         narrow = np.dtype(token_dtype) == np.uint16 and seq_len < 2**15
         self.packed_dtype = np.dtype(np.uint16 if narrow else np.int32)
+        self.token_width = token_width
+        self.vocab_size = vocab_size
 
     def _locate(self, step: int, positions: np.ndarray | None) -> ix.RowLocations:
-        rows = self.schedule.step_rows(step)
+        rows = self.schedule.step_rows(ix.check_step(step))
         if positions is not None:
             rows = rows[np.asarray(positions, np.int64)]
         return self.schedule.locate(rows)
@@ -108,7 +120,7 @@ class StepSource:
         """The stored rows of ``step`` (all, or those at ``positions``), in batch order."""
         loc = self._locate(step, positions)
         data = self.shards.read(loc.source, loc.record)
-        return decode_all(data, _Names(self.schedule.sources, loc))
+        return decode_all(data, _Names(self.schedule.sources, loc, self.shards))
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         """Host-local arrays of ``step``.
@@ -119,17 +131,11 @@ class StepSource:
           ``loader.reader.derive_batch``); ``step`` (int64 scalar); ``tokens`` (int64
           scalar, non-padding tokens); ``source`` (int32 ``[n]``, schedule source index).
         """
-        step = int(step)
+        step = ix.check_step(step)
         loc = self._locate(step, self.local_rows)
-        data = self.shards.read(loc.source, loc.record)
-        rows = decode_all(data, _Names(self.schedule.sources, loc))
-        packed = np.empty((len(rows), 3, self.seq_len), self.packed_dtype)
-        # int16 ids/positions reinterpret as uint16 unchanged (they are >= 0)
-        index_dtype = np.int16 if self.packed_dtype == np.uint16 else np.int32
-        inputs, seg, pos = pack_inputs(rows, self.seq_len, self.pad_id, self.packed_dtype, index_dtype)
-        packed[:, 0], packed[:, 1], packed[:, 2] = inputs, seg.view(self.packed_dtype), pos.view(self.packed_dtype)
-        out = {"packed": packed}
-        out["step"] = np.int64(step)
-        out["tokens"] = np.int64(sum(r.num_tokens for r in rows))
-        out["source"] = loc.source.astype(np.int32)
-        return out
+        shard, in_shard = self.shards.locate(loc.source, loc.record)
+        data = self.shards.read_located(loc.source, loc.record, shard, in_shard)
+        packed, tokens = pack_records(data, self.seq_len, self.token_width, self.pad_id, self.packed_dtype,
+                                      self.vocab_size, _Names(self.schedule.sources, loc, self.shards, shard, in_shard))
+        return {"packed": packed, "step": np.int64(step), "tokens": np.int64(tokens),
+                "source": loc.source.astype(np.int32)}

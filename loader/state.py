@@ -61,13 +61,24 @@ class LoaderState:
             match the fields (edited or corrupted state).
         """
         try:
+            if not isinstance(raw, Mapping):
+                raise TypeError(f"expected a mapping, got {type(raw).__name__}")
+            fields = {"next_step": raw["next_step"], "version": raw.get("version", STATE_VERSION)}
+            for key, v in fields.items():  # exact integers: "12", 12.7 or True are not steps
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise TypeError(f"{key} must be an integer, got {v!r}")
+            for key in ("fingerprint", "manifest_sha256"):
+                if not isinstance(raw[key], str):
+                    raise TypeError(f"{key} must be a string, got {raw[key]!r}")
+            if not isinstance(raw["schedule"], Mapping):
+                raise TypeError(f"schedule must be a mapping, got {raw['schedule']!r}")
             state = cls(
-                next_step=int(raw["next_step"]), fingerprint=str(raw["fingerprint"]),
-                manifest_sha256=str(raw["manifest_sha256"]), schedule=dict(raw["schedule"]),
-                version=int(raw.get("version", STATE_VERSION)),
+                next_step=fields["next_step"], fingerprint=raw["fingerprint"],
+                manifest_sha256=raw["manifest_sha256"], schedule=dict(raw["schedule"]),
+                version=fields["version"],
             )
         except (KeyError, TypeError, ValueError) as e:
-            raise ResumeError(f"loader state is malformed ({e!r}): {raw!r}") from None
+            raise ResumeError(f"loader state is malformed ({e!r}): {raw!r}"[:2000]) from None
         if state.version != STATE_VERSION:
             raise ResumeError(f"loader state version {state.version}, this loader reads {STATE_VERSION}")
         if state.next_step < 0:

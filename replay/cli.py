@@ -6,6 +6,7 @@ arguments, prints, writes files and maps outcomes to exit codes (``replay.verdic
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import traceback
@@ -131,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--element", type=int)
     d.add_argument("--bit", type=int, help="0 = lowest mantissa bit")
     d.add_argument("--no-canary", action="store_true")
+    d.add_argument("--to-disk", metavar="DIR",
+                   help="write each drill as a short faulty training run DIR/drill-N (fingerprints, a checkpoint "
+                        "after the faulty step) and replay it from disk")
     return parser
 
 
@@ -208,7 +212,7 @@ def _cmd_inspect(args, console) -> int:
     run = load_run(args.run)
     run.check_range(start, stop)
     session = engine.Session(run)
-    data = session.loader(session.home_assignment())
+    data = session.lookup_loader()
     tok = getattr(getattr(getattr(data, "mixture", None), "tokenizer", None), "path", None)
     rep = forensics.inspect_steps(data, start, stop, text=args.text, tokenizer_path=tok,
                                   dataset=session.setup.dataset)
@@ -229,14 +233,19 @@ def _cmd_drill(args, console) -> int:
     session = engine.Session(run)
     rng = random.Random(args.seed)
     results = []
-    for _ in range(args.count):
+    if args.to_disk and os.path.exists(args.to_disk) and os.listdir(args.to_disk):
+        raise _Usage(f"--to-disk {args.to_disk}: must be a new or empty folder")
+    for n in range(args.count):
         fault = drill.random_fault(session, rng, args.step, args.device, args.leaf, args.element, args.bit)
-        res = drill.run_drill(session, fault, device_spec=args.devices, canary=not args.no_canary)
+        to_disk = None if not args.to_disk else os.path.join(args.to_disk, f"drill-{n}")
+        res = drill.run_drill(session, fault, device_spec=args.devices, canary=not args.no_canary, to_disk=to_disk)
         results.append(res)
         mark = "[green]caught[/]" if res.caught else "[red]NOT caught[/]"
         console.print(f"drill {fault}: {mark} (range: {res.range_report.verdict.value} "
                       f"{list(res.range_report.decision.devices)} at step {res.range_report.decision.step}; "
-                      f"canary: {None if res.canary_report is None else list(res.canary_report.decision.odd_devices)})")
+                      f"canary: {None if res.canary_report is None else list(res.canary_report.decision.odd_devices)})"
+                      + (f"; differing elements after the step: {res.range_report.differing_elements}"
+                         if res.range_report.differing_elements else ""))
     caught = sum(r.caught for r in results)
     console.print(f"{caught} of {len(results)} drill(s) caught")
     if args.json:
@@ -254,6 +263,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from rich.console import Console
 
     from contract.config import ConfigError
+    from replay.compare import PairingError
     from replay.devices import DeviceSpecError
     from replay.drill import DrillError
     from replay.engine import EnvDriftError
@@ -282,10 +292,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except EnvDriftError as e:
         err.print(f"[red]environment drift:[/] {e}")
         return int(ExitCode.ENV_DRIFT)
-    except (RunDirError, ConfigError, TokenizerUnavailableError, FileNotFoundError) as e:
+    except (RunDirError, ConfigError, TokenizerUnavailableError, FileNotFoundError, PairingError) as e:
         err.print(f"[red]run directory or data error:[/] {e}")
         return int(ExitCode.RUN_ERROR)
-    except Exception as e:  # noqa: BLE001 - a bug: say so, keep the traceback
+    except Exception as e:
         name = type(e).__module__
         if name.startswith("loader") and isinstance(e, ValueError):
             err.print(f"[red]run directory or data error:[/] {e}")

@@ -274,10 +274,13 @@ def disagreement(
     a: Sequence[StepFingerprints], b: Sequence[StepFingerprints],
     coords_a: Mapping[int, Position], coords_b: Mapping[int, Position],
 ) -> Optional[dict[str, Any]]:
-    """Where two replays first disagree: ``{"step", "positions", "devices_a", "devices_b"}`` or None.
+    """Where two replays first disagree: ``{"step", "positions", "devices_a", "devices_b", "suspects"}``
+    or None.
 
     ``positions`` are the mesh positions whose contributions differ; ``devices_a``/``devices_b``
-    the replay devices at those positions (one of each pair computed wrongly).
+    the replay devices at those positions (one of each pair computed wrongly); ``suspects`` the
+    devices found on both sides (with rotated placements a faulty replay device shows up at two
+    positions, once in each replay).
     """
     bmap = {f.step: f for f in b}
     inv_a = {position_label(c): d for d, c in coords_a.items()}
@@ -291,10 +294,14 @@ def disagreement(
             continue
         pos = sorted(k for k in set(pa["devices"]) | set(pb["devices"])
                      if pa["devices"].get(k) != pb["devices"].get(k))
+        devices_a = [inv_a.get(k) for k in pos]
+        devices_b = [inv_b.get(k) for k in pos]
         return {
             "step": fa.step,
             "positions": pos,
-            "devices_a": [inv_a.get(k) for k in pos],
-            "devices_b": [inv_b.get(k) for k in pos],
+            "devices_a": devices_a,
+            "devices_b": devices_b,
+            # A device on both sides (at different positions) is the likeliest culprit.
+            "suspects": sorted(set(devices_a) & set(devices_b) - {None}),
         }
     return None

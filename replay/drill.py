@@ -10,6 +10,12 @@ A drill (issue 5, point 8) proves, on the user's own setup, that the triage work
     range replay of [s, s+1) on good devices against log'  ->  must CONVICT device d at step s
     canary on every device with the fault on device d       ->  must name device d
 
+With ``to_disk`` the drill is a short training run instead: the run directory is copied up to
+the checkpoint before ``s``, steps ``c .. s+1`` are trained with the fault on the run's mesh and
+written as a run directory (fingerprints, a checkpoint after the faulty step, a ``drill`` event),
+and range replay reads that directory like any run: it convicts the device and, restoring the
+checkpoint written after the faulty step, counts the parameters the flipped bit changed.
+
 The fault is a traced input of the trainer's compiled step, so drills never recompile; the
 session caches restored checkpoints, so many drills cost a few steps each.
 """
@@ -17,7 +23,10 @@ session caches restored checkpoints, so many drills cost a few steps each.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import random
+import shutil
 from typing import Any, Optional
 
 from replay.protocol import FaultSpec
@@ -109,15 +118,67 @@ def drilled_log(session: Any, fault: FaultSpec, extra_steps: int = 0) -> dict[in
     return log
 
 
-def run_drill(session: Any, fault: FaultSpec, *, device_spec: str = "all", replays: int = 2,
-              canary: bool = True, canary_repeats: int = 1) -> DrillReport:
-    """Runs one drill (module docstring) and says whether replay and canary caught it."""
-    from replay.canary import run_canary
-    from replay.engine import replay_range
+def write_drilled_run(session: Any, fault: FaultSpec, out_dir: str) -> str:
+    """Trains a short faulty run into ``out_dir`` (module docstring) and returns ``out_dir``.
 
-    log = drilled_log(session, fault)
-    rep = replay_range(session, fault.step, fault.step + 1, device_spec=device_spec, log=log, replays=replays,
-                       allow_env_drift=True, full_comparison=False)
+    The new directory holds the run's config, env record and events, its checkpoint ``c`` at or
+    before ``fault.step``, the fingerprints of steps ``< c`` from the run and of ``c .. fault.step``
+    as trained with the fault, a checkpoint ``fault.step + 1`` (the state after the faulty step),
+    and a ``drill`` event.
+
+    Raises:
+      FileExistsError: ``out_dir`` exists.
+    """
+    from replay.protocol import CHECKPOINTS_DIR
+    from replay.reference import checkpoint as ckpt
+    from replay.runlog import ENV_JSON, EVENTS, FINGERPRINTS, RUN_CONFIG
+
+    run = session.run
+    c = run.checkpoint_for(fault.step)
+    os.makedirs(out_dir)
+    for name in (RUN_CONFIG, ENV_JSON, EVENTS):
+        if os.path.exists(os.path.join(run.run_dir, name)):
+            shutil.copy(os.path.join(run.run_dir, name), out_dir)
+    shutil.copytree(os.path.join(run.run_dir, CHECKPOINTS_DIR, str(c)), os.path.join(out_dir, CHECKPOINTS_DIR, str(c)))
+    home = session.home_assignment()
+    fps, _, kept = session.run_steps(home, c, fault.step + 1, fault=fault, keep_state_at=fault.step)
+    with open(os.path.join(out_dir, FINGERPRINTS), "w", encoding="utf-8") as f:
+        for step in sorted(s for s in run.fingerprints if s < c):
+            f.write(run.fingerprints[step].to_json() + "\n")
+        for fp in fps:
+            f.write(fp.to_json() + "\n")
+    _, loader_state = session.setup.trainer.restore(run.run_dir, c, session.mesh(home))
+    mngr = ckpt.manager(os.path.join(out_dir, CHECKPOINTS_DIR))
+    try:
+        ckpt.save(mngr, fault.step + 1, kept[fault.step], {**dict(loader_state), "next_step": fault.step + 1})
+        mngr.wait_until_finished()
+    finally:
+        mngr.close()
+    with open(os.path.join(out_dir, EVENTS), "a", encoding="utf-8") as f:
+        f.write(json.dumps({"event": "drill", "step": fault.step, **dataclasses.asdict(fault)}, sort_keys=True) + "\n")
+    return out_dir
+
+
+def run_drill(session: Any, fault: FaultSpec, *, device_spec: str = "all", replays: int = 2,
+              canary: bool = True, canary_repeats: int = 1, to_disk: Optional[str] = None) -> DrillReport:
+    """Runs one drill (module docstring) and says whether replay and canary caught it.
+
+    Args:
+      to_disk: write the faulty short run to this new folder and replay it from there (else the
+        drilled log stays in memory).
+    """
+    from replay.canary import run_canary
+    from replay.engine import Session, replay_range
+    from replay.runlog import load_run
+
+    if to_disk is not None:
+        target = Session(load_run(write_drilled_run(session, fault, to_disk)), session.setup)
+        rep = replay_range(target, fault.step, fault.step + 1, device_spec=device_spec, replays=replays,
+                           allow_env_drift=True)
+    else:
+        log = drilled_log(session, fault)
+        rep = replay_range(session, fault.step, fault.step + 1, device_spec=device_spec, log=log,
+                           replays=replays, allow_env_drift=True, full_comparison=False)
     ok = (rep.verdict is Verdict.CONVICTED and rep.decision.devices == (fault.device_id,)
           and rep.decision.step == fault.step)
     can, can_ok = None, None

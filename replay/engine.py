@@ -1,6 +1,8 @@
-"""The replay engine: range replay, canary, inspect and drill, as library functions.
+"""The replay engine: an opened run (:class:`Session`) and range replay (:func:`replay_range`).
 
-The command line (``replay.cli``) is a thin layer over these; tests call them directly.
+Canary, inspect and drill build on the session in ``replay.canary``, ``replay.forensics`` and
+``replay.drill``. The command line (``replay.cli``) is a thin layer over these library
+functions; tests call them directly.
 
 Range replay (issue 5, points 2 to 4)::
 
@@ -9,7 +11,8 @@ Range replay (issue 5, points 2 to 4)::
     for each mesh M_i (and each repeat):
         c   = newest checkpoint <= start           restored read-only (Orbax) onto M_i
         for step in c .. stop-1:                   steps before the range are checked too
-            batch = loader.batch_at(step)          rebuilt on M_i, following skip windows
+            batch = loader batch of step           rebuilt on M_i (batch_at, or the prefetching
+                                                   iterate for long stretches), skip windows followed
             state, fp = trainer.train_step(state, batch, step)
             diff = compare_step(log[step], fp)     bit-exact / per-shard / tolerance
             a divergence ends the checkpoint segment: the replay jumps to the next
@@ -38,7 +41,6 @@ from replay import devices as dv
 from replay.protocol import FaultSpec, StepFingerprints
 from replay.runlog import RunDirError, RunLog
 from replay.verdict import Decision, Evidence, ReplayOutcome, Verdict, decide
-
 
 PREFETCH_MIN_STEPS = 8  # stretches this long read batches through the loader's prefetch
 
@@ -167,7 +169,7 @@ class Session:
         self.setup = setup or default_setup(run)
         self.jax_devices = {d.id: d for d in jax.devices()}
         self._meshes: dict[tuple[int, ...], Any] = {}
-        self._loaders: dict[tuple[int, ...], Any] = {}
+        self._loaders: dict[Any, Any] = {}
         self._states: dict[tuple[int, tuple[int, ...]], Any] = {}
         self._batches: dict[tuple[int, tuple[int, ...]], Any] = {}
         self.restore_seconds = 0.0
@@ -191,6 +193,18 @@ class Session:
             self._loaders[key] = self.setup.make_loader(self.mesh(key))
         return self._loaders[key]
 
+    def lookup_loader(self):
+        """A loader for lookups only (``rows_at``, ``read_rows``: ``replay inspect``), on a mesh of the
+        run's axes with one device, so it works on any machine whatever its device count."""
+        from jax.sharding import Mesh
+
+        if "lookup" not in self._loaders:
+            first = self.jax_devices[min(self.jax_devices)]
+            mesh = Mesh(np.asarray([first], dtype=object).reshape((1,) * len(self.setup.axis_names)),
+                        self.setup.axis_names)
+            self._loaders["lookup"] = self.setup.make_loader(mesh)
+        return self._loaders["lookup"]
+
     def batch(self, step: int, assignment: Sequence[int]):
         key = (step, tuple(assignment))
         if key not in self._batches:
@@ -198,6 +212,11 @@ class Session:
                 self._batches.clear()
             self._batches[key] = self.loader(assignment).batch_at(step)
         return self._batches[key]
+
+    def run_coords(self) -> dict[int, Any]:
+        """``device id -> mesh position`` of the run, from env.json (for logs without ``device_coords``)."""
+        raw = self.run.mesh.get("device_coords") or {}
+        return {int(d): cmp.position_key(c) for d, c in raw.items()}
 
     def home_assignment(self) -> tuple[int, ...]:
         """The run's own device order when this process has those devices, else the first devices."""
@@ -280,7 +299,7 @@ class Session:
                     if log is None:
                         continue
                     logged = log[step]
-                    pairing = cmp.pair_devices(cmp.coords_of(logged), cmp.coords_of(fp))
+                    pairing = cmp.pair_devices(cmp.coords_of(logged) or self.run_coords(), cmp.coords_of(fp))
                     diff = cmp.compare_step(logged, fp, pairing, tolerance)
                     diffs.append(diff)
                     if not diff.ok:
@@ -472,7 +491,7 @@ def replay_range(
     tolerance: Optional[float] = None,
     allow_env_drift: bool = False,
     log: Optional[Mapping[int, StepFingerprints]] = None,
-    progress: Callable[[int], Callable[[int], None]] = None,
+    progress: Optional[Callable[[int], Callable[[int], None]]] = None,
     replays: int = 2,
     full_comparison: bool = True,
 ) -> RangeReport:

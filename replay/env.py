@@ -152,3 +152,26 @@ def compare_environment(recorded: Mapping[str, Any], current: Mapping[str, Any])
             prefix = "note: " if key in _INFORMATIONAL else ""
             out.append(f"{prefix}{key}: recorded {va!r}, current {vb!r}")
     return out
+
+
+# Flags the reference trainer pins so that a rerun computes the same bits (docs/trainer.md).
+# CPU needs none (XLA:CPU is deterministic for a fixed program and device order); these are
+# read only by the GPU compiler and accepted, unused, elsewhere.
+DETERMINISM_XLA_FLAGS = (
+    "--xla_gpu_deterministic_ops=true",  # deterministic scatter/reductions; fails on ops without a deterministic kernel
+)
+
+
+def pin_determinism_flags(environ=None) -> list[str]:
+    """Appends :data:`DETERMINISM_XLA_FLAGS` missing from ``XLA_FLAGS``; returns those added.
+
+    Call before JAX initializes its backend (before the first computation); the flags then
+    appear in :func:`record_environment`'s ``env.XLA_FLAGS``.
+    """
+    environ = os.environ if environ is None else environ
+    current = environ.get("XLA_FLAGS", "")
+    present = {f.split("=")[0] for f in current.split()}
+    added = [f for f in DETERMINISM_XLA_FLAGS if f.split("=")[0] not in present]
+    if added:
+        environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
+    return added

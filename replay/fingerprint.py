@@ -217,6 +217,35 @@ def fingerprint_flat_chunk(flat: jnp.ndarray, start: Any, total: int) -> jnp.nda
     return _reduce(bit_pattern(flat), pos.astype(jnp.uint32), flat, pos < total)
 
 
+def fingerprint_row_block(x: jnp.ndarray, block_index: Any, n_blocks: int, *, counts: bool = True) -> jnp.ndarray:
+    """Fingerprint of block ``block_index`` of ``n_blocks`` row blocks of ``x`` (global indices).
+
+    Rows (first dimension, ``d0``) are split in ``n_blocks`` blocks of ``c = ceil(d0 / n_blocks)``
+    rows; block ``k`` holds rows ``[k*c, min((k+1)*c, d0))`` (empty when ``k*c >= d0``). The
+    block is read in place (``dynamic_slice`` with its start clamped, rows outside the block
+    masked), so no copy of ``x`` is made. Summing the ``n_blocks`` results gives
+    ``fingerprint(x)``: the trainer lets each device fingerprint one block of the reduced
+    gradient and adds them with a ``psum``.
+
+    Args:
+      x: array of rank >= 1 (rank 0 is treated as shape ``(1,)``).
+      block_index: int or traced int32 scalar in ``[0, n_blocks)``.
+      n_blocks: number of blocks, >= 1.
+    """
+    if x.ndim == 0:
+        x = x.reshape(1)
+    d0 = x.shape[0]
+    c = -(-d0 // n_blocks)
+    lo = jnp.asarray(block_index, jnp.int32) * c
+    start = jnp.clip(lo, 0, d0 - c)
+    blk = jax.lax.dynamic_slice_in_dim(x, start, c, axis=0)
+    rows = start + jax.lax.iota(jnp.int32, c)
+    valid_rows = (rows >= lo) & (rows < jnp.minimum(lo + c, d0))
+    valid = jnp.broadcast_to(valid_rows.reshape((c,) + (1,) * (x.ndim - 1)), blk.shape)
+    idx = global_index(blk.shape, x.shape, (start,) + (0,) * (x.ndim - 1))
+    return _reduce(bit_pattern(blk), idx, blk, valid, counts)
+
+
 def flip_bit(x: jnp.ndarray, element: Any, bit: Any, enabled: Any) -> jnp.ndarray:
     """Returns ``x`` with bit ``bit`` of flat element ``element`` flipped where ``enabled``.
 

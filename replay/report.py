@@ -52,8 +52,8 @@ def write_json(report: Mapping[str, Any], path: str) -> None:
 
 def _verdict_panel(report: Mapping[str, Any]) -> Panel:
     verdict = report["verdict"]
-    lines = [f"[{_VERDICT_STYLE[verdict]}]{verdict.upper()}[/] (exit code {report['exit_code']}): "
-             f"{report['explanation']}"]
+    lines = [(f"[{_VERDICT_STYLE[verdict]}]{verdict.upper()}[/] (exit code {report['exit_code']}): "
+              f"{report['explanation']}")]
     if report.get("convicted_devices"):
         lines.append(f"convicted device(s): {report['convicted_devices']} at step {report['first_divergent_step']}")
     if report.get("leaves"):
@@ -105,8 +105,13 @@ def render_range(report: Mapping[str, Any], console: Optional[Console] = None, m
     if len(shown) < len(steps):
         table.caption = f"{len(steps) - len(shown)} matching steps not shown"
     console.print(table)
-    if report.get("replay_disagreement"):
-        console.print(f"[yellow]replays disagree:[/] {report['replay_disagreement']}")
+    dis = report.get("replay_disagreement")
+    if dis:
+        line = (f"[yellow]replays {dis.get('replay_a')} and {dis.get('replay_b')} disagree[/] at step {dis['step']}, "
+                f"mesh position(s) {dis['positions']}: devices {dis['devices_a']} vs {dis['devices_b']}")
+        if dis.get("suspects"):
+            line += f"; suspect device(s) (on both sides): {dis['suspects']}"
+        console.print(line)
     console.print(_verdict_panel(report))
 
 
@@ -132,8 +137,8 @@ def render_inspect(report: Mapping[str, Any], console: Optional[Console] = None,
     """Prints an inspect report: documents per step and row, a per-source summary, shards touched."""
     console = console or Console()
     table = Table(title=f"documents in steps {report['steps']['start']}:{report['steps']['stop']}")
-    for col in ("step", "row", "source", "document key", "chunk", "tokens", "shard", "record"):
-        table.add_column(col)
+    for col in ("step", "row", "source", "document key", "chunk", "span", "shard", "record"):
+        table.add_column(col, overflow="fold")
     with_text = any("text" in d for r in report["rows"] for d in r["documents"])
     if with_text:
         table.add_column("text")
@@ -142,7 +147,7 @@ def render_inspect(report: Mapping[str, Any], console: Optional[Console] = None,
         for d in r["documents"]:
             if n >= max_rows:
                 break
-            cells = [str(r["step"]), str(r["global_row"]), r["source"], d["key"], str(d["chunk"]),
+            cells = [str(r["step"]), str(r["position"]), r["source"], d["key"], str(d["chunk"]),
                      f"{d['span'][0]}:{d['span'][1]}", r["shard"], str(r["record_in_shard"])]
             if with_text:
                 cells.append(repr(d.get("text", ""))[:80])
@@ -212,8 +217,20 @@ def plot_range(report: Mapping[str, Any], path: str) -> None:
         title = "" if r is None else f"replay {r['index']} on devices {r['assignment']}"
         ax.set_title(title, fontsize=9)
     axes[-1, 0].set_xlabel("step")
-    fig.suptitle(f"{report['verdict']}: {report['explanation'][:90]}", fontsize=9)
-    fig.tight_layout()
+    from matplotlib.patches import Patch
+
+    legend = [Patch(color=c, label=t) for c, t in zip(cmap.colors, ("not compared", "matches the log",
+                                                                    "differs from the log", "batch differs (data)"))]
+    fig.legend(handles=legend, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    title = f"{report['verdict'].upper()}"
+    if report.get("cause"):
+        title += f" ({report['cause']})"
+    if report.get("first_divergent_step") is not None:
+        title += f": first divergent step {report['first_divergent_step']}"
+    if report.get("convicted_devices"):
+        title += f", device(s) {report['convicted_devices']}"
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fig.savefig(path, dpi=100)

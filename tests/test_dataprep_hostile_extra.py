@@ -5,7 +5,6 @@ that was lost silently or crashed the pipeline, an output folder problem found o
 pipeline's last step, a Beam option dropped silently.
 """
 
-import base64
 import gzip
 import json
 import os
@@ -155,6 +154,9 @@ def test_bom_at_file_start_is_not_part_of_the_first_document(tmp_path):
     assert got == [readers.Document("s/b.jsonl:1", "one"), readers.Document("s/b.jsonl:2", "two")]
     got = _items(tmp_path, "jsonl", "only.jsonl", b"\xef\xbb\xbf\n")
     assert got == []
+    # Files with BOMs concatenated ("cat a.jsonl b.jsonl"): the BOM starts a later line.
+    got = _items(tmp_path, "jsonl", "cat.jsonl", b'\xef\xbb\xbf{"text": "a"}\n\xef\xbb\xbf{"text": "b"}\n')
+    assert got == [readers.Document("s/cat.jsonl:1", "a"), readers.Document("s/cat.jsonl:2", "b")]
     got = _items(tmp_path, "text", "b.txt", b"\xef\xbb\xbfplain text\r\n")
     assert got == [readers.Document("s/b.txt:0", "plain text\r\n")]
     got = _items(tmp_path, "text", "k.txt", b"\xef\xbb\xbf\n\nblock one\n\nblock two\n", TextSplit.BLANK_LINES)
@@ -283,8 +285,14 @@ def test_unknown_option_is_an_error_not_silently_dropped(small, tmp_path):
     # Was: "--overwite" (a typo) or "--direct_num_worker=2" were dropped by Beam with a warning.
     _, cfg = small
     out = tmp_path / "ds"
-    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['--overwite'\]"):
+    with pytest.raises(ConfigError, match=r"unknown argument\(s\) \['--overwite'\]"):
         pack.run(["--config", str(cfg), "--output", str(out), "--overwite"], print_summary=False)
+    with pytest.raises(ConfigError, match=r"unknown argument\(s\) \['stray', '-x'\]"):
+        pack.run(["--config", str(cfg), "--output", str(out), "stray", "-x"], print_summary=False)
+    o = pack.pipeline_options(["--runner", "DataflowRunner", "--project", "p", "--region", "r",
+                               "--temp_location", "gs://b/t", "--setup_file", "./pyproject.toml",
+                               "--experiments=use_runner_v2", "--save_main_session", "--labels", "k=v"])
+    assert o.get_all_options()["project"] == "p"
     assert pack.main(["--config", str(cfg), "--output", str(out), "--direct_num_worker=2"]) == pack.EXIT_CONFIG
     assert not out.exists()
 
@@ -410,3 +418,237 @@ def test_file_system_errors_are_raised_for_a_retry_not_turned_into_dead_letters(
     monkeypatch.setattr(fsutil, "open_raw", lambda path: _FlakyFile(data))
     with pytest.raises(ConnectionResetError):
         list(readers.read_file(_src(tmp_path, fmt), str(tmp_path / f"x.{fmt}")))
+
+
+def test_inputs_inside_the_output_folder_are_refused(tmp_path, tok):
+    # Was: accepted; with "**/*.jsonl", a rerun read the first run's errors/*.jsonl back in.
+    (tmp_path / "corpus/ds/errors").mkdir(parents=True)
+    (tmp_path / "corpus/ds/errors/a-00000-of-00001.jsonl").write_text('{"text": "a dead letter"}\n')
+    (tmp_path / "corpus/x").mkdir()
+    (tmp_path / "corpus/x/a.jsonl").write_text('{"text": "x"}\n')
+    cfg = _write_config(tmp_path, tok[0], [{"name": "a", "paths": ["corpus/**/*.jsonl"], "format": "jsonl"}])
+    out = tmp_path / "corpus/ds"
+    with pytest.raises(ConfigError, match=r"^sources: .*/corpus/ds/errors/a-00000-of-00001\.jsonl \(source 'a'\) lies inside --output"):
+        pack.run(["--config", str(cfg), "--output", str(out)], print_summary=False)
+    assert sorted(p.name for p in out.rglob("*")) == ["a-00000-of-00001.jsonl", "errors"]
+
+
+def test_source_that_packs_nothing_but_has_weight_is_warned_about(small, tmp_path, capsys):
+    # Was: silent; the loader only refused the mixture later, on the training fleet.
+    d, cfg = small
+    (d / "in0").mkdir(exist_ok=True)
+    (d / "in0/bad.jsonl").write_text("not json\n")
+    raw = yaml.safe_load(cfg.read_text())
+    raw["sources"][1]["weight"] = 0.0  # "z" (a truncated file) packs nothing either
+    raw["sources"].append({"name": "bad", "paths": ["in0/*.jsonl"], "format": "jsonl", "weight": 0.0})
+    raw["phases"] = [{"from_step": 100, "weights": {"a": 1.0, "bad": 0.5}}]
+    cfg2 = d / "mix-empty.yaml"
+    cfg2.write_text(yaml.safe_dump(raw))
+    pack.run(["--config", str(cfg2), "--output", str(tmp_path / "ds")], print_summary=False)
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: source 'bad' packed no rows (documents read 1, rejected invalid_json: 1) but has "
+        "weight > 0 from step 100; a loader cannot draw from it (see errors/)"
+    ]
+
+
+def test_source_names_differing_only_in_case_are_refused():
+    # Was: accepted; "Web" and "web" write to one folder on a case-insensitive file system.
+    raw = _base()
+    raw["sources"].append({"name": "A", "paths": ["in/*.txt"], "format": "text"})
+    with pytest.raises(ConfigError, match=r"^sources\[1\]\.name: 'A' differs from source 'a' only in case$"):
+        mixture_from_dict(raw, base_dir="/d")
+
+
+# --- memory bombs ----------------------------------------------------------------------
+
+
+def test_zstd_bomb_decompresses_in_bounded_pieces():
+    # A 64 MiB run of zeros compresses to a few KiB; decompressing a whole read of it at once
+    # would put it in memory in one piece (a 1 MiB bomb would be tens of GiB).
+    import io
+
+    bomb = zstandard.ZstdCompressor(level=3).compress(b"\0" * (64 << 20))
+    assert len(bomb) < 1 << 16
+    frames = readers._ZstdFrames(io.BytesIO(bomb))
+    total, largest, buf = 0, 0, bytearray(1 << 20)
+    while n := frames.readinto(buf):
+        total += n
+        largest = max(largest, len(frames._out))
+    assert total == 64 << 20
+    assert largest <= 1024 * 32768  # one 1 KiB feed: at most 32 MiB
+
+
+def test_overlong_line_and_file_are_rejected_as_too_long(tmp_path, monkeypatch):
+    # Was: a line (or whole-file document) of any size was read into memory: a gzip or zstd
+    # bomb without a newline exhausted the worker.
+    monkeypatch.setattr(readers, "MAX_DOCUMENT_BYTES", 100)
+    got = _items(tmp_path, "jsonl.gz", "a.jsonl.gz",
+                 gzip.compress(b'{"text": "ok"}\n' + b"\0" * 5000 + b'\n{"text": "after"}\n', mtime=0))
+    assert [(g.key, getattr(g, "reason", None)) for g in got] == [
+        ("s/a.jsonl.gz:1", None),
+        ("s/a.jsonl.gz:2", readers.Reason.TOO_LONG),
+        ("s/a.jsonl.gz:3", None),
+    ]
+    assert got[1].raw == b"\0" * 101 and got[1].detail == "5001 bytes, over the limit of 100; raw holds the first 101"
+    assert got[2].text == "after"
+    got = _items(tmp_path, "text", "big.txt", b"z" * 3000)
+    assert (got[0].key, got[0].reason, got[0].raw) == ("s/big.txt:0", readers.Reason.TOO_LONG, b"z" * 101)
+    assert got[0].detail == "3000 bytes, over the limit of 100; raw holds the first 101"
+    assert _items(tmp_path, "text", "ok.txt", b"z" * 100) == [readers.Document("s/ok.txt:0", "z" * 100)]
+
+
+@pytest.mark.parametrize("path", ["/dev/zero", "{d}"])
+def test_tokenizer_path_that_is_no_regular_file_is_a_config_error(tmp_path, path):
+    # Was: /dev/zero was read for ever (the run hung, then ran out of memory).
+    path = path.replace("{d}", str(tmp_path))
+    raw = _base()
+    raw["tokenizer"]["path"] = path
+    cfg = mixture_from_dict(raw, base_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"^tokenizer\.path: {path} is a folder or other non-regular file"):
+        preflight.check_tokenizer(cfg)
+
+
+def test_unknown_url_scheme_is_a_config_error_naming_the_field(small, tmp_path):
+    # Was: a ValueError traceback from Beam's FileSystems ("Unable to get filesystem ...").
+    _, cfg = small
+    with pytest.raises(ConfigError, match=r"^--output nofs://bucket/ds: Unable to get filesystem"):
+        pack.run(["--config", str(cfg), "--output", "nofs://bucket/ds"], print_summary=False)
+    raw = _base()
+    raw["tokenizer"]["path"] = "nofs://bucket/tok.model"
+    with pytest.raises(ConfigError, match=r"^tokenizer\.path: Unable to get filesystem"):
+        preflight.check_tokenizer(mixture_from_dict(raw, base_dir=str(tmp_path)))
+    raw = _base()
+    raw["sources"][0]["paths"] = ["nofs://bucket/*.jsonl"]
+    with pytest.raises(ConfigError, match=r"^sources\[0\]\.paths\[0\]: Unable to get filesystem"):
+        preflight.match_inputs(mixture_from_dict(raw, base_dir=str(tmp_path)))
+
+
+def test_demo_with_a_bad_vocab_size_exits_2_with_a_message(tmp_path, capsys):
+    # Was: a TrainError traceback.
+    from dataprep import demo
+
+    assert demo.main(["--out", str(tmp_path / "demo"), "--max-code-mb", "0.2", "--vocab-size", "5"]) == 2
+    assert capsys.readouterr().err == "error: --vocab-size must be >= 16, got 5\n"
+
+
+def test_output_with_glob_characters_is_refused_before_any_work(small, tmp_path):
+    # Was: IndexError from the shard size check (FileSystems.match read "ds[1]" as a glob),
+    # after the pipeline had written shards.
+    _, cfg = small
+    out = tmp_path / "ds[1]"
+    with pytest.raises(ConfigError, match=r"^--output .*/ds\[1\]: must not contain the glob characters"):
+        pack.run(["--config", str(cfg), "--output", str(out)], print_summary=False)
+    assert not out.exists()
+
+
+def test_paths_with_spaces_and_unicode_pack(tmp_path, tok):
+    (tmp_path / "in dir ü").mkdir()
+    (tmp_path / "in dir ü/dóc 1.jsonl").write_text('{"text": "héllo wörld"}\n', encoding="utf-8")
+    cfg = _write_config(tmp_path, tok[0], [{"name": "a", "paths": ["in dir ü/*.jsonl"], "format": "jsonl"}])
+    out = tmp_path / "out dir é"
+    m = pack.run(["--config", str(cfg), "--output", str(out)], print_summary=False).manifest
+    assert (m.sources["a"].ledger.read, m.sources["a"].ledger.packed) == (1, 1)
+    from array_record.python.array_record_module import ArrayRecordReader
+    from contract.codec import decode_row
+
+    r = ArrayRecordReader(str(out / m.sources["a"].shards[0].path))
+    assert decode_row(r.read([0])[0]).doc_keys == ("a/dóc 1.jsonl:1",)
+    r.close()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("1: 2\nfoo: 3\nname: t\n", r"config: unknown key\(s\) \['foo', 1\]"),
+        (
+            "name: t\nversion: 1\ntokenizer: {path: x}\nsources:\n - {name: a, paths: [x], format: jsonl, 1: 2, foo: 3}\n",
+            r"sources\[0\]: unknown key\(s\) \['foo', 1\]",
+        ),
+        (
+            "name: t\nversion: 1\ntokenizer: {path: x}\nsources:\n - {name: a, paths: [x], format: jsonl}\n"
+            "phases:\n - {from_step: 5, weights: {1: 1, b: 2}}\n",
+            r"phases\[0\]\.weights: unknown source\(s\) \['b', 1\]",
+        ),
+    ],
+)
+def test_unknown_keys_of_mixed_types_are_a_config_error(tmp_path, text, message):
+    # Was: TypeError "'<' not supported between instances of 'str' and 'int'" (sorting them).
+    p = tmp_path / "mix.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_mixture(str(p))
+
+
+def test_compressed_file_read_as_plain_jsonl_is_one_dead_letter(tmp_path):
+    # Was: the compressed bytes were split at every 0x0a byte and each piece rejected (a
+    # flood of invalid_utf8 / invalid_json dead letters, none saying what was wrong).
+    got = _items(tmp_path, "jsonl", "a.jsonl", gzip.compress(_lines(100), mtime=0))
+    assert got == [readers.Rejected("s/a.jsonl:file", readers.Reason.UNREADABLE_FILE, b"",
+                                    "the file is gzip-compressed but the source's format is 'jsonl'; use 'jsonl.gz'")]
+    got = _items(tmp_path, "jsonl", "b.jsonl", zstandard.ZstdCompressor().compress(_lines(100)))
+    assert got[0].detail == "the file is zstd-compressed but the source's format is 'jsonl'; use 'jsonl.zst'"
+    assert len(got) == 1
+    # A plain file whose first line is short still reads (peek needs no 4 bytes).
+    assert _items(tmp_path, "jsonl", "c.jsonl", b"{}") == [
+        readers.Rejected("s/c.jsonl:1", readers.Reason.MISSING_TEXT, b"{}", "no field 'text'")
+    ]
+
+
+def test_valid_json_line_with_a_very_long_integer_is_read(tmp_path):
+    # Was: rejected as invalid_json (Python refuses int() of more than 4300 digits), though
+    # the line is valid JSON and its text a string.
+    data = (
+        b'{"text": "ok", "n": ' + b"1" * 5000 + b"}\n"
+        + b'{"text": ' + b"7" * 5000 + b"}\n"
+        + b'{"text": "small", "n": 12}\n'
+    )
+    got = _items(tmp_path, "jsonl", "n.jsonl", data)
+    assert got[0] == readers.Document("s/n.jsonl:1", "ok")
+    assert (got[1].key, got[1].reason, got[1].detail) == ("s/n.jsonl:2", readers.Reason.NON_STRING_TEXT, "text is int")
+    assert got[2] == readers.Document("s/n.jsonl:3", "small")
+
+
+def test_utf16_jsonl_file_is_one_dead_letter_saying_so(tmp_path):
+    # Was: one dead letter per line (invalid_utf8, then invalid_json for every other line).
+    got = _items(tmp_path, "jsonl", "u.jsonl", '{"text": "a"}\r\n{"text": "b"}\r\n'.encode("utf-16"))
+    assert got == [readers.Rejected("s/u.jsonl:file", readers.Reason.INVALID_UTF8, b"",
+                                    "the file is UTF-16 (it starts with a UTF-16 byte order mark); convert it to UTF-8")]
+
+
+# --- blank-line text, streamed ---------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_pieces = st.sampled_from([b"a", b"b", b" ", b"\t", b"\r", b"\n", b"\x0b", b"\x0c", b"\n\n", b"\r\n", b" \n", b"\xc3\xa9"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(parts=st.lists(_pieces, max_size=40))
+def test_streamed_blank_line_split_equals_the_regex_split(parts):
+    # Was: the whole file was read into memory and split with the regex; the stream must
+    # give the same blocks.
+    import io
+
+    data = b"".join(parts)
+    want = [b for b in readers._BLANK_LINES.split(data) if b.strip()]
+    got = [b for b in readers.split_blank_lines(io.BufferedReader(io.BytesIO(data))) if b.strip()]
+    assert got == want
+
+
+def test_blank_line_blocks_are_read_in_bounded_pieces(tmp_path, monkeypatch):
+    # Was: a blank-line text file was read whole (a multi-GB corpus dump exhausted a worker).
+    monkeypatch.setattr(readers, "MAX_DOCUMENT_BYTES", 100)
+    data = b"\xef\xbb\xbffirst block\r\n\r\n" + b"x" * 150 + b"\nmore\n\n \nlast  block\n"
+    got = _items(tmp_path, "text", "b.txt", data, TextSplit.BLANK_LINES)
+    assert got[0] == readers.Document("s/b.txt:0", "first block")
+    # raw: the block's first bytes, up to the line that took it over the limit
+    assert (got[1].key, got[1].reason, got[1].raw) == ("s/b.txt:1", readers.Reason.TOO_LONG, b"x" * 150 + b"\n")
+    assert got[1].detail == "155 bytes, over the limit of 100; raw holds the first 151"
+    assert got[2] == readers.Document("s/b.txt:2", "last  block")
+    assert len(got) == 3
+    # A long line is read in pieces; a piece that looks like a blank line is not one.
+    import io
+
+    blocks = list(readers.split_blank_lines(io.BufferedReader(io.BytesIO(b"abcdefgh   \nnext\n\nz")), piece=8))
+    assert blocks == [b"abcdefgh   \nnext", b"z"]

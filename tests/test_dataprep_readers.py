@@ -150,8 +150,15 @@ def test_any_jsonl_bytes_give_one_item_per_non_blank_line(tmp_path, lines, crlf)
     p = tmp_path / "fuzz.jsonl"
     p.write_bytes((b"\r\n" if crlf else b"\n").join(lines))
     got = _read(_src(tmp_path, SourceFormat.JSONL), p)
-    bom = b"\xef\xbb\xbf"  # a byte order mark at the file start is not content
-    lines = [lines[0][len(bom) :] if lines[0].startswith(bom) else lines[0], *lines[1:]] if lines else lines
+    if p.read_bytes()[:2] == b"\x1f\x8b" or p.read_bytes()[:4] == b"\x28\xb5\x2f\xfd":
+        # gzip or zstd magic: a compressed file under format jsonl is one dead letter
+        assert [(d.key, d.reason) for d in got] == [("s/fuzz.jsonl:file", Reason.UNREADABLE_FILE)]
+        return
+    if p.read_bytes()[:2] in (b"\xff\xfe", b"\xfe\xff"):  # a UTF-16 file: one dead letter
+        assert [(d.key, d.reason) for d in got] == [("s/fuzz.jsonl:file", Reason.INVALID_UTF8)]
+        return
+    bom = b"\xef\xbb\xbf"  # a byte order mark starting a line (or the file) is not content
+    lines = [line[len(bom) :] if line.startswith(bom) else line for line in lines]
     non_blank = [i + 1 for i, line in enumerate(lines) if line.strip()]
     assert [d.key for d in got] == [f"s/fuzz.jsonl:{i}" for i in non_blank]
     for d in got:

@@ -41,9 +41,16 @@ def env():
     return trainer, mesh, state, batch, new_state, fp
 
 
-def test_implements_the_protocol(env):
-    trainer = env[0]
+def test_implements_the_protocol_and_shards_experts(env):
+    trainer, mesh, state = env[:3]
     assert isinstance(trainer, Trainer)
+    from jax.sharding import PartitionSpec as P
+
+    layer = state["params"]["layers"][0]
+    assert layer["w_in"].sharding.spec == P("expert") and layer["w_out"].sharding.spec == P("expert")
+    assert layer["wq"].sharding.spec == P()
+    mu = state["opt_state"][1][0].mu["layers"][0]["w_in"]  # clip_by_global_norm, then adamw's ScaleByAdamState
+    assert mu.sharding.spec == P("expert")
 
 
 def test_step_is_bit_deterministic(env):
@@ -195,3 +202,18 @@ def test_contributions_program_matches_the_step_here(env):
     trainer, mesh, state, batch, new_state, fp = env
     _, _, fp_c = trainer.device_contributions(state, batch, step=3)
     assert fp_c.bits_equal(fp)
+
+
+def test_bfloat16_parameters_train_and_take_16_bit_faults(env):
+    trainer32, mesh, _, batch, _, _ = env
+    trainer = ReferenceTrainer(tiny_model_config(V, param_dtype="bfloat16"), OptimizerConfig(warmup_steps=0))
+    state = trainer.init_state(mesh, seed=0)
+    new_state, fp = trainer.train_step(state, batch, step=0)
+    assert new_state["params"]["embed"].dtype == jax.numpy.bfloat16
+    assert np.isfinite(fp.router["loss"]) and all(v["nan"] == 0 and v["inf"] == 0 for v in fp.leaves.values())
+    leaf = "['layers'][0]['w_out']"
+    fault = FaultSpec(step=0, device_id=6, leaf=leaf, element=5, bit=15)  # the sign bit of a bfloat16
+    _, hit = trainer.train_step(state, batch, step=0, fault=fault)
+    assert [(d, p) for d in hit.devices for p in hit.devices[d] if hit.devices[d][p] != fp.devices[d][p]] == [(6, leaf)]
+    with pytest.raises(FaultSpecError, match=r"fault.bit 16 outside \[0, 16\)"):
+        trainer.train_step(state, batch, step=0, fault=dataclasses.replace(fault, bit=16))

@@ -13,11 +13,10 @@ import shutil
 
 import jax
 import pytest
+from test_replay_support import STEPS
 
 from replay import cli, engine
 from replay.verdict import ExitCode
-
-from test_replay_support import STEPS
 
 
 @pytest.fixture
@@ -185,6 +184,13 @@ def test_drill_command(replay_session, run_copy, tmp_path, capsys):
     assert d["range"]["convicted_devices"] == [d["fault"]["device_id"]]
     assert d["range"]["first_divergent_step"] == d["fault"]["step"]
     assert d["canary"]["odd_devices"] == [d["fault"]["device_id"]]
+    disk = tmp_path / "drills"
+    assert cli.main(["drill", "--run", run_copy, "--seed", "8", "--no-canary", "--to-disk", str(disk), "--json", j]) == 0
+    out = json.load(open(j))
+    assert out["caught"] == 1 and out["drills"][0]["range"]["run"] == str(disk / "drill-0")
+    assert out["drills"][0]["range"]["differing_elements"] is not None  # checkpoint after the faulty step
+    assert cli.main(["drill", "--run", run_copy, "--to-disk", str(disk)]) == ExitCode.USAGE
+    assert "must be a new or empty folder" in " ".join(capsys.readouterr().err.split())
     leaf = replay_session.setup.trainer.leaf_paths[0]
     assert cli.main(["drill", "--run", run_copy, "--step", "3", "--device", "1", "--leaf", leaf, "--element", "0",
                      "--bit", "0", "--no-canary"]) == 0

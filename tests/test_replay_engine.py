@@ -11,12 +11,11 @@ import shutil
 
 import jax
 import pytest
+from test_replay_support import STEPS
 
 from replay import canary, compare, drill, engine, forensics, runlog
 from replay.protocol import FaultSpec
 from replay.verdict import Cause, Evidence, Verdict
-
-from test_replay_support import STEPS
 
 
 @pytest.fixture(scope="module")
@@ -207,15 +206,18 @@ def test_inspect_lists_documents_of_each_row(session):
         assert spans[0][0] == 0 and spans[-1][1] == r["tokens"] == 16 - r["padding"]
     assert sum(s["rows"] for s in out["sources"].values()) == 16
     assert sum(len(v) for v in out["shards"].values()) == len({(r["shard"], r["record_in_shard"]) for r in out["rows"]})
+    # The lookup loader (one device, any machine) gives the same rows as the run's mesh.
+    assert forensics.inspect_steps(session.lookup_loader(), 5, 7).to_dict() == out
     with pytest.raises(forensics.TokenizerUnavailableError, match="is not there"):
         forensics.inspect_steps(data, 5, 6, text=True, tokenizer_path="/nonexistent/tok.model")
 
 
 def test_inspect_text_decodes_with_the_dataset_tokenizer(shared_dir, tmp_path):
     """--text: each document's tokens decoded by the dataset's SentencePiece model (a real one from ../shared)."""
-    import loader
     import sentencepiece as spm
     from test_replay_support import write_run_inputs
+
+    import loader
 
     model = str(shared_dir / "tokenizers" / "en_unigram_1000.model")
     write_run_inputs(str(tmp_path), tokenizer=model, vocab_size=1000)
@@ -228,3 +230,94 @@ def test_inspect_text_decodes_with_the_dataset_tokenizer(shared_dir, tmp_path):
     for r, packed in zip(rep.rows, rows):
         for d, seg in zip(r["documents"], packed.segments()):
             assert d["text"] == sp.decode([int(t) for t in seg]) and d["tokens"] == len(seg)
+
+
+def test_replay_must_follow_skip_windows(session):
+    """A replay whose loader ignored the run's skip window would rebuild other batches from step 8 on:
+    the comparison sees it as a data difference at exactly that step (so following windows matters)."""
+    from replay.reference import run as ref_run
+
+    cfg = ref_run.run_config_from_dict(session.run.config, session.run.run_dir)
+    blind = dataclasses.replace(cfg, skip_windows=())
+    setup = dataclasses.replace(session.setup, make_loader=lambda mesh: ref_run.build_loader(blind, mesh))
+    wrong = engine.Session(session.run, setup)
+    rep = engine.replay_range(wrong, 6, 10, device_spec="all")
+    assert rep.verdict is Verdict.ACQUITTED and rep.decision.cause is Cause.DATA_ORDER
+    assert rep.decision.step == 8
+    right = engine.replay_range(session, 6, 10, device_spec="all")
+    assert right.decision.cause is Cause.REPRODUCED
+
+
+def test_log_without_device_coords_pairs_by_the_env_record(session):
+    """Logs of a trainer that records no device_coords are paired through env.json's mesh record."""
+    log = {s: dataclasses.replace(fp, device_coords={}) for s, fp in session.run.fingerprints.items()}
+    rep = engine.replay_range(session, 9, 10, device_spec="all", log=log)
+    assert rep.verdict is Verdict.ACQUITTED
+    assert {d.evidence for d in rep.replays[1].diffs} == {Evidence.PER_SHARD}
+
+
+def test_persistently_faulty_replay_device_is_named_as_suspect(session):
+    """A replay device that is wrong wherever it sits: the rotated placements disagree at two mesh
+    positions, and the one device on both sides of the disagreement is the suspect."""
+    fault = FaultSpec(step=5, device_id=2, leaf=session.setup.trainer.leaf_paths[2], element=7, bit=0)
+    orig = session.run_steps
+
+    def bad_chip(assignment, *a, **kw):
+        kw["fault"] = fault
+        return orig(assignment, *a, **kw)
+
+    session.run_steps = bad_chip
+    try:
+        rep = engine.replay_range(session, 5, 6, device_spec="0-3")
+    finally:
+        del session.run_steps
+    assert [r.assignment for r in rep.replays] == [(0, 1, 2, 3), (1, 2, 3, 0)]
+    assert rep.verdict is Verdict.AMBIGUOUS and rep.decision.cause is Cause.REPLAYS_DISAGREE
+    assert rep.disagreement["suspects"] == [2]
+    assert rep.disagreement["devices_a"] == [1, 2] and rep.disagreement["devices_b"] == [2, 3]
+    from rich.console import Console
+
+    from replay import report
+
+    console = Console(record=True, width=200)
+    report.render_range(rep.to_dict(), console)
+    text = console.export_text()
+    assert "suspect device(s) (on both sides): [2]" in text and "AMBIGUOUS (exit code 4)" in text
+
+
+def test_repeats_rerun_each_placement(session):
+    rep = engine.replay_range(session, 9, 10, device_spec="all", repeats=2)
+    assert [(r.repeat, r.assignment) for r in rep.replays] == [
+        (0, (0, 1, 2, 3)), (0, (4, 5, 6, 7)), (1, (0, 1, 2, 3)), (1, (4, 5, 6, 7))]
+    assert len({r.outcome().signature for r in rep.replays}) == 1
+    assert rep.verdict is Verdict.ACQUITTED and rep.decision.independent_replays == 2
+    with pytest.raises(ValueError, match="repeats and replays must be >= 1"):
+        engine.replay_range(session, 9, 10, repeats=0)
+
+
+def test_default_setup_errors_name_the_problem(session):
+    run = runlog.load_run(session.run.run_dir)
+    run.config = {**run.config, "dataset": "/nonexistent/dataset"}
+    with pytest.raises(runlog.RunDirError, match="cannot rebuild the run: .*/nonexistent/dataset"):
+        engine.default_setup(run)
+    run = runlog.load_run(session.run.run_dir)
+    run.env = {k: v for k, v in run.env.items() if k != "mesh"}
+    with pytest.raises(runlog.RunDirError, match="no mesh recorded"):
+        engine.default_setup(run)
+
+
+def test_drill_as_a_short_training_run_on_disk(session, tmp_path):
+    leaf = session.setup.trainer.leaf_paths[1]
+    # The top mantissa bit: a lowest-bit flip can be absorbed by the optimizer's rounding (the
+    # fingerprints still convict, but the state after the step may be bit-identical).
+    f = FaultSpec(step=6, device_id=3, leaf=leaf, element=5, bit=22)
+    res = drill.run_drill(session, f, canary=False, to_disk=str(tmp_path / "drill"))
+    assert res.caught
+    rep = res.range_report
+    assert rep.run_dir == str(tmp_path / "drill") and rep.checkpoint == 4
+    assert rep.decision.devices == (3,) and rep.decision.step == 6
+    # The written run's checkpoint 7 holds the faulty state: the flipped bit changed that parameter.
+    assert rep.differing_elements.get(f"['params']{leaf}", 0) >= 1
+    run = runlog.load_run(str(tmp_path / "drill"))
+    assert run.checkpoints == [4, 7] and run.logged_steps == (0, 7)
+    assert run.events_of("drill")[0]["device_id"] == 3

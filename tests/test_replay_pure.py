@@ -146,7 +146,7 @@ def test_compare_nan_counts_compare():
 def test_compare_tolerance_mode():
     import struct
 
-    bits = lambda x: struct.unpack("<I", struct.pack("<f", x))[0]  # noqa: E731
+    bits = lambda x: struct.unpack("<I", struct.pack("<f", x))[0]
     a, b = fp(3, loss=bits(2.0)), fp(3, loss=bits(2.0000002), dev_fps={d: {} for d in range(4)})
     d = compare.compare_step(a, b, {i: i for i in range(4)}, tolerance=1e-6)
     assert d.ok and d.evidence is Evidence.TOLERANCE
@@ -171,7 +171,7 @@ def test_signature_and_disagreement_are_positional():
     b[1] = fp(2, dev_fps=flaky, coords={d + 4: {"data": d} for d in range(4)})
     assert compare.signature(a, ca) != compare.signature(b, cb)
     assert compare.disagreement(a, b, ca, cb) == {
-        "step": 2, "positions": ["data=1"], "devices_a": [1], "devices_b": [5]}
+        "step": 2, "positions": ["data=1"], "devices_a": [1], "devices_b": [5], "suspects": []}
 
 
 # ----------------------------------------------------------------------------- verdicts
@@ -320,3 +320,35 @@ def test_plot_and_json(tmp_path):
     report.render_range(rep, console)
     text = console.export_text()
     assert "CONVICTED" in text and "dev [2]" in text
+
+
+# ----------------------------------------------------------------------------- canary decision
+
+
+def dev(i, *sigs):
+    from replay.canary import DeviceResult
+
+    return DeviceResult(i, tuple(sigs), {})
+
+
+@pytest.mark.parametrize(
+    "results, golden, want, odd, status",
+    [
+        ([dev(0, "g", "g"), dev(1, "g", "g")], "g", Verdict.ACQUITTED, (), "matched"),
+        ([dev(0, "g", "g"), dev(1, "x", "x"), dev(2, "g", "g")], "g", Verdict.CONVICTED, (1,), "matched"),
+        ([dev(0, "g", "g"), dev(1, "g", "x")], "g", Verdict.CONVICTED, (1,), "matched"),  # inconsistent chip
+        ([dev(0, "a"), dev(1, "a"), dev(2, "b")], None, Verdict.CONVICTED, (2,), "created"),
+        ([dev(0, "a"), dev(1, "a"), dev(2, "a")], None, Verdict.ACQUITTED, (), "created"),
+        ([dev(0, "a"), dev(1, "b")], None, Verdict.AMBIGUOUS, (), "absent-no-majority"),
+        ([dev(0, "a"), dev(1, "b"), dev(2, "c"), dev(3, "a")], None, Verdict.AMBIGUOUS, (), "absent-no-majority"),
+        ([dev(0, "a"), dev(1, "a")], "g", Verdict.AMBIGUOUS, (), "mismatch-all"),  # environment changed
+        ([dev(0, "a"), dev(1, "b")], "g", Verdict.CONVICTED, (0, 1), "matched"),
+    ],
+)
+def test_decide_canary(results, golden, want, odd, status):
+    from replay.canary import decide_canary
+
+    d = decide_canary(results, golden)
+    assert (d.verdict, d.odd_devices, d.golden_status) == (want, odd, status)
+    if status == "created":
+        assert d.reference == "a"

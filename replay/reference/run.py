@@ -369,7 +369,10 @@ def train(
         rd.truncate_fingerprints(0)
         rd.event("start", 0, name=cfg.name, steps=steps, mesh=dict(zip(mesh.axis_names, mesh.devices.shape)))
     else:
-        recorded = json.load(open(env_path, encoding="utf-8")) if os.path.exists(env_path) else {}
+        recorded = {}
+        if os.path.exists(env_path):
+            with open(env_path, encoding="utf-8") as f:
+                recorded = json.load(f)
         state, loader_state = trainer.restore(rd.path, latest, mesh)
         start = latest
         dropped = rd.truncate_fingerprints(start)
@@ -421,3 +424,8 @@ def canary_batch(cfg: RunConfig, mesh) -> dict[str, Any]:
 
     data = build_loader(cfg, mesh)
     return numpy_batch(data.batch_at(cfg.canary.step))
+
+
+def canary_state(cfg: RunConfig, trainer, mesh):
+    """Canary weights: a fresh ``trainer.init_state`` from ``cfg.canary.seed`` (independent of training)."""
+    return trainer.init_state(mesh, cfg.canary.seed)

@@ -13,6 +13,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from replay.env import pin_determinism_flags
 from replay.reference.run import RunConfigError, load_run_config, train
 
 
@@ -22,6 +23,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--config", required=True, help="run config YAML (configs/runs/<name>.yaml)")
     parser.add_argument("--steps", required=True, type=int, help="train until this global step (exclusive)")
     args = parser.parse_args(argv)
+    pin_determinism_flags()  # before JAX starts its backend; recorded in env.json
     try:
         cfg = load_run_config(args.config)
         summary = train(args.run, cfg, args.steps)

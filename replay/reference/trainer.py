@@ -274,7 +274,6 @@ class ReferenceTrainer:
         axes = tuple(mesh.axis_names)
         n_dev = mesh.size
         dev_table = jnp.asarray([d.id for d in mesh.devices.reshape(-1)], jnp.int32)
-        sizes = self.leaf_sizes
         cfg = self.model
         with_fp = self.fingerprints
         opt = self.optimizer
@@ -300,12 +299,9 @@ class ReferenceTrainer:
             if keep_local:
                 out["reduced_grads"] = grads
             if with_fp:
-                parts = []
-                for g, size in zip(jax.tree_util.tree_leaves(grads), sizes):
-                    chunk = -(-size // n_dev)
-                    flat = jnp.pad(g.reshape(-1), (0, chunk * n_dev - size))
-                    start = lin * chunk
-                    parts.append(fpm.fingerprint_flat_chunk(jax.lax.dynamic_slice(flat, (start,), (chunk,)), start, size))
+                # each device fingerprints one row block of the reduced gradient; the
+                # uint32 partials add up to the whole leaf's fingerprint
+                parts = [fpm.fingerprint_row_block(g, lin, n_dev) for g in jax.tree_util.tree_leaves(grads)]
                 out["leaves"] = jax.lax.psum(jnp.stack(parts), axes)
             out["loss"] = jax.lax.psum(loss_c, axes)
             out["stats"] = jax.lax.psum(aux, axes)
@@ -401,6 +397,8 @@ class ReferenceTrainer:
             raise ValueError(f"global batch {rows} must be a multiple of the device count {mesh.size}")
         ids = [int(d.id) for d in mesh.devices.reshape(-1)]
         fault_arr = self.fault_array(fault, step, ids)
+        if fault_arr[0] and not self.fingerprints:
+            raise FaultSpecError("fault injection needs a trainer built with fingerprints=True")
         new_state, out = self._step_fn(mesh, rows)(state, batch, fault_arr)
         out = jax.device_get(out)
         return new_state, self._to_fingerprints(step, out, ids, device_coords(mesh))
