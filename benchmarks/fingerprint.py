@@ -36,7 +36,6 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     import jax
-    import numpy as np
 
     from replay.reference.model import ModelConfig
     from replay.reference.testing import random_batch

@@ -326,9 +326,16 @@ class DataLoader:
         return self._threaded_iter(start_step)
 
     def _stop_step(self) -> int:
-        """One past the last training step whose rows the schedule can address (skip windows
-        only move data steps later, so this bound is safe for training steps)."""
-        return ix.MAX_GLOBAL_ROW // self.global_batch
+        """One past the last training step whose rows the schedule can address (data step
+        below ``MAX_GLOBAL_ROW // B``; ``data_step`` is increasing, so a bisection)."""
+        limit = ix.MAX_GLOBAL_ROW // self.global_batch
+        lo, hi = 0, limit  # data_step(lo) < limit <= data_step(hi), as data_step(s) >= s
+        if self.schedule.data_step(0) >= limit:
+            return 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.schedule.data_step(mid) < limit else (lo, mid)
+        return hi
 
     def _threaded_iter(self, start_step: int) -> Iterator[dict[str, np.ndarray]]:
         """Steps read concurrently by ``read_threads`` threads, yielded in step order."""
@@ -344,7 +351,8 @@ class DataLoader:
                     return
                 yield pending.popleft().result()
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            # Wait for the reads in flight (at most read_threads steps): no thread outlives the iterator.
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def iterate(self, start_step: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
         """Yields ``(step, batch)`` from ``start_step`` (default: :meth:`state`'s next step) on, forever.

@@ -18,7 +18,7 @@ One step (``jax.jit`` with explicit in/out shardings; the per-device part in
         g_d      = flip_bit(g_d, fault) if d is the drill's device
         fp_dev_d = fingerprint(g_d) per leaf                     # BEFORE the reduction
         g        = psum_d g_d                                    # data-parallel reduction
-        fp_leaf  = psum_d fingerprint(chunk d of g)              # shards add up mod 2^32
+        fp_leaf  = psum_d fingerprint(row block d of g)          # blocks add up mod 2^32
     grad_norm = ||g||_2 ; AdamW update (optax)
 
 The fault is a traced ``int32[5]`` input ``[enabled, device_id, leaf_index, element, bit]``,
@@ -29,7 +29,6 @@ with and without them (tested).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 from typing import Any, Mapping, Optional, Sequence
@@ -323,8 +322,8 @@ class ReferenceTrainer:
         def step(state, batch, fault):
             batch = {k: batch[k] for k in BATCH_KEYS}
             total_tokens = count_target_tokens(batch)
-            # Rows as a traced value, as in local_gradients: a constant divisor may be
-            # compiled as a multiply by its reciprocal, which rounds differently.
+            # Rows as a traced value, as local_gradients passes it (XLA may compile a
+            # constant divisor as a multiply by its reciprocal, which rounds differently).
             total_rows = jnp.asarray(batch["inputs"].shape[0], jnp.float32) + fault[0].astype(jnp.float32) * 0
             grads, out = sharded(state["params"], batch, fault, total_tokens, total_rows)
             grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree_util.tree_leaves(grads)))
@@ -368,7 +367,7 @@ class ReferenceTrainer:
         out = jax.device_get(out)
         local, reduced = out.pop("local_grads"), out.pop("reduced_grads")
         per = {dev: jax.tree_util.tree_map(lambda g, r=r: g[r], local) for r, dev in enumerate(ids)}
-        return per, reduced, self._to_fingerprints(step, out, ids, device_coords(mesh))
+        return per, reduced, self._to_fingerprints(step, out, ids, device_coords(mesh), rows)
 
     def train_step(
         self, state: Mapping[str, Any], batch: Mapping[str, Any], step: int, fault: Optional[FaultSpec] = None
@@ -401,9 +400,9 @@ class ReferenceTrainer:
             raise FaultSpecError("fault injection needs a trainer built with fingerprints=True")
         new_state, out = self._step_fn(mesh, rows)(state, batch, fault_arr)
         out = jax.device_get(out)
-        return new_state, self._to_fingerprints(step, out, ids, device_coords(mesh))
+        return new_state, self._to_fingerprints(step, out, ids, device_coords(mesh), rows)
 
-    def _to_fingerprints(self, step, out, ids, coords) -> StepFingerprints:
+    def _to_fingerprints(self, step, out, ids, coords, rows) -> StepFingerprints:
         stats = out["stats"]
         assigned = np.asarray(stats["assigned"], np.float64)
         total_assigned = float(assigned.sum())
@@ -413,7 +412,7 @@ class ReferenceTrainer:
             "dropped_fraction": float(stats["dropped"]) / total_assigned if total_assigned else 0.0,
             "entropy": float(stats["entropy_sum"]) / tokens,
             "z_loss": float(stats["z_sum"]) / tokens,
-            "load_balance_loss": float(stats["lb_sum"]),
+            "load_balance_loss": float(stats["lb_sum"]) / (rows * self.model.n_layers),
             "loss": float(out["loss"]),
         }
         leaves, devices = {}, {}
