@@ -195,6 +195,12 @@ class DataLoader:
         self._pos = {r: i for i, r in enumerate(local)}
         self._index_cache: dict = {}
         self._derive = None
+        # Where the targets keys are derived: on the devices (one jitted, collective-free
+        # function; narrow [B, 3, L] transfer) on accelerators; on the host with a context
+        # axis (whole rows are only there) or on CPU devices (no transfer to save).
+        self._host_derive = context_axis is not None or all(
+            d.platform == "cpu" for d in self.mesh.devices.flat)
+        self._single_host = self.sharding.is_fully_addressable and len(local) == global_batch
         pad_id = int(self.manifest.tokenizer.get("pad_id", 0) or 0)
         vocab = self.manifest.tokenizer.get("vocab_size")
         self.source = StepSource(self.schedule, shards, self.local_rows, self.seq_len, max(pad_id, 0),
@@ -249,12 +255,16 @@ class DataLoader:
                 return arr[self._local_index(rows), cols]
             return cb
 
-        if "targets" not in host and self.context_axis is not None:
+        if "targets" not in host and self._host_derive:
             # Sequence split over devices: the one-slot shift of the targets would cross
             # shards (a collective, unsafe to launch from the prefetch thread next to the
             # trainer's programs). Hosts hold whole rows, so derive the targets here.
-            host = rd.derive_batch(*unpack(host))
+            # On CPU devices too: there "device" work is host work, and a jitted call
+            # over many CPU devices costs more than the numpy twin (same bits).
+            host = rd.derive_packed(host["packed"])
         if "targets" in host:  # already the six keys
+            if self._single_host:  # every row is local: one batched transfer of the six arrays
+                return dict(zip(rd.BATCH_KEYS, jax.device_put([host[k] for k in rd.BATCH_KEYS], self.sharding)))
             return {k: jax.make_array_from_callback(self.global_shape, self.sharding, slice_for(host[k]))
                     for k in rd.BATCH_KEYS}
         packed = host["packed"]

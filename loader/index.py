@@ -428,6 +428,11 @@ class Schedule:
             if cur.from_step <= prev.from_step:
                 raise ScheduleError(f"phase from_step must increase: {cur.from_step} after {prev.from_step}")
         for p in self.phases:
+            if p.from_step * self.global_batch >= MAX_GLOBAL_ROW:
+                raise ScheduleError(
+                    f"phase from_step {p.from_step} x global batch {self.global_batch} is past the last "
+                    f"addressable global row (2**62)"
+                )
             if len(p.weights) != K:
                 raise ScheduleError(f"phase at step {p.from_step} has {len(p.weights)} weights for {K} sources")
             exact_weights(p.weights)

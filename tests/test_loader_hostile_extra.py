@@ -425,3 +425,14 @@ def test_interpreter_exit_with_open_iterator(ds):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "served 1"
+
+
+def test_phase_past_the_addressable_range_refused(ds):
+    """A phase starting at 2**62 raised a bare OverflowError from numpy at build."""
+    m = lt.synthetic_mixture({"a": 1, "b": 1, "c": 0}, seq_len=SEQ, phases=[(2**62, {"a": 0, "b": 0, "c": 1})])
+    with pytest.raises(loader.ScheduleError, match=r"phase from_step 4611686018427387904 x global batch 8 is past"):
+        loader.build(m, ds, global_batch=8)
+    m = lt.synthetic_mixture({"a": 1, "b": 1, "c": 0}, seq_len=SEQ, phases=[(10**17, {"a": 0, "b": 0, "c": 1})])
+    data = loader.build(m, ds, global_batch=8)
+    assert [r.source for r in data.rows_at(10**17)] == ["c"] * 8
+    assert data.rows_at(10**17 - 1)[0].source in ("a", "b")

@@ -179,3 +179,21 @@ def test_demo_trains_and_loss_goes_down(tmp_path):
     summary = runm.train(str(tmp_path / "demo"), cfg, 20, log=lambda s: None)
     losses = summary["losses"]
     assert np.mean([losses[s] for s in range(15, 20)]) < np.mean([losses[s] for s in range(5)]) - 0.5
+
+
+def test_restart_may_append_a_skip_window(tiny, tmp_path):
+    """The one config change a restart accepts: a data window to skip from now on."""
+    import dataclasses
+    import shutil
+
+    folder, path, cfg, trainer, mesh, run_a, _ = tiny
+    run_c = tmp_path / "run_c"
+    shutil.copytree(run_a, run_c)
+    grown = dataclasses.replace(cfg, skip_windows=cfg.skip_windows + ((40, 44),))
+    runm.train(str(run_c), grown, STEPS, trainer=trainer, mesh=mesh, log=lambda s: None)
+    events = proto.read_events(str(run_c))
+    restore = [e for e in events if e["event"] == "restore"][-1]
+    assert restore["step"] == STEPS and restore["skip_windows_changed"] == [[3, 4], [40, 44]]
+    assert any(e["event"] == "skip_window_added" and (e["start"], e["end"]) == (40, 44) for e in events)
+    assert yaml.safe_load((run_c / "run_config.yaml").read_text())["skip_windows"] == [[3, 4], [40, 44]]
+    assert _lines(run_c) == _lines(run_a)

@@ -381,8 +381,9 @@ def train(
     data = build_loader(cfg, mesh, state=loader_state)
     if loader_state is not None and int(loader_state.get("next_step", start)) != start:
         raise RunConfigError(f"checkpoint {start} holds loader state for step {loader_state['next_step']}")
-    for ev in data.events:
-        rd.event(ev.get("event", "loader"), ev.get("step", start), **{k: v for k, v in ev.items() if k not in ("event", "step")})
+    for ev in data.events:  # e.g. a skip window appended on restore
+        name = "skip_window_added" if ev.get("event") == "skip_window" else f"loader_{ev.get('event', 'event')}"
+        rd.event(name, ev.get("step", start), **{k: v for k, v in ev.items() if k not in ("event", "step")})
 
     mngr = ckpt.manager(rd.checkpoints)
     if latest is None:
