@@ -306,7 +306,9 @@ def shuffled_record(index_in_epoch: int, num_records: int, seed: int, source: st
     """Returns the record at position ``index_in_epoch`` of ``source``'s epoch ``epoch``.
 
     A permutation of ``[0, num_records)`` per ``(seed, source, epoch)``, from Grain's
-    ``index_shuffle`` (4 rounds) with seed ``derive_seed(seed, source, epoch)``.
+    ``index_shuffle`` (4 rounds) with seed ``derive_seed(seed, source, epoch)`` (for
+    ``num_records == 2**B + 1``, even ``B >= 16``, where Grain's function is not a
+    permutation, the same cipher on a wider block: see :func:`_shuffle_block_bits`).
 
     Raises:
       ScheduleError: ``index_in_epoch`` not in ``[0, num_records)``.
@@ -315,12 +317,142 @@ def shuffled_record(index_in_epoch: int, num_records: int, seed: int, source: st
         raise ScheduleError(f"index_in_epoch {index_in_epoch} not in [0, {num_records})")
     if num_records == 1:
         return 0
-    return int(_index_shuffle(index_in_epoch, num_records - 1, _epoch_seed(seed, source, epoch), SHUFFLE_ROUNDS))
+    return int(shuffled_records(np.asarray([index_in_epoch]), num_records, seed, source, epoch)[0])
 
 
 @functools.lru_cache(maxsize=4096)
 def _epoch_seed(seed: int, source: str, epoch: int) -> int:
     return derive_seed(seed, source, epoch)
+
+
+# ---- Grain's index_shuffle, whole permutations at once (numpy), for small sources.
+#
+# Grain's ``index_shuffle(i, max_index, seed, rounds)`` (grain/_src/python/experimental/
+# index_shuffle/index_shuffle.cc) encrypts ``i`` with a Simon-style Feistel cipher on
+# ``B = max(16, ceil(log2(max_index)) rounded up to even)`` bits, round keys from
+# ``std::seed_seq{seed}.generate(rounds)``, and cycle-walks (re-encrypts) until the value is
+# ``<= max_index``. One call costs microseconds (a few encryptions, the key schedule, the
+# Python call), once per row. For a source with ``B <= SHUFFLE_TABLE_BITS`` we instead
+# encrypt all ``2**B`` values once per (source, epoch) with numpy and cycle-walk by table
+# lookup: the same permutation, checked against Grain's function in the tests; a row is
+# then one array lookup. Larger sources keep the per-row call.
+SHUFFLE_TABLE_BITS = 18
+
+
+def _seed_seq_generate(seed: int, n: int) -> list[int]:
+    """``std::seed_seq{seed}.generate(out, out + n)`` (C++ [rand.util.seedseq]), 32-bit words."""
+    mask = 0xFFFFFFFF
+    v, s = [seed & mask], 1
+    b = [0x8B8B8B8B] * n
+    t = 11 if n >= 623 else 7 if n >= 68 else 5 if n >= 39 else 3 if n >= 7 else (n - 1) // 2
+    p = (n - t) // 2
+    q = p + t
+    m = max(s + 1, n)
+
+    def tf(x):
+        return x ^ (x >> 27)
+
+    for k in range(m):
+        r1 = (1664525 * tf(b[k % n] ^ b[(k + p) % n] ^ b[(k - 1) % n])) & mask
+        r2 = (r1 + (s if k == 0 else (k % n + v[k - 1] if k <= s else k % n))) & mask
+        b[(k + p) % n] = (b[(k + p) % n] + r1) & mask
+        b[(k + q) % n] = (b[(k + q) % n] + r2) & mask
+        b[k % n] = r2
+    for k in range(m, m + n):
+        r3 = (1566083941 * tf((b[k % n] + b[(k + p) % n] + b[(k - 1) % n]) & mask)) & mask
+        r4 = (r3 - k % n) & mask
+        b[(k + p) % n] ^= r3
+        b[(k + q) % n] ^= r4
+        b[k % n] = r4
+    return b
+
+
+def _shuffle_block_bits(max_index: int) -> tuple[int, bool]:
+    """Grain's block size for ``max_index``, and whether Grain's own function can be used.
+
+    Grain's block (``ceil(log2(max_index))``, even, >= 16) cannot hold ``max_index`` itself
+    when ``max_index == 2**B`` for an even ``B >= 16``: the index ``2**B`` is truncated to 0,
+    so the "permutation" of a source of ``2**B + 1`` records serves one record twice per
+    epoch and never serves another. For those sizes the same cipher runs on a block two
+    bits wider (a true permutation; cycle walking as in Grain).
+    """
+    bits = math.ceil(math.log2(max_index))  # in double precision, as the C++ does
+    bits = max(bits + bits % 2, 16)
+    if max_index >> bits:
+        return bits + 2, False
+    return bits, True
+
+
+def _simon_walk(idx: np.ndarray, max_index: int, bits: int, keys: Sequence[int]) -> np.ndarray:
+    """Encrypt-and-cycle-walk of each index (vectorized over ``idx``), int64."""
+    out = _simon_encrypt(np.asarray(idx, np.uint64), bits, keys)
+    todo = np.flatnonzero(out > max_index)
+    while todo.size:
+        out[todo] = _simon_encrypt(out[todo], bits, keys)
+        todo = todo[out[todo] > max_index]
+    return out.astype(np.int64)
+
+
+def _simon_encrypt(values: np.ndarray, bits: int, keys: Sequence[int]) -> np.ndarray:
+    """Grain's ``simon_encrypt<bits/2>`` of every value (uint64 ``[n]``)."""
+    w = bits // 2
+    mask = np.uint64((1 << w) - 1)
+    sh = [np.uint64(x) for x in range(65)]
+
+    def rotl(x, r):
+        return ((x << sh[r]) | (x >> sh[w - r])) & mask
+
+    def f(x):
+        return (rotl(x, 1) & rotl(x, 8)) ^ rotl(x, 2)
+
+    left = (values >> sh[w]) & mask
+    right = values & mask
+    for i in range(0, len(keys), 2):
+        left ^= f(right)
+        left ^= np.uint64(keys[i]) & mask
+        right ^= f(left)
+        right ^= np.uint64(keys[i + 1]) & mask
+    return (left << sh[w]) | right
+
+
+@functools.lru_cache(maxsize=16)
+def shuffle_table(max_index: int, seed: int, rounds: int = SHUFFLE_ROUNDS) -> np.ndarray:
+    """``[index_shuffle(i, max_index, seed, rounds) for i in range(max_index + 1)]`` as int64,
+    computed for the whole block at once (module notes above). Read-only; cached.
+
+    Raises:
+      ScheduleError: the block is wider than :data:`SHUFFLE_TABLE_BITS` (use the per-row call).
+    """
+    if max_index == 0:
+        return np.zeros(1, np.int64)
+    bits, _ = _shuffle_block_bits(max_index)
+    if bits > SHUFFLE_TABLE_BITS:
+        raise ScheduleError(f"shuffle block of {bits} bits is too wide for a table")
+    enc = _simon_encrypt(np.arange(1 << bits, dtype=np.uint64), bits, _seed_seq_generate(seed, rounds))
+    enc = enc.astype(np.int64)
+    out = enc[: max_index + 1].copy()
+    todo = np.flatnonzero(out > max_index)
+    while todo.size:  # cycle walking: the cycle through i comes back to values <= max_index
+        out[todo] = enc[out[todo]]
+        todo = todo[out[todo] > max_index]
+    out.flags.writeable = False
+    return out
+
+
+def shuffled_records(index_in_epoch: np.ndarray, num_records: int, seed: int, source: str,
+                     epoch: int) -> np.ndarray:
+    """:func:`shuffled_record` of many indices of one (source, epoch), int64 ``[n]``."""
+    idx = np.asarray(index_in_epoch, np.int64)
+    if num_records == 1:
+        return np.zeros(idx.shape, np.int64)
+    es = _epoch_seed(seed, source, epoch)
+    bits, grain_ok = _shuffle_block_bits(num_records - 1)
+    if bits <= SHUFFLE_TABLE_BITS:
+        return shuffle_table(num_records - 1, es)[idx]
+    if not grain_ok:
+        return _simon_walk(idx, num_records - 1, bits, _seed_seq_generate(es, SHUFFLE_ROUNDS))
+    return np.fromiter((_index_shuffle(int(i), num_records - 1, es, SHUFFLE_ROUNDS) for i in idx.tolist()),
+                       np.int64, count=idx.size)
 
 
 def shard_offsets(records_per_shard: Sequence[int]) -> np.ndarray:
@@ -527,11 +659,14 @@ class Schedule:
             draw[sel] = self._carries[p][k] + q * np.asarray(a, np.int64)[k] + draw_tab[s]
         n = np.asarray(self.records, np.int64)[source]
         epoch, index = np.divmod(draw, n)
-        record = np.fromiter(
-            (shuffled_record(int(i), int(nk), self.seed, self.sources[int(k)], int(e))
-             for i, nk, k, e in zip(index, n, source, epoch)),
-            np.int64, count=g.size,
-        )
+        record = np.empty_like(g)
+        # one group per (source, epoch): usually one or two per source in a step
+        key_order = np.lexsort((epoch, source))
+        ks, es = source[key_order], epoch[key_order]
+        cuts = np.flatnonzero((np.diff(ks) != 0) | (np.diff(es) != 0)) + 1
+        for grp in np.split(key_order, cuts) if g.size else ():
+            k, e = int(source[grp[0]]), int(epoch[grp[0]])
+            record[grp] = shuffled_records(index[grp], self.records[k], self.seed, self.sources[k], e)
         return RowLocations(g, phase.astype(np.int64), source, draw, epoch, index, record)
 
     def source_counts(self, rows: int) -> np.ndarray:
@@ -581,5 +716,7 @@ __all__ = [
     "quotas",
     "record_to_shard",
     "shard_offsets",
+    "shuffle_table",
     "shuffled_record",
+    "shuffled_records",
 ]

@@ -157,6 +157,15 @@ def test_run_config_errors_name_the_field(change, match):
         runm.run_config_from_dict(raw, "/tmp")
 
 
+def test_mesh_smaller_than_the_device_count_takes_the_lowest_ids():
+    import jax
+
+    assert [d.id for d in runm.run_devices({"data": 2, "expert": 2})] == [0, 1, 2, 3]
+    assert [d.id for d in runm.run_devices({"data": -1, "expert": 2})] == [d.id for d in jax.devices()]
+    with pytest.raises(runm.RunConfigError, match=r"mesh: \{'data': 8, 'expert': 2\} needs 16 devices, 8 available"):
+        runm.run_devices({"data": 8, "expert": 2})
+
+
 def test_run_directory_refuses_another_config(tiny, tmp_path):
     folder, path, cfg, trainer, mesh, run_a, _ = tiny
     import dataclasses

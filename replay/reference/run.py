@@ -7,7 +7,9 @@ Run config (YAML; relative paths are resolved against the config file's folder):
     dataset: ../../build/demo/dataset      # packed dataset folder (manifest.json)
     global_batch: 8                        # rows per step, a multiple of the device count
     seed: 0                                # parameter init and the loader's shuffle
-    mesh: {data: -1, expert: 2}            # axes in mesh order; -1 = remaining devices
+    mesh: {data: -1, expert: 2}            # axes in mesh order; -1 = remaining devices; fixed
+                                           # sizes using fewer devices than there are take the
+                                           # lowest ids (the rest stay free, e.g. for replay)
     model: {d_model: 64, n_layers: 2, ...} # replay.reference.model.ModelConfig fields;
                                            # vocab_size defaults to the manifest's
     optimizer: {learning_rate: 3.0e-3, ...}  # replay.reference.trainer.OptimizerConfig
@@ -296,6 +298,29 @@ def build_loader(cfg: RunConfig, mesh, state: Optional[Mapping[str, Any]] = None
     )
 
 
+def run_devices(axes: Mapping[str, int]) -> list:
+    """The devices a run with mesh ``axes`` trains on, in ascending id order.
+
+    All devices when a size is ``-1``; otherwise the ``prod(sizes)`` lowest ids, so that a run
+    may leave devices free (the demo trains on 4 of 8 CPU devices and replays on the other 4).
+
+    Raises:
+      RunConfigError: the fixed sizes need more devices than there are.
+    """
+    import math
+
+    import jax
+
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    sizes = [int(v) for v in axes.values()]
+    if -1 in sizes:
+        return devices
+    need = math.prod(sizes)
+    if need > len(devices):
+        raise RunConfigError(f"mesh: {dict(axes)} needs {need} devices, {len(devices)} available")
+    return devices[:need]
+
+
 def make_trainer(cfg: RunConfig, *, fingerprints: bool = True):
     """``(ReferenceTrainer, mesh, vocab_size)`` for a run config (reads only the manifest)."""
     from loader.reader import read_manifest
@@ -304,7 +329,7 @@ def make_trainer(cfg: RunConfig, *, fingerprints: bool = True):
     manifest, _ = read_manifest(cfg.dataset)
     vocab = int(manifest.tokenizer["vocab_size"])
     model = cfg.model_config(vocab)
-    mesh = make_mesh(dict(cfg.mesh))
+    mesh = make_mesh(dict(cfg.mesh), run_devices(cfg.mesh))
     if cfg.global_batch % mesh.size:
         raise RunConfigError(f"global_batch: must be a multiple of the device count {mesh.size}, got {cfg.global_batch}")
     return ReferenceTrainer(model, cfg.optimizer, fingerprints=fingerprints), mesh, vocab
