@@ -30,7 +30,7 @@ from contract.config import MixtureConfig, load_mixture
 from loader import index as ix
 from loader import reader as rd
 from loader import state as st
-from loader.source import RowRef, StepSource, unpack
+from loader.source import RowRef, StepSource
 
 log = logging.getLogger("loader")
 _THREADS: list[tuple[threading.Thread, threading.Event]] = []  # live prefetch threads
@@ -235,8 +235,8 @@ class DataLoader:
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of ``step`` as numpy: the six keys, int32 ``[n_local, L]``
         (rows in increasing global-batch position, :attr:`local_rows`)."""
-        host = self.source(step)
-        return rd.derive_batch(*unpack(host))
+        host = self.source.six(step)
+        return {k: host[k] for k in rd.BATCH_KEYS}
 
     # ---------------------------------------------------------------- global arrays
     def to_global(self, host: Mapping[str, np.ndarray]) -> dict[str, Any]:
@@ -357,7 +357,7 @@ class DataLoader:
         """
         step = ix.check_step(step)
         t0 = time.perf_counter()
-        host = self.source(step)
+        host = self._read_step(step)
         self._account(step, host, time.perf_counter() - t0)
         return self.to_global(host)
 
@@ -374,8 +374,13 @@ class DataLoader:
                                                              per_worker_buffer_size=max(1, self.prefetch)))
             return iter(ds)
         if self.read_threads <= 1:
-            return (self.source(s) for s in range(start_step, self._stop_step()))
+            return (self._read_step(s) for s in range(start_step, self._stop_step()))
         return self._threaded_iter(start_step)
+
+    def _read_step(self, step: int) -> dict[str, np.ndarray]:
+        """Host arrays of ``step`` in this process: the six keys when the targets are derived
+        on the host anyway (one pass), else ``packed`` for the devices to derive them."""
+        return self.source.six(step) if self._host_derive else self.source(step)
 
     def _stop_step(self) -> int:
         """One past the last training step whose rows the schedule can address (data step
@@ -397,7 +402,7 @@ class DataLoader:
         try:
             while True:
                 while len(pending) < self.read_threads and nxt < stop:
-                    pending.append(pool.submit(self.source, nxt))
+                    pending.append(pool.submit(self._read_step, nxt))
                     nxt += 1
                 if not pending:
                     return

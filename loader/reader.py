@@ -445,8 +445,8 @@ assert _HEADER_DTYPE.itemsize == _HEADER.size
 def pack_records(
     records: Sequence[bytes], seq_len: int, token_width: int, pad_id: int = 0,
     out_dtype: np.dtype | str = np.int32, vocab_size: int | None = None,
-    where: Mapping[int, str] | None = None,
-) -> tuple[np.ndarray, int]:
+    where: Mapping[int, str] | None = None, six: bool = False,
+) -> tuple[np.ndarray | dict[str, np.ndarray], int]:
     """Tokens, segment ids and positions of encoded rows, straight from the record bytes.
 
     The loader's per-step path: the same values as ``pack_inputs(decode_all(records), ...)``
@@ -464,16 +464,24 @@ def pack_records(
     Returns:
       ``(packed, tokens)``: ``packed`` ``[n, 3, L]`` of ``out_dtype``: tokens (``pad_id`` on
       padding), 1-based segment ids, positions restarting at 0 per segment (both 0 on
-      padding); ``tokens`` the number of non-padding tokens.
+      padding); ``tokens`` the number of non-padding tokens. With ``six=True``, ``packed``
+      is instead the dict of the six int32 ``[n, L]`` trainer arrays (what
+      :func:`derive_batch` gives, built in the same pass; ``out_dtype`` is ignored).
 
     Raises:
       DatasetError: a record fails a check; ``where[i]`` (or "record i") names it.
     """
     n, L = len(records), int(seq_len)
-    out_dtype = np.dtype(out_dtype)
-    packed = np.zeros((n, 3, L), out_dtype)
-    if n == 0:
-        return packed, 0
+    out_dtype = np.dtype(np.int32 if six else out_dtype)
+    if six:
+        tok = np.zeros((n, L), np.int32)
+        if n == 0:
+            return {k: np.zeros((0, L), np.int32) for k in BATCH_KEYS}, 0
+    else:
+        packed = np.zeros((n, 3, L), out_dtype)
+        tok = packed[:, 0]
+        if n == 0:
+            return packed, 0
     # token_width None: each record's own width (2 or 4), as long as out_dtype holds it
     widths = (token_width,) if token_width else tuple(w for w in (2, 4) if w <= max(out_dtype.itemsize, 2))
     hsize = _HEADER.size
@@ -491,7 +499,6 @@ def pack_records(
            | ~np.isin(W, widths) | (T > L) | (size < meta_at + 12 * S))
     if bad.any():
         _explain(records, int(np.argmax(bad)), L, widths, where)
-    tok = packed[:, 0]
     frombuffer, tdt = np.frombuffer, {2: "<u2", 4: "<u4"}
     if len(widths) == 1:
         dt = tdt[widths[0]]
@@ -525,24 +532,45 @@ def pack_records(
             i = int(np.argmax(over.any(axis=1)))
             raise DatasetError(f"{_name(where, i)}: token {int(tok[i][over[i]].max())} >= vocab_size {vocab_size}")
     # Segment ids and positions: one running sum of marks per row (int32, then narrowed).
+    starts = np.cumsum(lengths) - lengths - np.repeat(np.cumsum(T) - T, S)  # start slot in its row
     if n_seg:
-        starts = np.cumsum(lengths) - lengths - np.repeat(np.cumsum(T) - T, S)  # start slot in its row
         marks = np.zeros((n, L + 1), np.int32)
         # ids: +1 at each segment start, -S at the first padding slot (column L when full)
         marks[row, starts] = 1
         marks[np.arange(n), T] -= S.astype(np.int32)
-        packed[:, 1] = np.cumsum(marks[:, :L], axis=1, dtype=np.int32)
+        seg = np.cumsum(marks[:, :L], axis=1, dtype=np.int32)
         # positions: +1 per token after each start, 1 - previous length at a later start,
         # and minus the last position at the first padding slot
-        marks[:] = 0
+        marks = np.zeros((n, L + 1), np.int32)
         marks[:, 1:] = np.arange(1, L + 1) < T[:, None]
         later = np.flatnonzero(rank > 0)
         marks[row[later], starts[later]] = 1 - lengths[later - 1]
         has = S > 0
         last = np.cumsum(S)[has] - 1
         marks[np.flatnonzero(has), T[has]] = 1 - lengths[last]
-        packed[:, 2] = np.cumsum(marks[:, :L], axis=1, dtype=np.int32)
-    return packed, int(T.sum())
+        pos = np.cumsum(marks[:, :L], axis=1, dtype=np.int32)
+    else:
+        seg = pos = np.zeros((n, L), np.int32)
+    if not six:
+        packed[:, 1] = seg
+        packed[:, 2] = pos
+        return packed, int(T.sum())
+    # The targets keys (derive_batch): slot j has a target when slot j + 1 holds a token of
+    # the same segment, i.e. j + 1 < T and no segment starts at j + 1.
+    valid = np.zeros((n, L), bool)
+    np.less(np.arange(L - 1), (T - 1)[:, None], out=valid[:, :-1])
+    later = np.flatnonzero(rank > 0)
+    valid[row[later], starts[later] - 1] = False
+    targets = np.zeros((n, L), np.int32)
+    np.multiply(tok[:, 1:], valid[:, :-1], out=targets[:, :-1])
+    return {
+        "inputs": tok,
+        "targets": targets,
+        "inputs_segmentation": seg,
+        "targets_segmentation": seg * valid,
+        "inputs_position": pos,
+        "targets_position": pos * valid,
+    }, int(T.sum())
 
 
 def _name(where, i: int) -> str:

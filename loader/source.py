@@ -131,11 +131,22 @@ class StepSource:
           ``loader.reader.derive_batch``); ``step`` (int64 scalar); ``tokens`` (int64
           scalar, non-padding tokens); ``source`` (int32 ``[n]``, schedule source index).
         """
+        return self._read(step, six=False)
+
+    def six(self, step: int) -> dict[str, np.ndarray]:
+        """Like calling the source, but the host arrays are the six trainer keys (int32
+        ``[n, L]``, ``loader.reader.BATCH_KEYS``) built in one pass, instead of ``packed``:
+        for a loader that derives the targets on the host anyway."""
+        return self._read(step, six=True)
+
+    def _read(self, step: int, six: bool) -> dict[str, np.ndarray]:
         step = ix.check_step(step)
         loc = self._locate(step, self.local_rows)
         shard, in_shard = self.shards.locate(loc.source, loc.record)
         data = self.shards.read_located(loc.source, loc.record, shard, in_shard)
-        packed, tokens = pack_records(data, self.seq_len, self.token_width, self.pad_id, self.packed_dtype,
-                                      self.vocab_size, _Names(self.schedule.sources, loc, self.shards, shard, in_shard))
-        return {"packed": packed, "step": np.int64(step), "tokens": np.int64(tokens),
-                "source": loc.source.astype(np.int32)}
+        arrays, tokens = pack_records(data, self.seq_len, self.token_width, self.pad_id, self.packed_dtype,
+                                      self.vocab_size, _Names(self.schedule.sources, loc, self.shards, shard, in_shard),
+                                      six=six)
+        out = dict(arrays) if six else {"packed": arrays}
+        out.update(step=np.int64(step), tokens=np.int64(tokens), source=loc.source.astype(np.int32))
+        return out

@@ -53,7 +53,7 @@ def read_quarantine(path: str) -> frozenset[int]:
             text = line.split("#", 1)[0].strip()
             if not text:
                 continue
-            if not text.isdigit():
+            if not re.fullmatch(r"[0-9]+", text):  # str.isdigit() accepts '²', which int() rejects
                 raise DeviceSpecError(f"{path}:{n}: expected a device id (integer >= 0), got {text!r}")
             ids.add(int(text))
     return frozenset(ids)
@@ -71,7 +71,8 @@ def run_quarantine(run_dir: str, override: Optional[str] = None) -> frozenset[in
     return read_quarantine(path) if os.path.exists(path) else frozenset()
 
 
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_RANGE = re.compile(r"^([0-9]+)(?:-([0-9]+))?$")
+MAX_RANGE = 1 << 16
 
 
 def _parse_ids(text: str, what: str) -> list[int]:
@@ -87,6 +88,8 @@ def _parse_ids(text: str, what: str) -> list[int]:
         hi = int(m.group(2)) if m.group(2) is not None else lo
         if hi < lo:
             raise DeviceSpecError(f"device spec: range {part!r} is empty ({hi} < {lo})")
+        if hi - lo >= MAX_RANGE:  # never materialize a billion ids for a typo
+            raise DeviceSpecError(f"device spec: range {part!r} names {hi - lo + 1} {what}s; at most {MAX_RANGE}")
         out.extend(range(lo, hi + 1))
     return out
 

@@ -138,9 +138,17 @@ def default_setup(run: RunLog) -> RunSetup:
     mesh_rec = run.mesh
     if not (mesh_rec.get("axis_names") and mesh_rec.get("shape")):
         raise RunDirError(f"{os.path.join(run.run_dir, 'env.json')}: no mesh recorded (axis_names, shape)")
-    axis_names = tuple(mesh_rec["axis_names"])
-    shape = tuple(int(s) for s in mesh_rec["shape"])
-    run_ids = tuple(int(i) for i in mesh_rec.get("device_ids", ()))
+    env_path = os.path.join(run.run_dir, "env.json")
+    try:
+        axis_names = tuple(str(a) for a in mesh_rec["axis_names"])
+        shape = tuple(int(s) for s in mesh_rec["shape"])
+        run_ids = tuple(int(i) for i in mesh_rec.get("device_ids", ()) or ())
+    except (TypeError, ValueError) as e:
+        raise RunDirError(f"{env_path}: malformed mesh record {dict(mesh_rec)!r} ({e})") from None
+    if len(axis_names) != len(shape) or any(s < 1 for s in shape):
+        raise RunDirError(f"{env_path}: malformed mesh record: axis_names {list(axis_names)}, shape {list(shape)}")
+    if run_ids and len(run_ids) != int(np.prod(shape)):
+        raise RunDirError(f"{env_path}: mesh device_ids {list(run_ids)} do not fill the mesh shape {list(shape)}")
     trainer = ReferenceTrainer(model, cfg.optimizer)
 
     def make_loader(mesh):

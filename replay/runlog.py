@@ -68,11 +68,12 @@ def parse_steps(spec: str) -> tuple[int, int]:
     return start, stop
 
 
-def _read_jsonl(path: str) -> list[dict[str, Any]]:
+def _read_jsonl(path: str, strict: bool = True) -> list[dict[str, Any]]:
     """One dict per non-empty line. A run killed mid-write may leave a torn last line: it is
-    skipped; a bad line anywhere else is an error."""
-    with open(path, encoding="utf-8") as f:
-        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    skipped; a bad line anywhere else is an error (``strict``) or skipped (events, which are
+    informational: a torn line that a resumed run appended to)."""
+    text = _read_text(path)
+    lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     out = []
     for i, (n, line) in enumerate(lines):
         try:
@@ -80,8 +81,21 @@ def _read_jsonl(path: str) -> list[dict[str, Any]]:
         except json.JSONDecodeError as e:
             if i == len(lines) - 1:
                 break
+            if not strict:
+                continue
             raise RunDirError(f"{path}:{n}: not JSON ({e.msg})") from None
     return out
+
+
+def _read_text(path: str) -> str:
+    """A file's UTF-8 text; an unreadable or non-UTF-8 file is a :class:`RunDirError` naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise RunDirError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}): corrupted?") from None
+    except OSError as e:
+        raise RunDirError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
 @dataclasses.dataclass
@@ -163,18 +177,21 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
         if not os.path.isfile(paths[name]):
             raise RunDirError(f"{run_dir} is not a run directory: {name} is missing")
     try:
-        with open(paths[RUN_CONFIG], encoding="utf-8") as f:
-            config = yaml.safe_load(f)
+        config = yaml.safe_load(_read_text(paths[RUN_CONFIG]))
     except yaml.YAMLError as e:
         raise RunDirError(f"{paths[RUN_CONFIG]}: not valid YAML: {e}") from None
     if not isinstance(config, dict):
         raise RunDirError(f"{paths[RUN_CONFIG]}: expected a mapping")
     try:
-        with open(paths[ENV_JSON], encoding="utf-8") as f:
-            env = json.load(f)
+        env = json.loads(_read_text(paths[ENV_JSON]))
     except json.JSONDecodeError as e:
         raise RunDirError(f"{paths[ENV_JSON]}: not JSON ({e.msg})") from None
-    events = _read_jsonl(paths[EVENTS]) if os.path.isfile(paths[EVENTS]) else []
+    if not isinstance(env, dict):
+        raise RunDirError(f"{paths[ENV_JSON]}: expected a JSON object, got {type(env).__name__}")
+    if not isinstance(env.get("mesh", {}), dict):
+        raise RunDirError(f"{paths[ENV_JSON]}: 'mesh' must be an object, got {type(env['mesh']).__name__}")
+    events = _read_jsonl(paths[EVENTS], strict=False) if os.path.isfile(paths[EVENTS]) else []
+    events = [e for e in events if isinstance(e, dict)]
     fingerprints: dict[int, StepFingerprints] = {}
     conflicts = set()
     for n, raw in enumerate(_read_jsonl(paths[FINGERPRINTS]), 1):
@@ -204,6 +221,12 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
         raise RunDirError(f"quarantine file not found: {quarantine_file}") from None
     except DeviceSpecError as e:
         raise RunDirError(str(e)) from None
+    except UnicodeDecodeError as e:
+        where = quarantine_file or os.path.join(run_dir, QUARANTINE_NAME)
+        raise RunDirError(f"{where}: not a text file of device ids ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        where = quarantine_file or os.path.join(run_dir, QUARANTINE_NAME)
+        raise RunDirError(f"quarantine file {where}: cannot read ({e.strerror or e})") from None
     return RunLog(
         run_dir=run_dir, config=config, env=env, events=events, fingerprints=fingerprints,
         relogged_conflicts=sorted(conflicts), checkpoints=checkpoints, quarantine=quarantine,

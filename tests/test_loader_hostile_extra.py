@@ -254,6 +254,14 @@ def test_pack_records_equals_decode_then_pack(rows, L, narrow, pad, seed):
     np.testing.assert_array_equal(packed[:, 1], seg.view(dt))
     np.testing.assert_array_equal(packed[:, 2], pos.view(dt))
     assert tokens == sum(int(codec.decode_row(r).num_tokens) for r in recs)
+    six, tokens6 = rd.pack_records(recs, L, 2, pad, vocab_size=60000, six=True)
+    ref = rd.derive_batch(*rd.pack_inputs(rd.decode_all(recs), L, pad))
+    assert tokens6 == tokens and set(six) == set(loader.BATCH_KEYS)
+    for k in loader.BATCH_KEYS:
+        assert six[k].dtype == np.int32 and six[k].shape == (len(recs), L)
+        np.testing.assert_array_equal(six[k], ref[k], err_msg=k)
+    for k, v in rd.derive_packed(packed).items():
+        np.testing.assert_array_equal(v, ref[k], err_msg=k)
 
 
 # ------------------------------------------------------------------ arguments
@@ -436,3 +444,26 @@ def test_phase_past_the_addressable_range_refused(ds):
     data = loader.build(m, ds, global_batch=8)
     assert [r.source for r in data.rows_at(10**17)] == ["c"] * 8
     assert data.rows_at(10**17 - 1)[0].source in ("a", "b")
+
+
+def test_device_and_host_derivation_paths_agree(ds):
+    """On CPU devices the loader derives the targets on the host and transfers the six arrays
+    (``_host_derive``, ``_put``); accelerators take the jitted device path. Both, and the
+    plain ``jax.device_put`` fallback, give the same bits as the numpy reference."""
+    paths = {}
+    for name, host_derive, fast_put in (("host", True, None), ("host-plain-put", True, False),
+                                        ("device", False, None)):
+        data = loader.build(mix(), ds, global_batch=8)
+        data._host_derive, data._fast_put = host_derive, fast_put
+        batch = data.batch_at(5)
+        assert all(v.sharding == data.sharding and v.dtype == np.int32 for v in batch.values())
+        paths[name] = {k: np.asarray(v) for k, v in batch.items()}
+        it = data.iterate(5)
+        _, again = next(it)
+        it.close()
+        for k in loader.BATCH_KEYS:
+            np.testing.assert_array_equal(np.asarray(again[k]), paths[name][k])
+    ref = loader.dense_batch(loader.build(mix(), ds, global_batch=8).read_rows(5), SEQ)
+    for name, got in paths.items():
+        for k in loader.BATCH_KEYS:
+            np.testing.assert_array_equal(got[k], ref[k], err_msg=f"{name} {k}")

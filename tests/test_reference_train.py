@@ -157,8 +157,14 @@ def test_run_config_errors_name_the_field(change, match):
         runm.run_config_from_dict(raw, "/tmp")
 
 
-def test_mesh_smaller_than_the_device_count_takes_the_lowest_ids():
+def test_mesh_smaller_than_the_device_count_takes_the_lowest_ids(tiny):
+    import dataclasses
+
     import jax
+
+    cfg = dataclasses.replace(tiny[2], mesh=(("data", 2), ("expert", 2)))
+    _, mesh, _ = runm.make_trainer(cfg)
+    assert [d.id for d in mesh.devices.flat] == [0, 1, 2, 3] and mesh.shape == {"data": 2, "expert": 2}
 
     assert [d.id for d in runm.run_devices({"data": 2, "expert": 2})] == [0, 1, 2, 3]
     assert [d.id for d in runm.run_devices({"data": -1, "expert": 2})] == [d.id for d in jax.devices()]

@@ -312,6 +312,7 @@ def run_devices(axes: Mapping[str, int]) -> list:
     import jax
 
     devices = sorted(jax.devices(), key=lambda d: d.id)
+    axes = dict(axes)  # a mapping, or RunConfig.mesh's ((axis, size), ...) pairs
     sizes = [int(v) for v in axes.values()]
     if -1 in sizes:
         return devices
@@ -329,7 +330,7 @@ def make_trainer(cfg: RunConfig, *, fingerprints: bool = True):
     manifest, _ = read_manifest(cfg.dataset)
     vocab = int(manifest.tokenizer["vocab_size"])
     model = cfg.model_config(vocab)
-    mesh = make_mesh(dict(cfg.mesh), run_devices(cfg.mesh))
+    mesh = make_mesh(dict(cfg.mesh), run_devices(dict(cfg.mesh)))
     if cfg.global_batch % mesh.size:
         raise RunConfigError(f"global_batch: must be a multiple of the device count {mesh.size}, got {cfg.global_batch}")
     return ReferenceTrainer(model, cfg.optimizer, fingerprints=fingerprints), mesh, vocab
