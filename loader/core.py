@@ -34,6 +34,9 @@ from loader.source import RowRef, StepSource
 
 log = logging.getLogger("loader")
 _THREADS: list[tuple[threading.Thread, threading.Event]] = []  # live prefetch threads
+# On CPU devices, steps of at most this many host tokens derive the targets on the host.
+HOST_DERIVE_MAX_TOKENS = 1 << 16
+_FAST_PUT_CHECKED = False  # DataLoader._put's fast path was checked against jax.device_put
 
 
 def _stop_all() -> None:
@@ -196,10 +199,14 @@ class DataLoader:
         self._index_cache: dict = {}
         self._derive = None
         # Where the targets keys are derived: on the devices (one jitted, collective-free
-        # function; narrow [B, 3, L] transfer) on accelerators; on the host with a context
-        # axis (whole rows are only there) or on CPU devices (no transfer to save).
-        self._host_derive = context_axis is not None or all(
-            d.platform == "cpu" for d in self.mesh.devices.flat)
+        # function; narrow [B, 3, L] transfer), or on the host, in the same pass as the
+        # parse: with a context axis (whole rows are only there), and on CPU devices for
+        # small steps, where the jitted call's fixed cost (about 0.3 ms over 8 CPU devices)
+        # outweighs the per-token numpy work (measured: ahead up to 64 x 1,024 tokens,
+        # behind from 32 x 8,192, where XLA's threads work outside the GIL).
+        self._host_derive = context_axis is not None or (
+            len(local) * self.seq_len <= HOST_DERIVE_MAX_TOKENS
+            and all(d.platform == "cpu" for d in self.mesh.devices.flat))
         self._single_host = self.sharding.is_fully_addressable and len(local) == global_batch
         self._fast_put = None  # see _put
         pad_id = int(self.manifest.tokenizer.get("pad_id", 0) or 0)
@@ -242,11 +249,11 @@ class DataLoader:
     def to_global(self, host: Mapping[str, np.ndarray]) -> dict[str, Any]:
         """Global ``jax.Array`` s (int32 ``[B, L]``, :attr:`sharding`) from host-local arrays.
 
-        ``host`` holds the six keys, or ``packed`` (what the step source produces: tokens,
-        ids and positions, ``[n, 3, L]``); then, when the sequence is not split over a context axis, the
-        ``targets*`` keys are derived on the devices by one jitted function
-        (``loader.device``, compiled once, device-local: no collectives); with a context
-        axis they are derived on the host, which holds whole rows.
+        ``host`` holds the six keys, or ``packed`` (tokens, ids and positions, ``[n, 3, L]``);
+        then, without a context axis, the ``targets*`` keys are derived on the devices by one
+        jitted function (``loader.device``, compiled once, device-local: no collectives);
+        with a context axis (the host holds whole rows) they are derived on the host, in the
+        same pass as the parse (``StepSource.six``; same bits).
         """
         import jax
 
@@ -260,8 +267,6 @@ class DataLoader:
             # Sequence split over devices: the one-slot shift of the targets would cross
             # shards (a collective, unsafe to launch from the prefetch thread next to the
             # trainer's programs). Hosts hold whole rows, so derive the targets here.
-            # On CPU devices too: there "device" work is host work, and a jitted call
-            # over many CPU devices costs more than the numpy twin (same bits).
             host = rd.derive_packed(host["packed"])
         if "targets" in host:  # already the six keys
             if self._single_host:  # every row is local: the six arrays straight onto the devices
@@ -291,9 +296,9 @@ class DataLoader:
 
         Uses JAX's per-array transfer (``xla_client.batched_device_put``, what
         ``device_put`` calls for each array) with the device slices computed once: half the
-        cost of ``device_put`` on a many-device host. The first call checks it against
-        ``jax.device_put`` (values and sharding); any difference or error, and this loader
-        uses ``jax.device_put`` from then on.
+        cost of ``device_put`` on a many-device host. The first use in the process checks it
+        against ``jax.device_put`` (values and sharding); on any difference or error this
+        loader uses ``jax.device_put`` instead.
         """
         import jax
 
@@ -313,11 +318,14 @@ class DataLoader:
                     return [xc.batched_device_put(aval, self.sharding, [x[i] for i in slices], devices, True)
                             for x in xs]
 
-                got, want = fast(arrays), jax.device_put(list(arrays), self.sharding)
-                same = all(g.sharding == w.sharding and g.shape == w.shape and g.dtype == w.dtype
-                           and np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got, want))
-                if not same:
-                    fast = False
+                global _FAST_PUT_CHECKED
+                if not _FAST_PUT_CHECKED:  # once per process: the JAX installed does what we expect
+                    got, want = fast(arrays), jax.device_put(list(arrays), self.sharding)
+                    same = all(g.sharding == w.sharding and g.shape == w.shape and g.dtype == w.dtype
+                               and np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got, want))
+                    if not same:
+                        raise RuntimeError("batched_device_put differs from jax.device_put")
+                    _FAST_PUT_CHECKED = True
             except Exception as e:  # noqa: BLE001 - private API moved: the public one works
                 log.info("fast device transfer unavailable (%r); using jax.device_put", e)
                 fast = False
@@ -379,7 +387,11 @@ class DataLoader:
 
     def _read_step(self, step: int) -> dict[str, np.ndarray]:
         """Host arrays of ``step`` in this process: the six keys when the targets are derived
-        on the host anyway (one pass), else ``packed`` for the devices to derive them."""
+        on the host anyway (one pass), else ``packed`` for the devices to derive them.
+
+        (Fresh arrays every step: on CPU, ``device_put`` may alias a suitably aligned host
+        buffer instead of copying it, so host arrays are never recycled.)
+        """
         return self.source.six(step) if self._host_derive else self.source(step)
 
     def _stop_step(self) -> int:

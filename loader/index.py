@@ -42,6 +42,7 @@ and the realized weights are reported by :meth:`Schedule.normalized_weights`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -50,6 +51,7 @@ import itertools
 import json
 import math
 import operator
+import threading
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
@@ -415,10 +417,9 @@ def _simon_encrypt(values: np.ndarray, bits: int, keys: Sequence[int]) -> np.nda
     return (left << sh[w]) | right
 
 
-@functools.lru_cache(maxsize=16)
 def shuffle_table(max_index: int, seed: int, rounds: int = SHUFFLE_ROUNDS) -> np.ndarray:
     """``[index_shuffle(i, max_index, seed, rounds) for i in range(max_index + 1)]`` as int64,
-    computed for the whole block at once (module notes above). Read-only; cached.
+    computed for the whole block at once (module notes above). Read-only.
 
     Raises:
       ScheduleError: the block is wider than :data:`SHUFFLE_TABLE_BITS` (use the per-row call).
@@ -439,6 +440,41 @@ def shuffle_table(max_index: int, seed: int, rounds: int = SHUFFLE_ROUNDS) -> np
     return out
 
 
+# Tables kept: built on the second request for a (source size, epoch seed), so a training
+# run (every step asks for the current epochs) gets them from its second step on, while
+# random access (replay of scattered steps) does not pay 1-3 ms a table for a few rows.
+# Least recently used first out, beyond SHUFFLE_TABLE_CACHE_BYTES.
+SHUFFLE_TABLE_CACHE_BYTES = 256 << 20
+_TABLE_LOCK = threading.Lock()
+_TABLES: collections.OrderedDict = collections.OrderedDict()
+_TABLES_SEEN: collections.OrderedDict = collections.OrderedDict()
+_TABLE_BYTES = [0]
+
+
+def _cached_table(max_index: int, epoch_seed: int) -> np.ndarray | None:
+    """The shuffle table of ``(max_index, epoch_seed)`` if kept or asked for before, else None."""
+    key = (max_index, epoch_seed)
+    with _TABLE_LOCK:
+        table = _TABLES.get(key)
+        if table is not None:
+            _TABLES.move_to_end(key)
+            return table
+        if key not in _TABLES_SEEN:
+            _TABLES_SEEN[key] = None
+            if len(_TABLES_SEEN) > 4096:
+                _TABLES_SEEN.popitem(last=False)
+            return None
+    table = shuffle_table(max_index, epoch_seed)  # outside the lock; a duplicate build is harmless
+    with _TABLE_LOCK:
+        if key not in _TABLES:
+            _TABLES[key] = table
+            _TABLE_BYTES[0] += table.nbytes
+            while _TABLE_BYTES[0] > SHUFFLE_TABLE_CACHE_BYTES and len(_TABLES) > 1:
+                _, old = _TABLES.popitem(last=False)
+                _TABLE_BYTES[0] -= old.nbytes
+    return table
+
+
 def shuffled_records(index_in_epoch: np.ndarray, num_records: int, seed: int, source: str,
                      epoch: int) -> np.ndarray:
     """:func:`shuffled_record` of many indices of one (source, epoch), int64 ``[n]``."""
@@ -448,7 +484,9 @@ def shuffled_records(index_in_epoch: np.ndarray, num_records: int, seed: int, so
     es = _epoch_seed(seed, source, epoch)
     bits, grain_ok = _shuffle_block_bits(num_records - 1)
     if bits <= SHUFFLE_TABLE_BITS:
-        return shuffle_table(num_records - 1, es)[idx]
+        table = _cached_table(num_records - 1, es)
+        if table is not None:
+            return table[idx]
     if not grain_ok:
         return _simon_walk(idx, num_records - 1, bits, _seed_seq_generate(es, SHUFFLE_ROUNDS))
     return np.fromiter((_index_shuffle(int(i), num_records - 1, es, SHUFFLE_ROUNDS) for i in idx.tolist()),

@@ -445,7 +445,7 @@ assert _HEADER_DTYPE.itemsize == _HEADER.size
 def pack_records(
     records: Sequence[bytes], seq_len: int, token_width: int, pad_id: int = 0,
     out_dtype: np.dtype | str = np.int32, vocab_size: int | None = None,
-    where: Mapping[int, str] | None = None, six: bool = False,
+    where: Mapping[int, str] | None = None, six: bool = False, out: np.ndarray | None = None,
 ) -> tuple[np.ndarray | dict[str, np.ndarray], int]:
     """Tokens, segment ids and positions of encoded rows, straight from the record bytes.
 
@@ -466,7 +466,10 @@ def pack_records(
       padding), 1-based segment ids, positions restarting at 0 per segment (both 0 on
       padding); ``tokens`` the number of non-padding tokens. With ``six=True``, ``packed``
       is instead the dict of the six int32 ``[n, L]`` trainer arrays (what
-      :func:`derive_batch` gives, built in the same pass; ``out_dtype`` is ignored).
+      :func:`derive_batch` gives, built in the same pass; ``out_dtype`` is ignored), views
+      of ``out`` (int32 ``[6, n, L]``, overwritten; allocated when ``None``) in
+      ``BATCH_KEYS`` order. Reusing ``out`` spares the fresh pages (page faults) of
+      megabytes of new arrays every step.
 
     Raises:
       DatasetError: a record fails a check; ``where[i]`` (or "record i") names it.
@@ -474,9 +477,13 @@ def pack_records(
     n, L = len(records), int(seq_len)
     out_dtype = np.dtype(np.int32 if six else out_dtype)
     if six:
-        tok = np.zeros((n, L), np.int32)
+        if out is None:
+            out = np.empty((6, n, L), np.int32)
+        elif out.shape != (6, n, L) or out.dtype != np.int32:
+            raise ValueError(f"out must be int32 [6, {n}, {L}], got {out.dtype} {list(out.shape)}")
         if n == 0:
-            return {k: np.zeros((0, L), np.int32) for k in BATCH_KEYS}, 0
+            return dict(zip(BATCH_KEYS, out)), 0
+        tok = out[0]
     else:
         packed = np.zeros((n, 3, L), out_dtype)
         tok = packed[:, 0]
@@ -500,15 +507,11 @@ def pack_records(
     if bad.any():
         _explain(records, int(np.argmax(bad)), L, widths, where)
     frombuffer, tdt = np.frombuffer, {2: "<u2", 4: "<u4"}
-    if len(widths) == 1:
-        dt = tdt[widths[0]]
-        for i, (rec, t) in enumerate(zip(records, T.tolist())):
-            tok[i, :t] = frombuffer(rec, dt, t, hsize)
-    else:
-        for i, (rec, t, w) in enumerate(zip(records, T.tolist(), W.tolist())):
-            tok[i, :t] = frombuffer(rec, tdt[w], t, hsize)
-    if pad_id:
-        tok[np.arange(L) >= T[:, None]] = pad_id
+    pad_rows = six or pad_id  # the six arrays' block is uninitialized: write every padding slot
+    for i, (rec, t, w) in enumerate(zip(records, T.tolist(), W.tolist())):
+        tok[i, :t] = frombuffer(rec, tdt[w], t, hsize)
+        if pad_rows and t < L:
+            tok[i, t:] = pad_id
     # lengths, chunk indices and key lengths (3 x S u32) of every row, back to back
     meta = [rec[a: a + 12 * sg] for rec, a, sg in zip(records, meta_at.tolist(), S.tolist())]
     # Segment lengths and key lengths of every segment of the step, row after row.
@@ -533,44 +536,51 @@ def pack_records(
             raise DatasetError(f"{_name(where, i)}: token {int(tok[i][over[i]].max())} >= vocab_size {vocab_size}")
     # Segment ids and positions: one running sum of marks per row (int32, then narrowed).
     starts = np.cumsum(lengths) - lengths - np.repeat(np.cumsum(T) - T, S)  # start slot in its row
-    if n_seg:
-        marks = np.zeros((n, L + 1), np.int32)
-        # ids: +1 at each segment start, -S at the first padding slot (column L when full)
-        marks[row, starts] = 1
-        marks[np.arange(n), T] -= S.astype(np.int32)
-        seg = np.cumsum(marks[:, :L], axis=1, dtype=np.int32)
-        # positions: +1 per token after each start, 1 - previous length at a later start,
-        # and minus the last position at the first padding slot
-        marks = np.zeros((n, L + 1), np.int32)
-        marks[:, 1:] = np.arange(1, L + 1) < T[:, None]
-        later = np.flatnonzero(rank > 0)
-        marks[row[later], starts[later]] = 1 - lengths[later - 1]
-        has = S > 0
-        last = np.cumsum(S)[has] - 1
-        marks[np.flatnonzero(has), T[has]] = 1 - lengths[last]
-        pos = np.cumsum(marks[:, :L], axis=1, dtype=np.int32)
-    else:
-        seg = pos = np.zeros((n, L), np.int32)
+    seg = out[2] if six else np.empty((n, L), np.int32)
+    pos = out[4] if six else np.empty((n, L), np.int32)
+    marks, valid = _scratch(n, L)  # reused per thread: no fresh pages every step
+    later = np.flatnonzero(rank > 0)
+    # ids: +1 at each segment start, -S at the first padding slot (column L when full)
+    marks.fill(0)
+    marks[row, starts] = 1
+    marks[np.arange(n), T] -= S.astype(np.int32)
+    np.cumsum(marks[:, :L], axis=1, dtype=np.int32, out=seg)
+    # positions: +1 per token after each start, 1 - previous length at a later start,
+    # and minus the last position at the first padding slot
+    marks[:, 0] = 0
+    np.less(np.arange(1, L + 1), T[:, None], out=marks[:, 1:])
+    marks[row[later], starts[later]] = 1 - lengths[later - 1]
+    has = S > 0
+    last = np.cumsum(S)[has] - 1
+    marks[np.flatnonzero(has), T[has]] = 1 - lengths[last]
+    np.cumsum(marks[:, :L], axis=1, dtype=np.int32, out=pos)
     if not six:
         packed[:, 1] = seg
         packed[:, 2] = pos
         return packed, int(T.sum())
     # The targets keys (derive_batch): slot j has a target when slot j + 1 holds a token of
     # the same segment, i.e. j + 1 < T and no segment starts at j + 1.
-    valid = np.zeros((n, L), bool)
     np.less(np.arange(L - 1), (T - 1)[:, None], out=valid[:, :-1])
-    later = np.flatnonzero(rank > 0)
+    valid[:, -1] = False
     valid[row[later], starts[later] - 1] = False
-    targets = np.zeros((n, L), np.int32)
+    targets = out[1]
     np.multiply(tok[:, 1:], valid[:, :-1], out=targets[:, :-1])
-    return {
-        "inputs": tok,
-        "targets": targets,
-        "inputs_segmentation": seg,
-        "targets_segmentation": seg * valid,
-        "inputs_position": pos,
-        "targets_position": pos * valid,
-    }, int(T.sum())
+    targets[:, -1] = 0
+    np.multiply(seg, valid, out=out[3])
+    np.multiply(pos, valid, out=out[5])
+    return dict(zip(BATCH_KEYS, out)), int(T.sum())
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(n: int, L: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-thread work arrays of :func:`pack_records`: int32 ``[n, L + 1]`` marks and bool
+    ``[n, L]`` (contents undefined)."""
+    have = getattr(_SCRATCH, "arrays", None)
+    if have is None or have[0].shape != (n, L + 1):
+        have = _SCRATCH.arrays = (np.empty((n, L + 1), np.int32), np.empty((n, L), bool))
+    return have
 
 
 def _name(where, i: int) -> str:

@@ -133,20 +133,21 @@ class StepSource:
         """
         return self._read(step, six=False)
 
-    def six(self, step: int) -> dict[str, np.ndarray]:
+    def six(self, step: int, out: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Like calling the source, but the host arrays are the six trainer keys (int32
         ``[n, L]``, ``loader.reader.BATCH_KEYS``) built in one pass, instead of ``packed``:
-        for a loader that derives the targets on the host anyway."""
-        return self._read(step, six=True)
+        for a loader that derives the targets on the host anyway. They are views of ``out``
+        (int32 ``[6, n, L]``, see ``loader.reader.pack_records``) when given."""
+        return self._read(step, six=True, out=out)
 
-    def _read(self, step: int, six: bool) -> dict[str, np.ndarray]:
+    def _read(self, step: int, six: bool, out: np.ndarray | None = None) -> dict[str, np.ndarray]:
         step = ix.check_step(step)
         loc = self._locate(step, self.local_rows)
         shard, in_shard = self.shards.locate(loc.source, loc.record)
         data = self.shards.read_located(loc.source, loc.record, shard, in_shard)
         arrays, tokens = pack_records(data, self.seq_len, self.token_width, self.pad_id, self.packed_dtype,
                                       self.vocab_size, _Names(self.schedule.sources, loc, self.shards, shard, in_shard),
-                                      six=six)
+                                      six=six, out=out)
         out = dict(arrays) if six else {"packed": arrays}
         out.update(step=np.int64(step), tokens=np.int64(tokens), source=loc.source.astype(np.int32))
         return out

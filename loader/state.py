@@ -89,8 +89,17 @@ class LoaderState:
         return state
 
     @classmethod
-    def from_json(cls, text: str) -> LoaderState:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str | bytes) -> LoaderState:
+        """Parses a state saved with :meth:`to_json`.
+
+        Raises:
+          ResumeError: not JSON (e.g. a truncated checkpoint file), or as :meth:`from_dict`.
+        """
+        try:
+            raw = json.loads(text)
+        except (ValueError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ResumeError(f"loader state is not JSON ({e}): {str(text)[:200]!r}") from None
+        return cls.from_dict(raw)
 
 
 def schedule_fingerprint(manifest_sha256: str, schedule: Mapping[str, Any]) -> str:

@@ -76,6 +76,7 @@ def fingerprints_signature(fps: Mapping[str, int]) -> str:
 def environment_key(spec: CanarySpec, env: Mapping[str, Any]) -> str:
     """The golden value's key: sha256 over the canary identity and what decides bits in ``env``."""
     backend = env.get("backend", {})
+    backend = backend if isinstance(backend, Mapping) else {}
     keyed = {
         "canary": spec.to_dict(),
         "versions": env.get("versions", {}),
@@ -103,7 +104,7 @@ class CanaryDecision:
     verdict: Verdict
     odd_devices: tuple[int, ...]
     reference: Optional[str]
-    golden_status: str  # "matched", "created", "absent-no-majority", "mismatch-all"
+    golden_status: str  # "matched", "created", "created-not-saved", "absent-no-majority", "mismatch-all"
     statuses: Mapping[int, str]
     explanation: str
 
@@ -153,18 +154,69 @@ def decide_canary(results: Sequence[DeviceResult], golden: Optional[str]) -> Can
 
 
 def read_golden(path: Optional[str]) -> dict[str, Any]:
+    """The golden table ``{environment key: {"signature": ..., ...}}`` of ``path`` ({} when absent).
+
+    Raises:
+      replay.runlog.RunDirError: the file is unreadable, not JSON, or not such a table (a
+        corrupt golden value must never be taken for a verdict).
+    """
+    from replay.runlog import RunDirError
+
     if path is None or not os.path.exists(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    hint = "repair or remove it, or pass --reset-golden to start a new table there"
+    try:
+        with open(path, encoding="utf-8") as f:
+            table = json.load(f)
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise RunDirError(f"canary golden file {path} is corrupt or unreadable ({e}); {hint}") from None
+    bad = [k for k, v in table.items() if not (isinstance(v, dict) and isinstance(v.get("signature"), str))] \
+        if isinstance(table, dict) else None
+    if bad is None or bad:
+        raise RunDirError(f"canary golden file {path} is not a table of golden values "
+                          f"({'entries ' + str(bad[:3]) if bad else type(table).__name__}); {hint}")
+    return table
 
 
 def write_golden(path: str, table: Mapping[str, Any]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(table, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    """Writes the golden table atomically (a temporary file unique to this process, then renamed)."""
+    import tempfile
+
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(table, f, indent=2, sort_keys=True)
+        os.chmod(tmp, os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _update_golden(path: str, key: str, entry: Mapping[str, Any], reset: bool) -> None:
+    """Adds ``entry`` under ``key`` to the table at ``path``, under an exclusive lock, re-reading the
+    table first so that concurrent canaries on one run do not drop each other's entries (a
+    corrupt table is replaced only when ``reset``)."""
+    import fcntl
+
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "." + os.path.basename(path) + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            try:
+                table = read_golden(path)
+            except ValueError:
+                if not reset:
+                    raise
+                table = {}
+            table[key] = dict(entry)
+            write_golden(path, table)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @dataclasses.dataclass
@@ -237,7 +289,12 @@ def run_canary(
     rows = setup.global_batch if rows is None else rows
     if not 1 <= rows <= setup.global_batch:
         raise ValueError(f"canary rows must be in [1, {setup.global_batch}], got {rows}")
+    if step < 0:
+        raise ValueError(f"canary step must be >= 0, got {step}")
     chosen = dv.select_devices(device_spec, session.device_infos(), run.quarantine, minimum=1)
+    path = os.path.join(run.run_dir, GOLDEN_DEFAULT) if golden_path == "default" else golden_path
+    if not reset_golden:
+        read_golden(path)  # a corrupt golden file is reported before any device work
     home = session.home_assignment()
     host = session.numpy_batch(step, home)
     batch = {k: v[:rows] for k, v in host.items()}
@@ -262,12 +319,18 @@ def run_canary(
             sigs.append(fingerprints_signature(fps))
             advance(1)
         results.append(DeviceResult(d.id, tuple(sigs), dict(fps)))
-    path = os.path.join(run.run_dir, GOLDEN_DEFAULT) if golden_path == "default" else golden_path
-    table = read_golden(path)
-    golden = None if reset_golden else (table.get(env_key) or {}).get("signature")
+    if reset_golden:
+        golden = None
+    else:
+        golden = (read_golden(path).get(env_key) or {}).get("signature")
     decision = decide_canary(results, golden)
     if path is not None and decision.golden_status == "created" and fault is None:
-        table[env_key] = {"signature": decision.reference, "canary": spec.to_dict(),
-                          "created_from": f"majority of {len(results)} device(s)"}
-        write_golden(path, table)
+        try:
+            _update_golden(path, env_key, {"signature": decision.reference, "canary": spec.to_dict(),
+                                           "created_from": f"majority of {len(results)} device(s)"}, reset_golden)
+        except OSError as e:  # e.g. a read-only run directory: the verdict stands, the golden value is not kept
+            decision = dataclasses.replace(
+                decision, golden_status="created-not-saved",
+                explanation=f"{decision.explanation} (the golden value could not be saved to {path}: "
+                            f"{e.strerror or e}; pass --golden FILE)")
     return CanaryReport(spec, env_key, results, decision, path, repeats)

@@ -167,6 +167,7 @@ def _cmd_range(args, console) -> int:
     if args.tolerance is not None and not 0 < args.tolerance < 1:
         raise _Usage(f"--tolerance must be in (0, 1), got {args.tolerance}")
     run = load_run(args.run, args.quarantine)
+    _check_outputs(run.run_dir, json=args.json, plot=args.plot)
     run.check_range(start, stop)
     run.checkpoint_for(start)
     session = engine.Session(run)
@@ -192,8 +193,13 @@ def _cmd_canary(args, console) -> int:
 
     if args.repeats < 1:
         raise _Usage(f"--repeats must be >= 1, got {args.repeats}")
+    if args.step is not None and args.step < 0:
+        raise _Usage(f"--step must be >= 0, got {args.step}")
     run = load_run(args.run, args.quarantine)
+    _check_outputs(run.run_dir, json=args.json, golden=args.golden)
     session = engine.Session(run)
+    if args.rows is not None and not 1 <= args.rows <= session.setup.global_batch:
+        raise _Usage(f"--rows must be in [1, {session.setup.global_batch}] (the run's global batch), got {args.rows}")
     rep = canary.run_canary(session, device_spec=args.devices, repeats=args.repeats, checkpoint=args.checkpoint,
                             step=args.step, rows=args.rows, golden_path=args.golden or "default",
                             reset_golden=args.reset_golden)
@@ -210,6 +216,7 @@ def _cmd_inspect(args, console) -> int:
 
     start, stop = parse_steps(args.steps)
     run = load_run(args.run)
+    _check_outputs(run.run_dir, json=args.json)
     run.check_range(start, stop)
     session = engine.Session(run)
     data = session.lookup_loader()
@@ -229,12 +236,13 @@ def _cmd_drill(args, console) -> int:
 
     if args.count < 1:
         raise _Usage(f"--count must be >= 1, got {args.count}")
+    if args.to_disk and os.path.exists(args.to_disk) and (not os.path.isdir(args.to_disk) or os.listdir(args.to_disk)):
+        raise _Usage(f"--to-disk {args.to_disk}: must be a new or empty folder")
     run = load_run(args.run, args.quarantine)
+    _check_outputs(run.run_dir, json=args.json, to_disk=args.to_disk)
     session = engine.Session(run)
     rng = random.Random(args.seed)
     results = []
-    if args.to_disk and os.path.exists(args.to_disk) and os.listdir(args.to_disk):
-        raise _Usage(f"--to-disk {args.to_disk}: must be a new or empty folder")
     for n in range(args.count):
         fault = drill.random_fault(session, rng, args.step, args.device, args.leaf, args.element, args.bit)
         to_disk = None if not args.to_disk else os.path.join(args.to_disk, f"drill-{n}")
@@ -258,6 +266,50 @@ class _Usage(ValueError):
     pass
 
 
+def _check_outputs(run_dir: str, **paths: Optional[str]) -> None:
+    """Refuses, before any device work, output paths that are folders or that would overwrite the
+    run's own files (its config, env record, logs, quarantine file or checkpoints): replay reads a
+    run directory and never writes into it, but for its documented outputs (canary/golden.json)."""
+    from replay.devices import QUARANTINE_NAME
+    from replay.runlog import CHECKPOINTS, ENV_JSON, EVENTS, FINGERPRINTS, RUN_CONFIG
+
+    run = os.path.realpath(run_dir)
+    protected = {os.path.join(run, n) for n in (RUN_CONFIG, ENV_JSON, EVENTS, FINGERPRINTS, QUARANTINE_NAME)}
+    ckpts = os.path.join(run, CHECKPOINTS)
+    for name, path in paths.items():
+        if not path:
+            continue
+        flag = "--" + name.replace("_", "-")
+        real = os.path.realpath(path)
+        if real in protected or real == ckpts or real.startswith(ckpts + os.sep) or real == run:
+            raise _Usage(f"{flag} {path}: would write into the run's own files; replay leaves the run directory "
+                         f"read-only (choose another path)")
+        if name != "to_disk" and os.path.isdir(path):
+            raise _Usage(f"{flag} {path}: is a folder; give a file name")
+        parent = os.path.dirname(os.path.abspath(path))
+        while parent != os.path.dirname(parent) and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise _Usage(f"{flag} {path}: {parent} is not a folder")
+
+
+def _pin_determinism_flags() -> None:
+    """Pins the XLA flags the reference trainer's command pins (``replay.env.pin_determinism_flags``),
+    so that a replay compiles as the run did and its env.json matches; only while JAX's backend is not
+    initialized yet (afterwards the flags would be recorded without taking effect)."""
+    if "jax" in sys.modules:
+        try:
+            from jax._src import xla_bridge
+
+            if xla_bridge.backends_are_initialized():
+                return
+        except Exception:  # noqa: BLE001 - a JAX without this private API: leave the flags alone
+            return
+    from replay.env import pin_determinism_flags
+
+    pin_determinism_flags()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``replay`` console script; returns the exit code (``ExitCode``)."""
     from rich.console import Console
@@ -270,6 +322,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from replay.forensics import TokenizerUnavailableError
     from replay.runlog import RunDirError, StepsSpecError
 
+    _pin_determinism_flags()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] not in ("range", "canary", "inspect", "drill", "-h", "--help"):
         argv = ["range", *argv]  # `replay --run DIR --steps A:B` is the range command
@@ -294,6 +347,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(ExitCode.ENV_DRIFT)
     except (RunDirError, ConfigError, TokenizerUnavailableError, FileNotFoundError, PairingError) as e:
         err.print(f"[red]run directory or data error:[/] {e}")
+        return int(ExitCode.RUN_ERROR)
+    except OSError as e:  # e.g. permission denied, disk full, on a run file or an output file
+        err.print(f"[red]run directory or data error:[/] cannot read or write {e.filename or ''}: "
+                  f"{e.strerror or e}")
         return int(ExitCode.RUN_ERROR)
     except Exception as e:
         name = type(e).__module__

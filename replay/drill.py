@@ -61,6 +61,25 @@ class DrillReport:
         }
 
 
+def _replayable_steps(run: Any) -> list[int]:
+    """Logged steps ``s`` whose newest checkpoint ``c <= s`` exists and whose steps ``c .. s`` are all
+    logged (a drill replays them), computed from the log itself: a sparse or damaged log must not
+    make this walk every integer up to its last step."""
+    import bisect
+
+    logged = sorted(run.fingerprints)
+    ckpts = sorted(run.checkpoints)
+    out = []
+    for s in logged:
+        i = bisect.bisect_right(ckpts, s)
+        if not i:
+            continue
+        c = ckpts[i - 1]
+        if bisect.bisect_right(logged, s) - bisect.bisect_left(logged, c) == s - c + 1:
+            out.append(s)
+    return out
+
+
 def random_fault(session: Any, rng: random.Random, step: Optional[int] = None, device: Optional[int] = None,
                  leaf: Optional[str] = None, element: Optional[int] = None, bit: Optional[int] = None) -> FaultSpec:
     """A fault with every unchosen field drawn from ``rng``: a logged step with a checkpoint at or
@@ -72,7 +91,9 @@ def random_fault(session: Any, rng: random.Random, step: Optional[int] = None, d
     """
     run, trainer = session.run, session.setup.trainer
     first, stop = run.logged_steps
-    steps = [s for s in range(first, stop) if any(c <= s for c in run.checkpoints)]
+    # Logged steps with a checkpoint at or before them (from the log itself: a sparse or damaged
+    # log must not make this walk every integer up to its last step).
+    steps = _replayable_steps(run)
     if not steps:
         raise DrillError(f"no logged step of {first}:{stop} has a checkpoint at or before it")
     if step is None:
@@ -183,7 +204,8 @@ def run_drill(session: Any, fault: FaultSpec, *, device_spec: str = "all", repla
           and rep.decision.step == fault.step)
     can, can_ok = None, None
     if canary:
-        can = run_canary(session, device_spec=device_spec, repeats=canary_repeats, golden_path=None,
-                         fault=dataclasses.replace(fault, step=0))
+        # The faulty device must be among the canary's devices, whatever the spec chose for replay.
+        can = run_canary(session, device_spec=f"{device_spec}+{fault.device_id}", repeats=canary_repeats,
+                         golden_path=None, fault=dataclasses.replace(fault, step=0))
         can_ok = can.decision.verdict is Verdict.CONVICTED and can.decision.odd_devices == (fault.device_id,)
     return DrillReport(fault, rep, can, ok, can_ok)

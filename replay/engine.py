@@ -39,10 +39,14 @@ import numpy as np
 from replay import compare as cmp
 from replay import devices as dv
 from replay.protocol import FaultSpec, StepFingerprints
-from replay.runlog import RunDirError, RunLog
+from replay.runlog import RunDirError, RunLog, missing_steps
 from replay.verdict import Decision, Evidence, ReplayOutcome, Verdict, decide
 
 PREFETCH_MIN_STEPS = 8  # stretches this long read batches through the loader's prefetch
+
+
+class CheckpointCorruptError(RunDirError):
+    """A checkpoint of the run exists but cannot be restored (truncated or damaged Orbax files)."""
 
 
 class EnvDriftError(RuntimeError):
@@ -262,6 +266,14 @@ class Session:
                 state, _ = self.setup.trainer.restore(self.run.run_dir, checkpoint, self.mesh(assignment))
             except FileNotFoundError as e:
                 raise RunDirError(str(e)) from None
+            except Exception as e:  # noqa: BLE001 - Orbax/TensorStore report a damaged checkpoint many ways
+                first = (str(e).strip().splitlines() or [""])[0][:400]
+                older = [c for c in self.run.checkpoints if c < checkpoint]
+                raise CheckpointCorruptError(
+                    f"checkpoint {checkpoint} of {self.run.run_dir} cannot be restored: it is damaged or "
+                    f"incomplete ({type(e).__name__}: {first})"
+                    + (f"; replay from an older checkpoint ({older}) with --steps C:B" if older else "")
+                ) from None
             self.restore_seconds += time.perf_counter() - t0
             if len(self._states) > 16:
                 self._states.clear()
@@ -532,7 +544,11 @@ def replay_range(
     log = run.fingerprints if log is None else log
     run.check_range(start, stop)
     ckpt = run.checkpoint_for(start)
-    missing = [s for s in range(ckpt, start) if s not in log]
+    bad = sorted(s for s in getattr(run, "malformed", {}) if ckpt <= s < start and s not in log)
+    if bad:
+        raise RunDirError(f"step {bad[0]} (between checkpoint {ckpt} and {start}, replayed and checked too): "
+                          f"its logged fingerprints are malformed ({run.malformed[bad[0]]})")
+    missing = missing_steps(log, ckpt, start)
     if missing:
         raise RunDirError(f"steps {missing[:10]} between checkpoint {ckpt} and {start} have no logged fingerprints")
     chosen = dv.select_devices(device_spec, session.device_infos(), run.quarantine, minimum=setup.mesh_size)
@@ -563,9 +579,13 @@ def replay_range(
     if full_comparison and decision.step is not None and (decision.step + 1) in run.checkpoints:
         s = decision.step
         seg = max(c for c in run.checkpoints if c <= s)
-        _, _, kept = session.run_steps(assignments[0], seg, s + 1, keep_state_at=s)
-        logged_state = session.restore(s + 1, assignments[0])
-        differing = count_differing(kept[s], logged_state)
+        try:
+            logged_state = session.restore(s + 1, assignments[0])
+        except RunDirError:  # a damaged checkpoint after the step: no full comparison (null), still a verdict
+            logged_state = None
+        if logged_state is not None:
+            _, _, kept = session.run_steps(assignments[0], seg, s + 1, keep_state_at=s)
+            differing = count_differing(kept[s], logged_state)
     replay_s = time.perf_counter() - t0 - (session.restore_seconds - restore0)
     return RangeReport(
         run_dir=run.run_dir, start=start, stop=stop, checkpoint=ckpt,

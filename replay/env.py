@@ -45,6 +45,10 @@ RELEVANT_JAX_FLAGS = (
 _INFORMATIONAL = ("hostname", "python_executable", "env.TF_CPP_MIN_LOG_LEVEL", "env.XLA_PYTHON_CLIENT_PREALLOCATE")
 
 
+# Variables holding whitespace-separated flags: compared as sets of flags, not as strings.
+_FLAG_LISTS = ("env.XLA_FLAGS", "env.LIBTPU_INIT_ARGS")
+
+
 def _version(module: str) -> Optional[str]:
     try:
         from importlib.metadata import version
@@ -148,6 +152,8 @@ def compare_environment(recorded: Mapping[str, Any], current: Mapping[str, Any])
             continue  # implied by mesh.device_ids and mesh.shape
         va = a.get(key, "<unset>")
         vb = b.get(key, "<unset>")
+        if key in _FLAG_LISTS and isinstance(va, str) and isinstance(vb, str) and sorted(va.split()) == sorted(vb.split()):
+            continue  # the same flags in another order (or spacing) compile the same program
         if va != vb:
             prefix = "note: " if key in _INFORMATIONAL else ""
             out.append(f"{prefix}{key}: recorded {va!r}, current {vb!r}")

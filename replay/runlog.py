@@ -98,6 +98,21 @@ def _read_text(path: str) -> str:
         raise RunDirError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
+def missing_steps(logged: Mapping[int, Any], start: int, stop: int, limit: int = 10) -> list[int]:
+    """The first ``limit`` steps of ``[start, stop)`` not in ``logged``, in O(len(logged) + limit)
+    whatever the span (a sparse or damaged log must not make replay walk 10**9 steps)."""
+    inside = sum(1 for s in logged if start <= s < stop)
+    if inside >= stop - start:
+        return []
+    out = []
+    step = start
+    while len(out) < limit and step < stop:
+        if step not in logged:
+            out.append(step)
+        step += 1
+    return out
+
+
 @dataclasses.dataclass
 class RunLog:
     """What a training run left for triage (see the module docstring)."""
@@ -110,6 +125,7 @@ class RunLog:
     relogged_conflicts: list[int]
     checkpoints: list[int]
     quarantine: frozenset[int]
+    malformed: dict[int, str] = dataclasses.field(default_factory=dict)  # step -> why its line is unusable
 
     @property
     def logged_steps(self) -> tuple[int, int]:
@@ -119,14 +135,19 @@ class RunLog:
 
     def check_range(self, start: int, stop: int) -> None:
         """Raises :class:`StepRangeError` unless every step of ``[start, stop)`` was logged."""
+        bad = sorted(s for s in self.malformed if start <= s < stop)
+        if bad:
+            raise StepRangeError(
+                f"step {bad[0]}: its logged fingerprints are malformed ({self.malformed[bad[0]]}); replay "
+                f"cannot judge steps {bad[:10]} of {start}:{stop} (a damaged log, not a device fault)")
         first, end = self.logged_steps
         if start < first or stop > end:
             raise StepRangeError(
                 f"steps {start}:{stop} are outside the logged steps {first}:{end} of {self.run_dir}"
             )
-        missing = [s for s in range(start, stop) if s not in self.fingerprints]
+        missing = missing_steps(self.fingerprints, start, stop)
         if missing:
-            raise StepRangeError(f"steps {missing[:10]} of {start}:{stop} have no logged fingerprints")
+            raise StepRangeError(f"steps {missing} of {start}:{stop} have no logged fingerprints")
 
     def checkpoint_for(self, step: int) -> int:
         """The newest checkpoint step ``<= step``.
@@ -193,18 +214,27 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
     events = _read_jsonl(paths[EVENTS], strict=False) if os.path.isfile(paths[EVENTS]) else []
     events = [e for e in events if isinstance(e, dict)]
     fingerprints: dict[int, StepFingerprints] = {}
+    malformed: dict[int, str] = {}
     conflicts = set()
     for n, raw in enumerate(_read_jsonl(paths[FINGERPRINTS]), 1):
         try:
             fp = StepFingerprints.from_dict(raw)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise RunDirError(f"{paths[FINGERPRINTS]}: entry {n} is not a StepFingerprints ({e!r})") from None
+        problem = _inconsistency(fp)
+        if problem is not None:  # a structurally damaged line would read as a device fault: set aside
+            malformed[fp.step] = f"{paths[FINGERPRINTS]} entry {n}: {problem}"
+            fingerprints.pop(fp.step, None)
+            continue
+        malformed.pop(fp.step, None)
         old = fingerprints.get(fp.step)
         if old is not None and not old.bits_equal(fp):
             conflicts.add(fp.step)
         fingerprints[fp.step] = fp
     if not fingerprints:
-        raise RunDirError(f"{paths[FINGERPRINTS]}: no step was logged")
+        raise RunDirError(f"{paths[FINGERPRINTS]}: no step was logged"
+                          + (f" ({len(malformed)} malformed entries, e.g. {next(iter(malformed.values()))})"
+                             if malformed else ""))
     ckpt_dir = os.path.join(run_dir, CHECKPOINTS)
     checkpoints = sorted(
         int(name) for name in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else [])
@@ -230,4 +260,22 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
     return RunLog(
         run_dir=run_dir, config=config, env=env, events=events, fingerprints=fingerprints,
         relogged_conflicts=sorted(conflicts), checkpoints=checkpoints, quarantine=quarantine,
+        malformed=malformed,
     )
+
+
+def _inconsistency(fp: StepFingerprints) -> Optional[str]:
+    """Why a logged step cannot be judged, or None: every device must fingerprint every leaf of the
+    reduced gradient, and the devices must be those of ``device_coords`` (when recorded). A missing
+    entry is damage to the log, and compared with a replay it would look like a faulty device."""
+    leaves = set(fp.leaves)
+    if not leaves or not fp.devices:
+        return "no leaves or no devices"
+    if fp.device_coords and set(fp.device_coords) != set(fp.devices):
+        return (f"devices {sorted(fp.devices)} do not match the mesh coordinates' devices "
+                f"{sorted(fp.device_coords)}")
+    for dev, fps in fp.devices.items():
+        if set(fps) != leaves:
+            lacking = sorted(leaves - set(fps)) or sorted(set(fps) - leaves)
+            return f"device {dev}'s leaves differ from the step's leaves ({lacking[:3]})"
+    return None

@@ -467,3 +467,73 @@ def test_device_and_host_derivation_paths_agree(ds):
     for name, got in paths.items():
         for k in loader.BATCH_KEYS:
             np.testing.assert_array_equal(got[k], ref[k], err_msg=f"{name} {k}")
+
+
+def test_served_batches_never_change_later(ds):
+    """Batches kept by the trainer stay as served while the loader runs on: host buffers
+    are never recycled (on CPU, ``device_put`` may alias an aligned host buffer, so reusing
+    one would rewrite an earlier batch in place)."""
+    data = loader.build(mix(), ds, global_batch=8, prefetch=2)
+    it = data.iterate(0)
+    kept = [next(it)[1] for _ in range(12)]  # jax arrays, not copies
+    it.close()
+    ref = loader.build(mix(), ds, global_batch=8)
+    for step, batch in enumerate(kept):
+        want = ref.host_batch(step)
+        for k in loader.BATCH_KEYS:
+            np.testing.assert_array_equal(np.asarray(batch[k]), want[k], err_msg=f"step {step} {k}")
+
+
+def test_workers_with_prefetch_zero(ds):
+    """``workers=1, prefetch=0`` (prefetch 0 behaves as 1): same batches as ``batch_at``, and
+    no loader thread left after close."""
+    data = loader.build(mix(), ds, global_batch=8, workers=1, prefetch=0)
+    it = data.iterate(3)
+    got = [next(it) for _ in range(3)]
+    it.close()
+    assert [s for s, _ in got] == [3, 4, 5]
+    for s, batch in got:
+        np.testing.assert_array_equal(np.asarray(batch["inputs"]), np.asarray(data.batch_at(s)["inputs"]))
+    assert _loader_threads() == [] and _THREADS == []
+
+
+def test_truncated_checkpoint_file_is_a_resume_error(ds, saved, tmp_path):
+    """A loader_state.json cut short (a checkpoint written during a preemption) raised a
+    bare JSONDecodeError from the Orbax handler."""
+    text = saved.to_json()
+    for bad in (text[: len(text) // 2], "", "\xff"):
+        with pytest.raises(loader.ResumeError, match="loader state is not JSON"):
+            loader.LoaderState.from_json(bad)
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "loader_state.json").write_text(text[:-5])
+    with pytest.raises(loader.ResumeError, match="loader state is not JSON"):
+        loader.LoaderCheckpointHandler().restore(path, args=loader.LoaderRestore())
+    (path / "loader_state.json").write_text(text)
+    assert loader.LoaderCheckpointHandler().restore(path, args=loader.LoaderRestore()) == saved
+
+
+@pytest.mark.parametrize("n", [2, 3, 1000, 20000, 65536, 65538, 70001])
+def test_shuffle_tables_equal_grain(n):
+    """The numpy whole-epoch table is Grain's ``index_shuffle``, value for value."""
+    from grain.experimental import index_shuffle
+
+    for seed in (0, 7, 2**32 - 1):
+        table = ix.shuffle_table(n - 1, seed)
+        want = [index_shuffle(i, n - 1, seed, 4) for i in range(n)]
+        assert table.tolist() == want
+
+
+@pytest.mark.parametrize("n", [65537, 2**18 + 1])
+def test_epoch_is_a_permutation_for_2_pow_b_plus_1_records(n):
+    """Grain's index_shuffle is not a permutation of 2**B + 1 indices (even B >= 16): index
+    2**B is truncated to 0 and shares its record. Such a source served one record twice
+    per epoch and never served another."""
+    from grain.experimental import index_shuffle
+
+    es = ix._epoch_seed(0, "web", 0)
+    assert index_shuffle(n - 1, n - 1, es, 4) == index_shuffle(0, n - 1, es, 4)  # Grain's flaw
+    for _ in range(2):  # first request: per-row path; second: the cached table
+        got = ix.shuffled_records(np.arange(n), n, 0, "web", 0)
+        np.testing.assert_array_equal(np.sort(got), np.arange(n))
+    assert ix.shuffled_record(n - 1, n, 0, "web", 0) == int(got[n - 1])

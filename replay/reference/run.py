@@ -232,6 +232,19 @@ class RunDir:
             f.write(json.dumps(rec, sort_keys=True) + "\n")
         return rec
 
+    def drop_torn_event(self) -> bool:
+        """Drops a torn last line of events.jsonl (a kill mid-write), so that the next event starts
+        on a line of its own; returns whether one was dropped."""
+        path = self.file(proto.EVENTS_NAME)
+        if not os.path.exists(path):
+            return False
+        with open(path, "rb+") as f:
+            data = f.read()
+            if not data or data.endswith(b"\n"):
+                return False
+            f.truncate(data.rfind(b"\n") + 1)
+        return True
+
     def truncate_fingerprints(self, before_step: int) -> int:
         """Keeps only lines with ``step < before_step`` (atomic rewrite); returns lines dropped."""
         path = self.file(proto.FINGERPRINTS_NAME)
@@ -262,24 +275,40 @@ class RunDir:
             f.write(fp.to_json() + "\n")
 
 
-def _check_same_config(rd: RunDir, cfg: RunConfig) -> Optional[list]:
-    """Writes run_config.yaml, or checks it against ``cfg`` (only skip windows may grow)."""
+def _write_config(path: str, cfg: Mapping[str, Any]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        yaml.safe_dump(dict(cfg), f, sort_keys=False)
+    os.replace(tmp, path)  # a kill never leaves a torn run_config.yaml
+
+
+def _check_same_config(rd: RunDir, cfg: RunConfig, write_grown: bool = True) -> Optional[list]:
+    """Writes run_config.yaml, or checks it against ``cfg`` (only skip windows may grow).
+
+    Returns the new skip windows when they grew (written only with ``write_grown``: :func:`train`
+    writes them once the loader has accepted them, so that a refused restart leaves the run's
+    config as the run used it).
+    """
     path = rd.file(proto.RUN_CONFIG_NAME)
     new = cfg.to_dict()
     if not os.path.exists(path):
-        with open(path, "w", encoding="utf-8") as f:
-            yaml.safe_dump(new, f, sort_keys=False)
+        _write_config(path, new)
         return None
-    with open(path, encoding="utf-8") as f:
-        old = yaml.safe_load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = yaml.safe_load(f)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise RunConfigError(f"{path}: the run directory's config is unreadable ({e}); use a new --run") from None
+    if not isinstance(old, Mapping):
+        raise RunConfigError(f"{path}: the run directory's config is not a mapping; use a new --run")
     diffs = sorted(k for k in set(old) | set(new) if k != "skip_windows" and old.get(k) != new.get(k))
     if diffs:
         raise RunConfigError(
             f"run directory {rd.path} was started with another config (differs in {diffs}); use a new --run"
         )
     if old.get("skip_windows") != new["skip_windows"]:
-        with open(path, "w", encoding="utf-8") as f:
-            yaml.safe_dump(new, f, sort_keys=False)
+        if write_grown:
+            _write_config(path, new)
         return new["skip_windows"]
     return None
 
@@ -381,7 +410,8 @@ def train(
     if trainer is None or mesh is None:
         trainer, mesh, _ = make_trainer(cfg)
     rd = RunDir(run_dir)
-    grown = _check_same_config(rd, cfg)
+    grown = _check_same_config(rd, cfg, write_grown=False)
+    rd.drop_torn_event()
     env = record_environment(mesh)
     env_path = rd.file(proto.ENV_NAME)
 
@@ -399,14 +429,25 @@ def train(
         if os.path.exists(env_path):
             with open(env_path, encoding="utf-8") as f:
                 recorded = json.load(f)
-        state, loader_state = trainer.restore(rd.path, latest, mesh)
+        try:
+            state, loader_state = trainer.restore(rd.path, latest, mesh)
+        except Exception as e:  # noqa: BLE001 - Orbax/TensorStore report a damaged checkpoint many ways
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            older = [c for c in ckpt.all_steps(rd.checkpoints) if c < latest]
+            raise RunConfigError(
+                f"cannot resume {rd.path}: checkpoint {latest} is damaged ({type(e).__name__}: {first}); move "
+                f"{os.path.join(rd.checkpoints, str(latest))} aside to resume from "
+                f"{older[-1] if older else 'scratch'}") from None
         start = latest
+    data = build_loader(cfg, mesh, state=loader_state)  # refuses skip windows that rewrite the past
+    if loader_state is not None and int(loader_state.get("next_step", start)) != start:
+        raise RunConfigError(f"checkpoint {start} holds loader state for step {loader_state['next_step']}")
+    if grown is not None:  # accepted by the loader: now the run's config
+        _write_config(rd.file(proto.RUN_CONFIG_NAME), cfg.to_dict())
+    if latest is not None:
         dropped = rd.truncate_fingerprints(start)
         rd.event("restore", start, checkpoint=latest, dropped_fingerprint_lines=dropped,
                  env_differences=compare_environment(recorded, env), skip_windows_changed=grown)
-    data = build_loader(cfg, mesh, state=loader_state)
-    if loader_state is not None and int(loader_state.get("next_step", start)) != start:
-        raise RunConfigError(f"checkpoint {start} holds loader state for step {loader_state['next_step']}")
     for ev in data.events:  # e.g. a skip window appended on restore
         name = "skip_window_added" if ev.get("event") == "skip_window" else f"loader_{ev.get('event', 'event')}"
         rd.event(name, ev.get("step", start), **{k: v for k, v in ev.items() if k not in ("event", "step")})
