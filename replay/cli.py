@@ -217,7 +217,7 @@ def _cmd_inspect(args, console) -> int:
     start, stop = parse_steps(args.steps)
     run = load_run(args.run)
     _check_outputs(run.run_dir, json=args.json)
-    run.check_range(start, stop)
+    run.check_range(start, stop, allow_malformed=True)  # inspect needs the steps, not their fingerprints
     session = engine.Session(run)
     data = session.lookup_loader()
     tok = getattr(getattr(getattr(data, "mixture", None), "tokenizer", None), "path", None)
@@ -293,21 +293,37 @@ def _check_outputs(run_dir: str, **paths: Optional[str]) -> None:
             raise _Usage(f"{flag} {path}: {parent} is not a folder")
 
 
-def _pin_determinism_flags() -> None:
-    """Pins the XLA flags the reference trainer's command pins (``replay.env.pin_determinism_flags``),
-    so that a replay compiles as the run did and its env.json matches; only while JAX's backend is not
-    initialized yet (afterwards the flags would be recorded without taking effect)."""
+def _pin_determinism_flags(run_dir: Optional[str]) -> list[str]:
+    """Adds to ``XLA_FLAGS`` the determinism flags (``replay.env.DETERMINISM_XLA_FLAGS``) that the run
+    recorded in its env.json and this process lacks (the training command pins them), so that a replay
+    compiles as the run did and is not refused as drift; returns those added. Only while JAX's backend
+    is not initialized (afterwards they would be recorded without taking effect); a run directory that
+    cannot be read is left to ``load_run`` to report."""
+    import json
+
+    from replay.env import DETERMINISM_XLA_FLAGS
+
+    if not run_dir:
+        return []
     if "jax" in sys.modules:
         try:
             from jax._src import xla_bridge
 
             if xla_bridge.backends_are_initialized():
-                return
+                return []
         except Exception:  # noqa: BLE001 - a JAX without this private API: leave the flags alone
-            return
-    from replay.env import pin_determinism_flags
-
-    pin_determinism_flags()
+            return []
+    try:
+        with open(os.path.join(run_dir, "env.json"), encoding="utf-8") as f:
+            recorded = str(((json.load(f) or {}).get("env") or {}).get("XLA_FLAGS") or "").split()
+    except Exception:  # noqa: BLE001
+        return []
+    current = os.environ.get("XLA_FLAGS", "")
+    present = {f.split("=")[0] for f in current.split()}
+    added = [f for f in DETERMINISM_XLA_FLAGS if f in recorded and f.split("=")[0] not in present]
+    if added:
+        os.environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
+    return added
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -322,8 +338,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from replay.forensics import TokenizerUnavailableError
     from replay.runlog import RunDirError, StepsSpecError
 
-    _pin_determinism_flags()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv is None:  # the console script: a whole process of its own
+        code = main(sys.argv[1:])
+        if "replay.reference.checkpoint" in sys.modules:
+            sys.modules["replay.reference.checkpoint"].exit_quietly_after_failed_restore(code)
+        return code
+    argv = list(argv)
     if argv and argv[0] not in ("range", "canary", "inspect", "drill", "-h", "--help"):
         argv = ["range", *argv]  # `replay --run DIR --steps A:B` is the range command
     parser = build_parser()
@@ -334,6 +354,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
         return int(e.code or 0)
+    _pin_determinism_flags(getattr(args, "run", None))
     console = Console()
     err = Console(stderr=True)
     handlers = {"range": _cmd_range, "canary": _cmd_canary, "inspect": _cmd_inspect, "drill": _cmd_drill}

@@ -267,11 +267,14 @@ class Session:
             except FileNotFoundError as e:
                 raise RunDirError(str(e)) from None
             except Exception as e:  # noqa: BLE001 - Orbax/TensorStore report a damaged checkpoint many ways
+                from replay.reference.checkpoint import quiet_aborted_reads
+
+                quiet_aborted_reads()
                 first = (str(e).strip().splitlines() or [""])[0][:400]
                 older = [c for c in self.run.checkpoints if c < checkpoint]
                 raise CheckpointCorruptError(
                     f"checkpoint {checkpoint} of {self.run.run_dir} cannot be restored: it is damaged or "
-                    f"incomplete ({type(e).__name__}: {first})"
+                    f"incomplete, or does not fit the model of run_config.yaml ({type(e).__name__}: {first})"
                     + (f"; replay from an older checkpoint ({older}) with --steps C:B" if older else "")
                 ) from None
             self.restore_seconds += time.perf_counter() - t0

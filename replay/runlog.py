@@ -133,19 +133,21 @@ class RunLog:
         steps = sorted(self.fingerprints)
         return steps[0], steps[-1] + 1
 
-    def check_range(self, start: int, stop: int) -> None:
-        """Raises :class:`StepRangeError` unless every step of ``[start, stop)`` was logged."""
+    def check_range(self, start: int, stop: int, allow_malformed: bool = False) -> None:
+        """Raises :class:`StepRangeError` unless every step of ``[start, stop)`` was logged (and, unless
+        ``allow_malformed``, with well-formed fingerprints: ``inspect`` needs only the steps)."""
         bad = sorted(s for s in self.malformed if start <= s < stop)
-        if bad:
+        if bad and not allow_malformed:
             raise StepRangeError(
                 f"step {bad[0]}: its logged fingerprints are malformed ({self.malformed[bad[0]]}); replay "
                 f"cannot judge steps {bad[:10]} of {start}:{stop} (a damaged log, not a device fault)")
-        first, end = self.logged_steps
+        logged = {**self.malformed, **self.fingerprints} if allow_malformed else self.fingerprints
+        first, end = min(logged), max(logged) + 1
         if start < first or stop > end:
             raise StepRangeError(
                 f"steps {start}:{stop} are outside the logged steps {first}:{end} of {self.run_dir}"
             )
-        missing = missing_steps(self.fingerprints, start, stop)
+        missing = missing_steps(logged, start, stop)
         if missing:
             raise StepRangeError(f"steps {missing} of {start}:{stop} have no logged fingerprints")
 

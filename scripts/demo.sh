@@ -6,7 +6,7 @@
 #   4. replay: rerun a step range on good devices and diff fingerprints; canary on every device
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${DEMO_OUT:-build/demo}
+OUT=build/demo   # configs/runs/demo.yaml reads the dataset from here
 STEPS=${DEMO_STEPS:-40}
 bash scripts/setup.sh
 export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"

@@ -21,5 +21,5 @@ def test_demo_prepares_trains_and_packs(tmp_path, capsys):
     assert m.problems() == [] and set(m.sources) == {"docs", "code"} and m.seq_len == 1024
     assert m.sources["code"].ledger.read == len(code) and m.sources["docs"].ledger.read == len(topics)
     assert m.tokenizer["sha256"] == (out / "tokenizer.model.sha256").read_text().split()[0]
-    assert m.config["phases"][1]["from_step"] == 50 and len(m.sources["code"].shards) == 4
+    assert m.config["phases"][1]["from_step"] == 25 and len(m.sources["code"].shards) == 4
     assert "sha256:" in (out / "demo.pinned.yaml").read_text()

@@ -200,18 +200,26 @@ def test_xla_flags_in_another_order_are_no_drift():
         "env.XLA_FLAGS: recorded '--a=1  --b=2', current '--a=1'"]
 
 
-def test_replay_command_pins_the_trainers_determinism_flags():
+@pytest.mark.parametrize("recorded,added", [
+    (["--xla_force_host_platform_device_count=8", *env.DETERMINISM_XLA_FLAGS], list(env.DETERMINISM_XLA_FLAGS)),
+    (["--xla_force_host_platform_device_count=8"], []),  # a run trained through the library: nothing pinned
+])
+def test_replay_command_pins_the_determinism_flags_the_run_recorded(tmp_path, recorded, added):
     # `python -m replay.reference.train` pins them (and records them in env.json); the replay
     # command must compile under the same flags, else every CLI-trained run is refused as drift.
-    code = ("import os; os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'\n"
-            "from replay import cli; cli._pin_determinism_flags(); print(os.environ['XLA_FLAGS'])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["--xla_force_host_platform_device_count=8", *env.DETERMINISM_XLA_FLAGS]
+    _write(str(tmp_path / "env.json"), json.dumps({"env": {"XLA_FLAGS": " ".join(recorded)}}))
+    code = ("import os, sys; os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'\n"
+            "from replay import cli; print(cli._pin_determinism_flags(sys.argv[1])); print(os.environ['XLA_FLAGS'])")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == [str(added), " ".join(["--xla_force_host_platform_device_count=8", *added])]
 
 
-def test_no_flag_pinning_once_the_backend_runs(replay_session, monkeypatch):
+def test_no_flag_pinning_once_the_backend_runs(replay_session, tmp_path, monkeypatch):
+    _write(str(tmp_path / "env.json"), json.dumps({"env": {"XLA_FLAGS": " ".join(env.DETERMINISM_XLA_FLAGS)}}))
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    cli._pin_determinism_flags()  # the session's backend is initialized: pinning would only make env.json lie
+    # The session's backend is initialized: pinning would only make the recorded environment lie.
+    assert cli._pin_determinism_flags(str(tmp_path)) == []
     assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
 
 
@@ -366,6 +374,8 @@ def test_structurally_damaged_log_line_is_not_a_device_fault(run_copy, capsys, d
     err = capsys.readouterr().err
     assert _has(err, "step 5: its logged fingerprints are malformed") and _has(err, "not a device fault")
     assert drill._replayable_steps(run) == [0, 1, 2, 3, 4, 8, 9, 10, 11]
+    run.check_range(5, 6, allow_malformed=True)
+    assert cli.main(["inspect", "--run", run_copy, "--steps", "5"]) == 0  # forensics needs no fingerprints
 
 
 def test_output_path_errors(run_dir, tmp_path, monkeypatch, capsys):
@@ -418,3 +428,26 @@ def test_canary_verdict_survives_an_unwritable_golden_file(run_copy, tmp_path, m
                                        f"{os.path.join(run_copy, 'canary', 'golden.json')}: Permission denied; "
                                        "pass --golden FILE)")
     assert not os.path.exists(os.path.join(run_copy, "canary", "golden.json"))
+
+
+def test_training_command_reports_os_errors(tmp_path, capsys, monkeypatch):
+    from replay.reference import train as train_cmd
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() pins flags: restore them after
+
+    afile = tmp_path / "a_file"
+    afile.write_text("x")
+    assert train_cmd.main(["--run", str(tmp_path / "r"), "--config", str(tmp_path), "--steps", "2"]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path}: Is a directory\n"
+
+
+def test_damaged_checkpoint_command_prints_no_traceback(run_copy):
+    # TensorStore's aborted reads printed a 'RuntimeError: Event loop is closed' traceback per array,
+    # during the restore and at interpreter exit; the command must print its one message only.
+    _truncate_checkpoint_data(run_copy, 4)
+    code = "import sys; from replay import cli; sys.exit(cli.main())"
+    proc = subprocess.run([sys.executable, "-c", code, "--run", run_copy, "--steps", "5:6", "--no-progress"],
+                          capture_output=True, text=True)
+    assert proc.returncode == ExitCode.RUN_ERROR, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr
+    assert _has(proc.stderr, "checkpoint 4 of") and _has(proc.stderr, "cannot be restored")

@@ -432,6 +432,7 @@ def train(
         try:
             state, loader_state = trainer.restore(rd.path, latest, mesh)
         except Exception as e:  # noqa: BLE001 - Orbax/TensorStore report a damaged checkpoint many ways
+            ckpt.quiet_aborted_reads()
             first = (str(e).strip().splitlines() or [""])[0][:300]
             older = [c for c in ckpt.all_steps(rd.checkpoints) if c < latest]
             raise RunConfigError(

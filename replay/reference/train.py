@@ -29,6 +29,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         summary = train(args.run, cfg, args.steps)
     except (RunConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if argv is None:  # the command: a process of its own
+            from replay.reference import checkpoint
+
+            checkpoint.exit_quietly_after_failed_restore(2)
+        return 2
+    except OSError as e:  # e.g. --config is a folder, --run is a file, permission denied, disk full
+        print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 2
     losses = summary["losses"]
     if losses:
