@@ -45,6 +45,15 @@ verdicts and exit codes:
   1  internal error (a bug; traceback printed)
 """
 
+INSPECT_EXIT_HELP = """\
+exit codes:
+  0  the documents were listed
+  2  usage error (bad option, malformed --steps, too many steps)
+  5  run directory or data error (unknown run, missing dataset or shard, tokenizer unavailable for --text)
+"""
+
+MAX_INSPECT_STEPS = 10_000
+
 DRILL_NOT_CAUGHT = int(ExitCode.DRILL_NOT_CAUGHT)
 
 
@@ -99,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "The odd device out is named.",
                        epilog=DEVICE_SPEC_HELP + "\n" + VERDICT_HELP, formatter_class=fmt)
     _common(c, "all")
-    c.add_argument("--repeats", type=int, default=2)
+    c.add_argument("--repeats", type=int, default=2, help="runs per device; all must give the same fingerprints")
     c.add_argument("--checkpoint", type=int, help="weights from this checkpoint step (default: seeded init)")
     c.add_argument("--step", type=int, help="canary batch: rows of this step (default: run config canary.step or 0)")
     c.add_argument("--rows", type=int, help="canary batch rows (default: one device's share of the global batch)")
@@ -109,12 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="list the documents of each row of a step range",
                        description="For each step and row: source, document key, chunk and token span; a "
                                    "per-source summary; the shards and records touched. Needs no device work "
-                                   "(no --devices): a batch is a pure function of the step.",
-                       epilog=VERDICT_HELP, formatter_class=fmt)
-    i.add_argument("--run", required=True)
+                                   "(no --devices): a batch is a pure function of the step, so any step can be "
+                                   "looked up, logged or not (e.g. the batches a run is about to train on), "
+                                   f"at most {MAX_INSPECT_STEPS} steps a call.",
+                       epilog=INSPECT_EXIT_HELP, formatter_class=fmt)
+    i.add_argument("--run", required=True, help="the training run directory (its run config names the dataset)")
     i.add_argument("--steps", required=True, help="A:B (half-open) or A")
     i.add_argument("--text", action="store_true", help="decode each document's tokens with the dataset's tokenizer")
-    i.add_argument("--json", metavar="OUT")
+    i.add_argument("--json", metavar="OUT", help="write the full report (every row and document) as JSON here")
     i.add_argument("--max-rows", type=int, default=200, help="documents shown in the table (the JSON has all)")
 
     d = sub.add_parser("drill", help="inject a simulated bit flip and check replay and canary catch it",
@@ -126,12 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(d, "all")
     d.add_argument("--seed", type=int, default=0, help="seed of the random fault fields")
     d.add_argument("--count", type=int, default=1, help="number of drills")
-    d.add_argument("--step", type=int)
-    d.add_argument("--device", type=int)
+    d.add_argument("--step", type=int, help="the logged step the fault fires at (default: random)")
+    d.add_argument("--device", type=int, help="jax.Device.id of the faulty device of the run's mesh (default: random)")
     d.add_argument("--leaf", help="parameter leaf path, e.g. \"['layers'][0]['w_in']\"")
-    d.add_argument("--element", type=int)
+    d.add_argument("--element", type=int, help="flat index into the device's local shard of the leaf (default: random)")
     d.add_argument("--bit", type=int, help="0 = lowest mantissa bit")
-    d.add_argument("--no-canary", action="store_true")
+    d.add_argument("--no-canary", action="store_true", help="check range replay only, not the canary")
     d.add_argument("--to-disk", metavar="DIR",
                    help="write each drill as a short faulty training run DIR/drill-N (fingerprints, a checkpoint "
                         "after the faulty step) and replay it from disk")
@@ -217,7 +228,8 @@ def _cmd_inspect(args, console) -> int:
     start, stop = parse_steps(args.steps)
     run = load_run(args.run)
     _check_outputs(run.run_dir, json=args.json)
-    run.check_range(start, stop, allow_malformed=True)  # inspect needs the steps, not their fingerprints
+    if stop - start > MAX_INSPECT_STEPS:
+        raise _Usage(f"--steps {args.steps}: {stop - start} steps; inspect lists at most {MAX_INSPECT_STEPS} a call")
     session = engine.Session(run)
     data = session.lookup_loader()
     tok = getattr(getattr(getattr(data, "mixture", None), "tokenizer", None), "path", None)
@@ -355,6 +367,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
         return int(e.code or 0)
     _pin_determinism_flags(getattr(args, "run", None))
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on read-only restores are not news
     console = Console()
     err = Console(stderr=True)
     handlers = {"range": _cmd_range, "canary": _cmd_canary, "inspect": _cmd_inspect, "drill": _cmd_drill}

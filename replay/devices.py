@@ -152,9 +152,14 @@ def select_devices(
             chosen.update(wanted)
     out = [d for d in devices if d.id in chosen]
     if len(out) < minimum:
+        if len(devices) < minimum:
+            hint = (f"this process sees only {len(devices)} device(s) in all: on CPU, set "
+                    f"XLA_FLAGS=--xla_force_host_platform_device_count={minimum} (or more) before starting")
+        else:
+            hint = "choose more devices (e.g. 'all') or quarantine fewer"
         raise DeviceSpecError(
             f"device spec {spec!r} leaves {len(out)} device(s) {[d.id for d in out]}, but the run's mesh "
-            f"needs {minimum}; choose more devices (e.g. 'all') or quarantine fewer"
+            f"needs {minimum}; {hint}"
         )
     return out
 

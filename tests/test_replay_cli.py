@@ -33,17 +33,23 @@ def run_copy(run_dir, tmp_path):
     return dst
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["range", "--help"], ["canary", "--help"], ["drill", "--help"],
-                                  ["inspect", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["range", "--help"], ["canary", "--help"], ["drill", "--help"]])
 def test_help_explains_device_spec_verdicts_and_exit_codes(argv, capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    needles = ["convicted", "acquitted", "ambiguous", "usage error", "run directory or data error"]
-    if argv[0] != "inspect":
-        needles += ["device spec", "good ", "suspect", "0,3,5-7", "process:1"]
+    needles = ["convicted", "acquitted", "ambiguous", "usage error", "run directory or data error",
+               "device spec", "good ", "suspect", "0,3,5-7", "process:1"]
     for needle in needles:
         assert needle in out, needle
     for code in ExitCode:
+        assert f"  {int(code)}  " in out
+
+
+def test_inspect_help_gives_its_own_exit_codes_not_verdicts(capsys):
+    assert cli.main(["inspect", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "convicted" not in out and "any step can be" in " ".join(out.split())
+    for code in (ExitCode.ACQUITTED, ExitCode.USAGE, ExitCode.RUN_ERROR):
         assert f"  {int(code)}  " in out
 
 
@@ -90,7 +96,7 @@ def test_bad_usage_exit_codes_and_messages(run_dir, run_copy, tmp_path, capsys):
         (["--run", run_dir, "--steps", "1:2", "--repeats", "0"], ExitCode.USAGE, "--repeats must be >= 1"),
         (["--run", run_dir, "--steps", "1:2", "--bogus"], ExitCode.USAGE, "unrecognized arguments: --bogus"),
         (["canary", "--run", run_dir, "--checkpoint", "5"], ExitCode.RUN_ERROR, "no checkpoint 5"),
-        (["inspect", "--run", run_dir, "--steps", "0:99"], ExitCode.RUN_ERROR, "outside the logged steps"),
+        (["inspect", "--run", run_dir, "--steps", "0:10001"], ExitCode.USAGE, "inspect lists at most 10000 a call"),
         (["drill", "--run", run_dir, "--leaf", "nope"], ExitCode.USAGE, "--leaf 'nope': not a parameter leaf"),
         (["drill", "--run", run_dir, "--device", "6"], ExitCode.USAGE, "--device 6: not a device of the run's mesh"),
         (["drill", "--run", run_dir, "--bit", "32"], ExitCode.USAGE, "--bit 32: must be in [0, 32)"),
@@ -173,6 +179,12 @@ def test_inspect_command(run_copy, tmp_path, capsys):
     assert "documents in steps 3:5" in capsys.readouterr().out
     assert cli.main(["inspect", "--run", run_copy, "--steps", "3", "--text"]) == ExitCode.RUN_ERROR
     assert "tokenizer" in capsys.readouterr().err
+    # A lookup, not a replay: a step the run never logged (or has not reached) lists the same way.
+    far = 10**9
+    assert cli.main(["inspect", "--run", run_copy, "--steps", str(far), "--json", j]) == 0
+    rows = json.load(open(j))["rows"]
+    assert [r["step"] for r in rows] == [far] * 8 and [r["position"] for r in rows] == list(range(8))
+    assert all(r["documents"] and r["source"] in {"a", "b"} for r in rows)
 
 
 def test_drill_command(replay_session, run_copy, tmp_path, capsys):
