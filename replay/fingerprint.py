@@ -251,7 +251,9 @@ def flip_bit(x: jnp.ndarray, element: Any, bit: Any, enabled: Any) -> jnp.ndarra
 
     A fault injector for drills; all three controls may be traced, so one compiled step
     serves every drill. With ``enabled`` false the result is bit-identical to ``x``
-    (XOR with 0).
+    (XOR with 0). A flip that turns a 16-bit element into a NaN may come back as another NaN
+    bit pattern (XLA:CPU does not keep NaN payloads of bfloat16/float16); the element still
+    changes, which is all a drill needs.
 
     Args:
       x: float32/bfloat16/float16 array.

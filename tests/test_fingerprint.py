@@ -88,7 +88,14 @@ def test_any_single_bit_flip_changes_both_lanes(fp_jit, data, dtype, seed):
     # exactly that bit of that element changed
     u = np.uint16 if dtype == "bfloat16" else np.uint32
     diff = flipped.view(u).reshape(-1) ^ x.view(u).reshape(-1)
-    assert diff.tolist() == [(1 << bit) if i == element else 0 for i in range(x.size)]
+    intended = x.reshape(-1).view(u).copy()
+    intended[element] ^= u(1 << bit)
+    if np.isnan(intended.view(x.dtype)[element]) and dtype != "float32":
+        # A flip that makes a 16-bit NaN: XLA:CPU may not keep a NaN's payload bits (seen: a
+        # bfloat16 signalling NaN 0x7F95 came back as 0x7F80); the element still changed.
+        assert diff[element] != 0 and not np.delete(diff, element).any()
+    else:
+        assert diff.tolist() == [(1 << bit) if i == element else 0 for i in range(x.size)]
     after = np.asarray(fp_jit(jnp.asarray(flipped)))
     assert before[0] != after[0] and before[1] != after[1]
     np.testing.assert_array_equal(after, fpm.fingerprint_np(flipped))
