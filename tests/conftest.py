@@ -9,6 +9,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# CI (CI=true) explores the same examples on every run, so a red build is reproducible; locally
+# hypothesis keeps drawing new ones.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 # Session-scoped fixtures of the replay tests (one trained run shared by their modules).
 pytest_plugins = ["test_replay_support"]
