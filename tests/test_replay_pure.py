@@ -146,7 +146,9 @@ def test_compare_nan_counts_compare():
 def test_compare_tolerance_mode():
     import struct
 
-    bits = lambda x: struct.unpack("<I", struct.pack("<f", x))[0]
+    def bits(x):
+        return struct.unpack("<I", struct.pack("<f", x))[0]
+
     a, b = fp(3, loss=bits(2.0)), fp(3, loss=bits(2.0000002), dev_fps={d: {} for d in range(4)})
     d = compare.compare_step(a, b, {i: i for i in range(4)}, tolerance=1e-6)
     assert d.ok and d.evidence is Evidence.TOLERANCE

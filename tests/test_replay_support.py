@@ -71,7 +71,9 @@ def replay_made(tmp_path_factory):
     trainer = ReferenceTrainer(cfg.model_config(int(manifest.tokenizer["vocab_size"])), cfg.optimizer)
     mesh = make_mesh(dict(cfg.mesh), jax.devices()[:4])
     run_dir = os.path.join(root, "run")
-    quiet = lambda s: None
+    def quiet(_):
+        return None
+
     ref_run.train(run_dir, cfg, 6, trainer=trainer, mesh=mesh, log=quiet)
     # The kill: checkpoint 6 was never committed and the last fingerprint line is torn.
     shutil.rmtree(os.path.join(run_dir, "checkpoints", "6"))
