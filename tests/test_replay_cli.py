@@ -6,7 +6,6 @@ session's set-up, so the CLI reuses the already compiled train step (the set-up 
 codes) is the real path.
 """
 
-import dataclasses
 import json
 import os
 import shutil
@@ -15,22 +14,8 @@ import jax
 import pytest
 from test_replay_support import STEPS
 
-from replay import cli, engine
+from replay import cli
 from replay.verdict import ExitCode
-
-
-@pytest.fixture
-def run_dir(replay_session, monkeypatch):
-    setup = replay_session.setup
-    monkeypatch.setattr(engine, "default_setup", lambda run: dataclasses.replace(setup))
-    return replay_session.run.run_dir
-
-
-@pytest.fixture
-def run_copy(run_dir, tmp_path):
-    dst = str(tmp_path / "run")
-    shutil.copytree(run_dir, dst)
-    return dst
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["range", "--help"], ["canary", "--help"], ["drill", "--help"]])

@@ -5,7 +5,6 @@ Reuses the session's shared run (``test_replay_support``) and its compiled set-u
 mutates a run works on a copy. No test here compiles a train step.
 """
 
-import dataclasses
 import glob
 import hashlib
 import json
@@ -30,20 +29,6 @@ def _snapshot(folder):
             with open(p, "rb") as fh:
                 out[os.path.relpath(p, folder)] = hashlib.sha256(fh.read()).hexdigest()
     return out
-
-
-@pytest.fixture
-def run_dir(replay_session, monkeypatch):
-    setup = replay_session.setup
-    monkeypatch.setattr(engine, "default_setup", lambda run: dataclasses.replace(setup))
-    return replay_session.run.run_dir
-
-
-@pytest.fixture
-def run_copy(run_dir, tmp_path):
-    dst = str(tmp_path / "run")
-    shutil.copytree(run_dir, dst)
-    return dst
 
 
 def _has(err, message):

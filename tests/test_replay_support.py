@@ -95,3 +95,20 @@ def replay_session(replay_made):
     return engine.Session(run, dataclasses.replace(setup, trainer=trainer))
 
 
+@pytest.fixture
+def run_dir(replay_session, monkeypatch):
+    """The shared run's directory, with ``engine.default_setup`` handing out the session's set-up
+    (its compiled trainer), so CLI calls in tests do not recompile."""
+    from replay import engine
+
+    setup = replay_session.setup
+    monkeypatch.setattr(engine, "default_setup", lambda run: dataclasses.replace(setup))
+    return replay_session.run.run_dir
+
+
+@pytest.fixture
+def run_copy(run_dir, tmp_path):
+    """A private copy of the shared run directory, for tests that damage or extend it."""
+    dst = str(tmp_path / "run")
+    shutil.copytree(run_dir, dst)
+    return dst
