@@ -370,7 +370,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import logging
 
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on read-only restores are not news
-    console = Console()
+    # Piped or redirected output has no terminal width: Rich would wrap tables at 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=160)
     err = Console(stderr=True)
     handlers = {"range": _cmd_range, "canary": _cmd_canary, "inspect": _cmd_inspect, "drill": _cmd_drill}
     try:
