@@ -2,14 +2,21 @@
 
 Prints ONE JSON object:
 
-  speed_ratio     loader rows/s / plain-read rows/s (goal >= 0.8). Both sides read the same
-                  records of the same steps with one ``read(indices)`` per shard per step
-                  and decode them with ``contract.codec``; the plain loop gets its indices
-                  for free (computed before timing) and stops there, while the loader
-                  (``iterate``, one process, prefetch thread) also computes the indices,
-                  builds tokens/segment ids/positions and the six global jax.Arrays on the
-                  mesh. The two loops alternate for ``--rounds`` rounds; each side's best
-                  round counts (the machine is shared).
+  speed_ratio     loader rows/s / plain-read rows/s (goal >= 0.8). The plain loop is the
+                  issue's reference: one batched ``ArrayRecordReader.read(indices)`` per
+                  shard per step over the same records, each decoded with
+                  ``contract.codec``; it gets its indices for free (computed before timing)
+                  and stops there, while the loader (``iterate``, one process, prefetch
+                  threads, its default ``read_mode``) also computes the indices, builds
+                  tokens/segment ids/positions/targets and the six global jax.Arrays on the
+                  mesh. The loops alternate for ``--rounds`` rounds; each side's best round
+                  counts (the machine is shared).
+  speed_ratio_vs_record_reads
+                  the same loader rows/s against a second plain loop that reads the same
+                  records one at a time (``seek`` + ``read``, the way the loader's
+                  ``read_mode="records"`` does) and decodes them: what is left of the
+                  loader's own cost once both read the cheaper way.
+  loader_read_mode  the loader's resolved read mode.
   tokens_per_s    non-padding tokens per second served by the loader.
   rows_per_s, baseline_rows_per_s
   batch_at_ratio  time of batch_at(10**7) / time of batch_at(10) (goal: within 20% of 1).
@@ -18,6 +25,7 @@ Prints ONE JSON object:
 
 Usage:  python benchmarks/load.py [--quick] [--rows N] [--seq-len L] [--global-batch B] [--steps S]
                                  [--rounds R] [--devices D] [--workers W] [--read-threads T]
+                                 [--read-mode auto|records|batched]
 The dataset is synthetic (``loader.testing``), two sources of N and N/2 rows, 4 shards each.
 """
 
@@ -65,6 +73,32 @@ def plain_loop(data, steps):
     return rows, time.perf_counter() - t0
 
 
+def record_loop(data, steps):
+    """The second reference: the same records read one at a time (seek + read, no pool)."""
+    from loader.reader import READER_OPTIONS_BY_MODE
+
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    shards = data.source.shards
+    readers = {}
+    plan = []
+    for s in steps:
+        loc = data.schedule.locate(data.schedule.step_rows(s))
+        shard, in_shard = shards.locate(loc.source, loc.record)
+        plan.append(list(zip(loc.source.tolist(), shard.tolist(), in_shard.tolist())))
+    t0 = time.perf_counter()
+    rows = 0
+    for step in plan:
+        for key in step:
+            r = readers.get(key[:2])
+            if r is None:
+                r = readers[key[:2]] = ArrayRecordReader(shards.path(*key[:2]), READER_OPTIONS_BY_MODE["records"])
+            r.seek(key[2])
+            codec.decode_row(r.read())
+            rows += 1
+    return rows, time.perf_counter() - t0
+
+
 def loader_loop(data, start, n):
     t0 = time.perf_counter()
     rows = 0
@@ -100,6 +134,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds; each side's best is kept")
     p.add_argument("--read-threads", type=int, default=1, help="loader read threads (workers == 0)")
     p.add_argument("--workers", type=int, default=0, help="Grain worker processes of the loader")
+    p.add_argument("--read-mode", default="auto", choices=("auto", "records", "batched"), help="the loader's read_mode")
     args = p.parse_args(argv)
     rows = args.rows or 20000
     seq_len = args.seq_len or (1024 if args.quick else 2048)
@@ -117,14 +152,17 @@ def main(argv=None):
         loader_loop(data, 0, 2)  # warm-up: opens readers, compiles the derive step, fills the page cache
         plain_loop(data, range(2))
         data2 = loader.build(mix, ds, global_batch=B, prefetch=2, mesh=mesh, read_threads=args.read_threads,
-                             workers=args.workers)
+                             workers=args.workers, read_mode=args.read_mode)
         # Alternate the two loops over the same steps, several rounds; keep each side's best
         # round (the machine is shared: the best round is the least disturbed one).
-        base, mine = [], []
+        record_loop(data, range(2))
+        base, mine, seq = [], [], []
         for r in range(args.rounds):
             start = 2 + r * steps
             base_rows, base_s = plain_loop(data, range(start, start + steps))
             base.append(base_rows / base_s)
+            seq_rows, seq_s = record_loop(data, range(start, start + steps))
+            seq.append(seq_rows / seq_s)
             before = data2.metrics()["tokens_served"]
             l_rows, l_tokens, l_s = loader_loop(data2, start, steps)
             mine.append((l_rows / l_s, (l_tokens - before) / l_s))
@@ -140,8 +178,11 @@ def main(argv=None):
     out = {
         "speed_ratio": round(best_rows / best_base, 3),
         "tokens_per_s": round(best_tokens),
+        "speed_ratio_vs_record_reads": round(best_rows / max(seq), 3),
         "rows_per_s": round(best_rows, 1),
         "baseline_rows_per_s": round(best_base, 1),
+        "record_reads_rows_per_s": round(max(seq), 1),
+        "loader_read_mode": data2.source.shards.read_mode,
         "batch_at_ratio": round(late / early, 3),
         "batch_at_10_s": round(early, 5),
         "batch_at_1e7_s": round(late, 5),
@@ -149,7 +190,7 @@ def main(argv=None):
         "restore_s": round(restore_s, 4),
         "config": {"rows_per_source": [rows, rows // 2], "seq_len": seq_len, "global_batch": B, "steps": steps,
                    "devices": mesh.size, "quick": args.quick,
-                   "read_threads": args.read_threads, "workers": args.workers, "rounds": args.rounds},
+                   "read_threads": args.read_threads, "workers": args.workers, "read_mode": args.read_mode, "rounds": args.rounds},
     }
     print(json.dumps(out))
     return 0

@@ -35,7 +35,6 @@ from loader.source import RowRef, StepSource
 log = logging.getLogger("loader")
 _THREADS: list[tuple[threading.Thread, threading.Event]] = []  # live prefetch threads
 # On CPU devices, steps of at most this many host tokens derive the targets on the host.
-HOST_DERIVE_MAX_TOKENS = 1 << 16
 _FAST_PUT_CHECKED = False  # DataLoader._put's fast path was checked against jax.device_put
 
 
@@ -147,7 +146,8 @@ class DataLoader:
 
     def __init__(self, *, mixture: MixtureConfig, dataset: str, global_batch: int, mesh, seed: int,
                  data_axes: Sequence[str], context_axis: str | None, skip_windows, verify_sha256: bool,
-                 prefetch: int, workers: int, read_threads: int = 1):
+                 prefetch: int, workers: int, read_threads: int = 1, read_mode: str = "auto",
+                 cache_dir: str | None = None):
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
 
@@ -178,7 +178,8 @@ class DataLoader:
                 f"seq_len {mixture.seq_len} must be a multiple of the context axis {context_axis!r} "
                 f"size {self.mesh.shape[context_axis]}"
             )
-        self.manifest, self.manifest_sha256, shards = rd.open_dataset(dataset, mixture, verify_sha256)
+        self.manifest, self.manifest_sha256, shards = rd.open_dataset(dataset, mixture, verify_sha256, read_mode,
+                                                                      cache_dir)
         self.seq_len = self.manifest.seq_len
         records = {n: e.records for n, e in self.manifest.sources.items()}
         self.schedule = ix.Schedule.from_mixture(mixture, records, global_batch, seed, skip_windows)
@@ -199,14 +200,12 @@ class DataLoader:
         self._index_cache: dict = {}
         self._derive = None
         # Where the targets keys are derived: on the devices (one jitted, collective-free
-        # function; narrow [B, 3, L] transfer), or on the host, in the same pass as the
-        # parse: with a context axis (whole rows are only there), and on CPU devices for
-        # small steps, where the jitted call's fixed cost (about 0.3 ms over 8 CPU devices)
-        # outweighs the per-token numpy work (measured: ahead up to 64 x 1,024 tokens,
-        # behind from 32 x 8,192, where XLA's threads work outside the GIL).
-        self._host_derive = context_axis is not None or (
-            len(local) * self.seq_len <= HOST_DERIVE_MAX_TOKENS
-            and all(d.platform == "cpu" for d in self.mesh.devices.flat))
+        # function; narrow [B, 3, L] transfer: accelerators), or on the host, in the same
+        # pass as the parse: with a context axis (whole rows are only there), and on CPU
+        # devices, where the six arrays are built in one 64-byte-aligned block that XLA's
+        # CPU client aliases instead of copying (measured ahead at 1,024 to 8,192 tokens a
+        # row: benchmarks/load.py; the jitted derive costs CPU on the same cores).
+        self._host_derive = context_axis is not None or all(d.platform == "cpu" for d in self.mesh.devices.flat)
         self._single_host = self.sharding.is_fully_addressable and len(local) == global_batch
         self._fast_put = None  # see _put
         pad_id = int(self.manifest.tokenizer.get("pad_id", 0) or 0)
@@ -539,12 +538,16 @@ def build(
     workers: int = 0,
     state: st.LoaderState | Mapping[str, Any] | None = None,
     read_threads: int = 1,
+    read_mode: str = "auto",
+    cache_dir: str | None = None,
 ) -> DataLoader:
     """Opens, checks and returns the loader.
 
     Args:
       mixture: a mixture config YAML path or a ``contract.config.MixtureConfig``.
-      dataset: the packed dataset folder (with ``manifest.json``).
+      dataset: the packed dataset folder (with ``manifest.json``), or its URL (``gs://...``,
+        any scheme Beam's ``FileSystems`` reads): then checked remotely and staged into
+        ``cache_dir`` before the first step (``loader.storage``).
       global_batch: ``B``, rows per step, a multiple of the data axes' size.
       mesh: the trainer's ``jax.sharding.Mesh``; ``None``: 1-D over all devices, axis ``"data"``.
       seed: the shuffle seed (epochs reshuffled per ``(seed, source, epoch)``).
@@ -556,12 +559,19 @@ def build(
       workers: Grain worker processes for reading (0: read on a thread of this process).
       state: a saved :class:`loader.state.LoaderState` (or its dict) to resume from.
       read_threads: with ``workers == 0``, threads that read steps concurrently (>= 1).
+      read_mode: ``"records"`` (seek and read per record: least CPU on local disk),
+        ``"batched"`` (one pooled read per shard and step, the GIL released: for network
+        file systems such as a gcsfuse mount) or ``"auto"`` (batched on network and FUSE
+        file systems, else records; ``loader.reader.resolve_read_mode``). Same bytes either way.
+      cache_dir: local folder for staged URL datasets (default
+        ``$LOADER_CACHE_DIR`` or ``~/.cache/moe-data-toolkit/datasets``).
 
     Raises:
       contract.config.ConfigError: the mixture config is invalid.
       loader.reader.DatasetError: the dataset is missing, malformed, or a shard is missing,
         truncated or altered (named), or it disagrees with the mixture config.
-      loader.index.ScheduleError, LoaderConfigError: an argument out of range (named).
+      loader.index.ScheduleError, LoaderConfigError: an argument out of range (named), or
+        an unknown ``read_mode``.
       loader.state.ResumeError: ``state`` does not fit (names what changed).
     """
     ints = {}
@@ -582,11 +592,13 @@ def build(
         data_axes = (data_axes,)
     if context_axis is not None and not isinstance(context_axis, str):
         raise LoaderConfigError(f"context_axis must be a mesh axis name or None, got {context_axis!r}")
+    if read_mode not in rd.READ_MODES:
+        raise LoaderConfigError(f"read_mode must be one of {rd.READ_MODES}, got {read_mode!r}")
     cfg = mixture if isinstance(mixture, MixtureConfig) else load_mixture(str(mixture))
     data = DataLoader(mixture=cfg, dataset=str(dataset), global_batch=global_batch, mesh=mesh, seed=seed,
                       data_axes=tuple(data_axes), context_axis=context_axis, skip_windows=skip_windows,
                       verify_sha256=verify_sha256, prefetch=prefetch, workers=workers,
-                      read_threads=read_threads)
+                      read_threads=read_threads, read_mode=read_mode, cache_dir=cache_dir)
     if state is not None:
         data.restore(state)
     return data

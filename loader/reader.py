@@ -18,9 +18,17 @@ import numpy as np
 from contract import codec
 from contract.config import MixtureConfig
 from contract.manifest import MANIFEST_NAME, Manifest, ManifestError
+from loader import storage
 
-# Random access: no read-ahead (what Grain's ArrayRecordDataSource uses).
+# Random access: no read-ahead (what Grain's ArrayRecordDataSource uses). "batched" reads
+# go through ArrayRecord's thread pool (ParallelReadRecordsWithIndices, the GIL released);
+# "records" reads (seek + read, one record at a time, in the calling thread) need no pool.
 READER_OPTIONS = "readahead_buffer_size:0"
+READER_OPTIONS_BY_MODE = {"batched": READER_OPTIONS, "records": "readahead_buffer_size:0,max_parallelism:0"}
+READ_MODES = ("auto", "records", "batched")
+# File systems whose reads wait on a network: "auto" reads them batched, so the waits
+# overlap in ArrayRecord's pool and do not hold the GIL.
+NETWORK_FSTYPES = ("fuse", "nfs", "nfs4", "cifs", "smb3", "9p", "lustre", "gpfs", "ceph", "glusterfs", "beegfs")
 # token_dtype of the manifest -> token width in bytes of every record (contract.codec)
 TOKEN_WIDTHS = {"uint16": 2, "uint32": 4}
 BATCH_KEYS = (
@@ -32,10 +40,52 @@ class DatasetError(ValueError):
     """The packed dataset is missing, malformed, altered or disagrees with the mixture config."""
 
 
-def _open_reader(path: str):
+def _open_reader(path: str, mode: str = "batched"):
     from array_record.python.array_record_module import ArrayRecordReader
 
-    return ArrayRecordReader(path, READER_OPTIONS, file_reader_buffer_size=32768)
+    return ArrayRecordReader(path, READER_OPTIONS_BY_MODE[mode], file_reader_buffer_size=32768)
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type (``/proc/self/mounts``'s third field, e.g. ``ext4``, ``fuse.gcsfuse``,
+    ``nfs4``) of the file system holding ``path``, or ``None`` where it cannot be told."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best, fstype = -1, None
+    for fields in mounts:
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best:
+            best, fstype = len(point), fields[2]
+    return fstype
+
+
+def resolve_read_mode(mode: str, dataset: str) -> str:
+    """``"records"`` or ``"batched"`` for ``mode`` (one of :data:`READ_MODES`).
+
+    ``"auto"``: ``"batched"`` when ``dataset`` lies on a network or FUSE file system
+    (:data:`NETWORK_FSTYPES`, e.g. a gcsfuse mount), where each read waits on the network
+    and a batch of them should wait together, outside the GIL; ``"records"`` otherwise
+    (local disk or page cache: a seek and read per record in the calling thread costs a
+    third of the CPU of a pooled batched read of a few records, measured in
+    ``benchmarks/load.py``).
+
+    Raises:
+      ValueError: an unknown mode.
+    """
+    if mode not in READ_MODES:
+        raise ValueError(f"read_mode must be one of {READ_MODES}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    fstype = filesystem_type(dataset) or ""
+    network = fstype.split(".")[0] in NETWORK_FSTYPES or fstype.startswith("fuse")
+    return "batched" if network else "records"
 
 
 def file_sha256(path: str, chunk: int = 1 << 22) -> str:
@@ -49,15 +99,30 @@ def file_sha256(path: str, chunk: int = 1 << 22) -> str:
 def read_manifest(dataset: str) -> tuple[Manifest, str]:
     """Returns the dataset's manifest and the sha256 of its ``manifest.json`` bytes.
 
+    ``dataset`` is a folder or a URL (``gs://...``, read through Beam's ``FileSystems``,
+    ``loader.storage``).
+
     Raises:
       DatasetError: no manifest (the dataset was never committed), or a malformed one.
     """
-    path = os.path.join(dataset, MANIFEST_NAME)
+    manifest, sha, _ = _load_manifest(dataset)
+    return manifest, sha
+
+
+def _load_manifest(dataset: str) -> tuple[Manifest, str, bytes]:
+    """:func:`read_manifest` plus the raw bytes."""
+    remote = storage.is_url(dataset)
+    path = storage.join(dataset, MANIFEST_NAME) if remote else os.path.join(dataset, MANIFEST_NAME)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        if remote:
+            data = storage.read_bytes(path)
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
     except FileNotFoundError:
         raise DatasetError(f"{path}: no manifest; the dataset is missing or was not committed") from None
+    except storage.StagingError as e:
+        raise DatasetError(str(e)) from None
     except OSError as e:  # a file where the folder should be, permissions, I/O errors
         raise DatasetError(f"{path}: cannot read the manifest ({e.strerror or e})") from None
     try:
@@ -69,7 +134,7 @@ def read_manifest(dataset: str) -> tuple[Manifest, str]:
         raise DatasetError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
     if problems:
         raise DatasetError(f"{path}: does not reconcile: " + "; ".join(problems))
-    return manifest, hashlib.sha256(data).hexdigest()
+    return manifest, hashlib.sha256(data).hexdigest(), data
 
 
 def check_against_mixture(manifest: Manifest, mixture: MixtureConfig, where: str) -> None:
@@ -122,19 +187,27 @@ class ShardSet:
     Picklable (holds paths and counts only), so Grain worker processes can carry it.
 
     Args:
-      dataset: the dataset folder.
+      dataset: the dataset folder (local, or a mount such as gcsfuse).
       shards: per source (in schedule order), the shard paths relative to ``dataset``.
       offsets: per source, cumulative records ``[0, r_0, r_0 + r_1, ...]`` (int64).
+      read_mode: ``"records"`` (seek and read each record in the calling thread) or
+        ``"batched"`` (one ``ArrayRecordReader.read(indices)`` per shard per step, in
+        ArrayRecord's thread pool with the GIL released); see :func:`resolve_read_mode`.
+        Both return the same bytes.
     """
 
-    def __init__(self, dataset: str, shards: Sequence[Sequence[str]], offsets: Sequence[np.ndarray]):
+    def __init__(self, dataset: str, shards: Sequence[Sequence[str]], offsets: Sequence[np.ndarray],
+                 read_mode: str = "records"):
+        if read_mode not in READER_OPTIONS_BY_MODE:
+            raise ValueError(f"read_mode must be 'records' or 'batched', got {read_mode!r}")
         self.dataset = dataset
         self.shards = [list(s) for s in shards]
         self.offsets = [np.asarray(o, np.int64) for o in offsets]
+        self.read_mode = read_mode
         self._local = threading.local()
 
-    def __getstate__(self):
-        return {"dataset": self.dataset, "shards": self.shards, "offsets": self.offsets}  # no readers, no caches
+    def __getstate__(self):  # no readers, no caches
+        return {"dataset": self.dataset, "shards": self.shards, "offsets": self.offsets, "read_mode": self.read_mode}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -149,7 +222,7 @@ class ShardSet:
             cache = self._local.readers = {}
         key = (source, shard)
         if key not in cache:
-            cache[key] = _open_reader(self.path(source, shard))
+            cache[key] = _open_reader(self.path(source, shard), self.read_mode)
         return cache[key]
 
     def locate(self, source: np.ndarray, record: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -202,8 +275,16 @@ class ShardSet:
             k, s = int(source[grp[0]]), int(shard[grp[0]])
             idx = in_shard[grp].tolist()
             try:
-                data = self._reader(k, s).read(idx)
-            except Exception as e:  # array_record raises RuntimeError/OSError variants
+                reader = self._reader(k, s)
+                if self.read_mode == "records":
+                    data = []
+                    for i in idx:
+                        reader.seek(i)
+                        data.append(reader.read())
+                else:
+                    data = reader.read(idx)
+            except Exception as e:  # array_record raises RuntimeError/OSError/IndexError variants
+                self._local.readers.pop((k, s), None)  # a failed reader may be left mid-record
                 raise DatasetError(self._read_fault(k, s, idx, e)) from e
             for j, d in zip(grp.tolist(), data):
                 out[j] = d
@@ -214,9 +295,12 @@ class ShardSet:
         bad = []
         for i in sorted(set(idx)):
             try:
-                self._reader(source, shard).read([i])
+                reader = self._reader(source, shard)
+                reader.seek(i)
+                reader.read()
             except Exception:  # noqa: BLE001 - probing which record fails
                 bad.append(i)
+                self._local.readers.pop((source, shard), None)
         where = self.path(source, shard)
         if bad:
             first = int(self.offsets[source][shard])
@@ -226,7 +310,8 @@ class ShardSet:
 
 
 def open_dataset(
-    dataset: str, mixture: MixtureConfig, verify_sha256: bool = False
+    dataset: str, mixture: MixtureConfig, verify_sha256: bool = False, read_mode: str = "auto",
+    cache_dir: str | None = None,
 ) -> tuple[Manifest, str, ShardSet]:
     """Opens and checks a packed dataset before the first step.
 
@@ -235,34 +320,55 @@ def open_dataset(
     shard of every mixture source exists, has the manifest's byte size, opens, is ``ok()``
     and holds the manifest's record count; with ``verify_sha256``, its sha256 matches.
 
+    A ``dataset`` given as a URL (``gs://...``) is checked remotely and its shards copied
+    to ``cache_dir`` first (``loader.storage.stage``: sizes checked before any copy, every
+    copy hashed against the manifest); messages then name the URL and the staged copy.
+
+    Args:
+      read_mode: ``"auto"``, ``"records"`` or ``"batched"`` (:func:`resolve_read_mode`).
+      cache_dir: where URL datasets are staged (default ``loader.storage.default_cache_dir``).
+
     Returns:
       ``(manifest, manifest_sha256, shards)`` with ``shards`` in mixture source order.
 
     Raises:
       DatasetError: the first fault found, naming the shard and the fault.
+      ValueError: an unknown ``read_mode``.
     """
-    manifest, manifest_sha = read_manifest(dataset)
-    where = os.path.join(dataset, MANIFEST_NAME)
+    if read_mode not in READ_MODES:
+        raise ValueError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
+    manifest, manifest_sha, raw = _load_manifest(dataset)
+    remote = storage.is_url(dataset)
+    where = storage.join(dataset, MANIFEST_NAME) if remote else os.path.join(dataset, MANIFEST_NAME)
     check_against_mixture(manifest, mixture, where)
+    folder = dataset
+    if remote:
+        try:
+            folder = storage.stage(dataset, manifest, raw, manifest_sha, mixture.source_names, cache_dir,
+                                   verify_sha256)
+        except storage.StagingError as e:
+            raise DatasetError(str(e)) from None
+        verify_sha256 = False  # every staged shard was hashed (copied or, with the flag, re-hashed)
     shard_paths, offsets = [], []
     for name in mixture.source_names:
         entry = manifest.sources[name]
         paths = []
         for info in entry.shards:
-            full = os.path.join(dataset, info.path)
+            full = os.path.join(folder, info.path)
+            shown = f"{storage.join(dataset, info.path)} (staged as {full})" if remote else full
             if not os.path.isfile(full):
-                raise DatasetError(f"shard {full}: missing (manifest lists {info.records} records)")
+                raise DatasetError(f"shard {shown}: missing (manifest lists {info.records} records)")
             size = os.path.getsize(full)
             if size != info.bytes:
-                raise DatasetError(f"shard {full}: {size} bytes, manifest says {info.bytes} (truncated or altered)")
+                raise DatasetError(f"shard {shown}: {size} bytes, manifest says {info.bytes} (truncated or altered)")
             if verify_sha256:  # first: an altered shard is named as such, whatever else it breaks
                 digest = file_sha256(full)
                 if digest != info.sha256:
-                    raise DatasetError(f"shard {full}: sha256 {digest} != manifest {info.sha256} (altered)")
+                    raise DatasetError(f"shard {shown}: sha256 {digest} != manifest {info.sha256} (altered)")
             try:
                 reader = _open_reader(full)
             except Exception as e:
-                raise DatasetError(f"shard {full}: does not open as ArrayRecord: {e}") from e
+                raise DatasetError(f"shard {shown}: does not open as ArrayRecord: {e}") from e
             fault, n = None, None
             try:
                 if reader.ok():
@@ -276,13 +382,13 @@ def open_dataset(
             except Exception as e:  # noqa: BLE001
                 fault = f"{fault or 'closing failed'}: {e}"
             if fault is not None:
-                raise DatasetError(f"shard {full}: {fault}")
+                raise DatasetError(f"shard {shown}: {fault}")
             if n != info.records:
-                raise DatasetError(f"shard {full}: {n} records, manifest says {info.records}")
+                raise DatasetError(f"shard {shown}: {n} records, manifest says {info.records}")
             paths.append(info.path)
         shard_paths.append(paths)
         offsets.append(np.concatenate([[0], np.cumsum([s.records for s in entry.shards])]).astype(np.int64))
-    return manifest, manifest_sha, ShardSet(dataset, shard_paths, offsets)
+    return manifest, manifest_sha, ShardSet(folder, shard_paths, offsets, resolve_read_mode(read_mode, folder))
 
 
 def pack_inputs(
@@ -468,7 +574,8 @@ def pack_records(
       is instead the dict of the six int32 ``[n, L]`` trainer arrays (what
       :func:`derive_batch` gives, built in the same pass; ``out_dtype`` is ignored), views
       of ``out`` (int32 ``[6, n, L]``, overwritten; allocated when ``None``) in
-      ``BATCH_KEYS`` order. Reusing ``out`` spares the fresh pages (page faults) of
+      ``BATCH_KEYS`` order (a fresh 64-byte-aligned block when ``None``, see
+      :func:`aligned_empty`). Reusing ``out`` spares the fresh pages (page faults) of
       megabytes of new arrays every step.
 
     Raises:
@@ -477,8 +584,8 @@ def pack_records(
     n, L = len(records), int(seq_len)
     out_dtype = np.dtype(np.int32 if six else out_dtype)
     if six:
-        if out is None:
-            out = np.empty((6, n, L), np.int32)
+        if out is None:  # aligned: XLA's CPU devices then alias it instead of copying
+            out = aligned_empty((6, n, L), np.int32)
         elif out.shape != (6, n, L) or out.dtype != np.int32:
             raise ValueError(f"out must be int32 [6, {n}, {L}], got {out.dtype} {list(out.shape)}")
         if n == 0:
@@ -506,12 +613,7 @@ def pack_records(
            | ~np.isin(W, widths) | (T > L) | (size < meta_at + 12 * S))
     if bad.any():
         _explain(records, int(np.argmax(bad)), L, widths, where)
-    frombuffer, tdt = np.frombuffer, {2: "<u2", 4: "<u4"}
-    pad_rows = six or pad_id  # the six arrays' block is uninitialized: write every padding slot
-    for i, (rec, t, w) in enumerate(zip(records, T.tolist(), W.tolist())):
-        tok[i, :t] = frombuffer(rec, tdt[w], t, hsize)
-        if pad_rows and t < L:
-            tok[i, t:] = pad_id
+    _copy_tokens(records, tok, T, W, hsize, pad_id, pad_rows=six or bool(pad_id))
     # lengths, chunk indices and key lengths (3 x S u32) of every row, back to back
     meta = [rec[a: a + 12 * sg] for rec, a, sg in zip(records, meta_at.tolist(), S.tolist())]
     # Segment lengths and key lengths of every segment of the step, row after row.
@@ -538,49 +640,102 @@ def pack_records(
     starts = np.cumsum(lengths) - lengths - np.repeat(np.cumsum(T) - T, S)  # start slot in its row
     seg = out[2] if six else np.empty((n, L), np.int32)
     pos = out[4] if six else np.empty((n, L), np.int32)
-    marks, valid = _scratch(n, L)  # reused per thread: no fresh pages every step
+    marks = _scratch(n, L)  # reused per thread: no fresh pages every step
     later = np.flatnonzero(rank > 0)
     # ids: +1 at each segment start, -S at the first padding slot (column L when full)
     marks.fill(0)
     marks[row, starts] = 1
     marks[np.arange(n), T] -= S.astype(np.int32)
     np.cumsum(marks[:, :L], axis=1, dtype=np.int32, out=seg)
-    # positions: +1 per token after each start, 1 - previous length at a later start,
-    # and minus the last position at the first padding slot
+    # positions: +1 per token after the first, 1 - previous length at a later start; in
+    # rows with padding, minus the last position at the first padding slot and 0 after it
+    marks.fill(1)
     marks[:, 0] = 0
-    np.less(np.arange(1, L + 1), T[:, None], out=marks[:, 1:])
+    short = np.flatnonzero(T < L)
+    if short.size:
+        marks[short, 1:] = np.arange(1, L + 1) < T[short, None]
+        has = short[S[short] > 0]
+        marks[has, T[has]] = 1 - lengths[np.cumsum(S)[has] - 1]
     marks[row[later], starts[later]] = 1 - lengths[later - 1]
-    has = S > 0
-    last = np.cumsum(S)[has] - 1
-    marks[np.flatnonzero(has), T[has]] = 1 - lengths[last]
     np.cumsum(marks[:, :L], axis=1, dtype=np.int32, out=pos)
     if not six:
         packed[:, 1] = seg
         packed[:, 2] = pos
         return packed, int(T.sum())
     # The targets keys (derive_batch): slot j has a target when slot j + 1 holds a token of
-    # the same segment, i.e. j + 1 < T and no segment starts at j + 1.
-    np.less(np.arange(L - 1), (T - 1)[:, None], out=valid[:, :-1])
-    valid[:, -1] = False
-    valid[row[later], starts[later] - 1] = False
+    # the same segment, i.e. unless j is the last slot of a segment or padding. Ids and
+    # positions are already 0 on padding; so are the shifted tokens when pad_id is 0.
+    ends_row, ends = row, starts + lengths - 1  # last slot of every segment
     targets = out[1]
-    np.multiply(tok[:, 1:], valid[:, :-1], out=targets[:, :-1])
+    targets[:, :-1] = tok[:, 1:]
     targets[:, -1] = 0
-    np.multiply(seg, valid, out=out[3])
-    np.multiply(pos, valid, out=out[5])
+    if pad_id:
+        targets[np.arange(L) >= T[:, None]] = 0
+    targets[ends_row, ends] = 0
+    out[3] = seg
+    out[3][ends_row, ends] = 0
+    out[5] = pos
+    out[5][ends_row, ends] = 0
     return dict(zip(BATCH_KEYS, out)), int(T.sum())
+
+
+def aligned_empty(shape: Sequence[int], dtype: np.dtype | str = np.int32, align: int = 64) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data starts on an ``align``-byte boundary.
+
+    XLA's CPU client aliases (does not copy) a host buffer handed to ``device_put`` when
+    it is aligned to 64 bytes (``cpu::MinAlign()``); numpy only guarantees 16. So on CPU
+    devices, a batch built in such a block reaches the devices without a copy (measured
+    in ``benchmarks/load.py``). Device slices of whole rows stay aligned when a row's bytes
+    are a multiple of ``align``.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start: start + nbytes].view(dtype).reshape(tuple(shape))
 
 
 _SCRATCH = threading.local()
 
 
-def _scratch(n: int, L: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-thread work arrays of :func:`pack_records`: int32 ``[n, L + 1]`` marks and bool
-    ``[n, L]`` (contents undefined)."""
-    have = getattr(_SCRATCH, "arrays", None)
-    if have is None or have[0].shape != (n, L + 1):
-        have = _SCRATCH.arrays = (np.empty((n, L + 1), np.int32), np.empty((n, L), bool))
+def _scratch(n: int, L: int) -> np.ndarray:
+    """Per-thread work array of :func:`pack_records`: int32 ``[n, L + 1]`` marks (contents undefined)."""
+    have = getattr(_SCRATCH, "marks", None)
+    if have is None or have.shape != (n, L + 1):
+        have = _SCRATCH.marks = np.empty((n, L + 1), np.int32)
     return have
+
+
+_PAD_BYTES: dict = {}
+
+
+def _copy_tokens(records, tok: np.ndarray, T: np.ndarray, W: np.ndarray, hsize: int, pad_id: int,
+                 pad_rows: bool) -> None:
+    """Writes each record's tokens into its row of ``tok`` ``[n, L]`` (and ``pad_id`` after
+    them when ``pad_rows``; else the padding slots are left as they are).
+
+    When every record has the same token width and ``pad_id`` fits it, the rows' token
+    bytes and padding are joined into one buffer and converted in a single copy; otherwise
+    row by row.
+    """
+    n, L = tok.shape
+    Tl = T.tolist()
+    w = int(W[0]) if n else 2
+    if n and (W == w).all() and 0 <= pad_id < 1 << (8 * w):  # (writing the padding is harmless)
+        pad = _PAD_BYTES.get((pad_id, w, L))
+        if pad is None:
+            pad = _PAD_BYTES[(pad_id, w, L)] = memoryview(pad_id.to_bytes(w, "little") * L)
+        parts = []
+        for rec, t in zip(records, Tl):
+            parts.append(memoryview(rec)[hsize: hsize + w * t])
+            parts.append(pad[: w * (L - t)])
+        np.copyto(tok, np.frombuffer(b"".join(parts), {2: "<u2", 4: "<u4"}[w]).reshape(n, L), casting="unsafe")
+        return
+    tdt = {2: "<u2", 4: "<u4"}
+    for i, (rec, t, wi) in enumerate(zip(records, Tl, W.tolist())):
+        tok[i, :t] = np.frombuffer(rec, tdt[wi], t, hsize)
+        if pad_rows and t < L:
+            tok[i, t:] = pad_id
 
 
 def _name(where, i: int) -> str:
