@@ -8,8 +8,9 @@ record of a step first (``loader.index``), then :meth:`ShardSet.read` issues one
 from __future__ import annotations
 
 import hashlib
-import struct
 import os
+import re
+import struct
 import threading
 from collections.abc import Mapping, Sequence
 
@@ -46,6 +47,9 @@ def _open_reader(path: str, mode: str = "batched"):
     return ArrayRecordReader(path, READER_OPTIONS_BY_MODE[mode], file_reader_buffer_size=32768)
 
 
+_UNESCAPE_MOUNT = re.compile(r"\\([0-7]{3})")  # the kernel's octal escapes in /proc/self/mounts
+
+
 def filesystem_type(path: str) -> str | None:
     """The type (``/proc/self/mounts``'s third field, e.g. ``ext4``, ``fuse.gcsfuse``,
     ``nfs4``) of the file system holding ``path``, or ``None`` where it cannot be told."""
@@ -56,12 +60,12 @@ def filesystem_type(path: str) -> str | None:
         return None
     real = os.path.realpath(path)
     best, fstype = -1, None
-    for fields in mounts:
+    for fields in mounts:  # in mount order: of mounts on one point, the last is the one seen
         if len(fields) < 3:
             continue
-        point = fields[1].replace("\\040", " ")
+        point = _UNESCAPE_MOUNT.sub(lambda m: chr(int(m.group(1), 8)), fields[1])  # \040 space, \134 backslash...
         inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and len(point) > best:
+        if inside and len(point) >= best:
             best, fstype = len(point), fields[2]
     return fstype
 
@@ -105,7 +109,7 @@ def read_manifest(dataset: str) -> tuple[Manifest, str]:
     Raises:
       DatasetError: no manifest (the dataset was never committed), or a malformed one.
     """
-    manifest, sha, _ = _load_manifest(dataset)
+    manifest, sha, _ = _load_manifest(storage.local_path(dataset))
     return manifest, sha
 
 
@@ -134,6 +138,15 @@ def _load_manifest(dataset: str) -> tuple[Manifest, str, bytes]:
         raise DatasetError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
     if problems:
         raise DatasetError(f"{path}: does not reconcile: " + "; ".join(problems))
+    seen: dict[str, str] = {}
+    for name, entry in sorted(manifest.sources.items()):
+        for info in entry.shards:
+            problem = storage.shard_path_problem(info.path)
+            if problem is None and info.path in seen:
+                problem = f"is listed twice (sources {seen[info.path]!r} and {name!r})"
+            if problem:
+                raise DatasetError(f"{path}: shard path {info.path!r} {problem}")
+            seen[info.path] = name
     return manifest, hashlib.sha256(data).hexdigest(), data
 
 
@@ -337,6 +350,7 @@ def open_dataset(
     """
     if read_mode not in READ_MODES:
         raise ValueError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
+    dataset = storage.local_path(dataset)
     manifest, manifest_sha, raw = _load_manifest(dataset)
     remote = storage.is_url(dataset)
     where = storage.join(dataset, MANIFEST_NAME) if remote else os.path.join(dataset, MANIFEST_NAME)
@@ -574,8 +588,8 @@ def pack_records(
       is instead the dict of the six int32 ``[n, L]`` trainer arrays (what
       :func:`derive_batch` gives, built in the same pass; ``out_dtype`` is ignored), views
       of ``out`` (int32 ``[6, n, L]``, overwritten; allocated when ``None``) in
-      ``BATCH_KEYS`` order (a fresh 64-byte-aligned block when ``None``, see
-      :func:`aligned_empty`). Reusing ``out`` spares the fresh pages (page faults) of
+      ``BATCH_KEYS`` order (when ``None``, a 64-byte-aligned block that nothing else
+      uses, from :class:`AlignedPool`). Reusing ``out`` spares the fresh pages (page faults) of
       megabytes of new arrays every step.
 
     Raises:
@@ -585,7 +599,7 @@ def pack_records(
     out_dtype = np.dtype(np.int32 if six else out_dtype)
     if six:
         if out is None:  # aligned: XLA's CPU devices then alias it instead of copying
-            out = aligned_empty((6, n, L), np.int32)
+            out = _POOL.take((6, n, L), np.int32)
         elif out.shape != (6, n, L) or out.dtype != np.int32:
             raise ValueError(f"out must be int32 [6, {n}, {L}], got {out.dtype} {list(out.shape)}")
         if n == 0:
@@ -631,11 +645,13 @@ def pack_records(
         bad[row[lengths == 0]] = True
     if bad.any():
         _explain(records, int(np.argmax(bad)), L, widths, where)
-    if vocab_size is not None and int(tok.max()) >= vocab_size:
-        over = (tok >= vocab_size) & (np.arange(L) < T[:, None])
+    # compared unsigned: a 4-byte token >= 2**31 is negative in int32 and would slip below vocab_size
+    utok = tok.view(np.uint32) if tok.dtype == np.int32 else tok
+    if vocab_size is not None and int(utok.max()) >= vocab_size:
+        over = (utok >= vocab_size) & (np.arange(L) < T[:, None])
         if over.any():
             i = int(np.argmax(over.any(axis=1)))
-            raise DatasetError(f"{_name(where, i)}: token {int(tok[i][over[i]].max())} >= vocab_size {vocab_size}")
+            raise DatasetError(f"{_name(where, i)}: token {int(utok[i][over[i]].max())} >= vocab_size {vocab_size}")
     # Segment ids and positions: one running sum of marks per row (int32, then narrowed).
     starts = np.cumsum(lengths) - lengths - np.repeat(np.cumsum(T) - T, S)  # start slot in its row
     seg = out[2] if six else np.empty((n, L), np.int32)
@@ -683,16 +699,62 @@ def aligned_empty(shape: Sequence[int], dtype: np.dtype | str = np.int32, align:
     """An uninitialized C-contiguous array whose data starts on an ``align``-byte boundary.
 
     XLA's CPU client aliases (does not copy) a host buffer handed to ``device_put`` when
-    it is aligned to 64 bytes (``cpu::MinAlign()``); numpy only guarantees 16. So on CPU
-    devices, a batch built in such a block reaches the devices without a copy (measured
-    in ``benchmarks/load.py``). Device slices of whole rows stay aligned when a row's bytes
+    it is aligned to 64 bytes; numpy only guarantees 16. So on CPU devices, a batch built
+    in such a block reaches the devices without a copy (measured in
+    ``benchmarks/load.py``). Device slices of whole rows stay aligned when a row's bytes
     are a multiple of ``align``.
     """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + align, np.uint8)
+    return _aligned_view(np.empty(nbytes + align, np.uint8), shape, dtype, align)
+
+
+def _aligned_view(raw: np.ndarray, shape, dtype: np.dtype, align: int = 64) -> np.ndarray:
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     start = (-raw.ctypes.data) % align
     return raw[start: start + nbytes].view(dtype).reshape(tuple(shape))
+
+
+class AlignedPool:
+    """Aligned blocks (:func:`aligned_empty`) handed out again once nothing uses them.
+
+    A batch built in a fresh block every step costs its pages anew (page faults and the
+    kernel's zeroing: 0.3 ms a step for 6 MiB, measured), and a block may not simply be
+    overwritten, because the CPU devices alias it while any array of that batch lives. A
+    block is reused only when the pool holds the sole reference to it: every numpy view of
+    it (and so every device buffer aliasing it, which keeps its view alive) is gone.
+    Thread-safe; at most ``keep`` idle blocks are kept.
+    """
+
+    def __init__(self, keep: int = 8):
+        self.keep = keep
+        self._blocks: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, shape: Sequence[int], dtype: np.dtype | str = np.int32, align: int = 64) -> np.ndarray:
+        """An uninitialized aligned array of ``shape``/``dtype`` (contents undefined)."""
+        import sys
+
+        dtype = np.dtype(dtype)
+        need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize + align
+        with self._lock:
+            blocks, chosen = self._blocks, None
+            # idle: only the pool's list and getrefcount's argument refer to the block
+            idle = [i for i in range(len(blocks)) if sys.getrefcount(blocks[i]) <= 2]
+            for i in idle:
+                if blocks[i].nbytes == need:
+                    chosen = blocks[i]
+                    break
+            spare = [i for i in idle if blocks[i] is not chosen]
+            for i in reversed(spare[: max(0, len(spare) - self.keep + (chosen is None))]):
+                del blocks[i]  # the oldest idle blocks beyond keep
+            if chosen is None:
+                chosen = np.empty(need, np.uint8)
+                blocks.append(chosen)
+            return _aligned_view(chosen, shape, dtype, align)
+
+
+_POOL = AlignedPool()
 
 
 _SCRATCH = threading.local()

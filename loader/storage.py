@@ -41,6 +41,13 @@ log = logging.getLogger("loader")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 DEFAULT_CACHE_ENV = "LOADER_CACHE_DIR"
 COPY_CHUNK = 8 << 20  # bytes per read while streaming a shard
+# A ``.part-`` file not written to for this long is the remains of a killed copy (a live copy
+# writes every COPY_CHUNK): staging removes it instead of leaving it to fill the cache.
+STALE_PART_S = 3600.0
+ACCESS_HINT = ("check the URL, the network and the credentials (gs:// needs the gcs extra, "
+               "pip install -e '.[gcs]', and Google credentials, e.g. gcloud auth application-default login; "
+               "other schemes need Beam's own extra and options), or mount the bucket (e.g. gcsfuse) and pass "
+               "the mount's path")
 
 
 class StagingError(ValueError):
@@ -51,6 +58,26 @@ class StagingError(ValueError):
 def is_url(dataset: str) -> bool:
     """True when ``dataset`` names a file system by scheme (``gs://...``), except ``file://``."""
     return bool(_URL.match(dataset)) and not dataset.startswith("file://")
+
+
+def local_path(dataset: str) -> str:
+    """``dataset`` without a ``file://`` prefix (``file:///data/ds`` -> ``/data/ds``)."""
+    return dataset[len("file://"):] if dataset.startswith("file://") else dataset
+
+
+def shard_path_problem(path: str) -> str | None:
+    """Why the manifest's shard ``path`` cannot name a file inside the dataset folder, or ``None``.
+
+    A shard path is relative and ``/``-separated, without empty, ``.`` or ``..`` parts (so
+    neither the loader nor staging ever reads or writes outside the dataset's folder).
+    """
+    if "\x00" in path:
+        return "contains a NUL byte"
+    if path.startswith("/"):
+        return "is absolute"
+    if any(part in ("", ".", "..") for part in path.split("/")):
+        return "is not a plain relative path (empty, '.' or '..' part)"
+    return None
 
 
 def default_cache_dir() -> str:
@@ -93,39 +120,44 @@ def read_bytes(url: str) -> bytes:
     except FileNotFoundError:
         raise
     except Exception as e:  # noqa: BLE001 - Beam: ValueError (no file system), BeamIOError, OSError
-        raise StagingError(f"{url}: cannot read ({type(e).__name__}: {e})") from None
+        raise StagingError(f"{url}: cannot read ({type(e).__name__}: {e}); {ACCESS_HINT}") from None
 
 
 def remote_sizes(dataset: str) -> dict[str, int]:
     """Size in bytes of every file under the URL ``dataset``, by URL: one listing
-    (``FileSystems.match`` of ``<dataset>/**``), not a request per shard.
+    (``FileSystems.match`` of ``<dataset>/**``), not a request per shard. Where the URL has
+    a glob character (``[``, ``*``, ``?``), files of look-alike folders may be listed too.
 
     Raises:
       StagingError: the file system cannot be listed.
     """
     from apache_beam.io.filesystem import BeamIOError
 
+    # Beam's patterns are fnmatch's: a glob character of the URL itself ("run[1]") becomes
+    # "?" (any one character); the listing may then hold more files, looked up exactly below.
+    pattern = re.sub(r"[\[*?]", "?", dataset)
     try:
-        (result,) = _filesystems().match([join(dataset, "**")])
+        (result,) = _filesystems().match([join(pattern, "**")])
     except (BeamIOError, ValueError) as e:
-        raise StagingError(f"{dataset}: cannot list the dataset ({e})") from None
+        raise StagingError(f"{dataset}: cannot list the dataset ({e}); {ACCESS_HINT}") from None
     return {m.path: m.size_in_bytes for m in result.metadata_list}
 
 
 def _copy(url: str, dest: str, expect_bytes: int, expect_sha256: str) -> float:
     """Streams ``url`` to ``dest`` through a temporary name; checks size and sha256 first.
 
-    Returns seconds taken. Raises StagingError naming the shard on a mismatch (nothing is
-    left at ``dest``).
+    Returns seconds taken. Raises StagingError naming the shard on a mismatch or a failed
+    read or write (nothing is left at ``dest``); a source longer than ``expect_bytes`` is
+    refused as soon as the excess is read, not copied to the end.
     """
     from apache_beam.io.filesystem import CompressionTypes
 
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
     tmp = f"{dest}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     h, n, t0 = hashlib.sha256(), 0, time.perf_counter()
     try:
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
         with _filesystems().open(url, compression_type=CompressionTypes.UNCOMPRESSED) as src, open(tmp, "wb") as dst:
-            while block := src.read(COPY_CHUNK):
+            while n <= expect_bytes and (block := src.read(COPY_CHUNK)):
                 h.update(block)
                 dst.write(block)
                 n += len(block)
@@ -152,6 +184,24 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def _remove_stale_parts(dest: str, now: float) -> None:
+    """Removes ``<dest>.part-*`` files not written to for :data:`STALE_PART_S` (killed copies)."""
+    folder, name = os.path.split(dest)
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return
+    for entry in entries:
+        if entry.startswith(name + ".part-"):
+            path = os.path.join(folder, entry)
+            try:
+                if now - os.path.getmtime(path) > STALE_PART_S:
+                    os.remove(path)
+                    log.info("removed %s, left by an interrupted copy", path)
+            except OSError:  # gone meanwhile (another stager), or not ours to remove
+                pass
+
+
 def stage(dataset: str, manifest: Manifest, manifest_bytes: bytes, manifest_sha256: str,
           source_names: Sequence[str], cache_dir: str | None = None, verify_sha256: bool = False,
           threads: int = 8) -> str:
@@ -171,13 +221,19 @@ def stage(dataset: str, manifest: Manifest, manifest_bytes: bytes, manifest_sha2
       The local dataset folder, ready for ``loader.reader.open_dataset``.
 
     Raises:
-      StagingError: a shard is missing or has the wrong size at the URL (before anything is
-        copied), the cache's free space is smaller than the bytes to copy, a copy does not
-        match the manifest, or the file system fails; each names the shard.
+      StagingError: a shard path that would leave the cache folder (absolute, ``..``), a
+        shard missing or of the wrong size at the URL (before anything is copied), the
+        cache's free space smaller than the bytes to copy, a copy that does not match the
+        manifest, a cache folder that cannot be written, or the file system fails; each
+        names the shard or the folder.
     """
     cache_dir = cache_dir or default_cache_dir()
     local = os.path.join(cache_dir, manifest_sha256[:16])
     infos = [info for name in source_names for info in manifest.sources[name].shards]
+    for info in infos:
+        problem = shard_path_problem(info.path)
+        if problem:
+            raise StagingError(f"{join(dataset, MANIFEST_NAME)}: shard path {info.path!r} {problem}")
     urls = [join(dataset, info.path) for info in infos]
     sizes = remote_sizes(dataset)
     for info, url in zip(infos, urls):  # every remote shard first: fail before copying anything
@@ -195,8 +251,14 @@ def stage(dataset: str, manifest: Manifest, manifest_bytes: bytes, manifest_sha2
         todo.append((info, url, dest))
     need = sum(info.bytes for info, _, _ in todo)
     if todo:
-        os.makedirs(local, exist_ok=True)
-        free = shutil.disk_usage(local).free
+        try:
+            os.makedirs(local, exist_ok=True)
+            now = time.time()
+            for _, _, dest in todo:  # first: their room counts as free
+                _remove_stale_parts(dest, now)
+            free = shutil.disk_usage(local).free
+        except OSError as e:  # a file where the folder should be, permissions
+            raise StagingError(f"staging {dataset}: cannot use the cache folder {local}: {e.strerror or e}") from None
         if need > free:
             raise StagingError(
                 f"staging {dataset}: {len(todo)} shard(s), {need / 2**30:.2f} GiB to copy, but {local} has "
@@ -217,9 +279,15 @@ def stage(dataset: str, manifest: Manifest, manifest_bytes: bytes, manifest_sha2
         log.info("staged %.1f MiB in %.1f s (%.1f MiB/s)", need / 2**20, dt, need / 2**20 / max(dt, 1e-9))
     target = os.path.join(local, MANIFEST_NAME)
     if not (os.path.isfile(target) and _sha256(target) == manifest_sha256):  # manifest last: the folder is complete
-        os.makedirs(local, exist_ok=True)
         tmp = f"{target}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as f:
-            f.write(manifest_bytes)
-        os.replace(tmp, target)
+        try:
+            os.makedirs(local, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(manifest_bytes)
+            os.replace(tmp, target)
+        except OSError as e:
+            raise StagingError(f"staging {dataset}: cannot write {target}: {e.strerror or e}") from None
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
     return local

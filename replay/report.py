@@ -63,6 +63,10 @@ def _verdict_panel(report: Mapping[str, Any]) -> Panel:
                      + ", ".join(f"{k}: {v}" for k, v in report["differing_elements"].items()))
     if "evidence" in report:
         lines.append(f"evidence: {report['evidence']}; independent replays: {report.get('independent_replays')}")
+    if "device_spec" in report and "devices" in report:
+        q = report.get("quarantine") or []
+        lines.append(f"devices: {report['device_spec']!r} -> {report['devices']}; "
+                     + (f"quarantined (left out of 'good'): {q}" if q else "no device quarantined"))
     return Panel("\n".join(lines), title="verdict")
 
 
@@ -126,7 +130,9 @@ def render_canary(report: Mapping[str, Any], console: Optional[Console] = None) 
     table.add_column("status")
     for d in report["devices"]:
         style = "green" if d["status"] == "ok" else "red"
-        table.add_row(str(d["id"]), d["signature"][:16], str(d["repeats_agree"]), f"[{style}]{d['status']}[/]")
+        runs = len(d.get("signatures") or [d["signature"]])
+        agree = f"{d['repeats_agree']} ({runs} runs)" if runs > 1 else "n/a (1 run)"
+        table.add_row(str(d["id"]), d["signature"][:16], agree, f"[{style}]{d['status']}[/]")
     console.print(table)
     verdict = report["verdict"]
     console.print(Panel(f"[{_VERDICT_STYLE[verdict]}]{verdict.upper()}[/] (exit code {report['exit_code']}): "

@@ -18,7 +18,7 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 # Session-scoped fixtures of the replay tests (one trained run shared by their modules).
-pytest_plugins = ["test_replay_support"]
+pytest_plugins = ["test_replay_support", "loader_storage_support"]
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO_ROOT.parent / "shared"

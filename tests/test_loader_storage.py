@@ -22,43 +22,7 @@ from loader import reader as rd
 from loader import storage
 from loader import testing as lt
 
-SEQ = 16
-VOCAB = 1000
-SOURCES = {"a": 10, "b": 23}
-
-
-@pytest.fixture(scope="module")
-def local_ds(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("ds") / "synthetic")
-    lt.write_synthetic_dataset(path, SOURCES, SEQ, shards_per_source=3, vocab_size=VOCAB)
-    return path
-
-
-def mix():
-    return lt.synthetic_mixture({"a": 0.3, "b": 0.7}, seq_len=SEQ)
-
-
-def upload(local: str, url: str) -> dict[str, str]:
-    """Copies every file of ``local`` to ``memfs://`` under ``url``; returns url -> relpath."""
-    out = {}
-    for root, _, files in os.walk(local):
-        for f in files:
-            full = os.path.join(root, f)
-            rel = os.path.relpath(full, local).replace(os.sep, "/")
-            with open(full, "rb") as fh:
-                MEMFS_FILES[f"{url}/{rel}"] = fh.read()
-            out[f"{url}/{rel}"] = rel
-    return out
-
-
-@pytest.fixture
-def remote(local_ds, request):
-    url = f"memfs://bucket/{request.node.name}"
-    files = upload(local_ds, url)
-    yield url, files
-    for k in list(MEMFS_FILES):
-        if k.startswith(url + "/"):
-            del MEMFS_FILES[k]
+from loader_storage_support import SEQ, VOCAB, mix
 
 
 def batches(data, steps=range(6)):
@@ -346,3 +310,43 @@ def test_full_rows_and_single_segment_rows_exact():
 def test_cpu_batches_use_the_host_path(local_ds):
     data = loader.build(mix(), local_ds, global_batch=8)
     assert all(d.platform == "cpu" for d in jax.devices()) and data._host_derive  # noqa: SLF001
+
+
+def test_aligned_pool_reuses_only_unreferenced_blocks():
+    pool = rd.AlignedPool(keep=2)
+    a = pool.take((4, 16))
+    first = a.ctypes.data
+    b = pool.take((4, 16))
+    assert b.ctypes.data != first  # a is alive
+    del a
+    c = pool.take((4, 16))
+    assert c.ctypes.data == first  # reused once nothing refers to it
+    view = c[1:2]
+    del c
+    assert pool.take((4, 16)).ctypes.data != first  # a view keeps it
+    del view, b
+    held = [pool.take((4, 16)) for _ in range(6)]
+    del held
+    pool.take((4, 16))
+    assert len(pool._blocks) <= 3  # noqa: SLF001 - idle blocks beyond keep are dropped
+
+
+def test_batches_held_by_the_trainer_stay_intact(local_ds):
+    """The CPU devices alias the host block of a batch; later steps must never overwrite it."""
+    data = loader.build(mix(), local_ds, global_batch=8)
+    held = {s: data.batch_at(s) for s in range(3)}
+    copies = {s: {k: np.asarray(v).copy() for k, v in b.items()} for s, b in held.items()}
+    for s in range(3, 30):
+        data.batch_at(s)
+    it = data.iterate(0)
+    kept = [next(it) for _ in range(4)]
+    for _ in range(20):
+        next(it)
+    it.close()
+    for s, b in held.items():
+        for k in loader.BATCH_KEYS:
+            np.testing.assert_array_equal(np.asarray(b[k]), copies[s][k], err_msg=f"step {s} {k}")
+    for s, b in kept:
+        for k in loader.BATCH_KEYS:
+            np.testing.assert_array_equal(np.asarray(b[k]), copies[s][k] if s in copies else
+                                          np.asarray(data.batch_at(s)[k]), err_msg=f"step {s} {k}")

@@ -354,3 +354,38 @@ def test_decide_canary(results, golden, want, odd, status):
     assert (d.verdict, d.odd_devices, d.golden_status) == (want, odd, status)
     if status == "created":
         assert d.reference == "a"
+
+
+def test_canary_table_says_when_repeats_were_not_compared():
+    """One run per device compares nothing: the table says n/a, not True."""
+    import io
+
+    from rich.console import Console
+
+    from replay.report import render_canary
+
+    def report(signatures):
+        return {"canary": {"name": "c", "version": 1}, "golden": {"status": "created"}, "verdict": "acquitted",
+                "exit_code": 0, "explanation": "x",
+                "devices": [{"id": 0, "signature": signatures[0], "signatures": signatures,
+                             "repeats_agree": len(set(signatures)) == 1, "status": "ok"}]}
+
+    for sigs, want in ((["ab" * 8], "n/a (1 run)"), (["ab" * 8] * 3, "True (3 runs)"),
+                       (["ab" * 8, "cd" * 8], "False (2 runs)")):
+        out = io.StringIO()
+        render_canary(report(sigs), Console(file=out, width=160))
+        assert want in out.getvalue(), out.getvalue()
+
+
+def test_range_verdict_panel_names_the_quarantine():
+    import io
+
+    from rich.console import Console
+
+    from replay.report import _verdict_panel
+
+    base = {"verdict": "acquitted", "exit_code": 0, "explanation": "x", "device_spec": "good", "devices": [0, 1, 2, 3]}
+    for quarantine, want in (([5, 6], "quarantined (left out of 'good'): [5, 6]"), ([], "no device quarantined")):
+        out = io.StringIO()
+        Console(file=out, width=200).print(_verdict_panel({**base, "quarantine": quarantine}))
+        assert "devices: 'good' -> [0, 1, 2, 3]; " + want in out.getvalue()
