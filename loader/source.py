@@ -52,6 +52,24 @@ def unpack(host: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndar
     return packed[:, 0], packed[:, 1], packed[:, 2]
 
 
+@dataclasses.dataclass(frozen=True)
+class Fetched:
+    """The records of one step's host rows, read but not yet parsed (:meth:`StepSource.fetch`).
+
+    Attributes:
+      step: the training step.
+      loc: the rows' :class:`loader.index.RowLocations`.
+      shard, in_shard: int64 ``[n]``, each row's shard and record in it.
+      records: the ``n`` record bytes, in host-row order.
+    """
+
+    step: int
+    loc: ix.RowLocations
+    shard: np.ndarray
+    in_shard: np.ndarray
+    records: list
+
+
 class _Names:
     """``names[i]``: "<source> record <r> (<shard> record <j>)" of the i-th row, built only
     when an error needs it."""
@@ -141,13 +159,31 @@ class StepSource:
         return self._read(step, six=True, out=out)
 
     def _read(self, step: int, six: bool, out: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        return self.assemble(self.fetch(step), six=six, out=out)
+
+    def fetch(self, step: int) -> Fetched:
+        """The first half of a step: locate this process's rows and read their records (I/O).
+
+        Raises:
+          loader.index.ScheduleError: a bad step.
+          loader.reader.DatasetError: a record cannot be read (named).
+        """
         step = ix.check_step(step)
         loc = self._locate(step, self.local_rows)
         shard, in_shard = self.shards.locate(loc.source, loc.record)
-        data = self.shards.read_located(loc.source, loc.record, shard, in_shard)
-        arrays, tokens = pack_records(data, self.seq_len, self.token_width, self.pad_id, self.packed_dtype,
+        return Fetched(step, loc, shard, in_shard, self.shards.read_located(loc.source, loc.record, shard, in_shard))
+
+    def assemble(self, fetched: Fetched, six: bool, out: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The second half: the host arrays of :meth:`fetch`'s records (numpy only; see
+        :meth:`__call__` and :meth:`six` for what they hold).
+
+        Raises:
+          loader.reader.DatasetError: a record does not decode or disagrees with the manifest (named).
+        """
+        loc, shard, in_shard = fetched.loc, fetched.shard, fetched.in_shard
+        arrays, tokens = pack_records(fetched.records, self.seq_len, self.token_width, self.pad_id, self.packed_dtype,
                                       self.vocab_size, _Names(self.schedule.sources, loc, self.shards, shard, in_shard),
                                       six=six, out=out)
         out = dict(arrays) if six else {"packed": arrays}
-        out.update(step=np.int64(step), tokens=np.int64(tokens), source=loc.source.astype(np.int32))
+        out.update(step=np.int64(fetched.step), tokens=np.int64(tokens), source=loc.source.astype(np.int32))
         return out
