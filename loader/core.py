@@ -34,7 +34,6 @@ from loader.source import Fetched, RowRef, StepSource
 
 log = logging.getLogger("loader")
 _THREADS: list[tuple[threading.Thread, threading.Event]] = []  # live prefetch threads
-# On CPU devices, steps of at most this many host tokens derive the targets on the host.
 _FAST_PUT_CHECKED = False  # DataLoader._put's fast path was checked against jax.device_put
 
 
@@ -380,7 +379,7 @@ class DataLoader:
             ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers,
                                                              per_worker_buffer_size=max(1, self.prefetch)))
             return iter(ds)
-        if self.read_threads <= 1:  # records only; the next stage parses them (_assemble)
+        if self.read_threads <= 1:  # records only: iterate's thread parses them (_assemble)
             return (self.source.fetch(s) for s in range(start_step, self._stop_step()))
         return self._threaded_iter(start_step)
 
@@ -443,15 +442,14 @@ class DataLoader:
         start = self._next_step if start_step is None else ix.check_step(start_step)
         self.schedule.step_rows(start)  # a step past the addressable range fails here, not in a thread
         depth = max(1, self.prefetch)
-        stages = []
-        if self.workers > 0 or self.read_threads > 1:
+        if self.workers > 0 or self.read_threads > 1:  # reading is a stage of its own
             hosts = _Stage(lambda: self._host_iter(start), depth, "loader-read")
-            stages.append(hosts)
         else:
             hosts = None
-        batches = _Stage(lambda: ((h, self.to_global(h)) for h in map(
-            self._assemble, hosts if hosts is not None else self._host_iter(start))), depth, "loader-arrays")
-        stages.insert(0, batches)
+        items = (lambda: hosts) if hosts is not None else (lambda: self._host_iter(start))
+        batches = _Stage(lambda: ((h, self.to_global(h)) for h in map(self._assemble, items())), depth,
+                         "loader-arrays")
+        stages = [s for s in (batches, hosts) if s is not None]  # closed last first
         self._queue = batches.queue
         try:
             step = start
@@ -469,7 +467,7 @@ class DataLoader:
                 step += 1
         finally:
             self._queue = None
-            for stage in stages:  # stop the stages, last first, and wait for their threads
+            for stage in stages:  # stop the stages and wait for their threads
                 stage.close()
                 stage.thread.join(timeout=30)
 
