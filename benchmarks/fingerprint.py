@@ -1,13 +1,29 @@
-"""Cost of gradient fingerprints: the reference train step with and without them, same run.
+"""Cost of gradient fingerprints: the train step with and without them, and the fingerprint
+against a sum of squares over the same gradients, same run.
 
-    python benchmarks/fingerprint.py            # demo-size model, seq_len 1024 (a few minutes on CPU)
-    python benchmarks/fingerprint.py --quick    # seq_len 256 (under a minute)
+    python benchmarks/fingerprint.py                # demo-size model, seq_len 1024 (a few minutes on CPU)
+    python benchmarks/fingerprint.py --quick        # seq_len 256 (under a minute)
+    python benchmarks/fingerprint.py --ratio-only   # only the two fingerprint/reduction ratios (seconds)
 
-Prints ONE JSON object: ``overhead`` = median over back-to-back pairs of (step time with
-fingerprints / step time without) - 1. The reference is the identical step compiled without
-fingerprinting, in the same process, the two interleaved so machine load affects both
-alike. Also the median and minimum step times of each, and the model and batch sizes. Runs on 8 host CPU devices unless XLA_FLAGS already says
-otherwise (on GPU/TPU it uses the accelerators that are there).
+Prints ONE JSON object:
+
+* ``overhead`` = median over back-to-back pairs of (step time with fingerprints / step time
+  without) - 1. The reference is the identical step compiled without fingerprinting, in the
+  same process, the two interleaved so machine load affects both alike. Also the median and
+  minimum step times of each, and the model and batch sizes.
+* ``fingerprint_vs_reduction_ratio``: the time to fingerprint a step's gradients (every
+  leaf of one device's real local gradient, ``replay.fingerprint.fingerprint`` with its
+  NaN/Inf counts, one jit program) divided by the time of one fused reduction over the same
+  gradients (``sum(jnp.sum(jnp.square(g)))`` over the leaves, one jit program: the floor for
+  a pass that must read every element), on one device, the two interleaved, median of the
+  per-pair ratios. A figure that travels across hardware: on an accelerator both are bound
+  by memory bandwidth and the ratio approaches 1; on a CPU the integer mixing costs compute.
+  ``..._no_counts`` is the same without the NaN/Inf counts (the per-device fingerprints the
+  trainer takes of local gradients); ``standalone_4m_float32`` the same two ratios on one
+  array of 4M normal float32 elements.
+
+Runs on 8 host CPU devices unless XLA_FLAGS already says otherwise (on GPU/TPU it uses the
+accelerators that are there).
 """
 
 from __future__ import annotations
@@ -27,12 +43,62 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 
+def paired_ratio(f, g, arg, reps: int = 60) -> dict:
+    """Times ``f(arg)`` and ``g(arg)`` (jitted) back to back ``reps`` times: the median of the
+    per-pair ratios f/g, and each one's median time in seconds."""
+    import jax
+
+    for fn in (f, g):
+        jax.block_until_ready(fn(arg))
+    tf, tg = [], []
+    for i in range(reps):
+        for fn, acc in ((f, tf), (g, tg)) if i % 2 == 0 else ((g, tg), (f, tf)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(arg))
+            acc.append(time.perf_counter() - t0)
+    return {"ratio": round(statistics.median(a / b for a, b in zip(tf, tg)), 3),
+            "fingerprint_s": round(statistics.median(tf), 6), "sum_of_squares_s": round(statistics.median(tg), 6)}
+
+
+def reduction_ratios(trainer, state, batch, device) -> dict:
+    """``fingerprint_vs_reduction_ratio`` (and its variants) on one device: the real local
+    gradient of ``batch`` there, and one array of 4M normal float32 elements."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from replay import fingerprint as fpm
+
+    grads, _, _ = trainer.local_gradients(state, batch, device)
+    leaves = jax.tree_util.tree_leaves(grads)
+
+    def fingerprints(counts):
+        return jax.jit(lambda t: jnp.stack([fpm.fingerprint(g, counts=counts) for g in t]))
+
+    sum_of_squares = jax.jit(lambda t: sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in t))
+    step = {c: paired_ratio(fingerprints(c), sum_of_squares, leaves) for c in (True, False)}
+    x = [jax.device_put(np.random.default_rng(0).standard_normal(1 << 22).astype(np.float32), device)]
+    alone = {c: paired_ratio(fingerprints(c), sum_of_squares, x) for c in (True, False)}
+    return {
+        "fingerprint_vs_reduction_ratio": step[True]["ratio"],
+        "fingerprint_vs_reduction_ratio_no_counts": step[False]["ratio"],
+        "step_gradients": {"elements": int(sum(g.size for g in leaves)), "leaves": len(leaves),
+                           "with_counts": step[True], "no_counts": step[False]},
+        "standalone_4m_float32": {"elements": 1 << 22, "ratio": alone[True]["ratio"],
+                                  "ratio_no_counts": alone[False]["ratio"],
+                                  "with_counts": alone[True], "no_counts": alone[False]},
+        "reduction_reference": "sum over leaves of jnp.sum(jnp.square(g)), one jit program, same device, "
+                               "interleaved; fingerprint_version " + str(fpm.FINGERPRINT_VERSION),
+    }
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sequence and few steps (< 1 minute)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per variant")
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--ratio-only", action="store_true", help="only the fingerprint / reduction ratios")
     args = ap.parse_args(argv)
 
     import jax
@@ -52,6 +118,12 @@ def main(argv=None) -> dict:
     without = ReferenceTrainer(model, OptimizerConfig(), fingerprints=False)
     state = with_fp.init_state(mesh, seed=0)
     batches = [random_batch(i, args.global_batch, seq_len, model.vocab_size) for i in range(4)]
+    ratios = reduction_ratios(with_fp, state, batches[0], jax.devices()[0])
+    if args.ratio_only:
+        result = {"benchmark": "fingerprint", **ratios, "params": sum(with_fp.leaf_sizes),
+                  "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind}
+        print(json.dumps(result))
+        return result
     batches = [{k: jax.device_put(v, with_fp.batch_sharding(mesh)) for k, v in b.items()} for b in batches]
 
     def timed(trainer, step):
@@ -85,6 +157,7 @@ def main(argv=None) -> dict:
         "min_step_s_with": round(min(t_with), 5),
         "min_step_s_without": round(min(t_without), 5),
         "reference": "the same train step compiled without fingerprints, same process, interleaved",
+        **ratios,
         "timed_steps_each": steps,
         "params": n_params,
         "fingerprinted_elements_per_step": n_params * (mesh.size + 1),

@@ -539,11 +539,17 @@ def replay_range(
         checkpoint at or before it.
       replay.devices.DeviceSpecError: a bad spec or too few devices.
       EnvDriftError: environment drift without ``allow_env_drift`` or ``tolerance``.
+      RunDirError: the run logged another fingerprint formula (``versions.fingerprint``).
       ValueError: ``repeats`` or ``replays`` < 1.
     """
+    from replay.fingerprint import version_mismatch
+
     if repeats < 1 or replays < 1:
         raise ValueError(f"repeats and replays must be >= 1, got {repeats} and {replays}")
     run, setup = session.run, session.setup
+    problem = version_mismatch(run.env)  # other formula: every leaf would differ, a false conviction
+    if problem:
+        raise RunDirError(f"{os.path.join(run.run_dir, 'env.json')}: {problem}")
     log = run.fingerprints if log is None else log
     run.check_range(start, stop)
     ckpt = run.checkpoint_for(start)

@@ -66,13 +66,16 @@ def record_environment(mesh: Any = None) -> dict[str, Any]:
 
     Returns:
       dict with ``versions`` (python, jax, jaxlib, numpy, optax, orbax-checkpoint, grain,
-      ml_dtypes), ``env`` (:data:`RELEVANT_ENV_VARS` that are set), ``jax_config``
+      ml_dtypes, and ``fingerprint``: replay.fingerprint.FINGERPRINT_VERSION), ``env``
+      (:data:`RELEVANT_ENV_VARS` that are set), ``jax_config``
       (:data:`RELEVANT_JAX_FLAGS`), ``backend`` (platform, device kind, device count, local
       device count, process index and count, platform version), ``mesh`` (axis names, shape,
       device ids in mesh order, per device id its coordinates) and ``hostname``.
     """
     import jax
     import numpy as np
+
+    from replay.fingerprint import FINGERPRINT_VERSION
 
     devices = jax.devices()
     backend = jax.extend.backend.get_backend() if hasattr(jax, "extend") else None
@@ -86,6 +89,7 @@ def record_environment(mesh: Any = None) -> dict[str, Any]:
             "orbax-checkpoint": _version("orbax-checkpoint"),
             "grain": _version("grain"),
             "ml_dtypes": _version("ml_dtypes"),
+            "fingerprint": FINGERPRINT_VERSION,  # replay refuses logs of another formula
         },
         "env": {k: os.environ[k] for k in RELEVANT_ENV_VARS if k in os.environ},
         "jax_config": {},

@@ -5,47 +5,67 @@ batch of tokens) held, so that two runs, two devices or a run and its replay com
 for bit, while the value does not depend on how the elements were sharded or in which
 order a reduction visited them.
 
-Formula
--------
-For an array ``x`` of global shape ``S`` (any rank), each element ``x[n]`` with global
-row-major flat index ``i = sum_d n_d * stride_d(S)`` (taken mod 2^32) contributes::
+Formula (version :data:`FINGERPRINT_VERSION` = 2)
+-------------------------------------------------
+Legend: ``N`` is the number of elements of an array ``x`` of global shape ``S`` (any rank).
+Element ``x[n]`` has the global row-major flat index ``i = sum_d n_d * stride_d(S)`` (taken
+mod 2^32) and contributes, in uint32 arithmetic that wraps::
 
-    w     = bit pattern of x[n] as uint32   (float32/int32/uint32: bitcast;
-                                             bfloat16/float16: bitcast to uint16, zero-extended)
-    m_0   = fmix32((w XOR (i * A)) * C + i)           lane 0
-    t     = (m_0 XOR B) * D
-    m_1   = t XOR (t >> 16)                           lane 1
+    w   = bit pattern of x[n] as uint32   (float32/int32/uint32: bitcast;
+                                           bfloat16/float16: bitcast to uint16, zero-extended)
+    u   = w XOR (i * K)                   the index key
+    a   = xs15(xs16(u) * M1)              first round
+    m_0 = xs16(a * M2)                    lane 0  (= lowbias32(u))
+    m_1 = xs16((a XOR B) * M3)            lane 1  (second round with its own constants)
 
-    fp_L  = ( sum over elements of m_L )  mod 2^32,   L in {0, 1}
-    nan   = number of NaN elements,  inf = number of +-Inf elements
+    with xs_s(h) = h XOR (h >> s)
 
-with ``fmix32`` MurmurHash3's 32-bit finalizer (Appleby, MurmurHash3.cpp,
-``fmix32``: ``h ^= h >> 16; h *= 0x85EBCA6B; h ^= h >> 13; h *= 0xC2B2AE35; h ^= h >> 16``)
-and the constants ``A, B, C, D`` of :data:`MIX_CONSTANTS` (``A, C, D`` odd). All arithmetic
-is uint32 and wraps. The result is a ``uint32[4]`` array ``[fp_0, fp_1, nan, inf]``;
-``(fp_1 << 32) | fp_0`` is the 64-bit fingerprint written to logs (:func:`fingerprint_int`).
-About 15 integer operations per element, in one fused pass.
+    fp_L = ( sum over the N elements of m_L )  mod 2^32,   L in {0, 1}
+    nan  = number of NaN elements,  inf = number of +-Inf elements
+
+``K, M1, M2, B, M3`` are :data:`MIX_CONSTANTS`. The result is a ``uint32[4]`` array
+``[fp_0, fp_1, nan, inf]``; ``(fp_1 << 32) | fp_0`` is the 64-bit fingerprint written to
+logs (:func:`fingerprint_int`). Sources: ``xs16 / *M1 / xs15 / *M2 / xs16`` is
+``lowbias32`` (C. Wellons, "Prospecting for Hash Functions", 2018, github.com/skeeto/
+hash-prospector), a 32-bit bijective mixer with full avalanche; ``K = 0x9E3779B1`` is the odd
+number nearest 2^32/phi (Knuth's multiplicative hashing, TAOCP vol. 3, 6.4); ``M3`` is
+xxHash's ``PRIME32_3``; ``B`` is the low word of splitmix64's ``0x9E3779B97F4A7C15``.
+NaN and Inf are counted from the bits (exponent all ones; a NaN has a non-zero mantissa).
+
+Cost: 14 uint32 operations per element (4 multiplies), no 64-bit arithmetic, computed in
+one fused, vectorized pass that reads every element once and keeps no temporary array: the
+lanes (and the non-finite count) are summed by one *variadic* reduce. (XLA:CPU rewrites a
+single-operand integer sum into a tree of ``reduce-window`` ops that materializes every
+term in memory, 4 to 10 times slower; a variadic reduce is left alone.)
 
 Properties (each tested in ``tests/test_fingerprint.py``):
 
-* For a fixed index ``i``, ``w -> m_0`` and ``w -> m_1`` are bijections of uint32: XOR
-  with a constant, multiplication by an odd constant, addition of a constant,
-  ``t -> t XOR (t >> k)`` and ``fmix32`` are each invertible mod 2^32. So changing any
-  one element, by any bit, changes both lanes'
-  sums (the sum moves by a non-zero amount mod 2^32): it is never a "maybe".
+* For a fixed index ``i``, ``w -> m_0`` and ``w -> m_1`` are bijections of uint32, since
+  each step is: XOR with a constant (its own inverse); multiplication by an odd constant
+  (odd numbers are units mod 2^32); ``xs_s`` with ``s >= 1`` (the top ``s`` bits pass
+  unchanged and each lower bit is recovered from those above it). So changing any one
+  element, by any bit, moves both lanes' sums by a non-zero amount mod 2^32: it is never
+  a "maybe".
 * Integer addition mod 2^32 is associative and commutative, so the value does not depend on
   reduction order, and the fingerprints of disjoint shards (each using *global* indices)
   add up, lane by lane and count by count, mod 2^32, to the fingerprint of the whole array
   (:func:`add_fingerprints`; ``jax.lax.psum`` of ``uint32`` does the same inside
   ``shard_map``).
-* The index enters twice before the non-linear ``fmix32``, so moving a value to another
-  position changes the sum (no XOR-only reduction, which would be blind to order and to
-  pairs of equal changes). Lane 1 is a non-affine bijection of lane 0's term, so its sum
-  carries 32 further bits.
+* Position: ``i -> i * K`` is a bijection mod 2^32 (``K`` odd), so every position has its
+  own key, and a value moved to another position meets another key before the mixer; the
+  sum is not XOR-only (which would be blind to order and to pairs of equal changes).
+* Avalanche before and after each multiply (``xs16`` first brings high bits down, which a
+  multiply alone never does: with ``m = (w XOR key) * M`` two sign flips cancel in the sum
+  one time in four). Two lanes share the first round and differ in the second, so their
+  sums are not affine functions of one another and carry 64 bits together.
 
-Everything here is pure ``jax.numpy`` and works inside ``jax.jit`` and ``shard_map``;
-:func:`fingerprint_np` is the NumPy twin used on hosts and in tests. x64 mode is not
-needed and not enabled.
+Everything here is pure ``jax.numpy``/``jax.lax`` and works inside ``jax.jit`` and
+``shard_map``; :func:`fingerprint_np` is the NumPy twin used on hosts and in tests. x64 mode
+is not needed and not enabled.
+
+Versions: 1 (no ``versions.fingerprint`` in a run's env.json) was
+``m_0 = fmix32((w XOR (i*A))*C + i)``, ``m_1 = xs16((m_0 XOR B)*D)``; 2 is the formula above.
+Values of different versions never compare (:func:`version_mismatch`).
 """
 
 from __future__ import annotations
@@ -56,17 +76,45 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# (A, B, C, D): odd multipliers A, C, D (golden ratio, xxHash PRIME32_2 and _3), B arbitrary.
-MIX_CONSTANTS: tuple[int, int, int, int] = (0x9E3779B1, 0x7F4A7C15, 0x85EBCA77, 0xC2B2AE3D)
-_FMIX_M1 = 0x85EBCA6B
-_FMIX_M2 = 0xC2B2AE35
+FINGERPRINT_VERSION = 2
+"""The formula's version, recorded as ``versions.fingerprint`` in a run's env.json (replay.env)."""
+
+# (K, M1, M2, B, M3): odd multipliers K, M1, M2, M3; B arbitrary (module docstring).
+MIX_CONSTANTS: tuple[int, int, int, int, int] = (0x9E3779B1, 0x7FEB352D, 0x846CA68B, 0x7F4A7C15, 0xC2B2AE3D)
 FINGERPRINT_FIELDS = ("fp0", "fp1", "nan", "inf")
 
 _SUPPORTED = ("float32", "bfloat16", "float16", "int32", "uint32")
+# Per float dtype: (left shift that drops the sign bit and puts the exponent at the top of a
+# uint32, exponent-all-ones threshold). Non-finite: shifted >= threshold; NaN: > threshold.
+_NONFINITE_TEST = {"float32": (1, 0xFF000000), "bfloat16": (17, 0xFF000000), "float16": (17, 0xF8000000)}
 
 
 class FingerprintDtypeError(TypeError):
     """The array's dtype has no fingerprint bit pattern (see ``_SUPPORTED``)."""
+
+
+def version_mismatch(env: Mapping[str, Any]) -> Optional[str]:
+    """Why fingerprints logged under the environment record ``env`` cannot be compared here.
+
+    Args:
+      env: a run's environment record (env.json, :func:`replay.env.record_environment`);
+        ``versions.fingerprint`` absent means version 1 (runs logged before versioning).
+
+    Returns:
+      ``None`` when the run's fingerprint version is :data:`FINGERPRINT_VERSION`, otherwise a
+      message that names both versions and says what to do.
+    """
+    versions = env.get("versions", {}) if isinstance(env, Mapping) else {}
+    recorded = versions.get("fingerprint", 1) if isinstance(versions, Mapping) else 1
+    if recorded == FINGERPRINT_VERSION:
+        return None
+    release = ("from before fingerprint versions (its replay/fingerprint.py has no FINGERPRINT_VERSION)"
+               if recorded == 1 else f"whose replay/fingerprint.py has FINGERPRINT_VERSION = {recorded!r}")
+    return (f"the run logged fingerprints with version {recorded!r} of the formula (env.json versions.fingerprint"
+            f"{'' if 'fingerprint' in versions else ' absent: logged before fingerprints were versioned'}), this "
+            f"code computes version {FINGERPRINT_VERSION}: every leaf would differ whatever the hardware did. "
+            f"Replay this run with the toolkit release that trained it, a release {release}; 'replay canary' "
+            f"and 'replay inspect' compare no logged fingerprints and work as they are")
 
 
 # ----------------------------------------------------------------------------- jnp
@@ -76,12 +124,8 @@ def _u32(v: int) -> jnp.ndarray:
     return jnp.uint32(v & 0xFFFFFFFF)
 
 
-def _fmix32(h: jnp.ndarray) -> jnp.ndarray:
-    h = h ^ (h >> 16)
-    h = h * _u32(_FMIX_M1)
-    h = h ^ (h >> 13)
-    h = h * _u32(_FMIX_M2)
-    return h ^ (h >> 16)
+def _xs(h, s: int):
+    return h ^ (h >> s)
 
 
 def bit_pattern(x: jnp.ndarray) -> jnp.ndarray:
@@ -149,8 +193,8 @@ def fingerprint(
       global_shape: shape of the whole array ``x`` is a block of (default: ``x.shape``).
       offsets: per-dimension start of the block in the whole array (ints or traced
         scalars); default zeros.
-      counts: also count NaN and Inf (``False``: those two fields are 0, and the cost
-        drops by about half on CPU; the trainer's per-device fingerprints skip them).
+      counts: also count NaN and Inf (``False``: those two fields are 0; a third summed
+        lane, about a fifth more time on CPU; the trainer's per-device fingerprints skip it).
 
     Returns:
       uint32[4]. Fingerprints of disjoint blocks of one array add up (uint32 wrap) to the
@@ -159,45 +203,68 @@ def fingerprint(
     Raises:
       FingerprintDtypeError: unsupported dtype.
     """
-    w = bit_pattern(x)
     if global_shape is None and offsets is None:
-        idx = jax.lax.iota(jnp.uint32, w.size).reshape(w.shape)
+        idx = jax.lax.iota(jnp.uint32, x.size)
     else:
-        idx = global_index(x.shape, x.shape if global_shape is None else global_shape, offsets)
-    return _reduce(w, idx, x, None, counts)
+        idx = global_index(x.shape, x.shape if global_shape is None else global_shape, offsets).reshape(-1)
+    return _reduce(x, _flatten, idx, None, counts)
+
+
+def _flatten(v: jnp.ndarray) -> jnp.ndarray:
+    return v.reshape(-1)
 
 
 def _mix(w: jnp.ndarray, idx: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    a, b, c, d = MIX_CONSTANTS
-    m0 = _fmix32((w ^ (idx * _u32(a))) * _u32(c) + idx)
-    t = (m0 ^ _u32(b)) * _u32(d)
-    return m0, t ^ (t >> 16)
+    k, m1, m2, b, m3 = (_u32(c) for c in MIX_CONSTANTS)
+    a = _xs(_xs(w ^ (idx * k), 16) * m1, 15)
+    return _xs(a * m2, 16), _xs((a ^ b) * m3, 16)
 
 
-def _reduce(w, idx, x, valid, counts: bool = True) -> jnp.ndarray:
-    """Sums of the terms. On XLA:CPU a fused sum of four terms (or a stacked ``[N, 4]`` sum)
-    runs several times slower than three, so the hot path sums ``m_0``, ``m_1`` and the
-    non-finite count, and the NaN count is taken (``lax.cond``) only when that is non-zero."""
+def _sum_lanes(*terms: jnp.ndarray) -> tuple[jnp.ndarray, ...]:
+    """Wrapping uint32 sums of 1-D ``terms`` (two or more, same length) in one fused pass."""
+    zeros = tuple(jnp.uint32(0) for _ in terms)
+    return tuple(jax.lax.reduce(terms, zeros, lambda p, q: tuple(s + t for s, t in zip(p, q)), (0,)))
+
+
+def _reduce(src, read, idx, span=None, counts: bool = True) -> jnp.ndarray:
+    """``[fp_0, fp_1, nan, inf]`` of the 1-D block ``flat = read(src)`` at global indices ``idx``.
+
+    ``span = (lo, hi)`` (uint32 scalars): only flat positions ``lo <= j < hi`` count. One
+    variadic reduce sums the lanes and, for floats with ``counts``, the non-finite count;
+    NaNs and Infs are then counted apart (a second pass) only when that count is non-zero. The
+    conditional's operand is ``src`` itself (an existing buffer), and the block and the mask
+    are rebuilt inside it: an operand computed in the main pass would be written out first.
+    """
+    flat = read(src)
+
+    def mask():
+        if span is None:
+            return None
+        j = jax.lax.iota(jnp.uint32, flat.shape[0])
+        return (j >= span[0]) & (j < span[1])
+
+    w = bit_pattern(flat)
     m0, m1 = _mix(w, idx)
     zero = jnp.uint32(0)
+    valid = mask()
     if valid is not None:
         m0, m1 = jnp.where(valid, m0, zero), jnp.where(valid, m1, zero)
-    out = [jnp.sum(m0, dtype=jnp.uint32), jnp.sum(m1, dtype=jnp.uint32)]
-    if counts and jnp.issubdtype(x.dtype, jnp.floating):
-        nonfinite = ~jnp.isfinite(x)
-        if valid is not None:
-            nonfinite = nonfinite & valid
-        n_bad = jnp.sum(nonfinite, dtype=jnp.uint32)
+    test = _NONFINITE_TEST.get(jnp.dtype(flat.dtype).name) if counts else None
+    if test is None:
+        fp0, fp1 = _sum_lanes(m0, m1)
+        return jnp.stack([fp0, fp1, zero, zero])
+    shift, threshold = test
 
-        def count_nan(_):
-            nan = jnp.isnan(x) if valid is None else jnp.isnan(x) & valid
-            return jnp.sum(nan, dtype=jnp.uint32)
+    def flagged(v, kind):
+        s = bit_pattern(v) << shift
+        hit = {"nonfinite": s >= _u32(threshold), "nan": s > _u32(threshold), "inf": s == _u32(threshold)}[kind]
+        inside = mask()
+        return (hit if inside is None else hit & inside).astype(jnp.uint32)
 
-        n_nan = jax.lax.cond(n_bad > 0, count_nan, lambda _: zero, None)
-        out += [n_nan, n_bad - n_nan]
-    else:
-        out += [zero, zero]
-    return jnp.stack(out)
+    fp0, fp1, n_bad = _sum_lanes(m0, m1, flagged(flat, "nonfinite"))
+    n_nan, n_inf = jax.lax.cond(n_bad > 0, lambda v: _sum_lanes(flagged(read(v), "nan"), flagged(read(v), "inf")),
+                                lambda v: (zero, zero), src)
+    return jnp.stack([fp0, fp1, n_nan, n_inf])
 
 
 def fingerprint_flat_chunk(flat: jnp.ndarray, start: Any, total: int) -> jnp.ndarray:
@@ -212,9 +279,9 @@ def fingerprint_flat_chunk(flat: jnp.ndarray, start: Any, total: int) -> jnp.nda
     Returns:
       uint32[4]; summing the chunks' fingerprints gives ``fingerprint(array)``.
     """
-    n = flat.shape[0]
-    pos = jax.lax.iota(jnp.int32, n) + jnp.asarray(start, jnp.int32)
-    return _reduce(bit_pattern(flat), pos.astype(jnp.uint32), flat, pos < total)
+    start = jnp.asarray(start, jnp.int32)
+    idx = jax.lax.iota(jnp.uint32, flat.shape[0]) + start.astype(jnp.uint32)
+    return _reduce(flat, _flatten, idx, (jnp.uint32(0), jnp.maximum(total - start, 0).astype(jnp.uint32)))
 
 
 def fingerprint_row_block(x: jnp.ndarray, block_index: Any, n_blocks: int, *, counts: bool = True) -> jnp.ndarray:
@@ -222,28 +289,41 @@ def fingerprint_row_block(x: jnp.ndarray, block_index: Any, n_blocks: int, *, co
 
     Rows (first dimension, ``d0``) are split in ``n_blocks`` blocks of ``c = ceil(d0 / n_blocks)``
     rows; block ``k`` holds rows ``[k*c, min((k+1)*c, d0))`` (empty when ``k*c >= d0``). The
-    block is read in place (``dynamic_slice`` with its start clamped, rows outside the block
-    masked), so no copy of ``x`` is made. Summing the ``n_blocks`` results gives
-    ``fingerprint(x)``: the trainer lets each device fingerprint one block of the reduced
-    gradient and adds them with a ``psum``.
+    block is read in place (``dynamic_slice`` of ``c`` rows), so no copy of ``x`` is made;
+    its rows are contiguous in row-major order, so its elements' global indices are
+    ``start * row_size + j`` for its flat position ``j``. When ``n_blocks`` does not divide
+    ``d0`` the slice's start is clamped into range and the rows outside block ``k`` are
+    masked. Summing the ``n_blocks`` results gives ``fingerprint(x)``: the trainer lets each
+    device fingerprint one block of the reduced gradient and adds them with a ``psum``.
 
     Args:
       x: array of rank >= 1 (rank 0 is treated as shape ``(1,)``).
       block_index: int or traced int32 scalar in ``[0, n_blocks)``.
       n_blocks: number of blocks, >= 1.
+
+    Returns:
+      uint32[4].
+
+    Raises:
+      ValueError: ``n_blocks < 1``.
     """
+    if n_blocks < 1:
+        raise ValueError(f"n_blocks must be >= 1, got {n_blocks}")
     if x.ndim == 0:
         x = x.reshape(1)
     d0 = x.shape[0]
+    row = int(np.prod(x.shape[1:], dtype=np.int64))
     c = -(-d0 // n_blocks)
     lo = jnp.asarray(block_index, jnp.int32) * c
-    start = jnp.clip(lo, 0, d0 - c)
-    blk = jax.lax.dynamic_slice_in_dim(x, start, c, axis=0)
-    rows = start + jax.lax.iota(jnp.int32, c)
-    valid_rows = (rows >= lo) & (rows < jnp.minimum(lo + c, d0))
-    valid = jnp.broadcast_to(valid_rows.reshape((c,) + (1,) * (x.ndim - 1)), blk.shape)
-    idx = global_index(blk.shape, x.shape, (start,) + (0,) * (x.ndim - 1))
-    return _reduce(bit_pattern(blk), idx, blk, valid, counts)
+    start = lo if d0 % n_blocks == 0 else jnp.clip(lo, 0, d0 - c)
+    def read(v):
+        return jax.lax.dynamic_slice_in_dim(v, start, c, axis=0).reshape(-1)
+
+    idx = jax.lax.iota(jnp.uint32, c * row) + start.astype(jnp.uint32) * _u32(row)
+    span = None
+    if d0 % n_blocks:
+        span = tuple((v - start).astype(jnp.uint32) * _u32(row) for v in (lo, jnp.minimum(lo + c, d0)))
+    return _reduce(x, read, idx, span, counts)
 
 
 def flip_bit(x: jnp.ndarray, element: Any, bit: Any, enabled: Any) -> jnp.ndarray:
@@ -263,12 +343,13 @@ def flip_bit(x: jnp.ndarray, element: Any, bit: Any, enabled: Any) -> jnp.ndarra
     """
     width = 16 if jnp.dtype(x.dtype).itemsize == 2 else 32
     utype = jnp.uint16 if width == 16 else jnp.uint32
-    flat = x.reshape(-1)
-    e = jnp.clip(jnp.asarray(element, jnp.int32), 0, flat.shape[0] - 1)
+    e = jnp.clip(jnp.asarray(element, jnp.int32), 0, max(x.size - 1, 0))
     mask = (jnp.asarray(enabled).astype(jnp.uint32) << jnp.asarray(bit).astype(jnp.uint32)).astype(utype)
-    old = jax.lax.bitcast_convert_type(jax.lax.dynamic_slice(flat, (e,), (1,)), utype)
-    new = jax.lax.bitcast_convert_type(old ^ mask, x.dtype)
-    return jax.lax.dynamic_update_slice(flat, new, (e,)).reshape(x.shape)
+    # In x's own shape (no reshape around the update), so that XLA updates the buffer in place.
+    at = jnp.unravel_index(e, x.shape) if x.ndim else ()
+    one = (1,) * x.ndim
+    old = jax.lax.bitcast_convert_type(jax.lax.dynamic_slice(x, at, one), utype)
+    return jax.lax.dynamic_update_slice(x, jax.lax.bitcast_convert_type(old ^ mask, x.dtype), at)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -293,18 +374,13 @@ def fingerprint_hex(fp: Any) -> str:
     return f"{fingerprint_int(fp):016x}"
 
 
-def _np_fmix32(h: np.ndarray) -> np.ndarray:
-    h = h ^ (h >> np.uint32(16))
-    h = h * np.uint32(_FMIX_M1)
-    h = h ^ (h >> np.uint32(13))
-    h = h * np.uint32(_FMIX_M2)
-    return h ^ (h >> np.uint32(16))
-
-
 def fingerprint_np(
     x: Any, *, global_shape: Optional[Sequence[int]] = None, offsets: Optional[Sequence[int]] = None
 ) -> np.ndarray:
     """NumPy twin of :func:`fingerprint` (same formula, same ``uint32[4]`` result).
+
+    NaN and Inf are counted with ``np.isnan``/``np.isinf`` (the jnp version tests the bits),
+    so the two implementations check each other.
 
     Args:
       x: NumPy (or host-convertible) float32, bfloat16 (``ml_dtypes``), float16, int32 or
@@ -330,15 +406,18 @@ def fingerprint_np(
         coord = (np.arange(x.shape[d], dtype=np.uint64) + np.uint64(offs[d])).reshape(shape)
         idx = (idx + coord * np.uint64(stride)) & np.uint64(0xFFFFFFFF)
     idx = idx.astype(np.uint32)
-    out = np.zeros(4, np.uint32)
-    a, b, c, d = (np.uint32(v) for v in MIX_CONSTANTS)
+    k, m1, m2, b, m3 = (np.uint32(v) for v in MIX_CONSTANTS)
+
+    def xs(h, s):
+        return h ^ (h >> np.uint32(s))
+
     with np.errstate(over="ignore"):
-        m0 = _np_fmix32((w ^ (idx * a)) * c + idx)
-        t = (m0 ^ b) * d
-        m1 = t ^ (t >> np.uint32(16))
-    out[0] = np.uint32(int(m0.astype(np.uint64).sum()) & 0xFFFFFFFF)
-    out[1] = np.uint32(int(m1.astype(np.uint64).sum()) & 0xFFFFFFFF)
-    if np.issubdtype(x.dtype, np.floating) or name == "bfloat16":
+        a = xs(xs(w ^ (idx * k), 16) * m1, 15)
+        lanes = (xs(a * m2, 16), xs((a ^ b) * m3, 16))
+    out = np.zeros(4, np.uint32)
+    for lane, m in enumerate(lanes):
+        out[lane] = np.uint32(int(m.astype(np.uint64).sum()) & 0xFFFFFFFF)
+    if name in _NONFINITE_TEST:
         xf = x.astype(np.float32)
         out[2] = np.count_nonzero(np.isnan(xf))
         out[3] = np.count_nonzero(np.isinf(xf))

@@ -27,42 +27,94 @@ def fp_jit():
 
 
 def test_pinned_golden_values():
-    """Guards the formula against silent change: values computed once and pinned."""
+    """Guards the formula against silent change: values computed once (by the plain-Python
+    formula below, the NumPy twin and the jnp version alike) and pinned. A change of these
+    values is a new formula: bump FINGERPRINT_VERSION with it."""
+    assert fpm.FINGERPRINT_VERSION == 2
     x = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
     assert fpm.fingerprint_np(x).tolist() == np.asarray(fpm.fingerprint(jnp.asarray(x))).tolist()
     assert fpm.fingerprint_hex(fpm.fingerprint_np(x)) == GOLDEN_F32
     assert fpm.fingerprint_hex(fpm.fingerprint_np(x.astype(ml_dtypes.bfloat16))) == GOLDEN_BF16
     assert fpm.fingerprint_hex(fpm.fingerprint_np(np.arange(10, dtype=np.int32))) == GOLDEN_I32
+    assert _py_fingerprint_hex(x.reshape(-1).view(np.uint32).tolist()) == GOLDEN_F32
+    assert _py_fingerprint_hex(x.astype(ml_dtypes.bfloat16).reshape(-1).view(np.uint16).tolist()) == GOLDEN_BF16
+    assert _py_fingerprint_hex(list(range(10))) == GOLDEN_I32
 
 
-GOLDEN_F32 = "b1b8fa8b7edbaa42"
-GOLDEN_BF16 = "e57faf6c542647ab"
-GOLDEN_I32 = "59a9c32055fc8f62"
+# Version 2 (version 1, fmix32-based, gave b1b8fa8b7edbaa42, e57faf6c542647ab, 59a9c32055fc8f62).
+GOLDEN_F32 = "3029a6db017d5db6"
+GOLDEN_BF16 = "098eae9c4cbd0524"
+GOLDEN_I32 = "24d82f7ab6ad8de9"
+_M32 = 0xFFFFFFFF
 
 
-def _py_fmix32(h):
-    m = 0xFFFFFFFF
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & m
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & m
-    return h ^ (h >> 16)
+def _py_xs(h, s):
+    return h ^ (h >> s)
+
+
+def _py_terms(w, i):
+    """The module docstring's formula for one element, in Python ints."""
+    k, m1, m2, b, m3 = fpm.MIX_CONSTANTS
+    a = _py_xs((_py_xs(w ^ ((i * k) & _M32), 16) * m1) & _M32, 15)
+    return _py_xs((a * m2) & _M32, 16), _py_xs(((a ^ b) * m3) & _M32, 16)
+
+
+def _py_fingerprint_hex(bits):
+    lanes = [sum(t) & _M32 for t in zip(*(_py_terms(w, i) for i, w in enumerate(bits)))]
+    return f"{(lanes[1] << 32) | lanes[0]:016x}"
 
 
 def test_formula_written_out_in_plain_python():
     """The docstring formula, element by element in Python ints, equals both implementations."""
     x = np.array([[1.5, -2.0, 3.25], [0.0, -0.0, 1e-30]], np.float32)
-    m = 0xFFFFFFFF
-    a, b, c, d = fpm.MIX_CONSTANTS
     lanes = [0, 0]
     for i, w in enumerate(x.reshape(-1).view(np.uint32).tolist()):
-        m0 = _py_fmix32((((w ^ ((i * a) & m)) * c) + i) & m)
-        t = ((m0 ^ b) * d) & m
+        m0, m1 = _py_terms(w, i)
         lanes[0] += m0
-        lanes[1] += t ^ (t >> 16)
-    lanes = [v & m for v in lanes]
+        lanes[1] += m1
+    lanes = [v & _M32 for v in lanes]
     assert fpm.fingerprint_np(x).tolist() == [*lanes, 0, 0]
     assert np.asarray(fpm.fingerprint(jnp.asarray(x))).tolist() == [*lanes, 0, 0]
+
+
+def test_each_term_is_a_bijection_of_the_bit_pattern():
+    """For a fixed index, w -> m_0 and w -> m_1 are one-to-one: exhaustive over all 2^16
+    patterns with the high half fixed, and over the low half fixed (so over every bit)."""
+    lo = np.arange(1 << 16, dtype=np.uint32)
+    for i in (0, 1, 12345, 2**32 - 1):
+        for w in (lo, (lo << np.uint32(16)) | np.uint32(0x3F80)):
+            terms = [_np_terms(w, i)[lane] for lane in (0, 1)]
+            assert [len(np.unique(t)) for t in terms] == [1 << 16, 1 << 16]
+
+
+def _np_terms(w, i):
+    k, m1, m2, b, m3 = (np.uint32(c) for c in fpm.MIX_CONSTANTS)
+    with np.errstate(over="ignore"):
+        u = w ^ np.uint32((i * int(k)) & _M32)
+        a = u ^ (u >> np.uint32(16))
+        a = a * m1
+        a = a ^ (a >> np.uint32(15))
+        p, q = a * m2, (a ^ b) * m3
+    return p ^ (p >> np.uint32(16)), q ^ (q >> np.uint32(16))
+
+
+def test_equal_bit_flips_in_two_elements_do_not_cancel():
+    """The same bit flipped in two elements (two sign flips, two exponent flips, ...) always
+    changes the fingerprint here. With a multiply-only mix, m = (w XOR key) * M, a flip of bit
+    31 moves each term by exactly 2^31 (odd M), and two of them cancel in the sum: the case
+    a leading xorshift exists for. 100 random pairs per bit, a fixed seed."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(4096).astype(np.float32)
+    x[::7] = 0.0  # zeros are common in gradients
+    base = fpm.fingerprint_int(fpm.fingerprint_np(x))
+    changed = 0
+    for bit in range(32):
+        for _ in range(100):
+            e1, e2 = rng.choice(x.size, 2, replace=False)
+            y = x.view(np.uint32).copy()
+            y[[e1, e2]] ^= np.uint32(1 << bit)
+            changed += fpm.fingerprint_int(fpm.fingerprint_np(y.view(np.float32))) != base
+    assert changed == 3200
 
 
 @settings(max_examples=25, deadline=None)
@@ -184,6 +236,33 @@ def test_nan_and_inf_counted():
     assert fpm.summarize(fp)["nan"] == 2 and fpm.summarize(fp)["inf"] == 2
 
 
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
+def test_nan_and_inf_counted_from_the_bits_on_every_path(dtype):
+    """The jnp version counts from the exponent bits; NumPy's isnan/isinf agree, for every
+    float dtype, NaN payload and sign, on the whole array, row blocks and padded chunks."""
+    bits = {np.float32: 32, ml_dtypes.bfloat16: 16, np.float16: 16}[dtype]
+    u = np.uint32 if bits == 32 else np.uint16
+    x = np.linspace(-3, 3, 60).astype(dtype)
+    big = float(ml_dtypes.finfo(dtype).max)
+    specials = [np.inf, -np.inf, np.nan, -np.nan, big, -big]
+    x[[3, 10, 11, 20, 30, 31]] = np.array(specials, np.float32).astype(dtype)
+    payload = x.view(u).copy()
+    payload[40] = u(payload[10] | 1)  # -Inf with the lowest mantissa bit set: a NaN of another payload
+    x = payload.view(dtype).reshape(6, 10)
+    fp = fpm.fingerprint_np(x)
+    assert fp[2:].tolist() == [3, 2]
+    np.testing.assert_array_equal(np.asarray(fpm.fingerprint(jnp.asarray(x))), fp)
+    f = jax.jit(fpm.fingerprint_row_block, static_argnums=2)
+    for n_blocks in (1, 4, 6, 7):
+        parts = [np.asarray(f(jnp.asarray(x), jnp.int32(k), n_blocks)) for k in range(n_blocks)]
+        np.testing.assert_array_equal(fpm.add_fingerprints(*parts), fp)
+    flat = np.pad(x.reshape(-1), (0, 4))
+    g = jax.jit(fpm.fingerprint_flat_chunk, static_argnums=2)
+    parts = [np.asarray(g(jnp.asarray(flat[i:i + 16]), jnp.int32(i), x.size)) for i in range(0, 64, 16)]
+    np.testing.assert_array_equal(fpm.add_fingerprints(*parts), fp)
+    assert np.asarray(fpm.fingerprint(jnp.asarray(x), counts=False))[2:].tolist() == [0, 0]
+
+
 def test_unsupported_dtype_is_a_clear_error():
     with pytest.raises(fpm.FingerprintDtypeError, match="int8"):
         fpm.fingerprint(jnp.zeros(3, jnp.int8))
@@ -208,6 +287,7 @@ def test_environment_record_and_compare():
     }
     assert "jax_enable_x64" in rec["jax_config"] and "jax_default_prng_impl" in rec["jax_config"]
     assert "XLA_FLAGS" in rec["env"]
+    assert rec["versions"]["fingerprint"] == fpm.FINGERPRINT_VERSION
     assert envm.compare_environment(rec, rec) == []
     other = {**rec, "versions": {**rec["versions"], "jax": "0.0.1"}, "hostname": "elsewhere",
              "mesh": {**rec["mesh"], "device_ids": list(reversed(range(8)))}}
@@ -237,3 +317,37 @@ def test_row_blocks_add_up_to_the_whole(shape, n_blocks, seed):
     parts = [np.asarray(f(jnp.asarray(x), jnp.int32(k), n_blocks)) for k in range(n_blocks)]
     np.testing.assert_array_equal(fpm.add_fingerprints(*parts), fpm.fingerprint_np(x))
     assert fpm.add_fingerprints(*parts)[2] == 1
+
+
+def test_version_mismatch_says_which_versions_and_what_to_do():
+    assert fpm.version_mismatch({"versions": {"fingerprint": fpm.FINGERPRINT_VERSION}}) is None
+    old = fpm.version_mismatch({"versions": {"jax": "0.10.2"}})
+    assert "version 1 of the formula" in old and "absent: logged before fingerprints were versioned" in old
+    assert f"this code computes version {fpm.FINGERPRINT_VERSION}" in old
+    assert "Replay this run with the toolkit release that trained it, a release from before fingerprint versions" in old
+    newer = fpm.version_mismatch({"versions": {"fingerprint": 3}})
+    assert "version 3 of the formula" in newer and "a release whose replay/fingerprint.py has FINGERPRINT_VERSION = 3" \
+        in newer and "absent" not in newer
+    assert fpm.version_mismatch({}) is not None and fpm.version_mismatch({"versions": [1]}) is not None
+
+
+@pytest.mark.parametrize("recorded", [1, None])
+def test_replay_refuses_a_run_logged_with_another_fingerprint_version(tmp_path, recorded):
+    """Comparing fingerprints of two formulas would convict every device: replay_range refuses
+    before any device work, even with allow_env_drift or a tolerance, naming env.json (the CLI
+    exits RUN_ERROR on a RunDirError). A stand-in session: the refusal reads only the run's
+    env record, and the shared trained run stays out of this module."""
+    import types
+
+    from replay import engine
+    from replay.runlog import RunDirError
+
+    versions = {"jax": jax.__version__} if recorded is None else {"fingerprint": recorded}
+    run = types.SimpleNamespace(env={"versions": versions}, run_dir=str(tmp_path))
+    session = types.SimpleNamespace(run=run, setup=None)
+    for kwargs in ({}, {"allow_env_drift": True}, {"tolerance": 1e-3}):
+        with pytest.raises(RunDirError) as err:
+            engine.replay_range(session, 0, 1, **kwargs)
+        msg = str(err.value)
+        assert msg.startswith(f"{tmp_path}/env.json: the run logged fingerprints with version 1 of the formula")
+        assert f"this code computes version {fpm.FINGERPRINT_VERSION}" in msg
