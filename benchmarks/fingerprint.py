@@ -3,14 +3,19 @@ against a sum of squares over the same gradients, same run.
 
     python benchmarks/fingerprint.py                # demo-size model, seq_len 1024 (a few minutes on CPU)
     python benchmarks/fingerprint.py --quick        # seq_len 256 (under a minute)
-    python benchmarks/fingerprint.py --ratio-only   # only the two fingerprint/reduction ratios (seconds)
+    python benchmarks/fingerprint.py --ratio-only   # only the fingerprint/reduction ratios (under a minute)
 
 Prints ONE JSON object:
 
 * ``overhead`` = median over back-to-back pairs of (step time with fingerprints / step time
   without) - 1. The reference is the identical step compiled without fingerprinting, in the
   same process, the two interleaved so machine load affects both alike. Also the median and
-  minimum step times of each, and the model and batch sizes.
+  minimum step times of each, and the model and batch sizes. ``overhead_serial_bound``: the
+  step's fingerprints timed apart (each device's whole local gradient without counts, plus
+  the reduced gradient with them: the isolated ``step_gradients`` times below), as if run one
+  after another on one core, over the fastest step without fingerprints; steadier than
+  ``overhead`` on a loaded machine (it leaves out the fault injector's one-element in-place
+  update and the uint32 ``psum``).
 * ``fingerprint_vs_reduction_ratio``: the time to fingerprint a step's gradients (every
   leaf of one device's real local gradient, ``replay.fingerprint.fingerprint`` with its
   NaN/Inf counts, one jit program) divided by the time of one fused reduction over the same
@@ -147,9 +152,12 @@ def main(argv=None) -> dict:
     # ratios is steadier than the ratio of medians on a shared machine.
     pair_ratio = statistics.median(a / b for a, b in zip(t_with, t_without))
     n_params = sum(with_fp.leaf_sizes)
+    grad_fp = ratios["step_gradients"]
+    serial_fp_s = mesh.size * grad_fp["no_counts"]["fingerprint_s"] + grad_fp["with_counts"]["fingerprint_s"]
     result = {
         "benchmark": "fingerprint",
         "overhead": round(pair_ratio - 1.0, 4),
+        "overhead_serial_bound": round(serial_fp_s / min(t_without), 5),
         "ratio_with_over_without": round(pair_ratio, 4),
         "ratio_of_median_steps": round(med_with / med_without, 4),
         "step_s_with_fingerprints": round(med_with, 5),
