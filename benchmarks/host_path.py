@@ -8,7 +8,7 @@ Prints ONE JSON object:
                            ArrayRecord's pool (``read_mode="batched"``) against ``seek`` +
                            ``read`` in the calling thread (``"records"``). ``records_cpu_ratio``
                            is records / batched.
-  pack_ms_per_step         ``loader.reader.pack_records(six=True)`` for ``--batch`` rows of
+  pack_ms_per_step         ``loader.arrays.pack_records(six=True)`` for ``--batch`` rows of
                            ``--seq-len`` tokens (records already read), best of 5.
   transfer_ms_per_step     ``jax.device_put`` of the six int32 arrays onto a 1-D mesh of all
                            devices, from a 64-byte-aligned pool block (what the loader does on
@@ -36,12 +36,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
-from loader import reader as rd
+from loader import arrays as ar
+from loader import shards as sh
 from loader import testing as lt
 
 
 def read_cpu(path: str, mode: str, calls: list[list[int]]) -> float:
-    r = rd._open_reader(path, mode)  # noqa: SLF001 - the loader's own reader options
+    r = sh._open_reader(path, mode)  # noqa: SLF001 - the loader's own reader options
     c0 = time.process_time()
     n = 0
     for idx in calls:
@@ -70,7 +71,7 @@ def main(argv=None):
         calls = [rng.integers(0, rows, args.per_call).tolist() for _ in range(3000)]
         read_cpu(path, "batched", calls[:100])  # warm the page cache
         cpu = {m: min(read_cpu(path, m, calls) for _ in range(3)) for m in ("batched", "records")}
-        reader = rd._open_reader(path, "records")  # noqa: SLF001
+        reader = sh._open_reader(path, "records")  # noqa: SLF001
         steps = []
         for s in range(20):
             recs = []
@@ -82,12 +83,12 @@ def main(argv=None):
         for _ in range(5):
             t0 = time.perf_counter()
             for recs in steps:
-                rd.pack_records(recs, L, 2, 0, vocab_size=32000, six=True)
+                ar.pack_records(recs, L, 2, 0, vocab_size=32000, six=True)
             pack.append((time.perf_counter() - t0) / len(steps) * 1e3)
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         sharding = NamedSharding(Mesh(np.asarray(jax.devices()), ("data",)), PartitionSpec("data", None))
-        pool = rd.AlignedPool()
+        pool = ar.AlignedPool()
         transfer = {}
         for name, make in (("aligned_pool", lambda: pool.take((6, B, L), np.int32)),
                            ("plain_numpy", lambda: np.empty((6, B, L), np.int32))):

@@ -3,6 +3,8 @@
 DESIGN.md: ``batch(step) = f(manifest, mixture schedule, seed, global batch size, step)``, so
 the state is the step plus enough of those inputs to refuse a resume that would silently
 change the order, and to name what changed.
+
+May import: ``loader.index`` (for the fingerprint).
 """
 
 from __future__ import annotations
