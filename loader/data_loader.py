@@ -157,6 +157,7 @@ class DataLoader:
 
     @property
     def global_batch(self) -> int:
+        """``B``, rows per step."""
         return self.schedule.global_batch
 
     def rows_at(self, step: int) -> list[RowRef]:

@@ -26,6 +26,7 @@ from loader.shards import READ_MODES, DatasetError, ShardSet, _open_reader, reso
 TOKEN_WIDTHS = {"uint16": 2, "uint32": 4}
 
 def file_sha256(path: str, chunk: int = 1 << 22) -> str:
+    """sha256 hex of the file at ``path``, read ``chunk`` bytes at a time (OSError as ``open``)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+log = logging.getLogger("loader")
 # The pools of open Prefetch iterators (each closed iterator removes its own).
 _THREADS: list[concurrent.futures.ThreadPoolExecutor] = []
 _END = object()  # what a call that raised StopIteration returns: the source is exhausted
@@ -46,7 +48,8 @@ class Prefetch(Iterator):
         may draw from an iterator of its own).
       name: thread name prefix (threads are ``<name>_0``, ...).
       then_close: objects whose ``close()`` is called, in order, once the pool has stopped
-        (e.g. an iterator that ``fn`` draws from).
+        (e.g. an iterator that ``fn`` draws from); an error closing one is logged, not raised
+        (the consumer already has its answer).
 
     A call that raises ``StopIteration`` ends the iteration at its place (an exhausted
     source). :meth:`close` (also on exhaustion or an error) cancels the calls not yet
@@ -118,7 +121,11 @@ class Prefetch(Iterator):
         except ValueError:  # pragma: no cover - removed once, under the lock above
             pass
         for c in self._then_close:
-            c.close()
+            try:
+                c.close()
+            except Exception as e:  # noqa: BLE001 - shutting down; the consumer has its answer
+                log.warning("closing %r: %r", c, e)
 
     def __del__(self):  # an iterator dropped without close() still stops its threads
-        self.close()
+        if getattr(self, "_pool", None) is not None:
+            self.close()

@@ -126,6 +126,7 @@ class ShardSet:
         self._local = threading.local()
 
     def path(self, source: int, shard: int) -> str:
+        """The file of shard ``shard`` of schedule source ``source``."""
         return os.path.join(self.dataset, self.shards[source][shard])
 
     def _reader(self, source: int, shard: int):

@@ -53,6 +53,7 @@ class RowRef:
     record_in_shard: int
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict (JSON values)."""
         return dataclasses.asdict(self)
 
 
