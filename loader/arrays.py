@@ -3,7 +3,9 @@
 :func:`pack_records` parses a step's encoded rows (``contract.codec``, format version 1)
 straight from their bytes into tokens, segment ids and positions, and, for a loader that
 derives the targets on the host, all six trainer arrays (:data:`BATCH_KEYS`) in the same
-pass, in one 64-byte-aligned block from :class:`AlignedPool`. It checks every record as it
+pass, in one 64-byte-aligned block from :class:`AlignedPool`. (Grain worker processes send
+the narrower tokens, ids and positions instead; :func:`derive_packed` makes the six arrays
+of those on the host.) It checks every record as it
 goes; a record that fails a check is explained (:func:`_explain`) by decoding it with
 ``contract.codec``. :func:`decode_all` turns the same records into
 ``contract.codec.PackedRow`` objects (tokens and document keys) for inspection.
@@ -44,6 +46,31 @@ def decode_all(records: Sequence[bytes], where: Mapping[int, str] | None = None)
         except codec.RecordError as e:
             raise DatasetError(f"{_name(where, i)}: {e}") from None
     return out
+
+
+def derive_packed(packed: np.ndarray) -> dict[str, np.ndarray]:
+    """The six int32 ``[n, L]`` trainer arrays of a ``packed`` host batch ``[n, 3, L]`` (tokens,
+    segment ids, positions; uint16 or int32, as ``StepSource`` makes it for Grain workers to
+    send: a quarter of the six keys' bytes): the host twin of ``loader.device.derive_packed``,
+    for a loader that derives the targets on the host (``loader.device.Placement``). The same
+    values as ``loader.testing.derive_batch``, bit for bit (tests check it)."""
+    inputs = packed[:, 0].astype(np.int32)
+    seg = packed[:, 1].astype(np.int32)
+    pos = packed[:, 2].astype(np.int32)
+    n, L = seg.shape
+    valid = np.zeros((n, L), bool)
+    np.equal(seg[:, 1:], seg[:, :-1], out=valid[:, :-1])
+    valid[:, :-1] &= seg[:, :-1] != 0
+    targets = np.zeros((n, L), np.int32)
+    np.multiply(inputs[:, 1:], valid[:, :-1], out=targets[:, :-1])
+    return {
+        "inputs": inputs,
+        "targets": targets,
+        "inputs_segmentation": seg,
+        "targets_segmentation": seg * valid,
+        "inputs_position": pos,
+        "targets_position": pos * valid,
+    }
 
 
 # The record header of contract.codec (format version 1), parsed here without building

@@ -179,9 +179,10 @@ class DataLoader:
         """Global ``jax.Array`` s (int32 ``[B, L]``, :attr:`sharding`) from host-local arrays.
 
         ``host`` holds the six keys (int32 ``[n, L]``, rows in :attr:`local_rows` order), or
-        ``packed`` (tokens, ids and positions, ``[n, 3, L]``), whose ``targets*`` keys are
-        then derived on the devices by one jitted function (compiled once; device-local
-        without a context axis). See ``loader.device.Placement``.
+        ``packed`` (tokens, ids and positions, ``[n, 3, L]``); then, without a context axis
+        on accelerators, the ``targets*`` keys are derived on the devices by one jitted
+        function (compiled once, device-local: no collectives); with a context axis or on
+        CPU devices, on the host (same bits). See ``loader.device.Placement``.
         """
         return self._place.to_global(host)
 
@@ -207,18 +208,14 @@ class DataLoader:
         self._account(int(host["step"]), host, time.perf_counter() - t0)
         return self.to_global(host)
 
-    def _step_reader(self):
-        """The picklable function of a step that gives this process's host arrays (Grain
-        workers run it): the six keys when the targets are derived on the host (one pass),
-        else ``packed`` for the devices to derive them.
+    def _read_step(self, step: int) -> dict[str, np.ndarray]:
+        """Host arrays of ``step`` in this process: the six keys when the targets are derived
+        on the host (one pass), else ``packed`` for the devices to derive them.
 
         (On CPU the six keys are views of a block from ``loader.arrays.AlignedPool``, which
         the devices alias; the pool hands it out again only once nothing refers to it.)
         """
-        return self.source.six if self._host_derive else self.source
-
-    def _read_step(self, step: int) -> dict[str, np.ndarray]:
-        return self._step_reader()(step)
+        return self.source.six(step) if self._host_derive else self.source(step)
 
     def _read_and_place(self, step: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         host = self._read_step(step)
@@ -236,7 +233,9 @@ class DataLoader:
 
             if not flags.FLAGS.is_parsed():  # Grain's worker pool reads absl flags; a library must not parse argv
                 flags.FLAGS.mark_as_parsed()
-            ds = grain.MapDataset.range(steps.start, steps.stop).map(self._step_reader()).to_iter_dataset()
+            # Workers send ``packed`` (tokens, ids, positions: a quarter of the six keys' bytes
+            # through shared memory); the targets keys are derived after (Placement.to_global).
+            ds = grain.MapDataset.range(steps.start, steps.stop).map(self.source).to_iter_dataset()
             hosts = iter(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers,
                                                                      per_worker_buffer_size=depth)))
             return Prefetch(lambda _: self._place_next(hosts), steps, depth, name="loader-arrays", then_close=[hosts])
@@ -246,6 +245,15 @@ class DataLoader:
         # One thread reads, parses and places each step: record reads hold the GIL, so a
         # second thread passing work along would only wait for it.
         return Prefetch(self._read_and_place, steps, depth, name="loader-prefetch")
+
+    def _take(self, step: int, batches: Prefetch) -> dict[str, Any]:
+        """The next batch of the prefetch, which must be ``step``'s; accounted for."""
+        t0 = time.perf_counter()
+        host, batch = next(batches)  # StopIteration cannot come before the steps end
+        if int(host["step"]) != step:  # pragma: no cover - an ordering bug, fail loudly
+            raise RuntimeError(f"prefetch produced step {int(host['step'])}, expected {step}")
+        self._account(step, host, time.perf_counter() - t0)
+        return batch
 
     def iterate(self, start_step: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
         """Yields ``(step, batch)`` from ``start_step`` (default: :meth:`state`'s next step) on, forever.
@@ -272,16 +280,8 @@ class DataLoader:
         self._prefetch = batches
         try:
             for step in steps:
-                t0 = time.perf_counter()
-                try:
-                    host, batch = next(batches)
-                except StopIteration:  # pragma: no cover - the stages end with the steps
-                    return
-                wait = time.perf_counter() - t0
-                if int(host["step"]) != step:  # pragma: no cover - an ordering bug, fail loudly
-                    raise RuntimeError(f"prefetch produced step {int(host['step'])}, expected {step}")
-                self._account(step, host, wait)
-                yield step, batch
+                # no local keeps the batch: once the trainer drops it, its buffers are free
+                yield step, self._take(step, batches)
         finally:
             if self._prefetch is batches:
                 self._prefetch = None

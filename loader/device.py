@@ -6,8 +6,9 @@ Legend: ``B`` global batch (rows), ``L`` seq_len (tokens per row), ``n`` rows th
 over the context axis), which rows this process's devices hold
 (``addressable_devices_indices_map``), and where the ``targets*`` keys are derived:
 
-- on the host (``pack_records(six=True)``, ``loader.arrays``) with a context axis (the
-  targets' one-slot shift would cross devices; hosts hold whole rows) and on CPU devices,
+- on the host (``pack_records(six=True)``, ``loader.arrays``; ``derive_packed`` for the
+  packed batches Grain workers send) with a context axis (the targets' one-slot shift would
+  cross devices; hosts hold whole rows) and on CPU devices,
   where the six arrays are built in one 64-byte-aligned block that XLA's CPU client aliases
   instead of copying (measured ahead at 1,024 to 8,192 tokens a row: ``benchmarks/load.py``;
   a jitted derive costs CPU on the same cores); one process then hands the six arrays to
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from loader.arrays import BATCH_KEYS
+from loader.arrays import BATCH_KEYS, derive_packed as host_derive_packed
 
 log = logging.getLogger("loader")
 _FAST_PUT_CHECKED = False  # Placement._put's fast path was checked against jax.device_put in this process
@@ -118,10 +119,16 @@ class Placement:
         Args:
           host: the six keys (:data:`loader.arrays.BATCH_KEYS`), int32 ``[n, L]``, or
             ``packed`` (tokens, segment ids and positions, uint16 or int32 ``[n, 3, L]``),
-            rows in :attr:`local_rows` order; then the ``targets*`` keys are derived on
-            the devices by :func:`make_derive`'s function (device-local without a context
-            axis; the loader hands over the six keys when there is one).
+            rows in :attr:`local_rows` order; then the ``targets*`` keys are derived where
+            :attr:`host_derive` says: on the host (``loader.arrays.derive_packed``) or on
+            the devices (:func:`make_derive`'s function, device-local).
         """
+        if "targets" not in host and self.host_derive:
+            # Where the targets are derived on the host, a packed batch (from a Grain worker)
+            # is derived here too: with a context axis the one-slot shift would cross devices
+            # (a collective, unsafe to launch from the prefetch thread next to the trainer's
+            # programs), and on CPU devices a jitted derive costs the same cores.
+            host = host_derive_packed(host["packed"])
         if "targets" in host:  # the six keys
             if self._single_host:  # every row is local: the six arrays straight onto the devices
                 return dict(zip(BATCH_KEYS, self._put([host[k] for k in BATCH_KEYS])))

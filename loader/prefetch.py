@@ -16,6 +16,7 @@ May import: the standard library only (no other loader module).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import logging
@@ -24,8 +25,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 log = logging.getLogger("loader")
-# The pools of open Prefetch iterators (each closed iterator removes its own).
-_THREADS: list[concurrent.futures.ThreadPoolExecutor] = []
+# The open Prefetch iterators, whose threads run (each removes itself on close).
+_THREADS: list[Prefetch] = []
 _END = object()  # what a call that raised StopIteration returns: the source is exhausted
 
 
@@ -52,9 +53,10 @@ class Prefetch(Iterator):
         (the consumer already has its answer).
 
     A call that raises ``StopIteration`` ends the iteration at its place (an exhausted
-    source). :meth:`close` (also on exhaustion or an error) cancels the calls not yet
-    started, waits for those running (no thread outlives the iterator) and then closes
-    ``then_close``.
+    source). :meth:`close` (also on exhaustion or an error, and at interpreter exit for an
+    iterator never closed) cancels the calls not yet started, waits for those running (no
+    thread outlives the iterator) and then closes ``then_close``. ``DataLoader.iterate``
+    closes its prefetch when it is closed or dropped.
 
     Raises:
       ValueError: ``depth`` or ``threads`` < 1.
@@ -72,7 +74,7 @@ class Prefetch(Iterator):
         self._pool: concurrent.futures.ThreadPoolExecutor | None = concurrent.futures.ThreadPoolExecutor(
             threads, thread_name_prefix=name)
         self._lock = threading.Lock()
-        _THREADS.append(self._pool)
+        _THREADS.append(self)
         self._fill()
 
     def _fill(self) -> None:
@@ -117,15 +119,25 @@ class Prefetch(Iterator):
         pool.shutdown(wait=True, cancel_futures=True)
         self._pending.clear()
         try:
-            _THREADS.remove(pool)
+            _THREADS.remove(self)
         except ValueError:  # pragma: no cover - removed once, under the lock above
             pass
-        for c in self._then_close:
+        then_close, self._then_close = self._then_close, []
+        for c in then_close:
             try:
                 c.close()
             except Exception as e:  # noqa: BLE001 - shutting down; the consumer has its answer
                 log.warning("closing %r: %r", c, e)
+        # Let go of what the calls used (e.g. Grain's iterator, in fn's closure), so that it is
+        # freed now, not at interpreter teardown, when its own finalizers find modules gone.
+        self._fn, self._items = None, iter(())
 
-    def __del__(self):  # an iterator dropped without close() still stops its threads
-        if getattr(self, "_pool", None) is not None:
-            self.close()
+
+def _close_all() -> None:
+    """At interpreter exit, closes the iterators never closed (e.g. one kept in a global),
+    while the interpreter is whole: their threads stop, Grain's workers shut down cleanly."""
+    for p in _THREADS[:]:  # a copy: closing removes each
+        p.close()
+
+
+atexit.register(_close_all)

@@ -19,8 +19,8 @@ in ``[1, V)``, so token 0 only ever appears as padding.
 It also holds the slower reference forms that tests compare the loader's one
 implementation (``loader.arrays.pack_records``, ``loader.device.derive``) against:
 :func:`pack_inputs` (tokens, segment ids and positions of ``PackedRow`` s, row by row),
-:func:`derive_batch` (the six trainer arrays from them), :func:`dense_batch` (both) and
-:func:`derive_packed`. The loader never runs them.
+:func:`derive_batch` (the six trainer arrays from them) and :func:`dense_batch` (both). The
+loader never runs them.
 
 May import: ``contract`` (no loader module: the references stand apart from what they check).
 """
@@ -352,29 +352,6 @@ def derive_batch(inputs: np.ndarray, inputs_segmentation: np.ndarray,
         "targets_segmentation": np.where(valid, seg, 0).astype(np.int32),
         "inputs_position": pos,
         "targets_position": np.where(valid, pos, 0).astype(np.int32),
-    }
-
-
-def derive_packed(packed: np.ndarray) -> dict[str, np.ndarray]:
-    """:func:`derive_batch` of a host array ``[n, 3, L]`` (tokens, segment ids, positions; uint16
-    or int32, as ``loader.source.StepSource`` makes it), in fewer passes: the same six int32
-    ``[n, L]`` arrays, bit for bit (the numpy twin of ``loader.device.derive_packed``)."""
-    inputs = packed[:, 0].astype(np.int32)
-    seg = packed[:, 1].astype(np.int32)
-    pos = packed[:, 2].astype(np.int32)
-    n, L = seg.shape
-    valid = np.zeros((n, L), bool)
-    np.equal(seg[:, 1:], seg[:, :-1], out=valid[:, :-1])
-    valid[:, :-1] &= seg[:, :-1] != 0
-    targets = np.zeros((n, L), np.int32)
-    np.multiply(inputs[:, 1:], valid[:, :-1], out=targets[:, :-1])
-    return {
-        "inputs": inputs,
-        "targets": targets,
-        "inputs_segmentation": seg,
-        "targets_segmentation": seg * valid,
-        "inputs_position": pos,
-        "targets_position": pos * valid,
     }
 
 

@@ -261,7 +261,7 @@ def test_pack_records_equals_decode_then_pack(rows, L, narrow, pad, seed):
     for k in loader.BATCH_KEYS:
         assert six[k].dtype == np.int32 and six[k].shape == (len(recs), L)
         np.testing.assert_array_equal(six[k], ref[k], err_msg=k)
-    for k, v in lt.derive_packed(packed).items():
+    for k, v in ar.derive_packed(packed).items():
         np.testing.assert_array_equal(v, ref[k], err_msg=k)
 
 
