@@ -3,11 +3,13 @@
 :func:`pack_records` parses a step's encoded rows (``contract.codec``, format version 1)
 straight from their bytes into tokens, segment ids and positions, and, for a loader that
 derives the targets on the host, all six trainer arrays (:data:`BATCH_KEYS`) in the same
-pass, in one 64-byte-aligned block from :class:`AlignedPool`. (Grain worker processes send
-the narrower tokens, ids and positions instead; :func:`derive_packed` makes the six arrays
-of those on the host.) It checks every record as it
+pass, in one 64-byte-aligned block from :class:`AlignedPool`. It checks every record as it
 goes; a record that fails a check is explained (:func:`_explain`) by decoding it with
-``contract.codec``. :func:`decode_all` turns the same records into
+``contract.codec``.
+
+Two more functions, each for one case: :func:`derive_packed` makes the six arrays of the
+narrower tokens, ids and positions that Grain worker processes send (a quarter of the
+bytes through shared memory), and :func:`decode_all` turns records into
 ``contract.codec.PackedRow`` objects (tokens and document keys) for inspection.
 
 The slower per-row reference forms the tests compare against (``pack_inputs``,

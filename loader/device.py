@@ -6,10 +6,10 @@ Legend: ``B`` global batch (rows), ``L`` seq_len (tokens per row), ``n`` rows th
 over the context axis), which rows this process's devices hold
 (``addressable_devices_indices_map``), and where the ``targets*`` keys are derived:
 
-- on the host (``pack_records(six=True)``, ``loader.arrays``; ``derive_packed`` for the
+- on the host (``loader.arrays``: ``pack_records(six=True)``, or ``derive_packed`` for the
   packed batches Grain workers send) with a context axis (the targets' one-slot shift would
-  cross devices; hosts hold whole rows) and on CPU devices,
-  where the six arrays are built in one 64-byte-aligned block that XLA's CPU client aliases
+  cross devices; hosts hold whole rows) and on CPU devices, where the six arrays are built
+  in one 64-byte-aligned block that XLA's CPU client aliases
   instead of copying (measured ahead at 1,024 to 8,192 tokens a row: ``benchmarks/load.py``;
   a jitted derive costs CPU on the same cores); one process then hands the six arrays to
   the devices with JAX's per-array transfer (:meth:`Placement._put`);
@@ -21,7 +21,7 @@ over the context axis), which rows this process's devices hold
   and the prefetch thread may launch it beside the trainer's own programs without any risk
   of a cross-device ordering deadlock (tests check the compiled program for collectives).
 
-May import: ``loader.arrays`` (for ``BATCH_KEYS``), JAX.
+May import: ``loader.arrays`` (``BATCH_KEYS``, ``derive_packed``), JAX.
 """
 
 from __future__ import annotations
