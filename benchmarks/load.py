@@ -48,7 +48,7 @@ import numpy as np
 import loader
 from contract import codec
 from loader import testing as lt
-from loader.reader import _open_reader
+from loader.shards import _open_reader
 
 
 def plain_loop(data, steps):
@@ -75,7 +75,7 @@ def plain_loop(data, steps):
 
 def record_loop(data, steps):
     """The second reference: the same records read one at a time (seek + read, no pool)."""
-    from loader.reader import READER_OPTIONS_BY_MODE
+    from loader.shards import READER_OPTIONS_BY_MODE
 
     from array_record.python.array_record_module import ArrayRecordReader
 

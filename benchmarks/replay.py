@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     B = 16
     with tempfile.TemporaryDirectory() as tmp:
         cfg = make_run(tmp, seq_len=seq_len, model=model, global_batch=B, rows=2000)
-        from loader.reader import read_manifest
+        from loader.dataset import read_manifest
 
         vocab = int(read_manifest(cfg.dataset)[0].tokenizer["vocab_size"])
         trainer = ReferenceTrainer(cfg.model_config(vocab), cfg.optimizer)

@@ -8,14 +8,31 @@ Public API::
     data.rows_at(step), data.read_rows(step), data.metrics()
     loader.LoaderCheckpointHandler, loader.LoaderSave, loader.LoaderRestore  (Orbax)
 
-Index arithmetic lives in :mod:`loader.index` (no JAX, no I/O).
+The modules form a one-way chain, listed here from the bottom up: each imports only
+modules listed before it, never one above it (``tests/test_loader_imports.py`` checks it;
+``python tests/test_loader_imports.py`` prints the chain and the path of a step)::
+
+    index        step -> global rows -> (phase, source, epoch, record): pure, no JAX, no I/O
+    storage      datasets behind a URL: checked, then staged locally (Beam FileSystems)
+    shards       ShardSet: (source, record) -> (shard, record in shard) -> bytes; read modes
+    dataset      open and check a dataset: manifest, mixture, every shard -> ShardSet
+    arrays       record bytes -> host arrays (pack_records: the one implementation), PackedRows
+    source       StepSource: step -> this process's host arrays (index -> shards -> arrays)
+    device       Placement: host arrays -> global jax.Arrays on the mesh; the jitted derive
+    prefetch     computing steps ahead on background threads (concurrent.futures)
+    state        LoaderState: next step + fingerprint; what-changed comparison
+    data_loader  build, DataLoader: batch_at, iterate, state, restore, metrics
+    checkpoint   the Orbax handler (imported on first use)
+    testing      synthetic datasets and the slower reference forms tests compare against
 """
 
-from loader.core import DataLoader, LoaderConfigError, build
+from loader.arrays import BATCH_KEYS
+from loader.data_loader import DataLoader, LoaderConfigError, build
 from loader.index import Schedule, ScheduleError, SkipWindow
-from loader.reader import BATCH_KEYS, DatasetError, dense_batch, derive_batch
+from loader.shards import DatasetError
 from loader.source import RowRef
 from loader.state import LoaderState, ResumeError
+from loader.testing import dense_batch, derive_batch
 
 
 def __getattr__(name):  # Orbax imported only when the checkpoint API is used

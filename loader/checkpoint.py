@@ -10,6 +10,8 @@ Modelled on Grain's ``grain.checkpoint.CheckpointHandler``: a handler with ``sav
 
 The state is global (the same on every process), so process 0 writes ``loader_state.json``
 and every process reads it back: a resume under a different number of hosts works.
+
+May import: ``loader.state`` (and Orbax, JAX); ``loader/__init__`` imports it on first use.
 """
 
 from __future__ import annotations

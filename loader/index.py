@@ -38,6 +38,8 @@ Weights are made exact from their decimal form (``Fraction(repr(w))``, so 0.3 is
 normalized; if the exact period would exceed :data:`MAX_PERIOD` rows the weights are rounded
 to quotas of ``MAX_PERIOD`` by largest remainders (every positive weight keeps a quota >= 1)
 and the realized weights are reported by :meth:`Schedule.normalized_weights`.
+
+May import: no loader module (``contract.hashing``, numpy, Grain's ``index_shuffle``).
 """
 
 from __future__ import annotations
@@ -660,7 +662,12 @@ class Schedule:
         return data_step(step, self.skip_windows)
 
     def step_rows(self, step: int) -> np.ndarray:
-        """Global rows of training ``step``: ``[d*B, (d+1)*B)`` with ``d = data_step(step)``, int64 ``[B]``."""
+        """Global rows of training ``step``: ``[d*B, (d+1)*B)`` with ``d = data_step(step)``, int64 ``[B]``.
+
+        Raises:
+          ScheduleError: ``step`` is not an integer or is negative (:func:`check_step`), or
+            its rows would reach ``2**62``.
+        """
         d = self.data_step(step)
         if (d + 1) * self.global_batch > MAX_GLOBAL_ROW:
             raise ScheduleError(
@@ -668,6 +675,42 @@ class Schedule:
                 f"global rows must stay below 2**62, i.e. data step < {MAX_GLOBAL_ROW // self.global_batch}"
             )
         return np.arange(d * self.global_batch, (d + 1) * self.global_batch, dtype=np.int64)
+
+    @functools.cached_property
+    def stop_step(self) -> int:
+        """One past the last training step whose rows the schedule can address (data step
+        below ``MAX_GLOBAL_ROW // B``; ``data_step`` is increasing, so a bisection)."""
+        limit = MAX_GLOBAL_ROW // self.global_batch
+        lo, hi = 0, limit  # data_step(lo) < limit <= data_step(hi), as data_step(s) >= s
+        if self.data_step(0) >= limit:
+            return 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.data_step(mid) < limit else (lo, mid)
+        return hi
+
+    def steps_from(self, step: int) -> range:
+        """The training steps from ``step`` to the last one the schedule can address:
+        ``range(step, stop_step)``.
+
+        Raises:
+          ScheduleError: as :meth:`step_rows` for ``step``.
+        """
+        self.step_rows(step)
+        return range(check_step(step), self.stop_step)
+
+    def step_locations(self, step: int, positions: Sequence[int] | np.ndarray | None = None) -> RowLocations:
+        """:meth:`locate` of the rows of training ``step``: all ``B`` of :meth:`step_rows`, or
+        those at ``positions`` (int ``[n]`` in ``[0, B)``, e.g. a host's rows).
+
+        Raises:
+          ScheduleError: as :meth:`step_rows` (a step that is not an integer, negative, or
+            past the addressable range).
+        """
+        rows = self.step_rows(step)
+        if positions is not None:
+            rows = rows[np.asarray(positions, np.int64)]
+        return self.locate(rows)
 
     def locate(self, global_rows: Sequence[int] | np.ndarray) -> RowLocations:
         """Maps global rows to (phase, source, draw count, epoch, index in epoch, record).

@@ -1,9 +1,18 @@
 """Step -> host-local numpy batch: the picklable, JAX-free unit that threads and Grain workers run.
 
-One call reads the rows of one step that this process's devices hold: indices first
-(``loader.index``), then one batched read per shard (``loader.reader.ShardSet``), then
-decode and dense arrays. It is a pure function of the step, so the output is the same
-whatever the number of workers or hosts.
+One call reads the rows of one step that this process's devices hold, one layer at a time,
+each entered once:
+
+    StepSource.six(step), StepSource(step)
+      loader.index    Schedule.step_locations  step -> global rows -> (source, epoch, record)
+      loader.shards   ShardSet.locate_and_read -> (shard, record in shard) -> record bytes
+      loader.arrays   pack_records             record bytes -> host arrays
+
+It is a pure function of the step, so the output is the same whatever the number of
+workers or hosts. :meth:`StepSource.refs` and :meth:`StepSource.read_rows` answer "where
+does each row of step N come from" and "which documents are in it" the same way.
+
+May import: ``loader.index``, ``loader.shards``, ``loader.arrays`` (and ``contract``).
 """
 
 from __future__ import annotations
@@ -15,7 +24,8 @@ import numpy as np
 
 from contract import codec
 from loader import index as ix
-from loader.reader import ShardSet, decode_all, pack_records
+from loader.arrays import decode_all, pack_records
+from loader.shards import ShardSet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +53,7 @@ class RowRef:
     record_in_shard: int
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict (JSON values)."""
         return dataclasses.asdict(self)
 
 
@@ -52,36 +63,16 @@ def unpack(host: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndar
     return packed[:, 0], packed[:, 1], packed[:, 2]
 
 
-@dataclasses.dataclass(frozen=True)
-class Fetched:
-    """The records of one step's host rows, read but not yet parsed (:meth:`StepSource.fetch`).
-
-    Attributes:
-      step: the training step.
-      loc: the rows' :class:`loader.index.RowLocations`.
-      shard, in_shard: int64 ``[n]``, each row's shard and record in it.
-      records: the ``n`` record bytes, in host-row order.
-    """
-
-    step: int
-    loc: ix.RowLocations
-    shard: np.ndarray
-    in_shard: np.ndarray
-    records: list
-
-
 class _Names:
     """``names[i]``: "<source> record <r> (<shard> record <j>)" of the i-th row, built only
     when an error needs it."""
 
-    def __init__(self, sources, loc, shards: ShardSet, shard=None, in_shard=None):
+    def __init__(self, sources, loc: ix.RowLocations, shards: ShardSet, shard: np.ndarray, in_shard: np.ndarray):
         self.sources, self.loc, self.shards = sources, loc, shards
         self.shard, self.in_shard = shard, in_shard
 
     def get(self, i, default=None):
         k, r = int(self.loc.source[i]), int(self.loc.record[i])
-        if self.shard is None:
-            self.shard, self.in_shard = self.shards.locate(self.loc.source, self.loc.record)
         s, j = int(self.shard[i]), int(self.in_shard[i])
         return f"{self.sources[k]} record {r} (shard {self.shards.path(k, s)} record {j})"
 
@@ -117,15 +108,13 @@ class StepSource:
         self.token_width = token_width
         self.vocab_size = vocab_size
 
-    def _locate(self, step: int, positions: np.ndarray | None) -> ix.RowLocations:
-        rows = self.schedule.step_rows(ix.check_step(step))
-        if positions is not None:
-            rows = rows[np.asarray(positions, np.int64)]
-        return self.schedule.locate(rows)
-
     def refs(self, step: int, positions: np.ndarray | None = None) -> list[RowRef]:
-        """:class:`RowRef` of each row of ``step`` (all ``B`` rows, or those at ``positions``)."""
-        loc = self._locate(step, positions)
+        """:class:`RowRef` of each row of ``step`` (all ``B`` rows, or those at ``positions``); no I/O.
+
+        Raises:
+          loader.index.ScheduleError: a bad step.
+        """
+        loc = self.schedule.step_locations(step, positions)
         shard, in_shard = self.shards.locate(loc.source, loc.record)
         return [
             RowRef(int(g), int(p), self.schedule.sources[int(k)], int(e), int(i), int(r),
@@ -135,10 +124,15 @@ class StepSource:
         ]
 
     def read_rows(self, step: int, positions: np.ndarray | None = None) -> list[codec.PackedRow]:
-        """The stored rows of ``step`` (all, or those at ``positions``), in batch order."""
-        loc = self._locate(step, positions)
-        data = self.shards.read(loc.source, loc.record)
-        return decode_all(data, _Names(self.schedule.sources, loc, self.shards))
+        """The stored rows of ``step`` (all, or those at ``positions``), in batch order.
+
+        Raises:
+          loader.index.ScheduleError: a bad step.
+          loader.shards.DatasetError: a record cannot be read or does not decode (named).
+        """
+        loc = self.schedule.step_locations(step, positions)
+        shard, in_shard, data = self.shards.locate_and_read(loc.source, loc.record)
+        return decode_all(data, _Names(self.schedule.sources, loc, self.shards, shard, in_shard))
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         """Host-local arrays of ``step``.
@@ -146,44 +140,36 @@ class StepSource:
         Returns:
           ``packed``: ``[n, 3, seq_len]`` in :attr:`packed_dtype`, tokens, segment ids and
           positions of the host's rows (:func:`unpack`; the targets keys derive from them,
-          ``loader.reader.derive_batch``); ``step`` (int64 scalar); ``tokens`` (int64
+          ``loader.device.derive``); ``step`` (int64 scalar); ``tokens`` (int64
           scalar, non-padding tokens); ``source`` (int32 ``[n]``, schedule source index).
+
+        Raises:
+          loader.index.ScheduleError: a bad step.
+          loader.shards.DatasetError: a record cannot be read, does not decode or disagrees
+            with the manifest (named: source record, shard, record in shard).
         """
         return self._read(step, six=False)
 
     def six(self, step: int, out: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Like calling the source, but the host arrays are the six trainer keys (int32
-        ``[n, L]``, ``loader.reader.BATCH_KEYS``) built in one pass, instead of ``packed``:
+        ``[n, L]``, ``loader.arrays.BATCH_KEYS``) built in one pass, instead of ``packed``:
         for a loader that derives the targets on the host anyway. They are views of ``out``
-        (int32 ``[6, n, L]``, see ``loader.reader.pack_records``) when given."""
+        (int32 ``[6, n, L]``, see ``loader.arrays.pack_records``) when given.
+
+        Raises:
+          as calling the source.
+        """
         return self._read(step, six=True, out=out)
 
     def _read(self, step: int, six: bool, out: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        return self.assemble(self.fetch(step), six=six, out=out)
-
-    def fetch(self, step: int) -> Fetched:
-        """The first half of a step: locate this process's rows and read their records (I/O).
-
-        Raises:
-          loader.index.ScheduleError: a bad step.
-          loader.reader.DatasetError: a record cannot be read (named).
-        """
-        step = ix.check_step(step)
-        loc = self._locate(step, self.local_rows)
-        shard, in_shard = self.shards.locate(loc.source, loc.record)
-        return Fetched(step, loc, shard, in_shard, self.shards.read_located(loc.source, loc.record, shard, in_shard))
-
-    def assemble(self, fetched: Fetched, six: bool, out: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        """The second half: the host arrays of :meth:`fetch`'s records (numpy only; see
-        :meth:`__call__` and :meth:`six` for what they hold).
-
-        Raises:
-          loader.reader.DatasetError: a record does not decode or disagrees with the manifest (named).
-        """
-        loc, shard, in_shard = fetched.loc, fetched.shard, fetched.in_shard
-        arrays, tokens = pack_records(fetched.records, self.seq_len, self.token_width, self.pad_id, self.packed_dtype,
+        """The path of a step, each layer entered once: rows (``loader.index``), their record
+        bytes (``loader.shards``), host arrays (``loader.arrays``)."""
+        loc = self.schedule.step_locations(step, self.local_rows)
+        shard, in_shard, records = self.shards.locate_and_read(loc.source, loc.record)
+        arrays, tokens = pack_records(records, self.seq_len, self.token_width, self.pad_id, self.packed_dtype,
                                       self.vocab_size, _Names(self.schedule.sources, loc, self.shards, shard, in_shard),
                                       six=six, out=out)
-        out = dict(arrays) if six else {"packed": arrays}
-        out.update(step=np.int64(fetched.step), tokens=np.int64(tokens), source=loc.source.astype(np.int32))
-        return out
+        host = dict(arrays) if six else {"packed": arrays}
+        # int(step): an integer, as step_locations checked
+        host.update(step=np.int64(int(step)), tokens=np.int64(tokens), source=loc.source.astype(np.int32))
+        return host

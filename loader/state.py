@@ -3,6 +3,8 @@
 DESIGN.md: ``batch(step) = f(manifest, mixture schedule, seed, global batch size, step)``, so
 the state is the step plus enough of those inputs to refuse a resume that would silently
 change the order, and to name what changed.
+
+May import: ``loader.index`` (for the fingerprint).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class LoaderState:
     version: int = STATE_VERSION
 
     def to_dict(self) -> dict[str, Any]:
+        """The state as plain JSON values (what :meth:`from_dict` reads back)."""
         return {
             "version": self.version,
             "next_step": self.next_step,
@@ -50,6 +53,8 @@ class LoaderState:
         }
 
     def to_json(self) -> str:
+        """Canonical JSON (sorted keys, no spaces; a few hundred bytes), for a file of one's own or
+        a checkpoint: ``LoaderState.from_json(state.to_json()) == state``."""
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     @classmethod

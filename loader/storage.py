@@ -19,7 +19,9 @@ local cache before the first step:
 The cache folder is then a complete dataset folder (``manifest.json`` included) that the
 loader opens like any local one. Staging suits datasets that fit the host's disk; for larger
 ones, mount the bucket (e.g. gcsfuse) and pass the mount's path: the loader then reads the
-shards in place, batched (``loader.reader.resolve_read_mode``).
+shards in place, batched (``loader.shards.resolve_read_mode``).
+
+May import: ``contract`` and Apache Beam (imported on first use); no other loader module.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ ACCESS_HINT = ("check the URL, the network and the credentials (gs:// needs the 
 
 
 class StagingError(ValueError):
-    """A remote dataset cannot be checked or staged (base of ``loader.reader.DatasetError``'s
-    messages; raised as ``DatasetError`` by ``loader.reader.open_dataset``)."""
+    """A remote dataset cannot be checked or staged (base of ``loader.shards.DatasetError``'s
+    messages; raised as ``DatasetError`` by ``loader.dataset.open_dataset``)."""
 
 
 def is_url(dataset: str) -> bool:
@@ -218,7 +220,7 @@ def stage(dataset: str, manifest: Manifest, manifest_bytes: bytes, manifest_sha2
       threads: shards copied at once.
 
     Returns:
-      The local dataset folder, ready for ``loader.reader.open_dataset``.
+      The local dataset folder, ready for ``loader.dataset.open_dataset``.
 
     Raises:
       StagingError: a shard path that would leave the cache folder (absolute, ``..``), a

@@ -128,7 +128,7 @@ def default_setup(run: RunLog) -> RunSetup:
     Raises:
       RunDirError: the run config is invalid, names a dataset that is missing, or no mesh was recorded.
     """
-    from loader.reader import read_manifest
+    from loader.dataset import read_manifest
     from replay.reference import run as ref_run
     from replay.reference.trainer import ReferenceTrainer
 

@@ -25,9 +25,10 @@ from jax.sharding import Mesh
 import loader
 from contract import codec
 from loader import index as ix
-from loader import reader as rd
+from loader import arrays as ar
+from loader import dataset as dset
 from loader import testing as lt
-from loader.core import _THREADS
+from loader.prefetch import _THREADS
 
 SEQ = 16
 VOCAB = 1000
@@ -117,7 +118,7 @@ def test_every_bit_flip_is_named_never_silent(ds, tmp_path):
     d = copy_ds(ds, tmp_path)
     path = os.path.join(d, SHARD_B1)
     orig = pathlib.Path(path).read_bytes()
-    _, _, shards = rd.open_dataset(d, mix())
+    _, _, shards = dset.open_dataset(d, mix())
     src, rec = np.full(8, 1), np.arange(8, 16)
     good = shards.read(src, rec)
     outcome = {"build": 0, "read": 0, "unchanged": 0}
@@ -126,7 +127,7 @@ def test_every_bit_flip_is_named_never_silent(ds, tmp_path):
         bad[off] ^= 0x01
         pathlib.Path(path).write_bytes(bytes(bad))
         try:
-            _, _, s2 = rd.open_dataset(d, mix())
+            _, _, s2 = dset.open_dataset(d, mix())
         except loader.DatasetError as e:
             assert f"shard {path}: " in str(e)
             outcome["build"] += 1
@@ -246,21 +247,21 @@ def test_pack_records_equals_decode_then_pack(rows, L, narrow, pad, seed):
         recs.append(codec.encode_row(segs, [f"doc{i}" * (i % 3) for i in range(len(segs))], [0] * len(segs), L,
                                      "uint16"))
     dt = np.uint16 if narrow else np.int32
-    packed, tokens = rd.pack_records(recs, L, 2, pad, dt, vocab_size=60000)
+    packed, tokens = ar.pack_records(recs, L, 2, pad, dt, vocab_size=60000)
     idx = np.int16 if narrow else np.int32
-    inputs, seg, pos = rd.pack_inputs(rd.decode_all(recs), L, pad, dt, idx)
+    inputs, seg, pos = lt.pack_inputs(ar.decode_all(recs), L, pad, dt, idx)
     assert packed.dtype == dt and packed.shape == (len(recs), 3, L)
     np.testing.assert_array_equal(packed[:, 0], inputs)
     np.testing.assert_array_equal(packed[:, 1], seg.view(dt))
     np.testing.assert_array_equal(packed[:, 2], pos.view(dt))
     assert tokens == sum(int(codec.decode_row(r).num_tokens) for r in recs)
-    six, tokens6 = rd.pack_records(recs, L, 2, pad, vocab_size=60000, six=True)
-    ref = rd.derive_batch(*rd.pack_inputs(rd.decode_all(recs), L, pad))
+    six, tokens6 = ar.pack_records(recs, L, 2, pad, vocab_size=60000, six=True)
+    ref = lt.derive_batch(*lt.pack_inputs(ar.decode_all(recs), L, pad))
     assert tokens6 == tokens and set(six) == set(loader.BATCH_KEYS)
     for k in loader.BATCH_KEYS:
         assert six[k].dtype == np.int32 and six[k].shape == (len(recs), L)
         np.testing.assert_array_equal(six[k], ref[k], err_msg=k)
-    for k, v in rd.derive_packed(packed).items():
+    for k, v in ar.derive_packed(packed).items():
         np.testing.assert_array_equal(v, ref[k], err_msg=k)
 
 

@@ -20,7 +20,7 @@ import loader
 from contract import codec
 from loader import index as ix
 from loader import testing as lt
-from loader.reader import pack_inputs
+from loader.testing import pack_inputs
 from loader.source import StepSource, unpack
 
 SEQ = 16

@@ -18,7 +18,8 @@ import loader
 from contract import codec
 from contract.manifest import MANIFEST_NAME
 from dataprep.testing import MEMFS_FILES
-from loader import reader as rd
+from loader import arrays as ar
+from loader import shards as sh
 from loader import storage
 from loader import testing as lt
 
@@ -184,16 +185,16 @@ def test_read_mode_auto_follows_the_file_system(local_ds, monkeypatch):
     assert loader.build(mix(), local_ds, global_batch=8).source.shards.read_mode in ("records", "batched")
     for fstype, want in (("ext4", "records"), ("tmpfs", "records"), ("overlay", "records"), (None, "records"),
                          ("fuse.gcsfuse", "batched"), ("fuse", "batched"), ("nfs4", "batched"), ("lustre", "batched")):
-        monkeypatch.setattr(rd, "filesystem_type", lambda p, t=fstype: t)
-        assert rd.resolve_read_mode("auto", local_ds) == want, fstype
+        monkeypatch.setattr(sh, "filesystem_type", lambda p, t=fstype: t)
+        assert sh.resolve_read_mode("auto", local_ds) == want, fstype
         assert loader.build(mix(), local_ds, global_batch=8).source.shards.read_mode == want
-    assert rd.resolve_read_mode("records", "/x") == "records"
+    assert sh.resolve_read_mode("records", "/x") == "records"
 
 
 def test_filesystem_type_of_a_real_path(tmp_path):
     if not os.path.exists("/proc/self/mounts"):
         pytest.skip("no /proc/self/mounts on this system")
-    assert rd.filesystem_type(str(tmp_path))  # some mount holds every path ("/" at least)
+    assert sh.filesystem_type(str(tmp_path))  # some mount holds every path ("/" at least)
 
 
 def test_unknown_read_mode_refused_before_any_work(tmp_path):
@@ -230,7 +231,7 @@ def test_shardset_pickles_its_read_mode(local_ds):
     copy = pickle.loads(pickle.dumps(shards))
     assert copy.read_mode == "batched" and copy.dataset == shards.dataset
     with pytest.raises(ValueError, match="read_mode must be 'records' or 'batched'"):
-        rd.ShardSet("x", [], [], read_mode="auto")
+        sh.ShardSet("x", [], [], read_mode="auto")
 
 
 # ------------------------------------------------------------------ host fast path
@@ -238,7 +239,7 @@ def test_shardset_pickles_its_read_mode(local_ds):
 
 def test_aligned_empty():
     for shape, dtype in (((6, 3, 5), np.int32), ((7,), np.uint16), ((0, 4), np.int32)):
-        a = rd.aligned_empty(shape, dtype)
+        a = ar.aligned_empty(shape, dtype)
         assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable
         assert a.size == 0 or a.ctypes.data % 64 == 0
 
@@ -275,17 +276,17 @@ def test_pack_records_any_width_and_padding(rows, widths, L, pad, seed):
     recs = []
     for i, lens in enumerate(rows):
         recs += _encode([lens], L, widths[i], rng)
-    ref = rd.derive_batch(*rd.pack_inputs(rd.decode_all(recs), L, pad))
-    six, tokens = rd.pack_records(recs, L, None, pad, six=True)
+    ref = lt.derive_batch(*lt.pack_inputs(ar.decode_all(recs), L, pad))
+    six, tokens = ar.pack_records(recs, L, None, pad, six=True)
     assert tokens == sum(codec.decode_row(r).num_tokens for r in recs)
     for k in loader.BATCH_KEYS:
         np.testing.assert_array_equal(six[k], ref[k], err_msg=k)
-    packed, _ = rd.pack_records(recs, L, None, pad, np.int32)
+    packed, _ = ar.pack_records(recs, L, None, pad, np.int32)
     np.testing.assert_array_equal(packed[:, 0], ref["inputs"])
     np.testing.assert_array_equal(packed[:, 1], ref["inputs_segmentation"])
     np.testing.assert_array_equal(packed[:, 2], ref["inputs_position"])
     if all(w == "uint32" for w in widths[: len(rows)]):
-        six4, _ = rd.pack_records(recs, L, 4, pad, six=True)
+        six4, _ = ar.pack_records(recs, L, 4, pad, six=True)
         for k in loader.BATCH_KEYS:
             np.testing.assert_array_equal(six4[k], ref[k], err_msg=k)
 
@@ -297,7 +298,7 @@ def test_full_rows_and_single_segment_rows_exact():
             codec.encode_row([np.array([1, 2]), np.array([3]), np.array([4, 5, 6])], ["x", "y", "z"], [0, 0, 0], L,
                              "uint16"),
             codec.encode_row([np.array([7, 8])], ["p"], [0], L, "uint16")]
-    six, tokens = rd.pack_records(recs, L, 2, 0, six=True)
+    six, tokens = ar.pack_records(recs, L, 2, 0, six=True)
     assert tokens == 6 + 6 + 2
     np.testing.assert_array_equal(six["inputs"], [[5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6], [7, 8, 0, 0, 0, 0]])
     np.testing.assert_array_equal(six["targets"], [[6, 7, 8, 9, 10, 0], [2, 0, 0, 5, 6, 0], [8, 0, 0, 0, 0, 0]])
@@ -313,7 +314,7 @@ def test_cpu_batches_use_the_host_path(local_ds):
 
 
 def test_aligned_pool_reuses_only_unreferenced_blocks():
-    pool = rd.AlignedPool(keep=2)
+    pool = ar.AlignedPool(keep=2)
     a = pool.take((4, 16))
     first = a.ctypes.data
     b = pool.take((4, 16))

@@ -1,5 +1,5 @@
 """Hostile use of datasets by URL, staging and the read path: each test pins a fault found by
-breaking ``loader.storage`` / ``loader.reader`` on purpose (shard paths that leave the
+breaking ``loader.storage`` / ``loader.dataset`` on purpose (shard paths that leave the
 dataset folder, caches that are not folders, killed copies, glob characters in URLs, tokens
 that do not fit int32, stacked mounts), with the exact error or value now expected."""
 
@@ -19,7 +19,9 @@ import loader
 from contract import codec
 from contract.manifest import MANIFEST_NAME
 from dataprep.testing import MEMFS_FILES
-from loader import reader as rd
+from loader import arrays as ar
+from loader import dataset as dset
+from loader import shards as sh
 from loader import storage
 
 from loader_storage_support import mix, upload
@@ -82,7 +84,7 @@ def test_url_shard_path_with_dotdot_never_written_outside_the_cache(remote, tmp_
 
 def test_stage_itself_refuses_a_shard_path_leaving_the_cache(remote, tmp_path):
     url, _ = remote
-    manifest, sha, raw = rd._load_manifest(url)  # noqa: SLF001
+    manifest, sha, raw = dset._load_manifest(url)  # noqa: SLF001
     a = manifest.sources["a"]
     bad = dataclasses.replace(a.shards[0], path="../../evil.array_record")
     sources = {**manifest.sources, "a": dataclasses.replace(a, shards=(bad, *a.shards[1:]))}
@@ -227,7 +229,7 @@ def test_file_url_is_the_local_folder(local_ds):
     want = first_batches(loader.build(mix(), local_ds, global_batch=8))
     for a, b in zip(want, first_batches(data)):
         np.testing.assert_array_equal(a, b)
-    manifest, sha = rd.read_manifest("file://" + local_ds)
+    manifest, sha = dset.read_manifest("file://" + local_ds)
     with open(os.path.join(local_ds, MANIFEST_NAME), "rb") as f:
         assert sha == hashlib.sha256(f.read()).hexdigest()
 
@@ -242,9 +244,9 @@ def test_vocab_check_sees_four_byte_tokens_above_int32(six):
     L = 4
     rec = codec.encode_row([np.array([1, 2**32 - 1, 2**31], np.uint32)], ["d"], [0], L, "uint32")
     with pytest.raises(loader.DatasetError, match=r"^record 0: token 4294967295 >= vocab_size 1000$"):
-        rd.pack_records([rec], L, 4, 0, np.int32, vocab_size=1000, six=six)
+        ar.pack_records([rec], L, 4, 0, np.int32, vocab_size=1000, six=six)
     ok = codec.encode_row([np.array([1, 999], np.uint32)], ["d"], [0], L, "uint32")
-    packed, tokens = rd.pack_records([ok], L, 4, 0, np.int32, vocab_size=1000, six=six)
+    packed, tokens = ar.pack_records([ok], L, 4, 0, np.int32, vocab_size=1000, six=six)
     assert tokens == 2
     np.testing.assert_array_equal(packed["inputs"] if six else packed[:, 0], [[1, 999, 0, 0]])
 
@@ -258,9 +260,9 @@ def test_filesystem_type_last_mount_wins_and_octal_escapes(monkeypatch):
               "bucket /mnt/a\\134b fuse.gcsfuse rw 0 0\n"
               "bucket /mnt/t\\011ab fuse.gcsfuse rw 0 0\n"
               "bucket /mnt/s\\040p nfs4 rw 0 0\n")
-    monkeypatch.setattr(rd, "open", lambda p, *a, **k: io.StringIO(mounts), raising=False)
-    monkeypatch.setattr(rd.os.path, "realpath", lambda p: p)
-    got = {p: rd.filesystem_type(p) for p in ("/mnt/x/ds", "/mnt/a\\b/ds", "/mnt/t\tab/ds", "/mnt/s p/ds", "/data")}
+    monkeypatch.setattr(sh, "open", lambda p, *a, **k: io.StringIO(mounts), raising=False)
+    monkeypatch.setattr(sh.os.path, "realpath", lambda p: p)
+    got = {p: sh.filesystem_type(p) for p in ("/mnt/x/ds", "/mnt/a\\b/ds", "/mnt/t\tab/ds", "/mnt/s p/ds", "/data")}
     assert got == {"/mnt/x/ds": "fuse.gcsfuse", "/mnt/a\\b/ds": "fuse.gcsfuse", "/mnt/t\tab/ds": "fuse.gcsfuse",
                    "/mnt/s p/ds": "nfs4", "/data": "ext4"}
-    assert rd.resolve_read_mode("auto", "/mnt/x/ds") == "batched"
+    assert sh.resolve_read_mode("auto", "/mnt/x/ds") == "batched"

@@ -64,7 +64,7 @@ def replay_made(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("replay_run"))
     mix_path = write_run_inputs(root)
     cfg = run_config(root, mix_path)
-    from loader.reader import read_manifest
+    from loader.dataset import read_manifest
     from replay.reference.trainer import ReferenceTrainer, make_mesh
 
     manifest, _ = read_manifest(cfg.dataset)

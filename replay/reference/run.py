@@ -353,7 +353,7 @@ def run_devices(axes: Mapping[str, int]) -> list:
 
 def make_trainer(cfg: RunConfig, *, fingerprints: bool = True):
     """``(ReferenceTrainer, mesh, vocab_size)`` for a run config (reads only the manifest)."""
-    from loader.reader import read_manifest
+    from loader.dataset import read_manifest
     from replay.reference.trainer import ReferenceTrainer, make_mesh
 
     manifest, _ = read_manifest(cfg.dataset)
