@@ -92,6 +92,36 @@ def bucket_of(seed: int, source: str, key: str, num_buckets: int) -> int:
     return stable_hash64(seed, "bucket", source, key) % num_buckets
 
 
+class BucketOf:
+    """``bucket_of(seed, source, key, num_buckets)`` for many keys of one source, faster.
+
+    The hash of the fixed parts ``(seed, "bucket", source)`` is computed once and copied per
+    key (``hashlib`` state copy), so each call hashes only the key; the value is exactly
+    :func:`bucket_of`'s.
+
+    Raises:
+      ValueError: ``num_buckets < 1``.
+    """
+
+    def __init__(self, seed: int, source: str, num_buckets: int):
+        if num_buckets < 1:
+            raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+        import hashlib
+
+        from contract.hashing import _encode_part
+
+        self._prefix = hashlib.blake2b(digest_size=8)
+        for part in (seed, "bucket", source):
+            self._prefix.update(_encode_part(part))
+        self._n = num_buckets
+
+    def __call__(self, key: str) -> int:
+        h = self._prefix.copy()
+        body = key.encode("utf-8", "surrogatepass")
+        h.update(b"s" + len(body).to_bytes(8, "little") + body)
+        return int.from_bytes(h.digest(), "little") % self._n
+
+
 def sort_for_packing(chunks: Iterable[Chunk]) -> list[Chunk]:
     """Returns the chunks sorted by (length desc, key, chunk index): a total, stable order."""
     return sorted(chunks, key=lambda c: (-len(c), c.key, c.index))
