@@ -3,6 +3,8 @@
     python benchmarks/pack.py                    # 200 MB of text (about 3 minutes on 2 cores)
     python benchmarks/pack.py --size-mb 1000     # 1 GB
     python benchmarks/pack.py --quick            # 20 MB, under a minute (a smoke test, not a figure)
+    python benchmarks/pack.py --tokenizer build/demo/tokenizer.model   # the demo's 8,000 pieces
+    python benchmarks/pack.py --paragraphs       # short documents (280 characters on average)
 
 Corpus: real text every machine has, the Python standard library's modules (code) and
 ``pydoc_data.topics`` (prose), written as JSONL documents and repeated until the size is
@@ -34,7 +36,10 @@ on stdout):
 * ``worker_speedup``: wall seconds of 1 worker (in-process) / 2 workers
   (``--direct_running_mode=multi_processing``), same input; ``worker_speedup_vs_1_process``
   against 1 worker in multi_processing mode too (both then start worker processes);
-  ``byte_identical_1_vs_2_workers``: every shard, dead-letter file and the manifest equal.
+  ``worker_speedup_2_threads``: 2 workers in ``multi_threading`` mode (one process;
+  SentencePiece releases the GIL while it encodes);
+  ``byte_identical_1_vs_2_workers``: every shard, dead-letter file and the manifest of the
+  1-worker, 2-process and 2-thread runs equal.
 * ``peak_rss_mb``: peak RSS of the 1-worker run; ``ram_bytes_per_token``: (peak RSS at the
   full size - at a quarter of it) / (tokens packed at the full size - at a quarter of it).
 * ``shuffle_bucket_bytes_per_token``: what the packing step holds for one bucket on the
@@ -90,13 +95,20 @@ def real_documents() -> list[tuple[str, str]]:
     return docs
 
 
-def build_corpus(folder: pathlib.Path, target_bytes: int, files: int = 8, keep_texts: int = 0) -> tuple[list[str], int]:
+def build_corpus(
+    folder: pathlib.Path, target_bytes: int, files: int = 8, keep_texts: int = 0, paragraphs: bool = False
+) -> tuple[list[str], int]:
     """Writes ``files`` JSONL files of at least ``target_bytes`` of text.
+
+    With ``paragraphs``, a document is one blank-line separated paragraph (280 characters
+    on average) instead of a whole module or topic (16 KB).
 
     Returns:
       (the texts of the first ``keep_texts`` bytes or so, total bytes of text written).
     """
     docs = [(n, t) for n, t in real_documents() if t.strip()]
+    if paragraphs:
+        docs = [(f"{n}#{i}", p) for n, t in docs for i, p in enumerate(t.split("\n\n")) if p.strip()]
     folder.mkdir(parents=True, exist_ok=True)
     outs = [open(folder / f"part-{i:02d}.jsonl", "w", encoding="utf-8") for i in range(files)]
     texts, total, rep, i = [], 0, 0, 0
@@ -283,6 +295,11 @@ def main(argv=None) -> int:
     parser.add_argument("--shards", type=int, default=4, help="shards_per_source of the benchmark config")
     parser.add_argument("--repeats", type=int, default=None, help="best of N timings (default 2, quick 1)")
     parser.add_argument("--keep", default=None, help="keep the corpora and datasets in this folder")
+    parser.add_argument("--paragraphs", action="store_true",
+                        help="short documents: one paragraph each (280 characters on average)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a SentencePiece model to use instead of training the 1,000-piece one, e.g. "
+                             "build/demo/tokenizer.model (8,000 pieces, after python -m dataprep.demo)")
     args = parser.parse_args(argv)
     mb = args.size_mb or (20.0 if args.quick else 200.0)
     repeats = args.repeats or (1 if args.quick else 2)
@@ -290,11 +307,17 @@ def main(argv=None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="pack-bench-")
     work = pathlib.Path(args.keep or tmp.name)
     encode_bytes = int(min(mb, 200) * 1e6)  # the encode references' rate does not depend on size
-    texts, nbytes = build_corpus(work / "corpus", int(mb * 1e6), keep_texts=encode_bytes)
-    _, small_bytes = build_corpus(work / "corpus-small", int(mb * 1e6 / 4))
+    texts, nbytes = build_corpus(work / "corpus", int(mb * 1e6), keep_texts=encode_bytes, paragraphs=args.paragraphs)
+    _, small_bytes = build_corpus(work / "corpus-small", int(mb * 1e6 / 4), paragraphs=args.paragraphs)
     build_corpus(work / "corpus-tiny", 20_000, files=1)
-    model = work / "tok.model"
-    sha = testing.train_small_tokenizer(str(model), vocab_size=1000)
+    if args.tokenizer:
+        import hashlib
+
+        model = pathlib.Path(args.tokenizer).resolve()
+        sha = hashlib.sha256(model.read_bytes()).hexdigest()
+    else:
+        model = work / "tok.model"
+        sha = testing.train_small_tokenizer(str(model), vocab_size=1000)
     big = _config(work / "mix.yaml", work / "corpus", model, sha, args.seq_len, args.shards)
     small = _config(work / "mix-small.yaml", work / "corpus-small", model, sha, args.seq_len, args.shards)
     tiny = _config(work / "mix-tiny.yaml", work / "corpus-tiny", model, sha, args.seq_len, 1)
@@ -320,6 +343,7 @@ def main(argv=None) -> int:
     list_tokens, list_cpu = plain_encode(str(model), texts, numpy=False)
     bucket_bpt, bucket_tokens = shuffle_bucket_bytes_per_token(str(model), work / "corpus-small", args.seq_len)
     one_proc = measure(_pack(big, work / "ds-1p", 1, "multi_processing"))
+    threads = measure(_pack(big, work / "ds-2t", 2, "multi_threading"))
     plain2 = measure([sys.executable, "benchmarks/plain_pack.py", "--inputs", str(work / "corpus/*.jsonl"),
                       "--model", str(model), "--out", str(work / "plain2"), "--seq-len", str(args.seq_len),
                       "--processes", "2"])
@@ -336,7 +360,7 @@ def main(argv=None) -> int:
     pipe_rate = tokens / one["cpu"]
     numpy_rate, list_rate = enc_tokens / enc_cpu, list_tokens / list_cpu
     plain_rate = plain_stats["tokens"] / plain["cpu"]
-    identical = {k: v for k, v in _files(work / "ds-1").items()} == _files(work / "ds-2")
+    identical = _files(work / "ds-1") == _files(work / "ds-2") == _files(work / "ds-2t")
     report = {
         "corpus_bytes": nbytes,
         "corpus_bytes_small": small_bytes,
@@ -350,7 +374,11 @@ def main(argv=None) -> int:
         "docs_split": entry.ledger.docs_split,
         "bytes_per_token_ratio": round(t["bytes"] / (tokens * width), 4),
         "token_dtype": m.token_dtype,
+        "vocab_size": m.tokenizer["vocab_size"],
+        "text_bytes_per_token": round(nbytes / tokens, 3),
+        "disk_bytes_per_token": round(t["bytes"] / tokens, 4),
         "repeats": repeats,
+        "paragraphs": args.paragraphs,
         "cpu_count": os.cpu_count(),
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "pipeline_seconds": round(one["wall"], 2),
@@ -380,6 +408,8 @@ def main(argv=None) -> int:
         "speed_ratio_vs_plain_script": round(pipe_rate / plain_rate, 4),
         "worker_speedup": round(one["wall"] / two["wall"], 3),
         "worker_speedup_vs_1_process": round(one_proc["wall"] / two["wall"], 3),
+        "worker_speedup_2_threads": round(one["wall"] / threads["wall"], 3),
+        "pipeline_seconds_2_threads": round(threads["wall"], 2),
         "plain_script_speedup_2_processes": round(plain["wall"] / plain2["wall"], 3),
         "byte_identical_1_vs_2_workers": identical,
         "peak_rss_mb": round(one["peak_rss_mb"], 1),

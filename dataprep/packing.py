@@ -147,20 +147,23 @@ def best_fit_decreasing(lengths: Sequence[int], seq_len: int, max_segments: int)
     rows: list[list[int]] = []
     room: list[int] = []
     open_rows: list[tuple[int, int]] = []  # sorted (remaining room, row index)
+    bisect_left, insort, pop = bisect.bisect_left, bisect.insort, open_rows.pop  # hot loop: local names
     for i, n in enumerate(lengths):
         if not 1 <= n <= seq_len:
             raise ValueError(f"item {i} has length {n}, not in [1, {seq_len}]")
-        j = bisect.bisect_left(open_rows, (n, -1))
+        j = bisect_left(open_rows, (n, -1))
         if j < len(open_rows):
-            _, r = open_rows.pop(j)
+            r = pop(j)[1]
+            row = rows[r]
         else:
             r = len(rows)
-            rows.append([])
+            row = []
+            rows.append(row)
             room.append(seq_len)
-        rows[r].append(i)
-        room[r] -= n
-        if room[r] > 0 and len(rows[r]) < max_segments:
-            bisect.insort(open_rows, (room[r], r))
+        row.append(i)
+        left = room[r] = room[r] - n
+        if left > 0 and len(row) < max_segments:
+            insort(open_rows, (left, r))
     return rows
 
 

@@ -186,7 +186,7 @@ class ReadAndTokenize(beam.DoFn):
                 yield pvalue.TaggedOutput(
                     REJECTED, (source_name, item.key, item.reason.value, item.raw, item.detail)
                 )
-            if n % 256 == 0 and raw:
+            if n % 256 == 0 and raw and self._heartbeat_dir:
                 try:
                     at = raw[0].tell()
                 except (OSError, ValueError):  # closed or not seekable: count the file at its end
@@ -373,23 +373,22 @@ class PackAndWriteShard(beam.DoFn):
 
         def records():
             """Encoded rows, their tokens gathered ``window_tokens`` at a time (bounded memory)."""
-            window: list[list[int]] = []
-            size = 0
-            for row in rows + [None]:
-                if row is not None:
-                    window.append(row)
-                    size += sum(lengths[i] for i in row)
-                    if size < self._window_tokens:
-                        continue
-                items = [chunks[i] for w in window for i in w]
+            frombuffer = np.frombuffer
+            start = 0
+            while start < len(rows):
+                end, size = start, 0
+                while end < len(rows) and (size < self._window_tokens or end == start):
+                    size += seq_len  # a row holds at most seq_len tokens: the window's bound
+                    end += 1
+                items = [chunks[i] for row in rows[start:end] for i in row]
                 data = group.gather([(c[3], c[4] * width, -c[0] * width) for c in items])
                 k = 0
-                for w in window:
-                    segs = [np.frombuffer(data[k + j], dtype) for j in range(len(w))]
-                    its = items[k : k + len(w)]
-                    k += len(w)
+                for row in rows[start:end]:
+                    its = items[k : k + len(row)]
+                    segs = [frombuffer(d, dtype) for d in data[k : k + len(row)]]
+                    k += len(row)
                     yield encode_row(segs, [c[1] for c in its], [c[2] for c in its], seq_len, dtype)
-                window, size = [], 0
+                start = end
 
         num_shards = self._num_shards[source]
         rel = f"{source}/{shard_name(bucket, num_shards)}"

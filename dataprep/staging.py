@@ -192,6 +192,7 @@ class StagedGroup:
             nbytes.append(lengths)
             segment.append(np.full(len(k), s, np.int64))
             offset.append(starts.astype(np.int64))
+        self._lists: Optional[tuple[list[int], list[int]]] = None
         self.keys = keys
         self.nbytes = np.concatenate(nbytes) if nbytes else np.zeros(0, np.int64)
         self.segment = np.concatenate(segment) if segment else np.zeros(0, np.int64)
@@ -209,11 +210,14 @@ class StagedGroup:
         """
         out: list = [None] * len(pieces)
         spilled: dict[int, list[tuple[int, int, int]]] = collections.defaultdict(list)
-        segment, offset = self.segment, self.offset
+        if self._lists is None:  # Python ints: indexing NumPy arrays per piece is slow
+            self._lists = (self.segment.tolist(), self.offset.tolist())
+        segment, offset = self._lists
+        inline = self._inline
         for i, (r, start, n) in enumerate(pieces):
-            s = int(segment[r])
-            view = self._inline.get(s)
-            at = int(offset[r]) + start
+            s = segment[r]
+            at = offset[r] + start
+            view = inline.get(s)
             if view is not None:
                 out[i] = view[at : at + n]
             else:
