@@ -186,16 +186,16 @@ class ReadAndTokenize(beam.DoFn):
                 yield pvalue.TaggedOutput(
                     REJECTED, (source_name, item.key, item.reason.value, item.raw, item.detail)
                 )
-            if n % 256 == 0 and raw and self._heartbeat_dir:
+            if n % 32 == 0 and raw and self._heartbeat_dir:
                 try:
                     at = raw[0].tell()
                 except (OSError, ValueError):  # closed or not seekable: count the file at its end
                     at = done
-                self._read_beat.add(documents=256, bytes=max(0, at - done))
+                self._read_beat.add(documents=32, bytes=max(0, at - done))
                 done = max(done, at)
         self._counters[source_name, "read"].inc(n)
         self._counters[source_name, "bytes_read"].inc(size)
-        self._read_beat.add(documents=n % 256, bytes=max(0, size - done))
+        self._read_beat.add(documents=n % 32, bytes=max(0, size - done))
         yield pvalue.TaggedOutput(STATS, ("read", source_name, n))
 
     def _encode(self) -> Iterable[Any]:
@@ -360,52 +360,57 @@ class PackAndWriteShard(beam.DoFn):
     def _pack(self, source: str, bucket: int, group: staging.StagedGroup) -> dict[str, Any]:
         seq_len, dtype = self._seq_len, np.dtype(self._dtype)
         width = dtype.itemsize
-        # One entry per chunk: (-length, key, chunk index, record, first token): sorting the
-        # tuples is sort_for_packing's (length desc, key, chunk) order.
-        chunks = []
-        for r, (key, nbytes) in enumerate(zip(group.keys, group.nbytes.tolist())):
-            n = nbytes // width
-            for c, start in enumerate(range(0, n, seq_len)):
-                chunks.append((-min(seq_len, n - start), key, c, r, start))
-        chunks.sort()
-        lengths = [-c[0] for c in chunks]
+        keys = group.keys
+        # Chunks as NumPy columns (a Python tuple a chunk costs several times the tokens of a
+        # short document): record, chunk index, first token, length.
+        ntok = group.nbytes // width
+        per_record = -(-ntok // seq_len)
+        record = np.repeat(np.arange(len(keys), dtype=np.int64), per_record)
+        chunk = np.arange(len(record), dtype=np.int64) - np.repeat(np.cumsum(per_record) - per_record, per_record)
+        start = chunk * seq_len
+        length = np.minimum(seq_len, ntok[record] - start)
+        # sort_for_packing's order, (length desc, key, chunk): keys ranked once by Python's
+        # string order, then one lexsort (last key first).
+        rank = np.empty(len(keys), np.int64)
+        rank[sorted(range(len(keys)), key=keys.__getitem__)] = np.arange(len(keys))
+        order = np.lexsort((chunk, rank[record], -length))
+        record, chunk, start, length = record[order], chunk[order], start[order], length[order]
+        lengths = length.tolist()
         rows = packing.best_fit_decreasing(lengths, seq_len, self._max_segments)
 
         def records():
             """Encoded rows, their tokens gathered ``window_tokens`` at a time (bounded memory)."""
             frombuffer = np.frombuffer
-            start = 0
-            while start < len(rows):
-                end, size = start, 0
-                while end < len(rows) and (size < self._window_tokens or end == start):
-                    size += seq_len  # a row holds at most seq_len tokens: the window's bound
-                    end += 1
-                items = [chunks[i] for row in rows[start:end] for i in row]
-                data = group.gather([(c[3], c[4] * width, -c[0] * width) for c in items])
+            per_window = max(1, self._window_tokens // seq_len)  # a row holds at most seq_len tokens
+            for w in range(0, len(rows), per_window):
+                window = rows[w : w + per_window]
+                idx = np.fromiter((i for row in window for i in row), np.int64)
+                data = group.gather(record[idx], start[idx] * width, length[idx] * width)
+                row_keys = [keys[r] for r in record[idx].tolist()]
+                row_chunks = chunk[idx].tolist()
                 k = 0
-                for row in rows[start:end]:
-                    its = items[k : k + len(row)]
-                    segs = [frombuffer(d, dtype) for d in data[k : k + len(row)]]
-                    k += len(row)
-                    yield encode_row(segs, [c[1] for c in its], [c[2] for c in its], seq_len, dtype)
-                start = end
+                for row in window:
+                    n = len(row)
+                    segs = [frombuffer(d, dtype) for d in data[k : k + n]]
+                    yield encode_row(segs, row_keys[k : k + n], row_chunks[k : k + n], seq_len, dtype)
+                    k += n
 
         num_shards = self._num_shards[source]
         rel = f"{source}/{shard_name(bucket, num_shards)}"
         sha, size = write_shard(records(), len(rows), fsutil.join(self._output, source, shard_name(bucket, num_shards)))
         faults.maybe_fail("pack", rel)
-        total = sum(lengths)
+        total = int(length.sum())
         return {
             "path": rel,
             "records": len(rows),
             "tokens": total,
             "padding": len(rows) * seq_len - total,
-            "documents": sum(1 for c in chunks if c[2] == 0),
-            "segments": len(chunks),
+            "documents": len(keys),
+            "segments": len(lengths),
             "sha256": sha,
             "bytes": size,
-            "docs_split": sum(1 for c in chunks if c[2] == 1),
-            "segment_lengths": segment_length_histogram(np.asarray(lengths, np.int64), seq_len),
+            "docs_split": int((per_record > 1).sum()),
+            "segment_lengths": segment_length_histogram(length, seq_len),
         }
 
 
@@ -425,8 +430,7 @@ class WriteDeadLetters(beam.DoFn):
     def process(self, element):
         (source, bucket), values = element
         group = staging.StagedGroup(values)
-        pieces = group.gather([(r, 0, int(n)) for r, n in enumerate(group.nbytes)])
-        lines = sorted(zip(group.keys, map(bytes, pieces)))
+        lines = sorted(zip(group.keys, map(bytes, group.gather_all())))
         num_shards = self._num_shards[source]
         name = f"{source}-{bucket:05d}-of-{num_shards:05d}.jsonl"
         fsutil.write_bytes(fsutil.join(self._output, ERRORS_DIR, name), b"".join(line for _, line in lines))

@@ -86,7 +86,7 @@ def render(manifest: Manifest, config: MixtureConfig, histograms: Mapping[str, n
             x += 1
         if shards:
             ticks.append((start + x - 1) / 2)
-            labels.append(f"{n}\n({len(shards)} shards)")
+            labels.append(f"{n}\n({len(shards)} shard{'s' if len(shards) > 1 else ''})")
     if fills:
         ax.bar(np.arange(len(fills)), fills, color=cols, width=0.8 if len(fills) <= 200 else 1.0)
         used = [f for f in fills if f > 0]

@@ -192,7 +192,6 @@ class StagedGroup:
             nbytes.append(lengths)
             segment.append(np.full(len(k), s, np.int64))
             offset.append(starts.astype(np.int64))
-        self._lists: Optional[tuple[list[int], list[int]]] = None
         self.keys = keys
         self.nbytes = np.concatenate(nbytes) if nbytes else np.zeros(0, np.int64)
         self.segment = np.concatenate(segment) if segment else np.zeros(0, np.int64)
@@ -201,30 +200,27 @@ class StagedGroup:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def gather(self, pieces: Sequence[tuple[int, int, int]]) -> list:
-        """Returns the bytes of each ``(record, byte offset in its payload, nbytes)`` piece.
+    def gather(self, records: Sequence[int], starts: Sequence[int], sizes: Sequence[int]) -> list:
+        """Returns the bytes of each piece ``(records[i], starts[i], sizes[i])``.
 
-        Inline pieces are views. Spilled pieces are read file by file, each file opened
-        once and read in offset order (so a gather of many pieces is sequential I/O), and
-        returned in the order asked.
+        A piece is ``sizes[i]`` bytes at byte ``starts[i]`` of record ``records[i]``'s
+        payload (arrays or lists of ints, one entry a piece). Inline pieces are views.
+        Spilled pieces are read file by file, each file opened once and read in offset
+        order (so a gather of many pieces is sequential I/O), and returned in the order asked.
         """
-        out: list = [None] * len(pieces)
-        spilled: dict[int, list[tuple[int, int, int]]] = collections.defaultdict(list)
-        if self._lists is None:  # Python ints: indexing NumPy arrays per piece is slow
-            self._lists = (self.segment.tolist(), self.offset.tolist())
-        segment, offset = self._lists
-        inline = self._inline
-        for i, (r, start, n) in enumerate(pieces):
-            s = segment[r]
-            at = offset[r] + start
+        records = np.asarray(records, np.int64)
+        segment = self.segment[records].tolist()  # Python ints: per-piece NumPy indexing is slow
+        at_list = (self.offset[records] + np.asarray(starts, np.int64)).tolist()
+        size_list = np.asarray(sizes, np.int64).tolist()
+        out: list = [None] * len(segment)
+        by_path: dict[str, list[tuple[int, int, int]]] = collections.defaultdict(list)
+        inline, paths = self._inline, self._paths
+        for i, (s, at, n) in enumerate(zip(segment, at_list, size_list)):
             view = inline.get(s)
             if view is not None:
                 out[i] = view[at : at + n]
             else:
-                spilled[s].append((at, n, i))
-        by_path: dict[str, list[tuple[int, int, int]]] = collections.defaultdict(list)
-        for s, reads in spilled.items():
-            by_path[self._paths[s]].extend(reads)
+                by_path[paths[s]].append((at, n, i))
         for path in sorted(by_path):
             with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
                 for at, n, i in sorted(by_path[path]):
@@ -234,6 +230,11 @@ class StagedGroup:
                         raise IOError(f"spill file {path}: read {len(data)} bytes at {at}, expected {n}")
                     out[i] = data
         return out
+
+    def gather_all(self) -> list:
+        """The whole payload of every record, in delivery order."""
+        n = len(self.keys)
+        return self.gather(np.arange(n), np.zeros(n, np.int64), self.nbytes)
 
 
 def remove_spill(spill_dir: str) -> None:

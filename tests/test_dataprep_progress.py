@@ -131,3 +131,16 @@ def test_report_png_is_drawn_next_to_the_manifest_and_reproduces(corpus, tmp_pat
     assert not (tmp_path / "c").exists()
     pack.run(["--config", str(corpus / "mix.yaml"), "--output", str(tmp_path / "c"), "--no-report"], print_summary=False)
     assert not (tmp_path / "c/report.png").exists()
+
+
+def test_counters_of_a_distributed_run_become_stages():
+    """What the driver polls on Dataflow: Beam counters summed over sources."""
+    counters = {"web.read": 10, "web.bytes_read": 1000, "web.tokens_in": 500, "code.read": 2,
+                "code.bytes_read": 50, "code.tokens_in": 40, "web.rejected.invalid_json": 1}
+    assert progress.counters_as_stages(counters, 1.0, 2.0) == {
+        "read": {"first": 1.0, "last": 2.0, "documents": 12, "bytes": 1050},
+        "tokenize": {"first": 1.0, "last": 2.0, "tokens": 540},
+    }
+    counters.update({"web.rows": 7, "web.shards": 1, "web.tokens_packed": 300})
+    assert progress.counters_as_stages(counters, 1.0, 2.0)["pack"] == {
+        "first": 1.0, "last": 2.0, "shards": 1, "rows": 7, "tokens": 300}

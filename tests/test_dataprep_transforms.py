@@ -26,7 +26,7 @@ def tok(tmp_path_factory):
 def _records(values):
     """(key, token list) of every record in staged values, sorted by key."""
     group = staging.StagedGroup(values)
-    data = group.gather([(r, 0, int(n)) for r, n in enumerate(group.nbytes)])
+    data = group.gather_all()
     return sorted((k, np.frombuffer(d, np.uint16).tolist()) for k, d in zip(group.keys, data))
 
 
@@ -90,7 +90,8 @@ def test_stager_inline_and_spilled_give_the_same_records(tmp_path):
         out = {}
         for g, values in sorted(by_group.items()):
             group = staging.StagedGroup(values)
-            data = group.gather([(r, 0, int(n)) for r, n in enumerate(group.nbytes)][::-1])[::-1]
+            n = len(group)
+            data = group.gather(np.arange(n)[::-1], np.zeros(n, np.int64), group.nbytes[::-1])[::-1]
             out[g] = list(zip(group.keys, map(bytes, data)))
         results.append(out)
     assert results[0] == results[1] == {
