@@ -27,9 +27,13 @@ ledger, checks for silent loss, writes ``manifest.json`` last (the commit marker
 
 from __future__ import annotations
 
+import gc
+
+if __name__ == "__main__":  # the command: Beam's imports make objects that live for the whole run;
+    gc.disable()  # collecting while importing them is wasted work (re-enabled, frozen, below)
+
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import platform
@@ -456,6 +460,8 @@ def _clear_dead_letters(output: str, config: MixtureConfig, pre: preflight.Prefl
         for path in fsutil.match(fsutil.join(output, source, "data-?????-of-?????.array_record")):
             if FileSystems.split(path)[1] not in current:
                 fsutil.delete(path)
+        for path in fsutil.match(fsutil.join(output, source, "data-?????-of-?????.array_record.tmp-*")):
+            fsutil.delete(path)  # a shard being written when a run was killed
 
 
 def _metrics(result) -> dict[str, int]:
@@ -651,4 +657,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    gc.freeze()
+    gc.enable()
     sys.exit(main())

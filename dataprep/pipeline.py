@@ -33,6 +33,7 @@ import collections
 import json
 import os
 import tempfile
+import threading
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import apache_beam as beam
@@ -268,26 +269,27 @@ class StageRejected(beam.DoFn):
 def write_shard(records: Iterable[bytes], num_records: int, dest: str) -> tuple[str, int]:
     """Writes encoded rows as one ArrayRecord shard at ``dest`` (any FileSystems path).
 
-    The shard is written to a local temporary file with options ``group_size:1``, reopened
-    and checked (``ok()`` and record count), then copied to ``dest``.
+    The shard is written with options ``group_size:1`` to a temporary name (beside ``dest``
+    when ``dest`` is local, else in a local temporary folder), reopened and checked
+    (``ok()`` and record count), then renamed to ``dest`` (local) or copied there.
 
     Returns:
       (sha256 hex, size in bytes) of the shard.
 
     Raises:
-      ShardVerifyError: the local file does not verify, or the copy has a different size.
+      ShardVerifyError: the written file does not verify, or the copy has a different size.
     """
+    from apache_beam.io.localfilesystem import LocalFileSystem
     from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
-    with tempfile.TemporaryDirectory(prefix="dataprep-shard-") as tmp:
-        local = os.path.join(tmp, "shard.array_record")
-        writer = ArrayRecordWriter(local, ARRAY_RECORD_OPTIONS)
+    def write_and_verify(path: str) -> None:
+        writer = ArrayRecordWriter(path, ARRAY_RECORD_OPTIONS)
         for record in records:
             writer.write(record)
         if not writer.ok():
             raise ShardVerifyError(f"ArrayRecord writer for {dest} is not ok")
         writer.close()
-        reader = ArrayRecordReader(local)
+        reader = ArrayRecordReader(path)
         try:
             if not reader.ok() or reader.num_records() != num_records:
                 raise ShardVerifyError(
@@ -296,6 +298,21 @@ def write_shard(records: Iterable[bytes], num_records: int, dest: str) -> tuple[
                 )
         finally:
             reader.close()
+
+    if isinstance(FileSystems.get_filesystem(dest), LocalFileSystem):
+        os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
+        tmp = f"{dest}.tmp-{os.getpid()}-{threading.get_ident()}"  # one writer per name at a time
+        try:
+            write_and_verify(tmp)
+            sha, size = fsutil.sha256_of(tmp), os.path.getsize(tmp)
+            os.replace(tmp, dest)  # atomic: a reader never sees half a shard
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return sha, size
+    with tempfile.TemporaryDirectory(prefix="dataprep-shard-") as tmpdir:
+        local = os.path.join(tmpdir, "shard.array_record")
+        write_and_verify(local)
         sha, size = fsutil.copy_local_to(local, dest)
     on_disk = FileSystems.match([dest])[0].metadata_list[0].size_in_bytes
     if on_disk != size:
@@ -318,8 +335,9 @@ class PackAndWriteShard(beam.DoFn):
     packs them with best-fit-decreasing (``dataprep.packing``) and writes
     ``<output>/<source>/data-SSSSS-of-NNNNN.array_record``. Rows are encoded in windows of
     about ``window_tokens`` tokens, the window's chunks gathered in one pass over the spill
-    files (sorted by file and offset), so the step holds the bucket's metadata (about 100
-    bytes a chunk) and one window, whatever the bucket's size. Emits one ``("shard", source,
+    files (sorted by file and offset), so the step holds the bucket's metadata (about 500
+    bytes a document: keys, lengths, the sort and best fit) and one window, whatever the
+    size of the bucket's tokens. Emits one ``("shard", source,
     bucket, info)`` where ``info`` has the ``ShardInfo`` fields plus ``docs_split`` and
     ``segment_lengths`` (a histogram, :func:`segment_length_histogram`).
     """
@@ -375,8 +393,7 @@ class PackAndWriteShard(beam.DoFn):
         rank[sorted(range(len(keys)), key=keys.__getitem__)] = np.arange(len(keys))
         order = np.lexsort((chunk, rank[record], -length))
         record, chunk, start, length = record[order], chunk[order], start[order], length[order]
-        lengths = length.tolist()
-        rows = packing.best_fit_decreasing(lengths, seq_len, self._max_segments)
+        rows = packing.best_fit_decreasing(length.tolist(), seq_len, self._max_segments)
 
         def records():
             """Encoded rows, their tokens gathered ``window_tokens`` at a time (bounded memory)."""
@@ -406,7 +423,7 @@ class PackAndWriteShard(beam.DoFn):
             "tokens": total,
             "padding": len(rows) * seq_len - total,
             "documents": len(keys),
-            "segments": len(lengths),
+            "segments": len(length),
             "sha256": sha,
             "bytes": size,
             "docs_split": int((per_record > 1).sum()),

@@ -90,12 +90,13 @@ def _check_text(key: str, text: str, raw: Union[bytes, str]) -> Item:
 
 
 def _check_json_text(key: str, text: str, line: bytes) -> Item:
-    """:func:`_check_text` for text parsed from a UTF-8 JSON line.
+    """:func:`_check_text` for text parsed from a UTF-8 JSON line, without a copy when ASCII.
 
     Only a ``\\u`` escape can put a lone surrogate into such text (decoding UTF-8 never
-    yields one), so the encode check runs only on lines that hold one.
+    yields one), and an ASCII string holds none: ``str.isascii()`` reads a flag, so the
+    encode check runs only on non-ASCII text.
     """
-    return _check_text(key, text, line) if b"\\u" in line else Document(key, text)
+    return Document(key, text) if text.isascii() else _check_text(key, text, line)
 
 
 class _LongInt(str):
@@ -460,6 +461,7 @@ class _Readable(io.RawIOBase):
     def __init__(self, f, hold_errors: tuple[type[BaseException], ...] = ()):
         self._f = f
         self._hold = hold_errors
+        self._readinto = getattr(f, "readinto", None)
         self.error: Optional[BaseException] = None
         self.partial = b""  # the cut-off last line, set by _iter_jsonl
 
@@ -469,6 +471,8 @@ class _Readable(io.RawIOBase):
     def readinto(self, b) -> int:
         if self.error is not None:
             return 0
+        if not self._hold and self._readinto is not None:
+            return self._readinto(b)  # straight into the buffer: no new 1 MB bytes object a read
         try:
             # Small reads, so that a decompression error loses little of what came before it.
             data = self._f.read(min(len(b), 1 << 16) if self._hold else len(b))
