@@ -127,6 +127,44 @@ def sort_for_packing(chunks: Iterable[Chunk]) -> list[Chunk]:
     return sorted(chunks, key=lambda c: (-len(c), c.key, c.index))
 
 
+def chunk_columns(
+    keys: Sequence[str], num_tokens: np.ndarray, seq_len: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every chunk of a bucket's documents as columns, in :func:`sort_for_packing`'s order.
+
+    What :func:`split_into_chunks` then :func:`sort_for_packing` give, without a Python
+    object a chunk (the packing step of a bucket of short documents would hold several
+    times their tokens in tuples).
+
+    Args:
+      keys: ``D`` distinct document keys.
+      num_tokens: int ``[D]``, tokens of each document, each >= 1.
+      seq_len: chunk length, >= 1.
+
+    Returns:
+      ``(document, chunk, start, length)``, int64 ``[C]`` each: for the ``C`` chunks in
+      (length desc, key, chunk index) order, the document's index in ``keys``, the chunk
+      index, its first token in the document (``chunk * seq_len``) and its length.
+
+    Raises:
+      ValueError: ``seq_len < 1``, a document has no token, or lengths disagree.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    num_tokens = np.asarray(num_tokens, np.int64)
+    if num_tokens.shape != (len(keys),) or (num_tokens.size and num_tokens.min() < 1):
+        raise ValueError(f"need one token count >= 1 for each of the {len(keys)} keys")
+    per_doc = -(-num_tokens // seq_len)
+    document = np.repeat(np.arange(len(keys), dtype=np.int64), per_doc)
+    chunk = np.arange(len(document), dtype=np.int64) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
+    start = chunk * seq_len
+    length = np.minimum(seq_len, num_tokens[document] - start)
+    rank = np.empty(len(keys), np.int64)  # keys ranked by Python's string order, as sorted() does
+    rank[sorted(range(len(keys)), key=keys.__getitem__)] = np.arange(len(keys))
+    order = np.lexsort((chunk, rank[document], -length))  # last key first
+    return document[order], chunk[order], start[order], length[order]
+
+
 def best_fit_decreasing(lengths: Sequence[int], seq_len: int, max_segments: int) -> list[list[int]]:
     """Assigns items to rows by best fit, in the order given (sort them decreasing first).
 

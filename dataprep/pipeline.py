@@ -379,20 +379,8 @@ class PackAndWriteShard(beam.DoFn):
         seq_len, dtype = self._seq_len, np.dtype(self._dtype)
         width = dtype.itemsize
         keys = group.keys
-        # Chunks as NumPy columns (a Python tuple a chunk costs several times the tokens of a
-        # short document): record, chunk index, first token, length.
         ntok = group.nbytes // width
-        per_record = -(-ntok // seq_len)
-        record = np.repeat(np.arange(len(keys), dtype=np.int64), per_record)
-        chunk = np.arange(len(record), dtype=np.int64) - np.repeat(np.cumsum(per_record) - per_record, per_record)
-        start = chunk * seq_len
-        length = np.minimum(seq_len, ntok[record] - start)
-        # sort_for_packing's order, (length desc, key, chunk): keys ranked once by Python's
-        # string order, then one lexsort (last key first).
-        rank = np.empty(len(keys), np.int64)
-        rank[sorted(range(len(keys)), key=keys.__getitem__)] = np.arange(len(keys))
-        order = np.lexsort((chunk, rank[record], -length))
-        record, chunk, start, length = record[order], chunk[order], start[order], length[order]
+        record, chunk, start, length = packing.chunk_columns(keys, ntok, seq_len)
         rows = packing.best_fit_decreasing(length.tolist(), seq_len, self._max_segments)
 
         def records():
@@ -426,7 +414,7 @@ class PackAndWriteShard(beam.DoFn):
             "segments": len(length),
             "sha256": sha,
             "bytes": size,
-            "docs_split": int((per_record > 1).sum()),
+            "docs_split": int((ntok > seq_len).sum()),
             "segment_lengths": segment_length_histogram(length, seq_len),
         }
 
