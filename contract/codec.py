@@ -137,11 +137,13 @@ def encode_row(
     total = int(lengths.sum())
     if total > seq_len:
         raise ValueError(f"row holds {total} tokens, more than seq_len={seq_len}")
-    if n_seg:
+    if n_seg and all(isinstance(s, np.ndarray) and s.dtype == dtype for s in tokens_per_segment):
+        flat = np.concatenate(tokens_per_segment)  # already the stored dtype: every id fits
+    elif n_seg:
         flat = np.concatenate([np.asarray(s, dtype=np.int64) for s in tokens_per_segment])
     else:
         flat = np.zeros((0,), np.int64)
-    if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(dtype).max):
+    if flat.dtype != dtype and flat.size and (flat.min() < 0 or flat.max() > np.iinfo(dtype).max):
         raise ValueError(
             f"token ids must be in [0, {np.iinfo(dtype).max}] for {dtype.name}, "
             f"got min {flat.min()} max {flat.max()}"
@@ -153,7 +155,7 @@ def encode_row(
     key_lengths = np.array([len(k) for k in keys], dtype="<u4")
     parts = [
         _HEADER.pack(MAGIC, FORMAT_VERSION, dtype.itemsize, 0, seq_len, total, n_seg),
-        flat.astype(dtype).tobytes(),
+        flat.astype(dtype, copy=False).tobytes(),
         lengths.tobytes(),
         chunks.astype("<u4").tobytes(),
         key_lengths.tobytes(),

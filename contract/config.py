@@ -6,8 +6,10 @@ A mixture config names a dataset version and says what goes into it::
     version: 1                 # bump on any change that alters the packed output
     seq_len: 8192              # slots per packed row (default 8192)
     seed: 0                    # seeds bucketing here and shuffling in the loader
-    shards_per_source: 4       # ArrayRecord shards written per source
+    target_shard_tokens: 268435456  # 2**28 (default): shards per source follow from input size
+    shards_per_source: 4       # optional override of that: exactly this many shards per source
     max_segments_per_row: 256  # cap on documents (segments) packed into one row
+    max_rejected_fraction: 0.5 # a source rejecting more of its documents fails the pack
     tokenizer:
       path: ../../build/demo/tokenizer.model   # relative paths: to this file's folder
       sha256: 3f1a...          # expected sha256 of the model file (optional but advised)
@@ -49,6 +51,11 @@ from typing import Any, Mapping, Optional
 import yaml
 
 DEFAULT_SEQ_LEN = 8192
+# 2**28 tokens a shard: 512 MiB of uint16 tokens for the packing step that holds one bucket
+# on a distributed runner; 56k shards for 15T tokens (docs/dataprep.md, "Sizing").
+DEFAULT_TARGET_SHARD_TOKENS = 2**28
+DEFAULT_MAX_REJECTED_FRACTION = 0.5
+MAX_SHARDS = 99999  # shard names have five digits (contract.manifest.shard_name)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -118,14 +125,21 @@ class MixtureConfig:
 
     ``phases`` always starts with the phase at step 0 built from the sources' weights,
     followed by the config's own phases in increasing ``from_step``.
+
+    ``shards_per_source`` is ``None`` unless the config sets it: then ``dataprep`` derives
+    each source's shard count from the listed sizes of its input files and
+    ``target_shard_tokens`` (``dataprep.sizing``). ``max_rejected_fraction`` in ``[0, 1]``:
+    a source whose rejected documents exceed this share of those read fails the pack.
     """
 
     name: str
     version: int
     seq_len: int = DEFAULT_SEQ_LEN
     seed: int = 0
-    shards_per_source: int = 1
+    shards_per_source: Optional[int] = None  # None: from the input size and target_shard_tokens
+    target_shard_tokens: int = DEFAULT_TARGET_SHARD_TOKENS
     max_segments_per_row: int = 256
+    max_rejected_fraction: float = DEFAULT_MAX_REJECTED_FRACTION
     tokenizer: TokenizerConfig
     sources: tuple[SourceConfig, ...]
     phases: tuple[PhaseConfig, ...]
@@ -149,7 +163,9 @@ class MixtureConfig:
             "seq_len": self.seq_len,
             "seed": self.seed,
             "shards_per_source": self.shards_per_source,
+            "target_shard_tokens": self.target_shard_tokens,
             "max_segments_per_row": self.max_segments_per_row,
+            "max_rejected_fraction": self.max_rejected_fraction,
             "tokenizer": dataclasses.asdict(self.tokenizer),
             "sources": [
                 {
@@ -177,8 +193,8 @@ class MixtureConfig:
 
 
 _TOP_KEYS = {
-    "name", "version", "seq_len", "seed", "shards_per_source", "max_segments_per_row",
-    "tokenizer", "sources", "phases",
+    "name", "version", "seq_len", "seed", "shards_per_source", "target_shard_tokens",
+    "max_segments_per_row", "max_rejected_fraction", "tokenizer", "sources", "phases",
 }
 _TOKENIZER_KEYS = {"path", "sha256", "add_bos", "add_eos"}
 _SOURCE_KEYS = {"name", "paths", "root", "format", "text_field", "id_field", "text_split", "weight"}
@@ -268,10 +284,24 @@ def mixture_from_dict(raw: Any, base_dir: Optional[str] = None, path: Optional[s
     if seq_len > 2**31 - 1:
         raise ConfigError(f"seq_len: must be < 2**31, got {seq_len}")
     seed = _int("seed", raw.get("seed", 0), 0)
-    shards = _int("shards_per_source", raw.get("shards_per_source", 1), 1)
-    if shards > 99999:
-        raise ConfigError(f"shards_per_source: must be <= 99999, got {shards}")
+    shards = raw.get("shards_per_source")  # null (as to_dict() writes it) = not set
+    if shards is not None:
+        shards = _int("shards_per_source", shards, 1)
+        if shards > MAX_SHARDS:
+            raise ConfigError(f"shards_per_source: must be <= {MAX_SHARDS}, got {shards}")
+    target = _int("target_shard_tokens", raw.get("target_shard_tokens", DEFAULT_TARGET_SHARD_TOKENS), 1)
+    if target < seq_len:
+        raise ConfigError(
+            f"target_shard_tokens: must be >= seq_len ({seq_len}), got {target}; a shard holds whole rows"
+        )
     max_segments = _int("max_segments_per_row", raw.get("max_segments_per_row", 256), 1)
+    max_rejected = raw.get("max_rejected_fraction", DEFAULT_MAX_REJECTED_FRACTION)
+    if isinstance(max_rejected, bool) or not isinstance(max_rejected, (int, float)) or not (
+        0.0 <= max_rejected <= 1.0
+    ):
+        raise ConfigError(
+            f"max_rejected_fraction: must be a number in [0, 1] (1 accepts any loss), got {max_rejected!r}"
+        )
 
     tok_raw = raw["tokenizer"]
     if not isinstance(tok_raw, Mapping):
@@ -411,7 +441,9 @@ def mixture_from_dict(raw: Any, base_dir: Optional[str] = None, path: Optional[s
         seq_len=seq_len,
         seed=seed,
         shards_per_source=shards,
+        target_shard_tokens=target,
         max_segments_per_row=max_segments,
+        max_rejected_fraction=float(max_rejected),
         tokenizer=tokenizer,
         sources=tuple(sources),
         phases=tuple(phases),

@@ -141,7 +141,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = pathlib.Path(args.out).resolve()
     from rich.console import Console
 
-    console = Console()
+    console = Console(soft_wrap=True)  # paths and commands are never broken across lines
     console.rule("1. inputs from the local Python installation")
     n_topics = export_topics(out / "inputs" / "docs" / "topics.jsonl")
     max_bytes = int(args.max_code_mb * 1e6) if args.max_code_mb else None
@@ -161,7 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, train_tokenizer.TrainError) as e:  # e.g. --vocab-size too small
         print(f"error: {e}", file=sys.stderr)
         return 2
-    console.print(f"{tok} (vocab {args.vocab_size}, byte fallback, sha256 {sha})")
+    console.print(f"{tok} (vocab {args.vocab_size}, byte fallback, normalization nmt_nfkc: decoded text is NFKC-normalized, sha256 {sha})")
     console.rule("3. pack")
     cfg = pinned_config(out, sha)
     dataset = out / "dataset"

@@ -75,6 +75,11 @@ def exists(path: str) -> bool:
     return FileSystems.exists(path)
 
 
+def size(path: str) -> int:
+    """Returns the size in bytes of the file at ``path`` (its listing, the file is not opened)."""
+    return int(FileSystems.get_filesystem(path).size(path))
+
+
 def join(base: str, *parts: str) -> str:
     return FileSystems.join(base, *parts)
 
@@ -117,10 +122,18 @@ def delete(path: str) -> None:
 
 def match(pattern: str) -> list[str]:
     """Returns the sorted paths matching ``pattern`` (empty when none)."""
+    return [path for path, _ in match_sizes(pattern)]
+
+
+def match_sizes(pattern: str) -> list[tuple[str, int]]:
+    """Returns the sorted ``(path, size in bytes)`` of the files matching ``pattern``.
+
+    Sizes are the file system's listing (``FileSystems.match`` metadata): no file is opened.
+    """
     try:
         results = FileSystems.match([pattern])
     except BeamIOError as e:  # some file systems raise for "no match" instead of returning none
         if "No files found" in str(e) or "not found" in str(e).lower():
             return []
         raise
-    return sorted({m.path for r in results for m in r.metadata_list})
+    return sorted({(m.path, int(m.size_in_bytes)) for r in results for m in r.metadata_list})

@@ -15,21 +15,33 @@ On Dataflow, unchanged (Beam builds an sdist of this project from ``pyproject.to
 
 ``python dataprep/pack.py ...`` works the same. Exit status: 0 done, 2 bad config,
 arguments or output folder (nothing was started), 3 the ledger does not reconcile (no
-manifest written).
+manifest written), 4 a source lost too much: a source with weight > 0 packed no row, or a
+source rejected more than ``max_rejected_fraction`` of its documents (no manifest written).
 
 Order of work: the config is validated and every file check is made (globs, tokenizer
-sha256) before the pipeline is built; the pipeline writes shards, dead letters and a
-``_stats.json``; then this driver reconciles the ledger, writes ``manifest.json`` last
-(the commit marker) and removes ``_stats.json``.
+sha256, the shard plan against the bucket budget) before the pipeline is built; the
+pipeline writes shards, dead letters and a ``_stats.json``; then this driver reconciles the
+ledger, checks for silent loss, writes ``manifest.json`` last (the commit marker), removes
+``_stats.json`` and the spill files, and draws ``report.png``.
 """
 
 from __future__ import annotations
 
+import gc
+
+if __name__ == "__main__":  # the command: Beam's imports make objects that live for the whole run;
+    gc.disable()  # collecting while importing them is wasted work (re-enabled, frozen, below)
+
 import argparse
 import dataclasses
 import json
+import os
 import platform
+import shutil
 import sys
+import tempfile
+import time
+import uuid
 from typing import Mapping, Optional, Sequence
 
 if not __package__:  # run as a script: the repository root replaces dataprep/ on sys.path
@@ -40,7 +52,7 @@ if not __package__:  # run as a script: the repository root replaces dataprep/ o
 import apache_beam as beam  # noqa: E402
 from apache_beam.io.filesystems import FileSystems  # noqa: E402
 from apache_beam.metrics.metric import MetricsFilter  # noqa: E402
-from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions  # noqa: E402
+from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions  # noqa: E402
 
 from contract.codec import FORMAT_VERSION, token_dtype_for_vocab  # noqa: E402
 from contract.config import ConfigError, MixtureConfig, load_mixture  # noqa: E402
@@ -53,15 +65,25 @@ from contract.manifest import (  # noqa: E402
     SourceEntry,
     shard_name,
 )
-from dataprep import fsutil, pipeline, preflight  # noqa: E402
+from dataprep import fsutil, pipeline, preflight, progress, sizing, staging  # noqa: E402
 
 DEFAULT_RUNNER = "FnApiRunner"
 EXIT_CONFIG = 2
 EXIT_LEDGER = 3
+EXIT_LOSS = 4
+REPORT_NAME = "report.png"
+TMP_DIR = "_tmp"  # spill files of a local run, under --output unless --temp_location is set
+# Beam's local runners: their workers share this machine's file system, and their
+# GroupByKey holds every element in memory, so token payloads are spilled to files.
+LOCAL_RUNNERS = {"FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner", "PrismRunner"}
 
 
 class LedgerError(RuntimeError):
     """The run's counts do not reconcile; the manifest was not written."""
+
+
+class DataLossError(RuntimeError):
+    """A source lost too much (nothing packed, or too many rejections); the manifest was not written."""
 
 
 class OutputExistsError(ValueError):
@@ -112,11 +134,17 @@ class PackResult:
       manifest: the manifest written to ``<output>/manifest.json``.
       metrics: Beam counters (``"<source>.<what>" -> value``), committed where the runner
         supports it, else attempted; empty where the runner reports none.
+      timings: wall seconds of each step (``checks``, ``read and tokenize``, ``pack and
+        write`` where the runner lets them be told apart, else ``pipeline``; ``manifest``,
+        ``report``, ``total``).
+      report: where ``report.png`` was written, or None (``--no-report``).
     """
 
     output: str
     manifest: Manifest
     metrics: Mapping[str, int]
+    timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    report: Optional[str] = None
 
 
 def tool_versions() -> dict[str, str]:
@@ -151,8 +179,18 @@ examples:
       --runner DataflowRunner --project PROJECT --region REGION \\
       --temp_location gs://BUCKET/tmp --setup_file ./pyproject.toml
 
+Progress goes to stderr: a bar on a terminal, else a line every --progress-every seconds
+(documents, tokens, tokens/s, ETA), and each step's duration as it ends.
+
+Memory: on local runners token arrays are spilled to files under --temp_location (or
+<output>/_tmp) and only references cross Beam's in-memory GroupByKey (--spill auto);
+the spill needs free disk of about 2 bytes a token (4 above 65,536 pieces) and is
+removed at the end. On distributed runners they go through the shuffle.
+
 exit status: 0 done; 2 bad config, arguments or output folder (checked before any work);
-3 the ledger does not reconcile (no manifest.json written).
+3 the ledger does not reconcile (no manifest.json written); 4 a source with weight > 0
+packed no row, or a source rejected more than max_rejected_fraction of its documents
+(no manifest.json written; see errors/ and report.png).
 """
 
 
@@ -187,7 +225,29 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, list[
         action="store_true",
         help="replace a dataset already committed (manifest.json present) at --output",
     )
-    parser.add_argument("--quiet", action="store_true", help="do not print the summary table")
+    parser.add_argument("--quiet", action="store_true", help="print no summary table and no progress")
+    parser.add_argument(
+        "--spill",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="spill token arrays to files so that only references cross the GroupByKey: auto (default) "
+        "does it on Beam's local runners, whose GroupByKey is in memory, not on distributed ones",
+    )
+    parser.add_argument(
+        "--max-shard-tokens",
+        type=int,
+        default=sizing.DEFAULT_MAX_SHARD_TOKENS,
+        help="bucket budget: the most estimated tokens one shard may get; a config over it is refused "
+        f"before any work (default 2**30 = {sizing.DEFAULT_MAX_SHARD_TOKENS:,})",
+    )
+    parser.add_argument(
+        "--progress-every",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds between progress lines when stderr is not a terminal (default 10)",
+    )
+    parser.add_argument("--no-report", action="store_true", help=f"do not draw <output>/{REPORT_NAME}")
     return parser.parse_known_args(list(argv) if argv is not None else None)
 
 
@@ -207,8 +267,9 @@ def pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
     _, unknown = parsers[0].parse_known_args(list(beam_args))
     if unknown:
         raise ConfigError(
-            f"unknown argument(s) {unknown}: neither this command's "
-            "(--config, --output, --overwrite, --quiet) nor a Beam pipeline option"
+            f"unknown argument(s) {unknown}: neither this command's (--config, --output, --overwrite, "
+            "--quiet, --spill, --max-shard-tokens, --progress-every, --no-report) nor a Beam pipeline option; "
+            "see --help"
         )
     std = options.view_as(StandardOptions)
     if not std.runner:
@@ -217,7 +278,11 @@ def pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
 
 
 def build_manifest(config: MixtureConfig, pre: preflight.Preflight, stats: list[list]) -> Manifest:
-    """Assembles the manifest from the pipeline's stats (see ``dataprep.pipeline``)."""
+    """Assembles the manifest from the pipeline's stats (see ``dataprep.pipeline``).
+
+    Raises:
+      LedgerError: a shard is missing or written twice.
+    """
     names = config.source_names
     read = {n: 0 for n in names}
     tokens_in = {n: 0 for n in names}
@@ -236,10 +301,10 @@ def build_manifest(config: MixtureConfig, pre: preflight.Preflight, stats: list[
     sources = {}
     for n in names:
         infos = sorted(shards[n], key=lambda d: d["bucket"])
-        if [d["bucket"] for d in infos] != list(range(config.shards_per_source)):
+        expected = num_shards(config, pre, n)
+        if [d["bucket"] for d in infos] != list(range(expected)):
             raise LedgerError(
-                f"source {n!r}: shards written {[d['bucket'] for d in infos]}, "
-                f"expected 0..{config.shards_per_source - 1} once each"
+                f"source {n!r}: shards written {[d['bucket'] for d in infos]}, expected 0..{expected - 1} once each"
             )
         fields = [f.name for f in dataclasses.fields(ShardInfo)]
         entries = tuple(ShardInfo(**{k: d[k] for k in fields}) for d in infos)
@@ -267,27 +332,119 @@ def build_manifest(config: MixtureConfig, pre: preflight.Preflight, stats: list[
     )
 
 
-def empty_source_warnings(config: MixtureConfig, manifest: Manifest) -> list[str]:
-    """Warnings for sources that packed no row but have weight > 0 in some phase.
+def num_shards(config: MixtureConfig, pre: preflight.Preflight, source: str) -> int:
+    """The shard count of ``source``: its plan's, else ``shards_per_source`` (or 1)."""
+    plan = pre.shards.get(source)
+    return plan.num_shards if plan is not None else (config.shards_per_source or 1)
 
-    The dataset is committed all the same (the ledger reconciles), but a loader cannot draw
-    rows from such a source, so the mixture as configured cannot be trained on.
-    """
-    out = []
-    for name in config.source_names:
-        entry = manifest.sources[name]
-        steps = [p.from_step for p in config.phases if p.weights.get(name, 0.0) > 0]
-        if entry.records == 0 and steps:
-            rejected = ", ".join(f"{k}: {v}" for k, v in sorted(entry.ledger.rejected.items())) or "none"
-            out.append(
-                f"warning: source {name!r} packed no rows (documents read {entry.ledger.read}, "
-                f"rejected {rejected}) but has weight > 0 from step {steps[0]}; "
-                f"a loader cannot draw from it (see {ERRORS_DIR}/)"
-            )
+
+def rejected_examples(stats: list[list]) -> dict[tuple[str, str], tuple[str, str]]:
+    """``(source, reason) -> (key, detail)`` of the first dead letter (by key) of each reason."""
+    out: dict[tuple[str, str], tuple[str, str]] = {}
+    for s in stats:
+        if s[0] == "rejected_example":
+            _, source, reason, key, detail = s
+            if (source, reason) not in out or key < out[source, reason][0]:
+                out[source, reason] = (key, detail)
     return out
 
 
-def _clear_dead_letters(output: str, config: MixtureConfig) -> None:
+def loss_problems(
+    config: MixtureConfig,
+    manifest: Manifest,
+    examples: Mapping[tuple[str, str], tuple[str, str]],
+    output: str,
+) -> list[str]:
+    """What makes the run fail instead of committing: silent loss, source by source.
+
+    * a source with weight > 0 in some phase packed no row (a loader could not draw from it);
+    * a source rejected more than ``config.max_rejected_fraction`` of the documents it read.
+
+    Each problem names the top three reasons with their counts and the first dead letter's
+    key and detail, and where the dead letters are.
+    """
+    out = []
+    limit = config.max_rejected_fraction
+    for name in config.source_names:
+        led = manifest.sources[name].ledger
+        rejected = sum(led.rejected.values())
+        steps = [(p.from_step, p.weights.get(name, 0.0)) for p in config.phases if p.weights.get(name, 0.0) > 0]
+        why = []
+        if manifest.sources[name].records == 0 and steps:
+            why.append(f"packed no rows but has weight {steps[0][1]:g} from step {steps[0][0]}")
+        if led.read and rejected / led.read > limit:
+            why.append(f"rejected {rejected / led.read:.0%} of its documents, over max_rejected_fraction {limit:g}")
+        if not why:
+            continue
+        top = sorted(led.rejected.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+        reasons = "; ".join(
+            f"{reason} {count:,}" + (f" (first: {examples[name, reason][0]}: {examples[name, reason][1]})"
+                                     if (name, reason) in examples and examples[name, reason][1] else "")
+            for reason, count in top
+        )
+        out.append(
+            f"source {name!r} " + " and ".join(why) + f": read {led.read:,}, packed {led.packed:,}, "
+            f"rejected {rejected:,}" + (f": {reasons}" if reasons else " (the files hold no documents)")
+            + (f"; dead letters in {fsutil.join(output, ERRORS_DIR, name + '-*.jsonl')}" if rejected else "")
+        )
+    return out
+
+
+def _loss_message(problems: list[str], limit: float) -> str:
+    return (
+        "a source lost too much, manifest.json not written:\n  "
+        + "\n  ".join(problems)
+        + "\nnext: fix the input or the source's format/text_field and rerun; to train without the "
+        "source, set its weight to 0 in every phase; to accept the loss, raise max_rejected_fraction "
+        f"in the config (now {limit:g})"
+    )
+
+
+def _clean_tmp(output: str) -> None:
+    """Removes spill folders a crashed run left under ``<output>/_tmp`` (and ``_tmp`` when empty)."""
+    tmp = fsutil.join(output, TMP_DIR)
+    if not fsutil.exists(tmp):
+        return
+    for path in fsutil.match(fsutil.join(tmp, "dataprep-spill-*", "*" + staging.SPILL_SUFFIX)):
+        fsutil.delete(path)
+    for path in fsutil.match(fsutil.join(tmp, "dataprep-spill-*")):
+        fsutil.delete(path)
+    try:
+        os.rmdir(tmp)  # local only; the folder may hold other files: then it stays
+    except OSError:
+        pass
+
+
+def is_local_runner(options: PipelineOptions) -> bool:
+    """True for Beam's local runners (FnApiRunner, DirectRunner, BundleBasedDirectRunner, ...)."""
+    runner = options.view_as(StandardOptions).runner
+    name = runner if isinstance(runner, str) else type(runner).__name__
+    return name.rsplit(".", 1)[-1] in LOCAL_RUNNERS
+
+
+def spill_location(mode: str, options: PipelineOptions, output: str) -> Optional[str]:
+    """The folder for this run's spill files, or None when tokens go through the shuffle.
+
+    ``mode``: ``auto`` spills on local runners only; ``on`` always; ``off`` never. The
+    folder is ``<base>/dataprep-spill-<random>``; base: ``--temp_location`` when set, else
+    ``<output>/_tmp`` when the output is local, else the local temporary folder.
+    """
+    local = is_local_runner(options)
+    if mode == "off" or (mode == "auto" and not local):
+        return None
+    from apache_beam.io.localfilesystem import LocalFileSystem
+    from apache_beam.options.pipeline_options import GoogleCloudOptions
+
+    base = options.view_as(GoogleCloudOptions).temp_location
+    if not base:
+        if isinstance(FileSystems.get_filesystem(output), LocalFileSystem):
+            base = fsutil.join(output, TMP_DIR)
+        else:
+            base = tempfile.gettempdir()
+    return fsutil.join(base, f"dataprep-spill-{uuid.uuid4().hex[:12]}")
+
+
+def _clear_dead_letters(output: str, config: MixtureConfig, pre: preflight.Preflight) -> None:
     """Removes dead-letter files and stale shards of an earlier, uncommitted or overwritten run.
 
     Shards have fixed names and are rewritten; dead-letter files exist only for buckets with
@@ -297,11 +454,14 @@ def _clear_dead_letters(output: str, config: MixtureConfig) -> None:
     for source in config.source_names:
         for path in fsutil.match(fsutil.join(output, ERRORS_DIR, f"{source}-?????-of-?????.jsonl")):
             fsutil.delete(path)
-        # Shards of an earlier run with another shards_per_source are not rewritten either.
-        current = {shard_name(i, config.shards_per_source) for i in range(config.shards_per_source)}
+        # Shards of an earlier run with another shard count are not rewritten either.
+        n = num_shards(config, pre, source)
+        current = {shard_name(i, n) for i in range(n)}
         for path in fsutil.match(fsutil.join(output, source, "data-?????-of-?????.array_record")):
             if FileSystems.split(path)[1] not in current:
                 fsutil.delete(path)
+        for path in fsutil.match(fsutil.join(output, source, "data-?????-of-?????.array_record.tmp-*")):
+            fsutil.delete(path)  # a shard being written when a run was killed
 
 
 def _metrics(result) -> dict[str, int]:
@@ -316,24 +476,36 @@ def _metrics(result) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def _say(quiet: bool, line: str) -> None:
+    if not quiet:
+        print(line, file=sys.stderr, flush=True)
+
+
 def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> PackResult:
-    """Runs the whole packing: checks, pipeline, ledger, manifest.
+    """Runs the whole packing: checks, pipeline, ledger, loss checks, manifest, report.
 
     Args:
-      argv: ``--config``, ``--output`` and any Beam pipeline options.
-      print_summary: print the Rich summary table to stdout (``--quiet`` turns it off).
+      argv: ``--config``, ``--output``, this command's options and any Beam pipeline options.
+      print_summary: print the Rich summary table to stdout (``--quiet`` turns it off, and
+        the progress lines on stderr too).
 
     Returns:
       The :class:`PackResult`.
 
     Raises:
-      ConfigError: the config, a file check or a Beam option failed (before any work started).
+      ConfigError: the config, a file check, the shard plan or a Beam option failed (before
+        any work started).
       OutputExistsError: ``--output`` holds a committed dataset and ``--overwrite`` is off.
       LedgerError: the counts do not reconcile (``manifest.json`` is not written).
+      DataLossError: a source lost too much (``manifest.json`` is not written).
     """
+    t0 = time.time()
     args, beam_args = parse_args(argv)
+    quiet = args.quiet
+    if not args.progress_every > 0:
+        raise ConfigError(f"--progress-every: must be > 0 seconds, got {args.progress_every}")
     config = load_mixture(args.config)
-    pre = preflight.preflight(config)
+    pre = preflight.preflight(config, args.max_shard_tokens)
     if not args.output.strip():
         raise ConfigError("--output: must name a folder, got an empty string")  # "" would be "/"
     output = args.output.rstrip("/") or "/"
@@ -353,13 +525,51 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
                 f"--output {output} already holds a dataset ({MANIFEST_NAME}); pass --overwrite to replace it"
             )
         fsutil.delete(manifest_path)
-    _clear_dead_letters(output, config)
-    vocab = int(pre.tokenizer_info["vocab_size"])
-    _ = p | "Pack" >> pipeline.PackSources(
-        config, pre.files, pre.tokenizer_sha256, token_dtype_for_vocab(vocab).name, output
+    _clear_dead_letters(output, config, pre)
+    fsutil.delete(fsutil.join(output, REPORT_NAME))
+    _clean_tmp(output)
+    timings = {"checks": time.time() - t0}
+    shards = {n: num_shards(config, pre, n) for n in config.source_names}
+    _say(
+        quiet,
+        f"pack: checks done in {progress.duration(timings['checks'])} ({sum(map(len, pre.files.values())):,} files, "
+        f"{pre.input_bytes / 1e6:,.1f} MB; shards: " + ", ".join(f"{n} {k}" for n, k in shards.items()) + ")",
     )
-    result = p.run()
-    result.wait_until_finish()
+    vocab = int(pre.tokenizer_info["vocab_size"])
+    local = is_local_runner(options)
+    spill = spill_location(args.spill, options, output)
+    beats = tempfile.mkdtemp(prefix="dataprep-progress-") if local and not quiet else None
+    _ = p | "Pack" >> pipeline.PackSources(
+        config, pre.files, pre.tokenizer_sha256, token_dtype_for_vocab(vocab).name, output,
+        num_shards=shards, sizes=pre.sizes, spill_dir=spill, heartbeat_dir=beats,
+    )
+    t1 = time.time()
+    # Everything so far (Beam, the config) lives for the whole run: keep the cyclic garbage
+    # collector from walking it again at every collection while the pipeline runs.
+    gc.freeze()
+    workers = options.view_as(DirectOptions).direct_running_mode == "multi_processing"
+    try:
+        with progress.filtered_stderr(local and workers) as err:
+            monitor = progress.Monitor(pre.input_bytes, sum(shards.values()), err, args.progress_every)
+            watcher = monitor.watch(beats) if beats else None
+            try:
+                result = p.run()
+                if local or quiet:
+                    result.wait_until_finish()
+                else:
+                    _wait_with_progress(result, monitor, args.progress_every)
+            finally:
+                if watcher is not None:
+                    watcher.stop()
+    finally:
+        gc.unfreeze()
+        if beats:
+            shutil.rmtree(beats, ignore_errors=True)
+        if spill:
+            staging.remove_spill(spill)
+            _clean_tmp(output)
+    timings.update(monitor.durations if len(monitor.durations) == 2 else {"pipeline": time.time() - t1})
+    t2 = time.time()
     stats_path = fsutil.join(output, pipeline.STATS_NAME)
     stats = json.loads(fsutil.read_bytes(stats_path))
     manifest = build_manifest(config, pre, stats)
@@ -369,16 +579,65 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
         raise LedgerError(
             "the ledger does not reconcile, manifest.json not written:\n  " + "\n  ".join(problems)
         )
+    report_path = None
+    losses = loss_problems(config, manifest, rejected_examples(stats), output)
+    if losses:
+        if not args.no_report:
+            report_path = _write_report(manifest, config, stats, output, quiet)
+        fsutil.delete(stats_path)
+        raise DataLossError(
+            _loss_message(losses, config.max_rejected_fraction)
+            + (f"\nreport: {report_path}" if report_path else "")
+        )
     fsutil.write_bytes(manifest_path, manifest.to_json().encode("ascii"))
     fsutil.delete(stats_path)
-    for line in empty_source_warnings(config, manifest):
-        print(line, file=sys.stderr)
-    out = PackResult(output=output, manifest=manifest, metrics=metrics)
-    if print_summary and not args.quiet:
+    timings["manifest"] = time.time() - t2
+    _say(quiet, f"pack: manifest written in {progress.duration(timings['manifest'])}: {manifest_path}")
+    if not args.no_report:
+        t3 = time.time()
+        report_path = _write_report(manifest, config, stats, output, quiet)
+        timings["report"] = time.time() - t3
+        if report_path:
+            _say(quiet, f"pack: report drawn in {progress.duration(timings['report'])}: {report_path}")
+    timings["total"] = time.time() - t0
+    _say(quiet, "pack: done in " + progress.duration(timings["total"]) + " (" + ", ".join(
+        f"{k} {progress.duration(v)}" for k, v in timings.items() if k != "total") + ")")
+    out = PackResult(output=output, manifest=manifest, metrics=metrics, timings=timings, report=report_path)
+    if print_summary and not quiet:
         from dataprep import summary
 
         summary.print_summary(out)
     return out
+
+
+def _write_report(manifest: Manifest, config: MixtureConfig, stats: list[list], output: str, quiet: bool):
+    """Draws ``<output>/report.png``; returns its path, or None (with a warning) when it fails.
+
+    The picture is a view of a dataset already committed (or of a failed run): failing to
+    draw it must not fail the pack.
+    """
+    from dataprep import report
+
+    path = fsutil.join(output, REPORT_NAME)
+    try:
+        fsutil.write_bytes(path, report.render(manifest, config, report.segment_histograms(stats)))
+    except (OSError, ValueError, RuntimeError, ImportError) as e:
+        _say(quiet, f"warning: {REPORT_NAME} not drawn ({type(e).__name__}: {e}); the dataset is not affected; "
+                    "rerun with --overwrite to try again, or pass --no-report")
+        return None
+    return path
+
+
+def _wait_with_progress(result, monitor: progress.Monitor, every: float) -> None:
+    """Waits for a distributed runner's job, showing its counters every ``every`` seconds."""
+    from apache_beam.runners.runner import PipelineState
+
+    start = time.time()
+    while True:
+        state = result.wait_until_finish(duration=int(every * 1000))
+        if state is not None and PipelineState.is_terminal(state):
+            return
+        monitor.update(progress.counters_as_stages(_metrics(result), start, time.time()))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -391,8 +650,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except LedgerError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_LEDGER
+    except DataLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_LOSS
     return 0
 
 
 if __name__ == "__main__":
+    gc.freeze()
+    gc.enable()
     sys.exit(main())

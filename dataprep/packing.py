@@ -92,9 +92,77 @@ def bucket_of(seed: int, source: str, key: str, num_buckets: int) -> int:
     return stable_hash64(seed, "bucket", source, key) % num_buckets
 
 
+class BucketOf:
+    """``bucket_of(seed, source, key, num_buckets)`` for many keys of one source, faster.
+
+    The hash of the fixed parts ``(seed, "bucket", source)`` is computed once and copied per
+    key (``hashlib`` state copy), so each call hashes only the key; the value is exactly
+    :func:`bucket_of`'s.
+
+    Raises:
+      ValueError: ``num_buckets < 1``.
+    """
+
+    def __init__(self, seed: int, source: str, num_buckets: int):
+        if num_buckets < 1:
+            raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+        import hashlib
+
+        from contract.hashing import _encode_part
+
+        self._prefix = hashlib.blake2b(digest_size=8)
+        for part in (seed, "bucket", source):
+            self._prefix.update(_encode_part(part))
+        self._n = num_buckets
+
+    def __call__(self, key: str) -> int:
+        h = self._prefix.copy()
+        body = key.encode("utf-8", "surrogatepass")
+        h.update(b"s" + len(body).to_bytes(8, "little") + body)
+        return int.from_bytes(h.digest(), "little") % self._n
+
+
 def sort_for_packing(chunks: Iterable[Chunk]) -> list[Chunk]:
     """Returns the chunks sorted by (length desc, key, chunk index): a total, stable order."""
     return sorted(chunks, key=lambda c: (-len(c), c.key, c.index))
+
+
+def chunk_columns(
+    keys: Sequence[str], num_tokens: np.ndarray, seq_len: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every chunk of a bucket's documents as columns, in :func:`sort_for_packing`'s order.
+
+    What :func:`split_into_chunks` then :func:`sort_for_packing` give, without a Python
+    object a chunk (the packing step of a bucket of short documents would hold several
+    times their tokens in tuples).
+
+    Args:
+      keys: ``D`` distinct document keys.
+      num_tokens: int ``[D]``, tokens of each document, each >= 1.
+      seq_len: chunk length, >= 1.
+
+    Returns:
+      ``(document, chunk, start, length)``, int64 ``[C]`` each: for the ``C`` chunks in
+      (length desc, key, chunk index) order, the document's index in ``keys``, the chunk
+      index, its first token in the document (``chunk * seq_len``) and its length.
+
+    Raises:
+      ValueError: ``seq_len < 1``, a document has no token, or lengths disagree.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    num_tokens = np.asarray(num_tokens, np.int64)
+    if num_tokens.shape != (len(keys),) or (num_tokens.size and num_tokens.min() < 1):
+        raise ValueError(f"need one token count >= 1 for each of the {len(keys)} keys")
+    per_doc = -(-num_tokens // seq_len)
+    document = np.repeat(np.arange(len(keys), dtype=np.int64), per_doc)
+    chunk = np.arange(len(document), dtype=np.int64) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
+    start = chunk * seq_len
+    length = np.minimum(seq_len, num_tokens[document] - start)
+    rank = np.empty(len(keys), np.int64)  # keys ranked by Python's string order, as sorted() does
+    rank[sorted(range(len(keys)), key=keys.__getitem__)] = np.arange(len(keys))
+    order = np.lexsort((chunk, rank[document], -length))  # last key first
+    return document[order], chunk[order], start[order], length[order]
 
 
 def best_fit_decreasing(lengths: Sequence[int], seq_len: int, max_segments: int) -> list[list[int]]:
@@ -117,20 +185,23 @@ def best_fit_decreasing(lengths: Sequence[int], seq_len: int, max_segments: int)
     rows: list[list[int]] = []
     room: list[int] = []
     open_rows: list[tuple[int, int]] = []  # sorted (remaining room, row index)
+    bisect_left, insort, pop = bisect.bisect_left, bisect.insort, open_rows.pop  # hot loop: local names
     for i, n in enumerate(lengths):
         if not 1 <= n <= seq_len:
             raise ValueError(f"item {i} has length {n}, not in [1, {seq_len}]")
-        j = bisect.bisect_left(open_rows, (n, -1))
+        j = bisect_left(open_rows, (n, -1))
         if j < len(open_rows):
-            _, r = open_rows.pop(j)
+            r = pop(j)[1]
+            row = rows[r]
         else:
             r = len(rows)
-            rows.append([])
+            row = []
+            rows.append(row)
             room.append(seq_len)
-        rows[r].append(i)
-        room[r] -= n
-        if room[r] > 0 and len(rows[r]) < max_segments:
-            bisect.insort(open_rows, (room[r], r))
+        row.append(i)
+        left = room[r] = room[r] - n
+        if left > 0 and len(row) < max_segments:
+            insort(open_rows, (left, r))
     return rows
 
 

@@ -1,21 +1,29 @@
-"""The Beam pipeline: read -> tokenize -> chunk and bucket -> pack and write shards.
+"""The Beam pipeline: read -> tokenize and stage -> pack and write shards.
 
 Shape (per source; all sources share the transforms, keyed by source name)::
 
-    Create[(source, file)]  (Create reshuffles the files over workers)
-      -> ParDo(ReadFiles)        main: (source, key, text)        rejected: dead letters
-      -> ParDo(Tokenize)         main: (source, key, tokens)      rejected: empty docs
-      -> FlatMap(chunk_and_bucket)  ((source, bucket), (key, chunk, tokens))
+    Create[(source, file, listed size)]  (Create reshuffles the files over workers)
+      -> ParDo(ReadAndTokenize)    main: ((source, bucket), staged tokens)
+                                   rejected: unreadable inputs and empty documents
       -> Flatten with one empty marker per (source, bucket) -> GroupByKey
-      -> ParDo(PackAndWriteShard)   one shard per bucket: <out>/<source>/data-SSSSS-of-NNNNN.array_record
-    rejected -> key by (source, bucket) -> GroupByKey -> ParDo(WriteDeadLetters)
+      -> ParDo(PackAndWriteShard)  one shard per bucket: <out>/<source>/data-SSSSS-of-NNNNN.array_record
+    rejected -> ParDo(StageRejected) ((source, bucket), staged dead letters)
+      -> GroupByKey -> ParDo(WriteDeadLetters)
     every step's counts -> ToList -> write <out>/_stats.json (read by the driver, which
     reconciles the ledger and writes manifest.json last).
 
+Staging (``dataprep.staging``): a document's tokens cross the GroupByKey as part of a compact
+segment (uint16/uint32 bytes, never Python objects), either inline (the shuffle of a
+distributed runner) or spilled to a file with only a small reference crossing (local
+runners, whose GroupByKey holds every element in the runner process). Text is not kept
+after it is tokenized. The packing step holds one bucket's keys and lengths; with spill
+files it reads each chunk's tokens from its file as it writes the row.
+
 Determinism: buckets come from a stable hash of (seed, source, key); within a bucket the
 chunks are sorted by (length desc, key, chunk) before packing and each shard is written to
-one fixed name from a local temporary file, so reruns, worker counts and retried bundles
-give identical bytes. Nothing depends on the order in which elements arrive.
+one fixed name from a local temporary file, so reruns, worker counts, retried bundles and
+the staging transport give identical bytes. Nothing depends on the order in which elements
+arrive.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ import collections
 import json
 import os
 import tempfile
-from typing import Any, Iterable, Mapping, Sequence
+import threading
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import apache_beam as beam
 import numpy as np
@@ -37,7 +46,7 @@ from apache_beam.transforms.window import GlobalWindows
 from contract.codec import encode_row
 from contract.config import MixtureConfig, SourceConfig
 from contract.manifest import ERRORS_DIR, shard_name
-from dataprep import faults, fsutil, packing, readers, tokenizer
+from dataprep import faults, fsutil, packing, progress, readers, staging, tokenizer
 
 NAMESPACE = "dataprep"
 STATS_NAME = "_stats.json"
@@ -46,6 +55,9 @@ STATS = "stats"
 # group_size:1: every record is one read. zstd:3 is ArrayRecord's default compression,
 # spelled out so that the shard bytes do not change if the library's default does.
 ARRAY_RECORD_OPTIONS = "group_size:1,zstd:3"
+# Bins of the segment length histogram in the stats (and report.png): HIST_BINS equal bins
+# over [1, seq_len].
+HIST_BINS = 32
 
 
 class ShardVerifyError(IOError):
@@ -81,159 +93,226 @@ def dead_letter(source: str, key: str, reason: str, raw: bytes | str, detail: st
     return out
 
 
-class ReadFiles(beam.DoFn):
-    """(source, path) -> documents (source, key, text); rejected inputs on ``rejected``.
-
-    Also emits ``("read", source, n)`` on ``stats``: the documents read from the file.
-    """
-
-    def __init__(self, sources: Mapping[str, SourceConfig]):
-        self._sources = dict(sources)
-
-    def process(self, element: tuple[str, str]):
-        source_name, path = element
-        source = self._sources[source_name]
-        n = 0
-        for item in readers.read_file(source, path):
-            n += 1
-            if isinstance(item, readers.Document):
-                yield source_name, item.key, item.text
-            else:
-                _counter(source_name, f"rejected.{item.reason.value}").inc()
-                yield pvalue.TaggedOutput(
-                    REJECTED, (source_name, item.key, item.reason.value, item.raw, item.detail)
-                )
-        _counter(source_name, "read").inc(n)
-        yield pvalue.TaggedOutput(STATS, ("read", source_name, n))
+def _windowed(outputs: Iterable[Any]) -> Iterable[Any]:
+    """Outputs of ``finish_bundle`` must carry their window: the global one here."""
+    for out in outputs:
+        if isinstance(out, pvalue.TaggedOutput):
+            yield pvalue.TaggedOutput(out.tag, GlobalWindows.windowed_value(out.value))
+        else:
+            yield GlobalWindows.windowed_value(out)
 
 
-class Tokenize(beam.DoFn):
-    """(source, key, text) -> (source, key, tokens); documents with no token rejected.
+class ReadAndTokenize(beam.DoFn):
+    """(source, path, listed size) -> ((source, bucket), staged tokens) for the file's documents.
 
-    Tokens are ``token_dtype`` arrays (uint16 when the vocabulary fits, else uint32).
+    One element is one input file: its documents never become Beam elements (per-element
+    overhead would cost more than tokenizing a short web document), only its rejected
+    inputs do. Reads the file (``dataprep.readers``), buffers documents and encodes them in
+    batches of about ``batch_chars`` characters with one SentencePiece ``encode(list)``
+    call into NumPy arrays (``token_dtype``: uint16 when the vocabulary fits, else
+    uint32; BOS/EOS added by id); each document's tokens are staged for the bucket
+    ``packing.bucket_of(seed, source, key, num_shards[source])`` and its text dropped. The
+    stager (``dataprep.staging``: inline segments, or spill files under ``spill_dir``) is
+    flushed when it holds ``flush_bytes`` and at the end of the bundle; the text buffer is
+    carried across files of a bundle, so small files still make full batches.
 
     The SentencePiece model is loaded once per worker in ``setup()`` (through FileSystems,
-    checked against its sha256). Documents are buffered and encoded in batches of about
-    ``batch_chars`` characters with one ``encode(list)`` call; the rest of a bundle is
-    encoded in ``finish_bundle``. Emits ``("tokens_in", source, n)`` per bundle on ``stats``.
+    checked against its sha256). Outputs: main ``((source, bucket), value)``; ``rejected``
+    ``(source, key, reason, raw, detail)`` (unreadable input, and documents with no token);
+    ``stats`` ``("read", source, n)`` per file and ``("tokens_in", source, n)`` per bundle.
     """
 
     def __init__(
         self,
+        sources: Mapping[str, SourceConfig],
         tokenizer_path: str,
         tokenizer_sha256: str,
         add_bos: bool,
         add_eos: bool,
-        token_dtype: str = "uint32",
+        token_dtype: str,
+        seed: int,
+        num_shards: Mapping[str, int],
+        spill_dir: Optional[str] = None,
+        heartbeat_dir: Optional[str] = None,
         batch_chars: int = 1 << 20,
         batch_docs: int = 1024,
+        flush_bytes: int = staging.DEFAULT_FLUSH_BYTES,
     ):
+        self._sources = dict(sources)
         self._path = tokenizer_path
         self._sha = tokenizer_sha256
         self._add_bos = add_bos
         self._add_eos = add_eos
         self._dtype = token_dtype
+        self._seed = seed
+        self._num_shards = dict(num_shards)
+        self._spill_dir = spill_dir
+        self._heartbeat_dir = heartbeat_dir
         self._batch_chars = batch_chars
         self._batch_docs = batch_docs
+        self._flush_bytes = flush_bytes
 
     def setup(self):
         self._sp, _ = tokenizer.load(self._path, self._sha)
         self._fault = faults.current_spec()
         self._counters = _Counters()
+        self._bucket = {s: packing.BucketOf(self._seed, s, self._num_shards[s]) for s in self._sources}
+        self._read_beat = progress.Heartbeat(self._heartbeat_dir, progress.READ)
+        self._token_beat = progress.Heartbeat(self._heartbeat_dir, progress.TOKENIZE)
 
     def start_bundle(self):
-        self._buffer: list[tuple[str, str, str]] = []
+        self._buffer: list[tuple[str, str]] = []  # (key, text)
+        self._buffer_sources: list[str] = []
         self._chars = 0
         self._tokens_in: dict[str, int] = collections.defaultdict(int)
+        self._stager = staging.Stager(self._spill_dir, self._flush_bytes)
 
-    def process(self, element: tuple[str, str, str]):
-        self._buffer.append(element)
-        self._chars += len(element[2])
-        if self._chars >= self._batch_chars or len(self._buffer) >= self._batch_docs:
-            yield from self._flush()
+    def process(self, element: tuple[str, str, int]):
+        source_name, path, size = element
+        source = self._sources[source_name]
+        raw: list[Any] = []
+        n = done = 0
+        for item in readers.read_file(source, path, on_open=raw.append):
+            n += 1
+            if type(item) is readers.Document:
+                self._buffer.append(item)
+                self._buffer_sources.append(source_name)
+                self._chars += len(item.text)
+                if self._chars >= self._batch_chars or len(self._buffer) >= self._batch_docs:
+                    yield from self._encode()
+                    if self._stager.full():
+                        yield from self._stager.flush()
+            else:
+                self._counters[source_name, f"rejected.{item.reason.value}"].inc()
+                yield pvalue.TaggedOutput(
+                    REJECTED, (source_name, item.key, item.reason.value, item.raw, item.detail)
+                )
+            if n % 32 == 0 and raw and self._heartbeat_dir:
+                try:
+                    at = raw[0].tell()
+                except (OSError, ValueError):  # closed or not seekable: count the file at its end
+                    at = done
+                self._read_beat.add(documents=32, bytes=max(0, at - done))
+                done = max(done, at)
+        self._counters[source_name, "read"].inc(n)
+        self._counters[source_name, "bytes_read"].inc(size)
+        self._read_beat.add(documents=n % 32, bytes=max(0, size - done))
+        yield pvalue.TaggedOutput(STATS, ("read", source_name, n))
 
-    def _flush(self) -> Iterable[Any]:
-        batch, self._buffer, self._chars = self._buffer, [], 0
+    def _encode(self) -> Iterable[Any]:
+        """Encodes the buffered documents; stages their tokens; yields the empty ones as rejected."""
+        batch, sources = self._buffer, self._buffer_sources
+        self._buffer, self._buffer_sources, self._chars = [], [], 0
         if not batch:
             return
         encoded = tokenizer.encode_batch(
-            self._sp, [t for _, _, t in batch], self._add_bos, self._add_eos, self._dtype
+            self._sp, [doc.text for doc in batch], self._add_bos, self._add_eos, self._dtype
         )
-        for (source, key, text), tokens in zip(batch, encoded):
-            if tokens.size == 0:
+        n = 0
+        stage = self._stager.add
+        for source, (key, text), tokens in zip(sources, batch, encoded):
+            size = tokens.size
+            if not size:
                 self._counters[source, f"rejected.{readers.Reason.EMPTY.value}"].inc()
                 yield pvalue.TaggedOutput(REJECTED, (source, key, readers.Reason.EMPTY.value, text, ""))
-            else:
-                self._tokens_in[source] += int(tokens.size)
-                self._counters[source, "tokens_in"].inc(int(tokens.size))
-                yield source, key, tokens
+                continue
+            n += size
+            self._tokens_in[source] += size
+            stage((source, self._bucket[source](key)), key, tokens)
+        self._token_beat.add(tokens=n)
 
     def finish_bundle(self):
-        outputs = list(self._flush())
+        outputs = list(self._encode()) + self._stager.flush()
         for i, out in enumerate(outputs):
             if self._fault and i == len(outputs) // 2:
                 faults.maybe_fail(
                     "tokenize.finish_bundle", f"after {i} of {len(outputs)} outputs", self._fault
                 )
-            if isinstance(out, pvalue.TaggedOutput):
-                yield pvalue.TaggedOutput(out.tag, GlobalWindows.windowed_value(out.value))
-            else:
-                yield GlobalWindows.windowed_value(out)
+            yield from _windowed([out])
         for source in sorted(self._tokens_in):
-            yield pvalue.TaggedOutput(
-                STATS, GlobalWindows.windowed_value(("tokens_in", source, self._tokens_in[source]))
-            )
+            self._counters[source, "tokens_in"].inc(self._tokens_in[source])
+            yield from _windowed([pvalue.TaggedOutput(STATS, ("tokens_in", source, self._tokens_in[source]))])
+        self._read_beat.write()
+        self._token_beat.write()
 
 
-def chunk_and_bucket(element: tuple[str, str, np.ndarray], seed: int, seq_len: int, num_shards: int):
-    """(source, key, tokens) -> ((source, bucket), (key, chunk index, chunk tokens)) per chunk."""
-    source, key, tokens = element
-    bucket = packing.bucket_of(seed, source, key, num_shards)
-    for chunk in packing.split_into_chunks(key, tokens, seq_len):
-        yield (source, bucket), (chunk.key, chunk.index, chunk.tokens)
+class StageRejected(beam.DoFn):
+    """(source, key, reason, raw, detail) -> ((source, bucket), staged dead-letter lines).
+
+    Each rejected input becomes its dead letter's JSON line (``dead_letter``) at once, so the
+    raw input crosses the GroupByKey as part of a compact segment (or a spill file), in the
+    bucket ``packing.bucket_of(seed, source, key, num_shards[source])``.
+    """
+
+    def __init__(self, seed: int, num_shards: Mapping[str, int], spill_dir: Optional[str] = None,
+                 flush_bytes: int = staging.DEFAULT_FLUSH_BYTES):
+        self._seed = seed
+        self._num_shards = dict(num_shards)
+        self._spill_dir = spill_dir
+        self._flush_bytes = flush_bytes
+
+    def start_bundle(self):
+        self._stager = staging.Stager(self._spill_dir, self._flush_bytes)
+
+    def process(self, element):
+        source, key = element[0], element[1]
+        line = json.dumps(dead_letter(*element), sort_keys=True, ensure_ascii=True) + "\n"
+        bucket = packing.bucket_of(self._seed, source, key, self._num_shards[source])
+        self._stager.add((source, bucket), key, line.encode("ascii"))
+        if self._stager.full():
+            yield from self._stager.flush()
+
+    def finish_bundle(self):
+        yield from _windowed(self._stager.flush())
 
 
-def write_shard(
-    rows: Sequence[Sequence[packing.Chunk]], seq_len: int, token_dtype: str, dest: str
-) -> tuple[str, int]:
-    """Writes packed rows as one ArrayRecord shard at ``dest`` (any FileSystems path).
+def write_shard(records: Iterable[bytes], num_records: int, dest: str) -> tuple[str, int]:
+    """Writes encoded rows as one ArrayRecord shard at ``dest`` (any FileSystems path).
 
-    The shard is written to a local temporary file with options ``group_size:1``, reopened
-    and checked (``ok()`` and record count), then copied to ``dest``.
+    The shard is written with options ``group_size:1`` to a temporary name (beside ``dest``
+    when ``dest`` is local, else in a local temporary folder), reopened and checked
+    (``ok()`` and record count), then renamed to ``dest`` (local) or copied there.
 
     Returns:
       (sha256 hex, size in bytes) of the shard.
 
     Raises:
-      ShardVerifyError: the local file does not verify, or the copy has a different size.
+      ShardVerifyError: the written file does not verify, or the copy has a different size.
     """
+    from apache_beam.io.localfilesystem import LocalFileSystem
     from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
-    with tempfile.TemporaryDirectory(prefix="dataprep-shard-") as tmp:
-        local = os.path.join(tmp, "shard.array_record")
-        writer = ArrayRecordWriter(local, ARRAY_RECORD_OPTIONS)
-        for row in rows:
-            writer.write(
-                encode_row(
-                    [c.tokens for c in row],
-                    [c.key for c in row],
-                    [c.index for c in row],
-                    seq_len,
-                    token_dtype,
-                )
-            )
+    def write_and_verify(path: str) -> None:
+        writer = ArrayRecordWriter(path, ARRAY_RECORD_OPTIONS)
+        for record in records:
+            writer.write(record)
         if not writer.ok():
             raise ShardVerifyError(f"ArrayRecord writer for {dest} is not ok")
         writer.close()
-        reader = ArrayRecordReader(local)
+        reader = ArrayRecordReader(path)
         try:
-            if not reader.ok() or reader.num_records() != len(rows):
+            if not reader.ok() or reader.num_records() != num_records:
                 raise ShardVerifyError(
                     f"{dest}: reopened shard has ok()={reader.ok()} and {reader.num_records()} records, "
-                    f"expected {len(rows)}"
+                    f"expected {num_records}"
                 )
         finally:
             reader.close()
+
+    if isinstance(FileSystems.get_filesystem(dest), LocalFileSystem):
+        os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
+        tmp = f"{dest}.tmp-{os.getpid()}-{threading.get_ident()}"  # one writer per name at a time
+        try:
+            write_and_verify(tmp)
+            sha, size = fsutil.sha256_of(tmp), os.path.getsize(tmp)
+            os.replace(tmp, dest)  # atomic: a reader never sees half a shard
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return sha, size
+    with tempfile.TemporaryDirectory(prefix="dataprep-shard-") as tmpdir:
+        local = os.path.join(tmpdir, "shard.array_record")
+        write_and_verify(local)
         sha, size = fsutil.copy_local_to(local, dest)
     on_disk = FileSystems.match([dest])[0].metadata_list[0].size_in_bytes
     if on_disk != size:
@@ -241,73 +320,135 @@ def write_shard(
     return sha, size
 
 
-class PackAndWriteShard(beam.DoFn):
-    """((source, bucket), chunks) -> the shard's entry for the manifest, after writing it.
+def segment_length_histogram(lengths: np.ndarray, seq_len: int, bins: int = HIST_BINS) -> list[int]:
+    """Counts of segment lengths in ``bins`` equal bins over ``[1, seq_len]`` (the last bin holds seq_len)."""
+    width = -(-seq_len // bins)
+    idx = np.minimum((np.asarray(lengths, np.int64) - 1) // width, bins - 1)
+    return np.bincount(idx, minlength=bins).astype(int).tolist()
 
-    Packs with best-fit-decreasing (``dataprep.packing``) and writes
-    ``<output>/<source>/data-SSSSS-of-NNNNN.array_record``. Emits one
-    ``("shard", source, bucket, info)`` where ``info`` has the ``ShardInfo`` fields plus
-    ``docs_split``.
+
+class PackAndWriteShard(beam.DoFn):
+    """((source, bucket), staged values) -> the shard's entry for the manifest, after writing it.
+
+    Reads the bucket's records (``dataprep.staging.StagedGroup``: keys and lengths; tokens
+    stay in their segments or spill files), cuts each document into ``seq_len`` chunks,
+    packs them with best-fit-decreasing (``dataprep.packing``) and writes
+    ``<output>/<source>/data-SSSSS-of-NNNNN.array_record``. Rows are encoded in windows of
+    about ``window_tokens`` tokens, the window's chunks gathered in one pass over the spill
+    files (sorted by file and offset), so the step holds the bucket's metadata (about 500
+    bytes a document: keys, lengths, the sort and best fit) and one window, whatever the
+    size of the bucket's tokens. Emits one ``("shard", source,
+    bucket, info)`` where ``info`` has the ``ShardInfo`` fields plus ``docs_split`` and
+    ``segment_lengths`` (a histogram, :func:`segment_length_histogram`).
     """
 
-    def __init__(self, output: str, seq_len: int, max_segments: int, num_shards: int, token_dtype: str):
+    def __init__(
+        self,
+        output: str,
+        seq_len: int,
+        max_segments: int,
+        num_shards: Mapping[str, int],
+        token_dtype: str,
+        heartbeat_dir: Optional[str] = None,
+        window_tokens: int = 1 << 22,
+    ):
         self._output = output
         self._seq_len = seq_len
         self._max_segments = max_segments
-        self._num_shards = num_shards
+        self._num_shards = dict(num_shards)
         self._dtype = token_dtype
+        self._heartbeat_dir = heartbeat_dir
+        self._window_tokens = window_tokens
+
+    def setup(self):
+        self._beat = progress.Heartbeat(self._heartbeat_dir, progress.PACK)
 
     def process(self, element):
         (source, bucket), values = element
-        chunks = [packing.Chunk(*v) for v in values if v is not None]  # None: the bucket's marker
-        rows = packing.pack_chunks(chunks, self._seq_len, self._max_segments)
-        rel = f"{source}/{shard_name(bucket, self._num_shards)}"
-        sha, size = write_shard(
-            rows,
-            self._seq_len,
-            self._dtype,
-            fsutil.join(self._output, source, shard_name(bucket, self._num_shards)),
-        )
+        group = staging.StagedGroup(v for v in values if v is not None)  # None: the bucket's marker
+        info = self._pack(source, bucket, group)
+        _counter(source, "packed").inc(info["documents"])
+        _counter(source, "tokens_packed").inc(info["tokens"])
+        _counter(source, "rows").inc(info["records"])
+        _counter(source, "shards").inc()
+        self._beat.add(shards=1, rows=info["records"], tokens=info["tokens"])
+        self._beat.write()
+        yield "shard", source, bucket, info
+
+    def _pack(self, source: str, bucket: int, group: staging.StagedGroup) -> dict[str, Any]:
+        seq_len, dtype = self._seq_len, np.dtype(self._dtype)
+        width = dtype.itemsize
+        keys = group.keys
+        ntok = group.nbytes // width
+        record, chunk, start, length = packing.chunk_columns(keys, ntok, seq_len)
+        rows = packing.best_fit_decreasing(length.tolist(), seq_len, self._max_segments)
+
+        def records():
+            """Encoded rows, their tokens gathered ``window_tokens`` at a time (bounded memory)."""
+            frombuffer = np.frombuffer
+            per_window = max(1, self._window_tokens // seq_len)  # a row holds at most seq_len tokens
+            for w in range(0, len(rows), per_window):
+                window = rows[w : w + per_window]
+                idx = np.fromiter((i for row in window for i in row), np.int64)
+                data = group.gather(record[idx], start[idx] * width, length[idx] * width)
+                row_keys = [keys[r] for r in record[idx].tolist()]
+                row_chunks = chunk[idx].tolist()
+                k = 0
+                for row in window:
+                    n = len(row)
+                    segs = [frombuffer(d, dtype) for d in data[k : k + n]]
+                    yield encode_row(segs, row_keys[k : k + n], row_chunks[k : k + n], seq_len, dtype)
+                    k += n
+
+        num_shards = self._num_shards[source]
+        rel = f"{source}/{shard_name(bucket, num_shards)}"
+        sha, size = write_shard(records(), len(rows), fsutil.join(self._output, source, shard_name(bucket, num_shards)))
         faults.maybe_fail("pack", rel)
-        tokens = sum(len(c) for c in chunks)
-        info = {
+        total = int(length.sum())
+        return {
             "path": rel,
             "records": len(rows),
-            "tokens": tokens,
-            "padding": len(rows) * self._seq_len - tokens,
-            "documents": sum(1 for c in chunks if c.index == 0),
-            "segments": len(chunks),
+            "tokens": total,
+            "padding": len(rows) * seq_len - total,
+            "documents": len(keys),
+            "segments": len(length),
             "sha256": sha,
             "bytes": size,
-            "docs_split": sum(1 for c in chunks if c.index == 1),
+            "docs_split": int((ntok > seq_len).sum()),
+            "segment_lengths": segment_length_histogram(length, seq_len),
         }
-        _counter(source, "packed").inc(info["documents"])
-        _counter(source, "tokens_packed").inc(tokens)
-        _counter(source, "rows").inc(len(rows))
-        yield "shard", source, bucket, info
 
 
 class WriteDeadLetters(beam.DoFn):
-    """((source, bucket), rejected inputs) -> ``<output>/errors/<source>-SSSSS-of-NNNNN.jsonl``.
+    """((source, bucket), staged dead letters) -> ``<output>/errors/<source>-SSSSS-of-NNNNN.jsonl``.
 
     One JSON object a line, sorted by key: ``source``, ``key``, ``reason``, ``detail`` and the
-    input as ``raw`` (text) or ``raw_base64``. Emits ``("rejected", source, reason, n)``.
+    input as ``raw`` (text) or ``raw_base64``. Emits ``("rejected", source, reason, n)``, for
+    each reason the first dead letter's key and detail ``("rejected_example", source,
+    reason, key, detail)``, and ``("errors_file", source, path, n)``.
     """
 
-    def __init__(self, output: str, num_shards: int):
+    def __init__(self, output: str, num_shards: Mapping[str, int]):
         self._output = output
-        self._num_shards = num_shards
+        self._num_shards = dict(num_shards)
 
     def process(self, element):
         (source, bucket), values = element
-        letters = sorted((dead_letter(*v) for v in values), key=lambda d: (d["key"], d["reason"]))
-        name = f"{source}-{bucket:05d}-of-{self._num_shards:05d}.jsonl"
-        data = "".join(json.dumps(d, sort_keys=True, ensure_ascii=True) + "\n" for d in letters)
-        fsutil.write_bytes(fsutil.join(self._output, ERRORS_DIR, name), data.encode("ascii"))
-        counts = collections.Counter(d["reason"] for d in letters)
+        group = staging.StagedGroup(values)
+        lines = sorted(zip(group.keys, map(bytes, group.gather_all())))
+        num_shards = self._num_shards[source]
+        name = f"{source}-{bucket:05d}-of-{num_shards:05d}.jsonl"
+        fsutil.write_bytes(fsutil.join(self._output, ERRORS_DIR, name), b"".join(line for _, line in lines))
+        counts: dict[str, int] = collections.Counter()
+        examples: dict[str, tuple[str, str]] = {}
+        for key, line in lines:
+            letter = json.loads(line)
+            counts[letter["reason"]] += 1
+            examples.setdefault(letter["reason"], (key, letter["detail"]))
         for reason in sorted(counts):
             yield "rejected", source, reason, counts[reason]
-        yield "errors_file", source, f"{ERRORS_DIR}/{name}", len(letters)
+            yield ("rejected_example", source, reason, *examples[reason])
+        yield "errors_file", source, f"{ERRORS_DIR}/{name}", len(lines)
 
 
 def _write_stats(stats: list[tuple], path: str) -> None:
@@ -324,6 +465,12 @@ class PackSources(beam.PTransform):
       tokenizer_sha256: the checked sha256 of the tokenizer model.
       token_dtype: ``"uint16"`` or ``"uint32"``.
       output: dataset folder (local or FileSystems URL).
+      num_shards: per source, its shard count (``dataprep.sizing.plan_shards``); default:
+        ``config.shards_per_source`` (or 1) for every source.
+      sizes: per source, the listed byte size of each file (for progress); default 0.
+      spill_dir: folder for spill files (``dataprep.staging``); ``None``: tokens go through
+        the shuffle inline.
+      heartbeat_dir: local folder for progress heartbeats (``dataprep.progress``), or None.
     """
 
     def __init__(
@@ -333,6 +480,10 @@ class PackSources(beam.PTransform):
         tokenizer_sha256: str,
         token_dtype: str,
         output: str,
+        num_shards: Optional[Mapping[str, int]] = None,
+        sizes: Optional[Mapping[str, Sequence[int]]] = None,
+        spill_dir: Optional[str] = None,
+        heartbeat_dir: Optional[str] = None,
     ):
         super().__init__()
         self._config = config
@@ -340,50 +491,59 @@ class PackSources(beam.PTransform):
         self._sha = tokenizer_sha256
         self._dtype = token_dtype
         self._output = output
+        default = config.shards_per_source or 1
+        self._num_shards = dict(num_shards) if num_shards is not None else {n: default for n in config.source_names}
+        self._sizes = sizes or {n: [0] * len(files[n]) for n in config.source_names}
+        self._spill = spill_dir
+        self._beats = heartbeat_dir
 
     def expand(self, pbegin):
         cfg = self._config
-        n = cfg.shards_per_source
-        pairs = [(s.name, f) for s in cfg.sources for f in self._files[s.name]]
-        read = (
-            pbegin
-            | "ListFiles" >> beam.Create(pairs)  # Create reshuffles (spreads files over workers)
-            | "ReadFiles"
-            >> beam.ParDo(ReadFiles({s.name: s for s in cfg.sources})).with_outputs(
-                REJECTED, STATS, main="documents"
-            )
+        n = self._num_shards
+        # Largest files first: a local runner deals them to its workers in this order, so the
+        # big ones start early and spread (the output does not depend on the order).
+        files = sorted(
+            ((s.name, f, int(b)) for s in cfg.sources for f, b in zip(self._files[s.name], self._sizes[s.name])),
+            key=lambda e: (-e[2], e[0], e[1]),
         )
         tok = cfg.tokenizer
-        tokenized = read.documents | "Tokenize" >> beam.ParDo(
-            Tokenize(tok.path, self._sha, tok.add_bos, tok.add_eos, self._dtype)
-        ).with_outputs(REJECTED, STATS, main="tokens")
-        chunks = tokenized.tokens | "ChunkAndBucket" >> beam.FlatMap(
-            chunk_and_bucket, seed=cfg.seed, seq_len=cfg.seq_len, num_shards=n
+        read = (
+            pbegin
+            | "ListFiles" >> beam.Create(files)  # Create reshuffles (spreads files over workers)
+            | "ReadAndTokenize"
+            >> beam.ParDo(
+                ReadAndTokenize(
+                    {s.name: s for s in cfg.sources}, tok.path, self._sha, tok.add_bos, tok.add_eos,
+                    self._dtype, cfg.seed, n, self._spill, self._beats,
+                )
+            ).with_outputs(REJECTED, STATS, main="staged")
         )
         markers = pbegin | "BucketMarkers" >> beam.Create(
-            [((s.name, b), None) for s in cfg.sources for b in range(n)], reshuffle=False
+            [((s.name, b), None) for s in cfg.sources for b in range(n[s.name])], reshuffle=False
         )
         shards = (
-            (chunks, markers)
+            (read.staged, markers)
             | "WithMarkers" >> beam.Flatten()
             | "GroupByBucket" >> beam.GroupByKey()
             | "PackAndWrite"
             >> beam.ParDo(
-                PackAndWriteShard(self._output, cfg.seq_len, cfg.max_segments_per_row, n, self._dtype)
+                PackAndWriteShard(self._output, cfg.seq_len, cfg.max_segments_per_row, n, self._dtype, self._beats)
             )
         )
-        seed = cfg.seed
         errors = (
-            (read[REJECTED], tokenized[REJECTED])
-            | "AllRejected" >> beam.Flatten()
-            | "BucketRejected" >> beam.Map(lambda r: ((r[0], packing.bucket_of(seed, r[0], r[1], n)), r))
+            read[REJECTED]
+            | "StageRejected" >> beam.ParDo(StageRejected(cfg.seed, n, self._spill))
             | "GroupRejected" >> beam.GroupByKey()
             | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetters(self._output, n))
         )
         stats_path = fsutil.join(self._output, STATS_NAME)
         return (
-            (read[STATS], tokenized[STATS], shards, errors)
+            (read[STATS], shards, errors)
             | "AllStats" >> beam.Flatten()
-            | "CollectStats" >> beam.combiners.ToList()
-            | "WriteStats" >> beam.Map(_write_stats, stats_path)
+            # One key and a GroupByKey, not ToList: CombineGlobally's default-value side
+            # input adds stages, each a round trip on the local runner. There is always at
+            # least one stat (every source has a file, and every bucket a shard).
+            | "KeyStats" >> beam.Map(lambda stat: (0, stat))
+            | "CollectStats" >> beam.GroupByKey()
+            | "WriteStats" >> beam.MapTuple(lambda _, stats: _write_stats(list(stats), stats_path))
         )

@@ -2,7 +2,9 @@
 
 ``contract.config.load_mixture`` validates the schema; this module adds what needs a file
 system, through Beam's ``FileSystems`` so that ``gs://`` works: every path or glob must
-match at least one file, and the tokenizer must exist and match its pinned sha256.
+match at least one file, the tokenizer must exist and match its pinned sha256, the first
+Parquet file of a source must have its text column, and each source's shard count (from
+the listed file sizes, ``dataprep.sizing``) must keep a bucket within the budget.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from contract.config import ConfigError, MixtureConfig
-from dataprep import fsutil, tokenizer
+from contract.config import ConfigError, MixtureConfig, SourceFormat
+from dataprep import fsutil, sizing, tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,15 +24,29 @@ class Preflight:
       files: per source name, the sorted, de-duplicated input files.
       tokenizer_sha256: sha256 of the tokenizer model file.
       tokenizer_info: the manifest's ``tokenizer`` entry (path, sha256, vocab size, ids, flags).
+      sizes: per source name, the listed byte size of each file of ``files`` (same order).
+      shards: per source name, its :class:`dataprep.sizing.ShardPlan`.
     """
 
     files: Mapping[str, tuple[str, ...]]
     tokenizer_sha256: str
     tokenizer_info: Mapping[str, object]
+    sizes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    shards: Mapping[str, sizing.ShardPlan] = dataclasses.field(default_factory=dict)
+
+    @property
+    def input_bytes(self) -> int:
+        """Listed bytes of all input files."""
+        return sum(sum(v) for v in self.sizes.values())
 
 
 def match_inputs(config: MixtureConfig) -> dict[str, tuple[str, ...]]:
-    """Returns, per source, the input files its paths match.
+    """Returns, per source, the input files its paths match (see :func:`match_inputs_with_sizes`)."""
+    return {name: tuple(p for p, _ in found) for name, found in match_inputs_with_sizes(config).items()}
+
+
+def match_inputs_with_sizes(config: MixtureConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Returns, per source, the ``(file, listed size in bytes)`` its paths match, sorted.
 
     Folders (and FIFOs, devices) that a glob matches (``in/*`` over a tree) are not inputs and
     are left out.
@@ -39,17 +55,18 @@ def match_inputs(config: MixtureConfig) -> dict[str, tuple[str, ...]]:
       ConfigError: a path or glob matches no file (naming ``sources[i].paths[j]``), a path
         names a folder, a matched file's name is not UTF-8, or two sources read the same file.
     """
-    files: dict[str, tuple[str, ...]] = {}
+    files: dict[str, tuple[tuple[str, int], ...]] = {}
     owner: dict[str, str] = {}
     for i, source in enumerate(config.sources):
-        found: set[str] = set()
+        found: dict[str, int] = {}
         for j, pattern in enumerate(source.paths):
             try:
-                matched = fsutil.match(pattern)
+                listed = dict(fsutil.match_sizes(pattern))
             except ValueError as e:  # a scheme no installed Beam file system serves
                 raise ConfigError(f"sources[{i}].paths[{j}]: {e}") from None
-            if not matched and fsutil.has_glob(pattern) and fsutil.exists(pattern):
-                matched = [pattern]  # a file whose name holds glob characters, e.g. "a[1].jsonl"
+            if not listed and fsutil.has_glob(pattern) and fsutil.exists(pattern):
+                listed = {pattern: fsutil.size(pattern)}  # a file whose name holds glob characters, "a[1].jsonl"
+            matched = sorted(listed)
             files_only = [m for m in matched if not fsutil.is_not_a_file(m)]
             if not files_only:
                 if matched and not fsutil.has_glob(pattern):
@@ -67,7 +84,7 @@ def match_inputs(config: MixtureConfig) -> dict[str, tuple[str, ...]]:
                         f"sources[{i}].paths[{j}]: {pattern!r} matches the file {shown!r}, whose name is "
                         "not valid UTF-8 (document keys are UTF-8); rename it or narrow the pattern"
                     ) from None
-            found.update(files_only)
+            found.update((m, listed[m]) for m in files_only)
         for f in sorted(found):
             same = fsutil.real_path(f)  # one file through two links, or two spellings
             if same in owner:
@@ -77,8 +94,35 @@ def match_inputs(config: MixtureConfig) -> dict[str, tuple[str, ...]]:
                     + "; a file may belong to one source only"
                 )
             owner[same] = source.name
-        files[source.name] = tuple(sorted(found))
+        files[source.name] = tuple(sorted(found.items()))
     return files
+
+
+def check_parquet_columns(config: MixtureConfig, files: Mapping[str, tuple[str, ...]]) -> None:
+    """Raises :class:`ConfigError` when the first file of a Parquet source lacks its text column.
+
+    Only the footer of one file per source is read (the schema), so a wrong ``text_field``
+    is a config mistake reported before any work, with the columns the file has. Files
+    after the first are checked as they are read (their rows become ``missing_text``
+    dead letters naming the columns).
+    """
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    for i, source in enumerate(config.sources):
+        if source.format is not SourceFormat.PARQUET or not files[source.name]:
+            continue
+        first = files[source.name][0]
+        try:
+            with fsutil.open_raw(first) as f:
+                names = pq.ParquetFile(f).schema_arrow.names
+        except (pyarrow.ArrowException, OSError):  # a damaged file: the reader's dead letter, not a config error
+            continue
+        if source.text_field not in names:
+            raise ConfigError(
+                f"sources[{i}].text_field: {first} has no column {source.text_field!r}; its columns are "
+                f"{sorted(names)}; set text_field to the column that holds the text"
+            )
 
 
 def check_tokenizer(config: MixtureConfig) -> tuple[str, dict[str, object]]:
@@ -112,8 +156,12 @@ def check_tokenizer(config: MixtureConfig) -> tuple[str, dict[str, object]]:
     return sha, info
 
 
-def preflight(config: MixtureConfig) -> Preflight:
-    """Runs every file check; raises :class:`ConfigError` on the first problem."""
+def preflight(config: MixtureConfig, max_shard_tokens: int = sizing.DEFAULT_MAX_SHARD_TOKENS) -> Preflight:
+    """Runs every file check and plans the shards; raises :class:`ConfigError` on the first problem."""
     sha, info = check_tokenizer(config)
-    files = match_inputs(config)
-    return Preflight(files=files, tokenizer_sha256=sha, tokenizer_info=info)
+    listed = match_inputs_with_sizes(config)
+    files = {n: tuple(p for p, _ in v) for n, v in listed.items()}
+    sizes = {n: tuple(s for _, s in v) for n, v in listed.items()}
+    check_parquet_columns(config, files)
+    shards = sizing.plan_shards(config, sizes, max_shard_tokens)
+    return Preflight(files=files, tokenizer_sha256=sha, tokenizer_info=info, sizes=sizes, shards=shards)

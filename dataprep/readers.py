@@ -27,7 +27,7 @@ import io
 import json
 import re
 import zlib
-from typing import Iterator, Optional, Union
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
 
 from contract.config import SourceConfig, SourceFormat, TextSplit
 from contract.hashing import document_key
@@ -48,8 +48,9 @@ class Reason(str, enum.Enum):
     TOO_LONG = "too_long"  # a JSONL line or whole-file text document over MAX_DOCUMENT_BYTES
 
 
-@dataclasses.dataclass(frozen=True)
-class Document:
+class Document(NamedTuple):
+    """One document: its stable key and its text (a tuple: cheap to make per document)."""
+
     key: str
     text: str
 
@@ -88,6 +89,16 @@ def _check_text(key: str, text: str, raw: Union[bytes, str]) -> Item:
     return Document(key, text)
 
 
+def _check_json_text(key: str, text: str, line: bytes) -> Item:
+    """:func:`_check_text` for text parsed from a UTF-8 JSON line, without a copy when ASCII.
+
+    Only a ``\\u`` escape can put a lone surrogate into such text (decoding UTF-8 never
+    yields one), and an ASCII string holds none: ``str.isascii()`` reads a flag, so the
+    encode check runs only on non-ASCII text.
+    """
+    return Document(key, text) if text.isascii() else _check_text(key, text, line)
+
+
 class _LongInt(str):
     """A JSON integer too long for ``int()`` (over ``sys.get_int_max_str_digits()`` digits)."""
 
@@ -108,6 +119,16 @@ def _json_loads(s: str):
         return json.loads(s, parse_int=lambda digits: int(digits) if len(digits) < 4000 else _LongInt(digits))
 
 
+def missing_detail(what: str, name: str, present) -> str:
+    """``no field 'text'; the object has fields ['body', 'id']`` (at most 20 names listed)."""
+    names = sorted(str(n) for n in present)
+    shown = names[:20] + ([f"... {len(names) - 20} more"] if len(names) > 20 else [])
+    holder = "object" if what == "field" else "file"
+    if not names:
+        return f"no {what} {name!r}; the {holder} has no {what}s"
+    return f"no {what} {name!r}; the {holder} has {what}s {shown}; set text_field to the one that holds the text"
+
+
 def _from_json_line(source: SourceConfig, key: str, line: bytes) -> Item:
     try:
         s = line.decode("utf-8")
@@ -120,13 +141,13 @@ def _from_json_line(source: SourceConfig, key: str, line: bytes) -> Item:
     if not isinstance(obj, dict):
         return Rejected(key, Reason.NOT_AN_OBJECT, line, type(obj).__name__)
     if source.text_field not in obj:
-        return Rejected(key, Reason.MISSING_TEXT, line, f"no field {source.text_field!r}")
+        return Rejected(key, Reason.MISSING_TEXT, line, missing_detail("field", source.text_field, obj))
     text = obj[source.text_field]
     if isinstance(text, _LongInt):
         return Rejected(key, Reason.NON_STRING_TEXT, line, f"{source.text_field} is int")
     if not isinstance(text, str):
         return Rejected(key, Reason.NON_STRING_TEXT, line, f"{source.text_field} is {type(text).__name__}")
-    return _check_text(key, text, line)
+    return _check_json_text(key, text, line)
 
 
 _BOM = b"\xef\xbb\xbf"
@@ -276,13 +297,14 @@ def _iter_parquet(source: SourceConfig, rel: str, f) -> Iterator[Item]:
 
     pf = pq.ParquetFile(f)
     names = set(pf.schema_arrow.names)
+    missing = missing_detail("column", source.text_field, names) if source.text_field not in names else ""
     row = 0
     for rg in range(pf.num_row_groups):
         n = pf.metadata.row_group(rg).num_rows
-        if source.text_field not in names:
+        if missing:
             for _ in range(n):
                 key = document_key(source.name, rel, row)
-                yield Rejected(key, Reason.MISSING_TEXT, "", f"no column {source.text_field!r}")
+                yield Rejected(key, Reason.MISSING_TEXT, "", missing)
                 row += 1
             continue
         texts = pf.read_row_group(rg, columns=[source.text_field]).column(0).to_pylist()
@@ -342,13 +364,17 @@ def _unreadable_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def read_file(source: SourceConfig, path: str, root: Optional[str] = None) -> Iterator[Item]:
+def read_file(
+    source: SourceConfig, path: str, root: Optional[str] = None, on_open: Optional[Callable[[Any], None]] = None
+) -> Iterator[Item]:
     """Yields the documents and rejected inputs of one input file, in file order.
 
     Args:
       source: the source's config (format, fields, text split).
       path: the file, local or any FileSystems URL.
       root: folder keys are relative to (default ``source.root``).
+      on_open: called with the file's raw stream once it is open (its ``tell()`` is the
+        bytes read so far, as stored: what progress reports measure).
 
     Yields:
       :class:`Document` or :class:`Rejected`. A file that turns out corrupt part-way (bad
@@ -363,6 +389,8 @@ def read_file(source: SourceConfig, path: str, root: Optional[str] = None) -> It
     stream: Optional[_Readable] = None
     try:
         with fsutil.open_raw(path) as raw:
+            if on_open is not None:
+                on_open(raw)
             if fmt in (SourceFormat.JSONL, SourceFormat.JSONL_GZ, SourceFormat.JSONL_ZST):
                 if fmt is SourceFormat.JSONL:
                     inner = raw
@@ -433,6 +461,7 @@ class _Readable(io.RawIOBase):
     def __init__(self, f, hold_errors: tuple[type[BaseException], ...] = ()):
         self._f = f
         self._hold = hold_errors
+        self._readinto = getattr(f, "readinto", None)
         self.error: Optional[BaseException] = None
         self.partial = b""  # the cut-off last line, set by _iter_jsonl
 
@@ -442,6 +471,8 @@ class _Readable(io.RawIOBase):
     def readinto(self, b) -> int:
         if self.error is not None:
             return 0
+        if not self._hold and self._readinto is not None:
+            return self._readinto(b)  # straight into the buffer: no new 1 MB bytes object a read
         try:
             # Small reads, so that a decompression error loses little of what came before it.
             data = self._f.read(min(len(b), 1 << 16) if self._hold else len(b))

@@ -67,8 +67,13 @@ def print_summary(result, console: Optional[Console] = None) -> None:
         if not console.is_terminal and console.width < 130:
             console = Console(width=130)
     console.print(summary_table(result.manifest))
-    console.print(f"dataset: {result.output}  (manifest.json, <source>/data-*.array_record, errors/*.jsonl)")
+    # soft_wrap: paths are never broken across lines, whatever the width.
+    console.print(f"dataset: {result.output}  (manifest.json, <source>/data-*.array_record, errors/*.jsonl)",
+                  soft_wrap=True, highlight=False)
+    if getattr(result, "report", None):
+        console.print(f"report: {result.report}  (segment lengths, fill per shard, tokens against weights, "
+                      "documents split, rejections: look before training)", soft_wrap=True, highlight=False)
     console.print("ledger: documents read = packed + rejected, tokens in = tokens packed: reconciled")
     if result.metrics:
         shown = ", ".join(f"{k}={v:,}" for k, v in result.metrics.items())
-        console.print(f"beam counters: {shown}")
+        console.print(f"beam counters: {shown}", soft_wrap=True, highlight=False)

@@ -143,6 +143,23 @@ def pydoc_text(limit_chars: int = 400_000) -> list[str]:
     return out
 
 
+def write_pydoc_jsonl(folder, files: int, limit_chars: int, stem: str = "p") -> list:
+    """Writes ``pydoc_text(limit_chars)`` round-robin into ``<folder>/<stem>{i}.jsonl``, one
+    ``{"text": ...}`` a line; returns the paths (``pathlib.Path``), in order."""
+    import json
+    import pathlib
+
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = pydoc_text(limit_chars)
+    paths = [folder / f"{stem}{i}.jsonl" for i in range(files)]
+    for i, path in enumerate(paths):
+        with open(path, "w", encoding="utf-8") as f:
+            for t in texts[i::files]:
+                f.write(json.dumps({"text": t}) + "\n")
+    return paths
+
+
 def train_small_tokenizer(path: str, vocab_size: int = 400) -> str:
     """Trains a small unigram SentencePiece model on pydoc prose; returns its sha256.
 

@@ -5,11 +5,35 @@
 Writes ``tok.model`` and ``tok.model.sha256`` (the hex digest and the file name, as
 ``sha256sum`` prints them), to pin in the mixture config's ``tokenizer.sha256``.
 
-Sample: a document is in the sample when ``stable_hash64(seed, "tokenizer-sample", key)``
-falls in the first ``sample_fraction`` of the 64-bit range, so the sample depends only on
-the keys and the seed (DESIGN.md, "Determinism rules"). Documents are split into lines,
-and lines longer than SentencePiece's ``max_sentence_length`` (bytes) are cut, so nothing
-is silently skipped by the trainer. Training uses a fixed random seed
+Sample, chosen here, never by SentencePiece:
+
+1. documents: a document is in the sample when ``stable_hash64(seed, "tokenizer-sample",
+   key)`` falls in the first ``sample_fraction`` of the 64-bit range;
+2. lines: the documents are split into lines (longer ones cut into pieces of at most
+   SentencePiece's ``max_sentence_length`` bytes, so the trainer skips none), and the
+   ``max_sentences`` pieces with the smallest ``stable_hash64(seed, "tokenizer-line", key,
+   line, piece)`` are kept (a bottom-k sample: the same set whatever the order of files,
+   sources or workers);
+3. they are handed to SentencePiece sorted by that hash, with ``input_sentence_size=0``
+   (keep everything) and ``shuffle_input_sentence=false``.
+
+SentencePiece never samples on its own: its reservoir sampler (``trainer_interface.cc``,
+``SentenceSelector``) is what made models differ from run to run when a sample held more
+lines than ``input_sentence_size`` (google/sentencepiece#496). Its E-step and pruning
+split the sentences over ``num_threads`` threads by index and add the partial sums in
+thread order (``unigram_model_trainer.cc``), so a model depends on the thread count but
+not on scheduling: ``--num-threads`` is fixed (default 4, never the machine's core
+count) and recorded in the model's trainer spec.
+
+The same config, seed and options give the same model bytes on any machine with the same
+SentencePiece wheel (version and CPU architecture: floating-point results of other builds
+may differ) and the same input files.
+
+Normalization: SentencePiece normalizes text before training and encoding, and decoding
+returns the normalized text, not the input bytes. ``--normalization nmt_nfkc`` (the
+default, SentencePiece's): Unicode NFKC plus a few NMT rules, and runs of whitespace
+collapse to one space; ``identity`` keeps text byte-exact (with byte fallback, every byte
+round-trips; whitespace is kept too). Training uses a fixed random seed
 (``sentencepiece.set_random_generator_seed``), byte fallback (on by default), and
 in-memory input and output, so no local path ends up in the model's trainer spec.
 """
@@ -18,8 +42,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import heapq
 import io
-import itertools
 import sys
 from typing import Iterator, Optional, Sequence
 
@@ -31,7 +55,7 @@ if not __package__:  # run as a script: the repository root replaces dataprep/ o
 import sentencepiece as spm  # noqa: E402
 
 from contract.config import ConfigError, MixtureConfig, load_mixture  # noqa: E402
-from contract.hashing import stable_hash64  # noqa: E402
+from contract.hashing import _encode_part, stable_hash64  # noqa: E402
 from dataprep import fsutil, preflight, readers  # noqa: E402
 
 MAX_SENTENCE_BYTES = 4192  # SentencePiece's default max_sentence_length
@@ -55,14 +79,26 @@ def _cut(line: str, max_bytes: int) -> Iterator[str]:
         start = end
 
 
+NORMALIZATIONS = {
+    "nmt_nfkc": "Unicode NFKC, plus NMT rules (control characters removed, some spaces unified); "
+    "runs of whitespace collapse to one space",
+    "nfkc": "Unicode NFKC; runs of whitespace collapse to one space",
+    "nmt_nfkc_cf": "nmt_nfkc, then Unicode case folding (lower case); runs of whitespace collapse",
+    "nfkc_cf": "nfkc, then Unicode case folding (lower case); runs of whitespace collapse",
+    "identity": "none: text is kept byte-exact, whitespace included (with byte fallback every byte round-trips)",
+}
+DEFAULT_NUM_THREADS = 4
+DEFAULT_MAX_SENTENCES = 2_000_000
+
+
 def sample_lines(
     config: MixtureConfig,
     files: dict[str, Sequence[str]],
     sample_fraction: float,
     seed: int,
     max_bytes: int = MAX_SENTENCE_BYTES,
-) -> Iterator[str]:
-    """Yields the non-blank lines of the sampled documents, sources and files in order.
+) -> Iterator[tuple[str, int, int, str]]:
+    """Yields ``(key, line, piece, text)`` for the non-blank lines of the sampled documents.
 
     Args:
       config: the mixture (formats and fields of each source).
@@ -70,6 +106,9 @@ def sample_lines(
       sample_fraction: share of documents kept, in ``(0, 1]``.
       seed: sampling seed.
       max_bytes: longer lines are cut into pieces of at most this many UTF-8 bytes.
+
+    ``line`` is the 0-based index of the line in its document (blank lines count) and
+    ``piece`` the index of the piece in its line. Sources and files in config order.
     """
     threshold = int(sample_fraction * 2**64)
     for source in config.sources:
@@ -79,10 +118,34 @@ def sample_lines(
                     continue
                 if stable_hash64(seed, "tokenizer-sample", item.key) >= threshold:
                     continue
-                for line in item.text.splitlines():
+                for i, line in enumerate(item.text.splitlines()):
                     line = line.strip()
                     if line:
-                        yield from _cut(line, max_bytes)
+                        for j, piece in enumerate(_cut(line, max_bytes)):
+                            yield item.key, i, j, piece
+
+
+def choose_sentences(lines: Iterator[tuple[str, int, int, str]], seed: int, max_sentences: int) -> list[str]:
+    """The bottom-``max_sentences`` lines by ``stable_hash64(seed, "tokenizer-line", key, line, piece)``.
+
+    Returns:
+      The chosen texts in increasing hash order: the same list whatever order ``lines``
+      come in (keys are unique, so no two lines share all hash parts). Memory: at most
+      ``max_sentences`` lines are kept while streaming.
+    """
+    prefix = hashlib.blake2b(digest_size=8)
+    for part in (seed, "tokenizer-line"):
+        prefix.update(_encode_part(part))
+    heap: list[tuple[int, str, int, int, str]] = []  # (-hash, key, line, piece, text): a max-heap
+    for key, i, j, text in lines:
+        h = prefix.copy()
+        h.update(_encode_part(key) + _encode_part(i) + _encode_part(j))
+        value = int.from_bytes(h.digest(), "little")
+        if len(heap) < max_sentences:
+            heapq.heappush(heap, (-value, key, i, j, text))
+        elif value < -heap[0][0]:
+            heapq.heapreplace(heap, (-value, key, i, j, text))
+    return [entry[4] for entry in sorted(heap, reverse=True)]
 
 
 def train(
@@ -93,21 +156,26 @@ def train(
     seed: int = 0,
     model_type: str = "unigram",
     byte_fallback: bool = True,
-    max_sentences: int = 2_000_000,
+    max_sentences: int = DEFAULT_MAX_SENTENCES,
     character_coverage: float = 0.9995,
-    num_threads: int = 2,
+    num_threads: int = DEFAULT_NUM_THREADS,
+    normalization: str = "nmt_nfkc",
 ) -> str:
     """Trains the tokenizer and writes ``out`` and ``out + ".sha256"`` through FileSystems.
 
-    Special ids: unk 0, bos 1, eos 2, pad 3.
+    Special ids: unk 0, bos 1, eos 2, pad 3. The sample is chosen by :func:`sample_lines`
+    and :func:`choose_sentences` (at most ``max_sentences`` lines); SentencePiece keeps all
+    of it and samples nothing.
 
     Returns:
       The sha256 hex digest of the model written.
 
     Raises:
       TrainError: ``vocab_size`` < 16, ``sample_fraction`` not in (0, 1], ``seed`` not in
-        [0, 2**32), ``max_sentences`` < 1, ``out`` is a folder (or under a file), no line
-        sampled, or SentencePiece refuses the sample (e.g. fewer pieces than characters).
+        [0, 2**32), ``max_sentences`` < 1, ``num_threads`` not in [1, 1024], an unknown
+        ``normalization`` (or ``identity`` without byte fallback), ``out`` is a folder (or
+        under a file), no line sampled, or SentencePiece refuses the sample (e.g. fewer
+        pieces than characters).
       ConfigError: an input glob matches nothing.
     """
     if vocab_size < 16:
@@ -122,20 +190,27 @@ def train(
         )
     if isinstance(max_sentences, bool) or not isinstance(max_sentences, int) or max_sentences < 1:
         raise TrainError(f"--max-sentences must be >= 1, got {max_sentences!r}")
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or not 1 <= num_threads <= 1024:
+        raise TrainError(
+            f"--num-threads must be in [1, 1024], got {num_threads!r}; keep it fixed: the model depends on it"
+        )
+    if normalization not in NORMALIZATIONS:
+        raise TrainError(f"--normalization must be one of {sorted(NORMALIZATIONS)}, got {normalization!r}")
+    if normalization == "identity" and not byte_fallback:
+        raise TrainError(
+            "--normalization identity keeps text byte-exact only with byte fallback; drop --no-byte-fallback"
+        )
     _check_out(out)
     files = preflight.match_inputs(config)
-    # Streamed, not a list: SentencePiece keeps a sample of at most ``max_sentences`` lines
-    # itself, so a corpus larger than memory can be sampled.
-    lines = sample_lines(config, files, sample_fraction, seed)
-    first = next(lines, None)
-    if first is None:
+    sentences = choose_sentences(sample_lines(config, files, sample_fraction, seed), seed, max_sentences)
+    if not sentences:
         raise TrainError("the sample holds no text; raise --sample-fraction")
     spm.set_random_generator_seed(seed)
     model = io.BytesIO()
     try:
         _train_spm(
-            itertools.chain([first], lines), model, vocab_size, model_type, byte_fallback, max_sentences,
-            character_coverage, num_threads,
+            iter(sentences), model, vocab_size, model_type, byte_fallback, character_coverage, num_threads,
+            normalization,
         )
     except RuntimeError as e:  # SentencePiece's own checks, e.g. a vocabulary too small
         raise TrainError(f"SentencePiece refused to train: {e}") from None
@@ -172,7 +247,7 @@ def _check_out(out: str) -> None:
 
 
 def _train_spm(
-    sentences, model, vocab_size, model_type, byte_fallback, max_sentences, character_coverage, num_threads
+    sentences, model, vocab_size, model_type, byte_fallback, character_coverage, num_threads, normalization
 ) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=sentences,
@@ -181,10 +256,12 @@ def _train_spm(
         model_type=model_type,
         byte_fallback=byte_fallback,
         character_coverage=character_coverage,
-        input_sentence_size=max_sentences,
-        shuffle_input_sentence=True,
+        input_sentence_size=0,  # keep every sentence given: the sample is ours
+        shuffle_input_sentence=False,
         max_sentence_length=MAX_SENTENCE_BYTES,
         num_threads=num_threads,
+        normalization_rule_name=normalization,
+        remove_extra_whitespaces=normalization != "identity",
         unk_id=0,
         bos_id=1,
         eos_id=2,
@@ -194,9 +271,28 @@ def _train_spm(
     )
 
 
+_EPILOG = f"""\
+determinism: the sample is chosen here by a stable hash of (seed, document key, line),
+never by SentencePiece (it gets input_sentence_size=0 and keeps the whole sample, at most
+--max-sentences lines), and --num-threads is fixed (default {DEFAULT_NUM_THREADS}) and recorded in the
+model. The same config, seed and options give the same model bytes on any machine with
+the same SentencePiece version and CPU architecture and the same input files.
+
+normalization: decoding returns the normalized text, not the original bytes. With the
+default nmt_nfkc, U+FE30 becomes "..", "\ufb01" becomes "fi", full-width digits become
+ASCII and runs of whitespace collapse; characters missing from the vocabulary decode as
+" \u2047 " unless byte fallback is on. --normalization identity keeps text byte-exact.
+
+exit status: 0 done; 2 bad arguments or config, or SentencePiece refused the sample.
+"""
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dataprep.train_tokenizer", description=__doc__.split("\n")[0]
+        prog="python -m dataprep.train_tokenizer",
+        description=__doc__.split("\n")[0],
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", required=True, help="mixture config YAML whose sources are sampled")
     parser.add_argument("--vocab-size", type=int, required=True)
@@ -209,7 +305,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--model-type", default="unigram", choices=["unigram", "bpe"])
     parser.add_argument("--no-byte-fallback", action="store_true")
-    parser.add_argument("--max-sentences", type=int, default=2_000_000, help="lines SentencePiece keeps")
+    parser.add_argument(
+        "--max-sentences",
+        type=int,
+        default=DEFAULT_MAX_SENTENCES,
+        help="most lines in the sample (chosen by hash; SentencePiece keeps all of them)",
+    )
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=DEFAULT_NUM_THREADS,
+        help=f"SentencePiece training threads (default {DEFAULT_NUM_THREADS}); the model depends on it: keep it fixed",
+    )
+    parser.add_argument(
+        "--normalization",
+        default="nmt_nfkc",
+        choices=sorted(NORMALIZATIONS),
+        help="SentencePiece normalization rule (default nmt_nfkc); identity keeps text byte-exact",
+    )
     args = parser.parse_args(argv)
     try:
         config = load_mixture(args.config)
@@ -222,11 +335,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.model_type,
             not args.no_byte_fallback,
             args.max_sentences,
+            num_threads=args.num_threads,
+            normalization=args.normalization,
         )
     except (ConfigError, TrainError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out} (sha256 {sha}) and {args.out}.sha256")
+    print(f"normalization: {args.normalization}: {NORMALIZATIONS[args.normalization]}; decoded text is the "
+          "normalized text, not the original bytes" + ("" if args.normalization == "identity" else
+                                                         " (--normalization identity keeps it byte-exact)"))
+    print(f"threads: {args.num_threads} (recorded in the model; the same value gives the same model bytes)")
     return 0
 
 

@@ -79,6 +79,16 @@ def _set(path, value):
         (_set(["phases", 0, "weights"], {"nope": 1}), "phases[0].weights: unknown source(s) ['nope']"),
         (_set(["sources", 0, "weight"], float("nan")), "must be finite"),
         (_set(["sources"], []), "sources: must be a non-empty list"),
+        (_set(["shards_per_source"], 0), "shards_per_source: must be >= 1, got 0"),
+        (_set(["shards_per_source"], 100_000), "shards_per_source: must be <= 99999, got 100000"),
+        (_set(["target_shard_tokens"], 63), "target_shard_tokens: must be >= seq_len (64), got 63; a shard holds whole rows"),
+        (_set(["target_shard_tokens"], "2**28"), "target_shard_tokens: must be an integer, got '2**28'"),
+        (_set(["max_rejected_fraction"], 1.5),
+         "max_rejected_fraction: must be a number in [0, 1] (1 accepts any loss), got 1.5"),
+        (_set(["max_rejected_fraction"], True),
+         "max_rejected_fraction: must be a number in [0, 1] (1 accepts any loss), got True"),
+        (_set(["max_rejected_fraction"], float("nan")),
+         "max_rejected_fraction: must be a number in [0, 1] (1 accepts any loss), got nan"),
     ],
 )
 def test_each_mistake_names_its_field(mutate, message):
@@ -95,3 +105,17 @@ def test_file_errors(tmp_path):
     (tmp_path / "bad.yaml").write_text("name: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_mixture(str(tmp_path / "bad.yaml"))
+
+
+def test_shard_fields_default_and_round_trip():
+    raw = _raw()
+    del raw["shards_per_source"]
+    c = mixture_from_dict(raw, base_dir="/x")
+    assert (c.shards_per_source, c.target_shard_tokens, c.max_rejected_fraction) == (None, 2**28, 0.5)
+    d = c.to_dict()
+    assert (d["shards_per_source"], d["target_shard_tokens"], d["max_rejected_fraction"]) == (None, 2**28, 0.5)
+    # The normalized form (what manifest.json holds) reads back to the same config.
+    assert mixture_from_dict(d).sha256() == c.sha256()
+    c2 = mixture_from_dict({**_raw(), "target_shard_tokens": 4096, "max_rejected_fraction": 0}, base_dir="/x")
+    assert (c2.shards_per_source, c2.target_shard_tokens, c2.max_rejected_fraction) == (2, 4096, 0.0)
+    assert mixture_from_dict(c2.to_dict()).to_dict() == c2.to_dict()

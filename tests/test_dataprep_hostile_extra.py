@@ -9,6 +9,7 @@ import gzip
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -222,10 +223,12 @@ def small(tmp_path_factory, tok):
         tok[0],
         [
             {"name": "a", "paths": ["in/*.jsonl"], "format": "jsonl"},
-            {"name": "z", "paths": ["in/*.jsonl.zst"], "format": "jsonl.zst"},
+            # A truncated file: it rejects all it reads and packs nothing, allowed at weight 0 only.
+            {"name": "z", "paths": ["in/*.jsonl.zst"], "format": "jsonl.zst", "weight": 0.0},
         ],
         seq_len=16,
         shards_per_source=2,
+        max_rejected_fraction=1.0,  # hostile on purpose
     )
     return d, cfg
 
@@ -433,22 +436,78 @@ def test_inputs_inside_the_output_folder_are_refused(tmp_path, tok):
     assert sorted(p.name for p in out.rglob("*")) == ["a-00000-of-00001.jsonl", "errors"]
 
 
-def test_source_that_packs_nothing_but_has_weight_is_warned_about(small, tmp_path, capsys):
-    # Was: silent; the loader only refused the mixture later, on the training fleet.
+def test_source_that_packs_nothing_but_has_weight_fails_without_a_manifest(small, tmp_path, capsys):
+    # Was: a warning line and exit 0; the loader refused the mixture later, on the training fleet.
     d, cfg = small
     (d / "in0").mkdir(exist_ok=True)
     (d / "in0/bad.jsonl").write_text("not json\n")
     raw = yaml.safe_load(cfg.read_text())
-    raw["sources"][1]["weight"] = 0.0  # "z" (a truncated file) packs nothing either
     raw["sources"].append({"name": "bad", "paths": ["in0/*.jsonl"], "format": "jsonl", "weight": 0.0})
     raw["phases"] = [{"from_step": 100, "weights": {"a": 1.0, "bad": 0.5}}]
     cfg2 = d / "mix-empty.yaml"
     cfg2.write_text(yaml.safe_dump(raw))
-    pack.run(["--config", str(cfg2), "--output", str(tmp_path / "ds")], print_summary=False)
-    assert capsys.readouterr().err.splitlines() == [
-        "warning: source 'bad' packed no rows (documents read 1, rejected invalid_json: 1) but has "
-        "weight > 0 from step 100; a loader cannot draw from it (see errors/)"
-    ]
+    out = tmp_path / "ds"
+    assert pack.main(["--config", str(cfg2), "--output", str(out), "--quiet"]) == pack.EXIT_LOSS == 4
+    err = capsys.readouterr().err
+    assert err == (
+        "error: a source lost too much, manifest.json not written:\n"
+        "  source 'bad' packed no rows but has weight 0.5 from step 100: read 1, packed 0, rejected 1: "
+        "invalid_json 1 (first: bad/bad.jsonl:1: Expecting value: line 1 column 1 (char 0)); "
+        f"dead letters in {out}/errors/bad-*.jsonl\n"
+        "next: fix the input or the source's format/text_field and rerun; to train without the source, "
+        "set its weight to 0 in every phase; to accept the loss, raise max_rejected_fraction in the "
+        "config (now 1)\n"
+        f"report: {out}/report.png\n"
+    )
+    assert not (out / "manifest.json").exists() and (out / "report.png").exists()
+    assert not (out / "_stats.json").exists() and not (out / "_tmp").exists()
+    assert (out / "errors/bad-00000-of-00002.jsonl").exists() or (out / "errors/bad-00001-of-00002.jsonl").exists()
+
+
+def test_source_rejecting_more_than_max_rejected_fraction_fails(small, tmp_path, capsys):
+    d, cfg = small
+    raw = yaml.safe_load(cfg.read_text())
+    raw["max_rejected_fraction"] = 0.25  # "a" rejects 2 of its 4 documents; "z" all of its one
+    cfg2 = d / "mix-strict.yaml"
+    cfg2.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "ds"
+    with pytest.raises(pack.DataLossError) as e:
+        pack.run(["--config", str(cfg2), "--output", str(out), "--no-report"], print_summary=False)
+    lines = str(e.value).splitlines()
+    assert lines[1] == (
+        "  source 'a' rejected 50% of its documents, over max_rejected_fraction 0.25: read 4, packed 2, "
+        "rejected 2: invalid_json 1 (first: a/a.jsonl:3: Expecting value: line 1 column 1 (char 0)); "
+        f"non_string_text 1 (first: a/a.jsonl:4: text is NoneType); dead letters in {out}/errors/a-*.jsonl"
+    )
+    assert lines[2].startswith("  source 'z' rejected 100% of its documents, over max_rejected_fraction 0.25: ")
+    assert "unreadable_file 1 (first: z/t.jsonl.zst:file: ZstdError:" in lines[2]
+    assert lines[3].endswith("raise max_rejected_fraction in the config (now 0.25)")
+    assert not (out / "manifest.json").exists() and not (out / "report.png").exists()
+    # At the limit (0.5 of "a") it packs; "z" is weight 0 and rejects everything: allowed at 1.0 only.
+    raw["max_rejected_fraction"] = 1.0
+    cfg2.write_text(yaml.safe_dump(raw))
+    assert pack.run(["--config", str(cfg2), "--output", str(out), "--no-report"], print_summary=False).manifest
+
+
+def test_missing_parquet_column_is_a_config_error_naming_the_columns(tmp_path, tok):
+    # Was: every row dead-lettered as "no column 'text'", exit 0, manifest written.
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"body": ["a", "b"], "id": [1, 2]}), tmp_path / "in/a.parquet")
+    pq.write_table(pa.table({"text": ["a"]}), tmp_path / "in/b.parquet")
+    cfg = _write_config(tmp_path, tok[0], [{"name": "legal", "paths": ["in/*.parquet"], "format": "parquet"}])
+    with pytest.raises(ConfigError, match=re.escape(
+        f"sources[0].text_field: {tmp_path}/in/a.parquet has no column 'text'; its columns are ['body', 'id']; "
+        "set text_field to the column that holds the text"
+    )):
+        pack.run(["--config", str(cfg), "--output", str(tmp_path / "ds")], print_summary=False)
+    # A later file without the column: its rows are dead letters naming the columns it has.
+    (tmp_path / "in/a.parquet").rename(tmp_path / "in/c.parquet")
+    got = list(readers.read_file(load_mixture(str(cfg)).sources[0], str(tmp_path / "in/c.parquet")))
+    assert [g.detail for g in got] == [
+        "no column 'text'; the file has columns ['body', 'id']; set text_field to the one that holds the text"
+    ] * 2
+    got = _items(tmp_path, "jsonl", "d.jsonl", b'{"body": "x", "id": 1}\n')
+    assert got[0].detail == "no field 'text'; the object has fields ['body', 'id']; set text_field to the one that holds the text"
 
 
 def test_source_names_differing_only_in_case_are_refused():
@@ -590,7 +649,7 @@ def test_compressed_file_read_as_plain_jsonl_is_one_dead_letter(tmp_path):
     assert len(got) == 1
     # A plain file whose first line is short still reads (peek needs no 4 bytes).
     assert _items(tmp_path, "jsonl", "c.jsonl", b"{}") == [
-        readers.Rejected("s/c.jsonl:1", readers.Reason.MISSING_TEXT, b"{}", "no field 'text'")
+        readers.Rejected("s/c.jsonl:1", readers.Reason.MISSING_TEXT, b"{}", "no field 'text'; the object has no fields")
     ]
 
 

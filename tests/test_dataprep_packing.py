@@ -144,3 +144,18 @@ def test_input_order_does_not_matter():
     a = _pack(docs, 8, 3)
     b = _pack(dict(reversed(list(docs.items()))), 8, 3)
     assert [[(c.key, c.index) for c in r] for r in a] == [[(c.key, c.index) for c in r] for r in b]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(st.text(min_size=1, max_size=6), st.integers(1, 40), min_size=0, max_size=40),
+    st.integers(1, 12),
+)
+def test_chunk_columns_equal_split_then_sort(docs, seq_len):
+    """The packing step's NumPy columns give the chunks sort_for_packing gives, in its order."""
+    keys = list(docs)
+    tokens = {k: np.arange(n) for k, n in docs.items()}
+    expected = packing.sort_for_packing(c for k in keys for c in packing.split_into_chunks(k, tokens[k], seq_len))
+    doc, chunk, start, length = packing.chunk_columns(keys, np.array([docs[k] for k in keys], np.int64), seq_len)
+    got = [(keys[d], c, s, n) for d, c, s, n in zip(doc.tolist(), chunk.tolist(), start.tolist(), length.tolist())]
+    assert got == [(c.key, c.index, int(c.tokens[0]), len(c)) for c in expected]

@@ -192,6 +192,15 @@ def test_two_processes_give_identical_bytes(corpus, reference, tmp_path):
     assert _files(out) == _files(reference[0])
 
 
+def test_shuffle_transport_gives_the_spilled_bytes(corpus, reference, tmp_path):
+    """--spill off sends token segments through the GroupByKey (as on Dataflow): same bytes."""
+    _, cfg, _ = corpus
+    out = tmp_path / "ds"
+    pack.run(["--config", str(cfg), "--output", str(out), "--spill", "off"], print_summary=False)
+    assert _files(out) == _files(reference[0])
+    assert not (reference[0] / "_tmp").exists()  # the spill folder of the reference run is gone
+
+
 @pytest.mark.parametrize("point", faults.POINTS)
 def test_retried_bundle_gives_identical_bytes(corpus, reference, tmp_path, monkeypatch, point):
     """A bundle's first attempt raises; the BundleBasedDirectRunner retries it (executor.py)."""
@@ -246,8 +255,15 @@ def test_non_local_file_system(corpus, reference):
             for k, v in testing.MEMFS_FILES.items()
             if k.startswith("memfs://bucket/out/")
         }
+        # Spill files through the same FileSystems, under --temp_location: same bytes, removed after.
+        pack.run(["--config", str(mem_cfg), "--output", "memfs://bucket/out2", "--spill", "on",
+                  "--temp_location", "memfs://bucket/tmp", "--no-report"], print_summary=False)
+        spilled = {k[len("memfs://bucket/out2/") :]: v for k, v in testing.MEMFS_FILES.items()
+                   if k.startswith("memfs://bucket/out2/")}
+        assert [k for k in testing.MEMFS_FILES if k.startswith("memfs://bucket/tmp")] == []
     finally:
         testing.MEMFS_FILES.clear()
+    assert {k: v for k, v in got.items() if k != "report.png"} == spilled
     ref = _files(reference[0])
     shards = sorted(k for k in ref if k.endswith(".array_record"))
     assert sorted(k for k in got if k.endswith(".array_record")) == shards
@@ -293,10 +309,12 @@ def test_hostile_input_packs_or_lands_in_errors(corpus, tmp_path):
                 "version": 1,
                 "seq_len": 8192,
                 "shards_per_source": 2,
+                "max_rejected_fraction": 1.0,  # hostile on purpose: most of it is rejected
                 "tokenizer": {"path": str(tok)},
                 "sources": [
                     {"name": "h", "paths": ["in/*.jsonl"], "format": "jsonl"},
-                    {"name": "t", "paths": ["in/*.txt"], "format": "text"},
+                    # packs nothing (every document rejected): allowed only at weight 0
+                    {"name": "t", "paths": ["in/*.txt"], "format": "text", "weight": 0.0},
                 ],
             }
         )

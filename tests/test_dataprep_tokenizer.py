@@ -1,13 +1,19 @@
 """Tokenizer training (dataprep.train_tokenizer) and batch encoding (dataprep.tokenizer)."""
 
+import hashlib
 import json
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import yaml
 
 from contract.config import load_mixture
-from dataprep import testing, tokenizer, train_tokenizer
+from dataprep import preflight, testing, tokenizer, train_tokenizer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +88,97 @@ def test_training_is_deterministic_and_writes_sha256(tmp_path):
         )
         == 2
     )
+
+
+def _mixture(tmp_path, files=2):
+    """pydoc prose split over ``files`` JSONL files: about 4,500 non-blank lines in all."""
+    testing.write_pydoc_jsonl(tmp_path / "in", files, 400_000, stem="d")
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "name": "t", "version": 1, "tokenizer": {"path": "tok.model"},
+        "sources": [{"name": "d", "paths": ["in/*.jsonl"], "format": "jsonl"}],
+    }))
+    return cfg
+
+
+def test_two_runs_with_a_sample_over_the_limit_give_the_same_model_bytes(tmp_path):
+    """Each run in a fresh process: SentencePiece's own sampler differed from process to process."""
+    cfg = _mixture(tmp_path)
+    lines = list(train_tokenizer.sample_lines(load_mixture(str(cfg)), preflight.match_inputs(load_mixture(str(cfg))),
+                                              1.0, 0))
+    assert len(lines) > 3 * 1000  # the sample is over --max-sentences 1000
+    digests = []
+    for name in ("a", "b"):
+        run = subprocess.run(
+            [sys.executable, "-m", "dataprep.train_tokenizer", "--config", str(cfg), "--vocab-size", "500",
+             "--max-sentences", "1000", "--out", str(tmp_path / f"{name}.model")],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+        )
+        assert run.returncode == 0, run.stderr
+        digests.append(hashlib.sha256((tmp_path / f"{name}.model").read_bytes()).hexdigest())
+    assert digests[0] == digests[1]
+    assert run.stdout.splitlines()[1:] == [
+        "normalization: nmt_nfkc: Unicode NFKC, plus NMT rules (control characters removed, some spaces "
+        "unified); runs of whitespace collapse to one space; decoded text is the normalized text, not the "
+        "original bytes (--normalization identity keeps it byte-exact)",
+        "threads: 4 (recorded in the model; the same value gives the same model bytes)",
+    ]
+
+
+def test_the_sample_does_not_depend_on_file_order_and_is_capped(tmp_path):
+    cfg = load_mixture(str(_mixture(tmp_path)))
+    files = preflight.match_inputs(cfg)
+    lines = list(train_tokenizer.sample_lines(cfg, files, 1.0, 5))
+    chosen = train_tokenizer.choose_sentences(iter(lines), 5, 700)
+    assert len(chosen) == 700 < len(lines)
+    assert train_tokenizer.choose_sentences(iter(lines[::-1]), 5, 700) == chosen
+    swapped = list(train_tokenizer.sample_lines(cfg, {"d": files["d"][::-1]}, 1.0, 5))
+    assert train_tokenizer.choose_sentences(iter(swapped), 5, 700) == chosen
+    assert train_tokenizer.choose_sentences(iter(lines), 6, 700) != chosen  # the seed chooses
+    # Under the cap everything is kept, in hash order (not file order).
+    every = train_tokenizer.choose_sentences(iter(lines), 5, 10**6)
+    assert sorted(every) == sorted(t for *_, t in lines) and every != [t for *_, t in lines]
+
+
+def test_thread_count_is_part_of_the_model(tmp_path):
+    cfg = load_mixture(str(_mixture(tmp_path)))
+    a = train_tokenizer.train(cfg, 500, str(tmp_path / "a.model"), max_sentences=800, num_threads=1)
+    b = train_tokenizer.train(cfg, 500, str(tmp_path / "b.model"), max_sentences=800, num_threads=2)
+    assert a != b  # hence fixed, never the machine's core count
+    assert train_tokenizer.train(cfg, 500, str(tmp_path / "c.model"), max_sentences=800, num_threads=1) == a
+
+
+def test_identity_normalization_keeps_text_byte_exact(tmp_path):
+    cfg = load_mixture(str(_mixture(tmp_path)))
+    train_tokenizer.train(cfg, 400, str(tmp_path / "id.model"), max_sentences=2000, normalization="identity")
+    train_tokenizer.train(cfg, 400, str(tmp_path / "nfkc.model"), max_sentences=2000)
+    ident, _ = tokenizer.load(str(tmp_path / "id.model"))
+    nfkc, _ = tokenizer.load(str(tmp_path / "nfkc.model"))
+    texts = ["a\ufe30b", "\ufb01le", "\uff11\uff12\uff13", "a   b\t\tc\nd", "  lead", "snow \u2603 \u4e2d\u6587", "x\u00e9y"]
+    assert [ident.decode(ident.encode(t)) for t in texts] == texts
+    assert [nfkc.decode(nfkc.encode(t)) for t in texts] == [
+        "a..b", "file", "123", "a b c d", "lead", "snow \u2603 \u4e2d\u6587", "x\u00e9y"
+    ]
+    train_tokenizer.train(cfg, 400, str(tmp_path / "nobf.model"), max_sentences=2000, byte_fallback=False)
+    nobf, _ = tokenizer.load(str(tmp_path / "nobf.model"))
+    assert nobf.decode(nobf.encode("snow \u2603 man \u4e2d\u6587")) == "snow  \u2047  man  \u2047 "
+    # A row boundary inside a multi-byte character (byte fallback): U+FFFD on each side.
+    ids = nfkc.encode("\u4e2d")
+    pieces = [nfkc.id_to_piece(i) for i in ids]
+    assert pieces[-3:] == ["<0xE4>", "<0xB8>", "<0xAD>"]
+    assert nfkc.decode(ids[:-2]).endswith("\ufffd") and nfkc.decode(ids[-2:]) == "\ufffd\ufffd"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--num-threads", "0"], "error: --num-threads must be in [1, 1024], got 0; keep it fixed: the model depends on it\n"),
+        (["--normalization", "identity", "--no-byte-fallback"],
+         "error: --normalization identity keeps text byte-exact only with byte fallback; drop --no-byte-fallback\n"),
+    ],
+)
+def test_train_tokenizer_option_mistakes(tmp_path, args, message, capsys):
+    cfg = _mixture(tmp_path)
+    assert train_tokenizer.main(["--config", str(cfg), "--vocab-size", "300", "--out", str(tmp_path / "x.model"),
+                                 *args]) == 2
+    assert capsys.readouterr().err == message and not (tmp_path / "x.model").exists()
