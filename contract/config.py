@@ -7,7 +7,7 @@ A mixture config names a dataset version and says what goes into it::
     seq_len: 8192              # slots per packed row (default 8192)
     seed: 0                    # seeds bucketing here and shuffling in the loader
     target_shard_tokens: 268435456  # 2**28 (default): shards per source follow from input size
-    shards_per_source: 4       # optional override of that: exactly this many shards per source
+    shards_per_source: 4       # optional override of that: exactly this many shards per source (auto: not set)
     max_segments_per_row: 256  # cap on documents (segments) packed into one row
     max_rejected_fraction: 0.5 # a source rejecting more of its documents fails the pack
     tokenizer:
@@ -284,15 +284,24 @@ def mixture_from_dict(raw: Any, base_dir: Optional[str] = None, path: Optional[s
     if seq_len > 2**31 - 1:
         raise ConfigError(f"seq_len: must be < 2**31, got {seq_len}")
     seed = _int("seed", raw.get("seed", 0), 0)
-    shards = raw.get("shards_per_source")  # null (as to_dict() writes it) = not set
+    shards = raw.get("shards_per_source")  # null (as to_dict() writes it) or "auto" = not set
+    if shards == "auto":
+        shards = None
     if shards is not None:
+        if isinstance(shards, str):
+            raise ConfigError(
+                f"shards_per_source: must be an integer >= 1, or auto (or left out) for counts from the input "
+                f"sizes and target_shard_tokens, got {shards!r}"
+            )
         shards = _int("shards_per_source", shards, 1)
         if shards > MAX_SHARDS:
             raise ConfigError(f"shards_per_source: must be <= {MAX_SHARDS}, got {shards}")
     target = _int("target_shard_tokens", raw.get("target_shard_tokens", DEFAULT_TARGET_SHARD_TOKENS), 1)
     if target < seq_len:
+        given = "" if "target_shard_tokens" in raw else " (the default)"
         raise ConfigError(
-            f"target_shard_tokens: must be >= seq_len ({seq_len}), got {target}; a shard holds whole rows"
+            f"target_shard_tokens: must be >= seq_len ({seq_len}), got {target}{given}; a shard holds whole rows: "
+            f"set target_shard_tokens to at least {seq_len}"
         )
     max_segments = _int("max_segments_per_row", raw.get("max_segments_per_row", 256), 1)
     max_rejected = raw.get("max_rejected_fraction", DEFAULT_MAX_REJECTED_FRACTION)

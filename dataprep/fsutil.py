@@ -137,3 +137,95 @@ def match_sizes(pattern: str) -> list[tuple[str, int]]:
             return []
         raise
     return sorted({(m.path, int(m.size_in_bytes)) for r in results for m in r.metadata_list})
+
+
+class ListingError(ValueError):
+    """Listing a local input pattern would leave files out silently; the message names the path."""
+
+
+def _is_local(path: str) -> bool:
+    from apache_beam.io.localfilesystem import LocalFileSystem
+
+    try:
+        return isinstance(FileSystems.get_filesystem(path), LocalFileSystem)
+    except ValueError:
+        return False
+
+
+def list_inputs(pattern: str) -> list[tuple[str, int]]:
+    """Returns the sorted ``(path, size in bytes)`` of the input files ``pattern`` matches.
+
+    Patterns mean what they mean to Beam's ``FileSystems.match`` (``*`` stays within a
+    folder, ``**`` crosses folders). On object stores this is ``FileSystems.match``. On the
+    local file system Beam's listing silently leaves out three kinds of files, each of which
+    would be a silent loss of input; here, instead:
+
+    * files under a symbolic link to a folder are listed (Beam's ``os.walk`` does not follow
+      links; a link back to a folder it is inside is not followed again);
+    * a matched symbolic link whose target does not exist raises :class:`ListingError`;
+    * a folder that cannot be listed (permission denied) raises :class:`ListingError`, and
+      so does a matched file that cannot be read.
+
+    Raises:
+      ListingError: as above.
+      ValueError: no installed Beam file system serves the pattern's scheme.
+    """
+    if not _is_local(pattern):
+        return match_sizes(pattern)
+    import re
+
+    from apache_beam.io.filesystem import FileMetadata
+
+    prefix = re.match(r"^[^[*?]*", pattern).group(0)
+    if prefix == pattern:  # a literal path, no glob
+        if os.path.islink(pattern) and not os.path.exists(pattern):
+            raise ListingError(f"{pattern} is a symbolic link to {os.readlink(pattern)!r}, which does not exist")
+        found = match_sizes(pattern)
+    else:
+        top = os.path.dirname(prefix)
+        if not os.path.isdir(top):
+            return []
+
+        def cannot_list(e: OSError) -> None:
+            raise ListingError(
+                f"cannot list folder {e.filename} ({e.strerror}): the files in it would be left out; "
+                "make it readable or narrow the pattern"
+            )
+
+        metas, dangling = [], set()
+        reals: dict[str, str] = {}
+        for folder, subfolders, names in os.walk(top, onerror=cannot_list, followlinks=True):
+            real = os.path.realpath(folder)
+            above, parent = set(), os.path.dirname(folder)
+            while parent in reals:  # the folders this one is inside (walked before it)
+                above.add(reals[parent])
+                parent, up = os.path.dirname(parent), parent
+                if parent == up:
+                    break
+            reals[folder] = real
+            if real in above:  # a link back up the tree: following it again would never end
+                subfolders[:] = []
+                continue
+            for name in names:
+                path = os.path.join(folder, name)
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:
+                    dangling.add(path)
+                    metas.append(FileMetadata(path, 0, 0.0))
+                    continue
+                except OSError as e:
+                    raise ListingError(f"cannot read the size of {path} ({e.strerror})") from None
+                metas.append(FileMetadata(path, st.st_size, st.st_mtime))
+        matched = list(FileSystems.get_filesystem(pattern).match_files(metas, pattern))
+        for m in sorted(matched, key=lambda m: m.path):
+            if m.path in dangling:
+                raise ListingError(
+                    f"{m.path} is a symbolic link to {os.readlink(m.path)!r}, which does not exist; "
+                    "restore the target or remove the link"
+                )
+        found = sorted({(m.path, int(m.size_in_bytes)) for m in matched})
+    for path, _ in found:
+        if os.path.isfile(path) and not os.access(path, os.R_OK):
+            raise ListingError(f"{path} is not readable (permission denied)")
+    return found

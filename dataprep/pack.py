@@ -13,10 +13,13 @@ On Dataflow, unchanged (Beam builds an sdist of this project from ``pyproject.to
         --runner DataflowRunner --project PROJECT --region us-central1 \
         --temp_location gs://BUCKET/tmp --setup_file ./pyproject.toml
 
-``python dataprep/pack.py ...`` works the same. Exit status: 0 done, 2 bad config,
-arguments or output folder (nothing was started), 3 the ledger does not reconcile (no
-manifest written), 4 a source lost too much: a source with weight > 0 packed no row, or a
-source rejected more than ``max_rejected_fraction`` of its documents (no manifest written).
+``python dataprep/pack.py ...`` works the same. Exit status: 0 done, 1 the pipeline failed
+(a worker error, a full disk, an input that changed during the run: no manifest written), 2
+bad config, arguments or output folder, or another run is writing to the same output
+(nothing was started), 3 the ledger does not reconcile (no manifest written), 4 a source lost
+too much: a source with weight > 0 packed no row, or rejected more than
+``max_rejected_fraction`` of its documents (no manifest written), 130 interrupted (Ctrl-C,
+SIGTERM).
 
 Order of work: the config is validated and every file check is made (globs, tokenizer
 sha256, the shard plan against the bucket budget) before the pipeline is built; the
@@ -40,6 +43,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from typing import Mapping, Optional, Sequence
@@ -68,6 +72,7 @@ from contract.manifest import (  # noqa: E402
 from dataprep import fsutil, pipeline, preflight, progress, sizing, staging  # noqa: E402
 
 DEFAULT_RUNNER = "FnApiRunner"
+EXIT_PIPELINE = 1
 EXIT_CONFIG = 2
 EXIT_LEDGER = 3
 EXIT_LOSS = 4
@@ -86,12 +91,20 @@ class DataLossError(RuntimeError):
     """A source lost too much (nothing packed, or too many rejections); the manifest was not written."""
 
 
+class PipelineError(RuntimeError):
+    """The Beam pipeline failed (its cause is chained); the manifest was not written."""
+
+
 class OutputExistsError(ValueError):
     """The output folder already holds a committed dataset (manifest.json)."""
 
 
 class OutputNotAFolderError(OutputExistsError):
     """``--output`` (or a folder above it) is an existing file, so no dataset can be written there."""
+
+
+class OutputBusyError(OutputExistsError):
+    """Another ``dataprep.pack`` run holds the lock of the same local ``--output``."""
 
 
 def check_output_location(output: str) -> None:
@@ -123,6 +136,71 @@ def check_output_location(output: str) -> None:
         if parent == path:
             return
         path = parent
+
+
+def check_writable_folder(folder: str, what: str) -> None:
+    """Creates the local ``folder`` if needed and checks that a file can be written in it.
+
+    ``what`` names the option in the message (``--output``, ``--temp_location``). Object
+    stores (``gs://``) are not checked: they have no folders, and a write would cost a request.
+
+    Raises:
+      ConfigError: the folder (or one above it) is a file, or the file system refuses to
+        create it or write in it (read-only, permission denied, no space left).
+    """
+    if not fsutil._is_local(folder):
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".dataprep-probe-"):
+            pass
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"{what} {folder}: is a file, or inside one; it must be a folder") from None
+    except OSError as e:
+        raise ConfigError(
+            f"{what} {folder}: cannot write there ({e.strerror}); choose a folder this user can write to"
+        ) from None
+
+
+def lock_output(output: str) -> Optional[int]:
+    """Takes an exclusive lock on the local ``output`` folder for the whole run; returns its fd.
+
+    Two runs writing one dataset would delete each other's spill and half-written files and
+    could commit a manifest over the other's shards. The lock is ``flock`` on the folder
+    itself (no lock file in the dataset); the kernel releases it when the process ends, also
+    when it is killed. Returns None for object stores (no lock: one run at a time is then up
+    to the user) and where the file system has no ``flock`` (some network file systems).
+
+    Raises:
+      OutputBusyError: another process holds the lock.
+    """
+    if not fsutil._is_local(output):
+        return None
+    import errno
+    import fcntl
+
+    fd = os.open(output, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise OutputBusyError(
+                f"--output {output}: another dataprep.pack run is writing there (it holds the folder's lock); "
+                "wait for it to end, or choose another --output"
+            ) from None
+        return None  # no flock here: run unlocked
+    return fd
+
+
+def _output_key(output: str) -> str:
+    """12 hex digits naming ``output``'s spill folders, so that a rerun finds a killed run's."""
+    import hashlib
+
+    return hashlib.sha256(fsutil.real_path(output).encode("utf-8", "surrogatepass")).hexdigest()[:12]
+
+
+SPILL_PREFIX = "dataprep-spill-"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,12 +263,21 @@ Progress goes to stderr: a bar on a terminal, else a line every --progress-every
 Memory: on local runners token arrays are spilled to files under --temp_location (or
 <output>/_tmp) and only references cross Beam's in-memory GroupByKey (--spill auto);
 the spill needs free disk of about 2 bytes a token (4 above 65,536 pieces) and is
-removed at the end. On distributed runners they go through the shuffle.
+removed at the end (what a killed run left is removed by the next run into the same
+--output). On distributed runners they go through the shuffle.
 
-exit status: 0 done; 2 bad config, arguments or output folder (checked before any work);
-3 the ledger does not reconcile (no manifest.json written); 4 a source with weight > 0
-packed no row, or a source rejected more than max_rejected_fraction of its documents
-(no manifest.json written; see errors/ and report.png).
+A local --output is locked for the run: a second pack into it exits 2 at once. On object
+stores (gs://) there is no lock: run one pack per output at a time. Inputs must not change
+while a pack runs (a file whose size differs from its listing fails the run).
+
+exit status: 0 done; 1 the pipeline failed (no manifest.json written; the last line says
+what to do); 2 bad config, arguments, output or --temp_location folder, or another pack is
+writing to --output (checked before any work); 3 the ledger does not reconcile (no
+manifest.json written); 4 a source with weight > 0 in some phase packed no row, or
+rejected more than max_rejected_fraction of its documents (no manifest.json written; see
+errors/ and report.png; a source at weight 0 only gets a warning); 130 interrupted (Ctrl-C or
+SIGTERM: the workers are stopped and the spill files removed; local worker processes also
+exit on their own when the driver is killed).
 """
 
 
@@ -349,6 +436,27 @@ def rejected_examples(stats: list[list]) -> dict[tuple[str, str], tuple[str, str
     return out
 
 
+def _weighted_steps(config: MixtureConfig, name: str) -> list[tuple[int, float]]:
+    """``(from_step, weight)`` of every phase that gives source ``name`` a weight > 0."""
+    return [(p.from_step, p.weights.get(name, 0.0)) for p in config.phases if p.weights.get(name, 0.0) > 0]
+
+
+def _loss_reasons(name: str, led: Ledger, examples: Mapping[tuple[str, str], tuple[str, str]], output: str) -> str:
+    """``: read N, packed N, rejected N: <top three reasons with the first dead letter>; dead letters in ...``."""
+    rejected = sum(led.rejected.values())
+    top = sorted(led.rejected.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+    reasons = "; ".join(
+        f"{reason} {count:,}" + (f" (first: {examples[name, reason][0]}: {examples[name, reason][1]})"
+                                 if (name, reason) in examples and examples[name, reason][1] else "")
+        for reason, count in top
+    )
+    return (
+        f": read {led.read:,}, packed {led.packed:,}, rejected {rejected:,}"
+        + (f": {reasons}" if reasons else " (the files hold no documents)")
+        + (f"; dead letters in {fsutil.join(output, ERRORS_DIR, name + '-*.jsonl')}" if rejected else "")
+    )
+
+
 def loss_problems(
     config: MixtureConfig,
     manifest: Manifest,
@@ -357,35 +465,55 @@ def loss_problems(
 ) -> list[str]:
     """What makes the run fail instead of committing: silent loss, source by source.
 
-    * a source with weight > 0 in some phase packed no row (a loader could not draw from it);
-    * a source rejected more than ``config.max_rejected_fraction`` of the documents it read.
+    For each source with weight > 0 in some phase (the sources this mixture trains on):
+
+    * it packed no row (a loader could not draw from it);
+    * it rejected more than ``config.max_rejected_fraction`` of the documents it read.
 
     Each problem names the top three reasons with their counts and the first dead letter's
-    key and detail, and where the dead letters are.
+    key and detail, and where the dead letters are. Sources at weight 0 in every phase do
+    not fail the run (:func:`loss_warnings` names their losses).
     """
     out = []
     limit = config.max_rejected_fraction
     for name in config.source_names:
         led = manifest.sources[name].ledger
         rejected = sum(led.rejected.values())
-        steps = [(p.from_step, p.weights.get(name, 0.0)) for p in config.phases if p.weights.get(name, 0.0) > 0]
+        steps = _weighted_steps(config, name)
+        if not steps:
+            continue
         why = []
-        if manifest.sources[name].records == 0 and steps:
+        if manifest.sources[name].records == 0:
             why.append(f"packed no rows but has weight {steps[0][1]:g} from step {steps[0][0]}")
         if led.read and rejected / led.read > limit:
             why.append(f"rejected {rejected / led.read:.0%} of its documents, over max_rejected_fraction {limit:g}")
-        if not why:
+        if why:
+            out.append(f"source {name!r} " + " and ".join(why) + _loss_reasons(name, led, examples, output))
+    return out
+
+
+def loss_warnings(
+    config: MixtureConfig,
+    manifest: Manifest,
+    examples: Mapping[tuple[str, str], tuple[str, str]],
+    output: str,
+) -> list[str]:
+    """The losses of sources at weight 0 in every phase that would fail a weighted source.
+
+    They do not fail the run (this mixture never draws from them), but a mixture that gives
+    one of them weight later would train on what was packed: the warning says so.
+    """
+    out = []
+    limit = config.max_rejected_fraction
+    for name in config.source_names:
+        led = manifest.sources[name].ledger
+        rejected = sum(led.rejected.values())
+        if _weighted_steps(config, name) or not led.read or rejected / led.read <= limit:
             continue
-        top = sorted(led.rejected.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
-        reasons = "; ".join(
-            f"{reason} {count:,}" + (f" (first: {examples[name, reason][0]}: {examples[name, reason][1]})"
-                                     if (name, reason) in examples and examples[name, reason][1] else "")
-            for reason, count in top
-        )
         out.append(
-            f"source {name!r} " + " and ".join(why) + f": read {led.read:,}, packed {led.packed:,}, "
-            f"rejected {rejected:,}" + (f": {reasons}" if reasons else " (the files hold no documents)")
-            + (f"; dead letters in {fsutil.join(output, ERRORS_DIR, name + '-*.jsonl')}" if rejected else "")
+            f"source {name!r} (weight 0 in every phase) rejected {rejected / led.read:.0%} of its documents, over "
+            f"max_rejected_fraction {limit:g}" + _loss_reasons(name, led, examples, output)
+            + "; fix its input before a mixture gives it weight"
         )
     return out
 
@@ -400,19 +528,33 @@ def _loss_message(problems: list[str], limit: float) -> str:
     )
 
 
-def _clean_tmp(output: str) -> None:
-    """Removes spill folders a crashed run left under ``<output>/_tmp`` (and ``_tmp`` when empty)."""
+def remove_stale_spills(output: str, base: Optional[str]) -> None:
+    """Removes the spill folders that killed runs into ``output`` left behind.
+
+    Under ``<output>/_tmp`` every ``dataprep-spill-*`` folder goes (only runs into this
+    output write there, and the output is locked), then ``_tmp`` itself when empty. Under
+    another ``base`` (``--temp_location``, shared by many runs) only the folders named for
+    this output (``dataprep-spill-<output key>-*``). A run that ends, well or not, removes
+    its own folder; one that is killed cannot, and its files would stay for ever.
+    """
     tmp = fsutil.join(output, TMP_DIR)
-    if not fsutil.exists(tmp):
-        return
-    for path in fsutil.match(fsutil.join(tmp, "dataprep-spill-*", "*" + staging.SPILL_SUFFIX)):
-        fsutil.delete(path)
-    for path in fsutil.match(fsutil.join(tmp, "dataprep-spill-*")):
-        fsutil.delete(path)
-    try:
-        os.rmdir(tmp)  # local only; the folder may hold other files: then it stays
-    except OSError:
-        pass
+    targets = [(tmp, SPILL_PREFIX)]
+    if base is not None and base != tmp:
+        targets.append((base, f"{SPILL_PREFIX}{_output_key(output)}-"))
+    for folder, prefix in targets:
+        if fsutil._is_local(folder):
+            import glob
+
+            for path in sorted(glob.glob(os.path.join(glob.escape(folder), glob.escape(prefix) + "*"))):
+                shutil.rmtree(path, ignore_errors=True)
+        else:  # object stores have no folders: the files are the folder
+            for path in fsutil.match(fsutil.join(folder, prefix + "*", "*" + staging.SPILL_SUFFIX)):
+                fsutil.delete(path)
+    if fsutil._is_local(tmp):
+        try:
+            os.rmdir(tmp)  # the folder may hold other files: then it stays
+        except OSError:
+            pass
 
 
 def is_local_runner(options: PipelineOptions) -> bool:
@@ -422,26 +564,44 @@ def is_local_runner(options: PipelineOptions) -> bool:
     return name.rsplit(".", 1)[-1] in LOCAL_RUNNERS
 
 
-def spill_location(mode: str, options: PipelineOptions, output: str) -> Optional[str]:
-    """The folder for this run's spill files, or None when tokens go through the shuffle.
+def spill_base(mode: str, options: PipelineOptions, output: str) -> Optional[str]:
+    """The folder under which this run's spill folder goes, or None when tokens go through the shuffle.
 
-    ``mode``: ``auto`` spills on local runners only; ``on`` always; ``off`` never. The
-    folder is ``<base>/dataprep-spill-<random>``; base: ``--temp_location`` when set, else
-    ``<output>/_tmp`` when the output is local, else the local temporary folder.
+    ``mode``: ``auto`` spills on local runners only; ``on`` always; ``off`` never. The base
+    is ``--temp_location`` when set, else ``<output>/_tmp`` when the output is local, else
+    the local temporary folder.
+
+    Raises:
+      ConfigError: ``--spill on`` with a distributed runner and a local base (its workers
+        could not read each other's spill files).
     """
     local = is_local_runner(options)
     if mode == "off" or (mode == "auto" and not local):
         return None
-    from apache_beam.io.localfilesystem import LocalFileSystem
     from apache_beam.options.pipeline_options import GoogleCloudOptions
 
     base = options.view_as(GoogleCloudOptions).temp_location
     if not base:
-        if isinstance(FileSystems.get_filesystem(output), LocalFileSystem):
-            base = fsutil.join(output, TMP_DIR)
-        else:
-            base = tempfile.gettempdir()
-    return fsutil.join(base, f"dataprep-spill-{uuid.uuid4().hex[:12]}")
+        base = fsutil.join(output, TMP_DIR) if fsutil._is_local(output) else tempfile.gettempdir()
+    if not local and fsutil._is_local(base):
+        raise ConfigError(
+            f"--spill on: the spill folder {base} is on this machine's disk, which the workers of a "
+            "distributed runner do not share; set --temp_location to storage they all read (gs://...), "
+            "or use --spill auto (tokens go through the shuffle)"
+        )
+    return base
+
+
+def spill_folder(base: Optional[str], output: str) -> Optional[str]:
+    """This run's spill folder, ``<base>/dataprep-spill-<output key>-<random>``, or None without a base.
+
+    The output key (a hash of the output path, :func:`spill_base` gives the base) lets a
+    rerun remove what a killed run into the same output left under a shared
+    ``--temp_location`` (:func:`remove_stale_spills`).
+    """
+    if base is None:
+        return None
+    return fsutil.join(base, f"{SPILL_PREFIX}{_output_key(output)}-{uuid.uuid4().hex[:12]}")
 
 
 def _clear_dead_letters(output: str, config: MixtureConfig, pre: preflight.Preflight) -> None:
@@ -477,8 +637,13 @@ def _metrics(result) -> dict[str, int]:
 
 
 def _say(quiet: bool, line: str) -> None:
+    """Prints ``line`` to stderr unless ``quiet``; a closed stderr (a pipe whose reader is gone)
+    does not fail the run: the lines are a view, the manifest is the record."""
     if not quiet:
-        print(line, file=sys.stderr, flush=True)
+        try:
+            print(line, file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
 
 
 def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> PackResult:
@@ -493,15 +658,16 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
       The :class:`PackResult`.
 
     Raises:
-      ConfigError: the config, a file check, the shard plan or a Beam option failed (before
-        any work started).
-      OutputExistsError: ``--output`` holds a committed dataset and ``--overwrite`` is off.
+      ConfigError: the config, a file check, the shard plan, a Beam option, or the output or
+        spill folder (not a folder, not writable) failed (before any work started).
+      OutputExistsError: ``--output`` holds a committed dataset and ``--overwrite`` is off;
+        :class:`OutputBusyError` when another run is writing to the same local output.
+      PipelineError: the pipeline failed (``manifest.json`` is not written).
       LedgerError: the counts do not reconcile (``manifest.json`` is not written).
       DataLossError: a source lost too much (``manifest.json`` is not written).
     """
     t0 = time.time()
     args, beam_args = parse_args(argv)
-    quiet = args.quiet
     if not args.progress_every > 0:
         raise ConfigError(f"--progress-every: must be > 0 seconds, got {args.progress_every}")
     config = load_mixture(args.config)
@@ -518,6 +684,21 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
         p = beam.Pipeline(options=options)  # checks the runner, before the output is touched
     except ValueError as e:
         raise ConfigError(f"Beam options: {e}") from None
+    base = spill_base(args.spill, options, output)
+    if base is not None and base != fsutil.join(output, TMP_DIR):
+        check_writable_folder(base, "--temp_location")
+    check_writable_folder(output, "--output")  # creates it: the lock is taken on the folder
+    lock = lock_output(output)
+    try:
+        return _run_locked(args, config, pre, output, options, p, base, t0, print_summary)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _run_locked(args, config, pre, output, options, p, base, t0, print_summary) -> PackResult:
+    """:func:`run` once every check has passed and the output is locked."""
+    quiet = args.quiet
     manifest_path = fsutil.join(output, MANIFEST_NAME)
     if fsutil.exists(manifest_path):
         if not args.overwrite:
@@ -527,7 +708,7 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
         fsutil.delete(manifest_path)
     _clear_dead_letters(output, config, pre)
     fsutil.delete(fsutil.join(output, REPORT_NAME))
-    _clean_tmp(output)
+    remove_stale_spills(output, base)
     timings = {"checks": time.time() - t0}
     shards = {n: num_shards(config, pre, n) for n in config.source_names}
     _say(
@@ -537,11 +718,12 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
     )
     vocab = int(pre.tokenizer_info["vocab_size"])
     local = is_local_runner(options)
-    spill = spill_location(args.spill, options, output)
+    spill = spill_folder(base, output)
     beats = tempfile.mkdtemp(prefix="dataprep-progress-") if local and not quiet else None
     _ = p | "Pack" >> pipeline.PackSources(
         config, pre.files, pre.tokenizer_sha256, token_dtype_for_vocab(vocab).name, output,
         num_shards=shards, sizes=pre.sizes, spill_dir=spill, heartbeat_dir=beats,
+        driver_pid=os.getpid() if local else None,
     )
     t1 = time.time()
     # Everything so far (Beam, the config) lives for the whole run: keep the cyclic garbage
@@ -561,13 +743,15 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
             finally:
                 if watcher is not None:
                     watcher.stop()
+    except Exception as e:  # a worker's error, re-raised by the runner: name it, say what to do
+        raise PipelineError(_pipeline_failure(e, output, spill)) from e
     finally:
         gc.unfreeze()
         if beats:
             shutil.rmtree(beats, ignore_errors=True)
         if spill:
             staging.remove_spill(spill)
-            _clean_tmp(output)
+            remove_stale_spills(output, None)  # <output>/_tmp itself, when empty
     timings.update(monitor.durations if len(monitor.durations) == 2 else {"pipeline": time.time() - t1})
     t2 = time.time()
     stats_path = fsutil.join(output, pipeline.STATS_NAME)
@@ -580,19 +764,20 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
             "the ledger does not reconcile, manifest.json not written:\n  " + "\n  ".join(problems)
         )
     report_path = None
-    losses = loss_problems(config, manifest, rejected_examples(stats), output)
+    examples = rejected_examples(stats)
+    losses = loss_problems(config, manifest, examples, output)
     if losses:
+        message = _loss_message(losses, config.max_rejected_fraction)
         if not args.no_report:
-            report_path = _write_report(manifest, config, stats, output, quiet)
+            report_path = _write_report(manifest, config, stats, output, quiet, failure=message)
         fsutil.delete(stats_path)
-        raise DataLossError(
-            _loss_message(losses, config.max_rejected_fraction)
-            + (f"\nreport: {report_path}" if report_path else "")
-        )
+        raise DataLossError(message + (f"\nreport: {report_path}" if report_path else ""))
     fsutil.write_bytes(manifest_path, manifest.to_json().encode("ascii"))
     fsutil.delete(stats_path)
     timings["manifest"] = time.time() - t2
     _say(quiet, f"pack: manifest written in {progress.duration(timings['manifest'])}: {manifest_path}")
+    for warning in loss_warnings(config, manifest, examples, output):
+        _say(False, "warning: " + warning)
     if not args.no_report:
         t3 = time.time()
         report_path = _write_report(manifest, config, stats, output, quiet)
@@ -610,17 +795,35 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
     return out
 
 
-def _write_report(manifest: Manifest, config: MixtureConfig, stats: list[list], output: str, quiet: bool):
+def _pipeline_failure(e: BaseException, output: str, spill: Optional[str]) -> str:
+    """The one-paragraph message of a failed pipeline: what failed, what was kept, what to do."""
+    text = f"{type(e).__name__}: {e}"
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    if len(first) > 600:
+        first = first[:600] + " ..."
+    hint = "fix the cause (the worker traceback above names the step) and rerun; the rerun replaces what this run left"
+    if "[Errno 28]" in text or "No space left" in text:
+        base = FileSystems.split(spill)[0] if spill else None
+        where = output + (f" and {base} (spill files)" if base and base != fsutil.join(output, TMP_DIR) else "")
+        hint = (f"the disk is full: free space under {where}, or point --temp_location at a larger disk (spill "
+                "files need about 2 bytes a token, 4 above 65,536 pieces, and are removed at the end); then rerun")
+    elif pipeline.InputChangedError.__name__ in text:
+        hint = "an input changed while the pack ran: rerun once the inputs are stable (their listing is taken at the start)"
+    return (f"the pipeline failed, manifest.json not written: {first}\nnext: {hint}")
+
+
+def _write_report(manifest: Manifest, config: MixtureConfig, stats: list[list], output: str, quiet: bool,
+                  failure: Optional[str] = None):
     """Draws ``<output>/report.png``; returns its path, or None (with a warning) when it fails.
 
-    The picture is a view of a dataset already committed (or of a failed run): failing to
-    draw it must not fail the pack.
+    The picture is a view of a dataset already committed (or of a failed run, whose
+    ``failure`` message it shows): failing to draw it must not fail the pack.
     """
     from dataprep import report
 
     path = fsutil.join(output, REPORT_NAME)
     try:
-        fsutil.write_bytes(path, report.render(manifest, config, report.segment_histograms(stats)))
+        fsutil.write_bytes(path, report.render(manifest, config, report.segment_histograms(stats), failure=failure))
     except (OSError, ValueError, RuntimeError, ImportError) as e:
         _say(quiet, f"warning: {REPORT_NAME} not drawn ({type(e).__name__}: {e}); the dataset is not affected; "
                     "rerun with --overwrite to try again, or pass --no-report")
@@ -640,10 +843,31 @@ def _wait_with_progress(result, monitor: progress.Monitor, every: float) -> None
         monitor.update(progress.counters_as_stages(_metrics(result), start, time.time()))
 
 
+def _terminate(signum, frame) -> None:
+    """SIGTERM (a scheduler's or ``timeout``'s stop) ends the run like Ctrl-C: Beam stops its
+    workers and the run removes its spill files (by default Python would die on the spot)."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Command-line entry point; returns the exit status."""
+    """Command-line entry point; returns the exit status (130 when interrupted or terminated)."""
+    import signal
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main else None
+    try:
+        return _main(argv)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     try:
         run(argv)
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was committed (no manifest.json); rerun to pack", file=sys.stderr)
+        return 130
     except (ConfigError, OutputExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -653,6 +877,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except DataLossError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_LOSS
+    except PipelineError as e:
+        import traceback
+
+        traceback.print_exception(e.__cause__, file=sys.stderr)  # the driver's view of the worker's error
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_PIPELINE
     return 0
 
 

@@ -64,6 +64,33 @@ class ShardVerifyError(IOError):
     """A freshly written shard does not reopen cleanly or has the wrong record count."""
 
 
+class InputChangedError(IOError):
+    """An input file is gone, or its size differs from the listing the run was planned on.
+
+    The shard counts and the listed sizes were fixed before any work, so a file that
+    changes during the run would give a dataset that no run on the files as they are now
+    reproduces. The bundle fails; its retries fail the same way, and so does the run.
+    """
+
+
+def check_input_unchanged(path: str, listed: int, when: str) -> None:
+    """Raises :class:`InputChangedError` unless ``path`` still has its ``listed`` size (< 0: unknown)."""
+    if listed < 0:
+        return
+    try:
+        now = fsutil.size(path)
+    except (OSError, ValueError) as e:  # BeamIOError is an IOError
+        raise InputChangedError(
+            f"input {path} was listed with {listed:,} bytes before the run but cannot be found {when} ({e}); "
+            "inputs must not change while pack runs"
+        ) from None
+    if now != listed:
+        raise InputChangedError(
+            f"input {path} was listed with {listed:,} bytes before the run but has {now:,} bytes {when}; "
+            "inputs must not change while pack runs"
+        )
+
+
 def _counter(source: str, what: str):
     return Metrics.counter(NAMESPACE, f"{source}.{what}")
 
@@ -93,6 +120,54 @@ def dead_letter(source: str, key: str, reason: str, raw: bytes | str, detail: st
     return out
 
 
+_DRIVER_WATCH = threading.Lock()
+_driver_watched: Optional[int] = None
+
+
+def exit_with_driver(driver_pid: Optional[int], poll_s: float = 2.0) -> None:
+    """In a local worker process, exits it soon after the driver (``driver_pid``) is gone.
+
+    Beam's ``multi_processing`` workers are separate processes that outlive a driver killed
+    by SIGKILL (or by SIGTERM while they work): each stayed, idle at about 150 MB, for ever.
+    A daemon thread, started once per process, checks every ``poll_s`` seconds that the
+    driver still exists (and, on Linux, is the same process: its start time) and ends the
+    worker with ``os._exit(1)`` when it is not. Nothing happens in the driver's own process
+    or when ``driver_pid`` is None (distributed runners).
+    """
+    global _driver_watched
+    if driver_pid is None or driver_pid == os.getpid():
+        return
+    with _DRIVER_WATCH:
+        if _driver_watched == driver_pid:
+            return
+        _driver_watched = driver_pid
+
+    def start_time() -> Optional[str]:
+        try:
+            with open(f"/proc/{driver_pid}/stat", "rb") as f:
+                return f.read().rsplit(b")", 1)[1].split()[19].decode()  # field 22, after "pid (comm)"
+        except (OSError, IndexError):
+            return None
+
+    born = start_time()
+
+    def watch() -> None:
+        import time
+
+        while True:
+            time.sleep(poll_s)
+            try:
+                os.kill(driver_pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:  # exists, owned by someone else: the pid was reused
+                os._exit(1)
+            if born is not None and start_time() != born:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="dataprep-driver-watch", daemon=True).start()
+
+
 def _windowed(outputs: Iterable[Any]) -> Iterable[Any]:
     """Outputs of ``finish_bundle`` must carry their window: the global one here."""
     for out in outputs:
@@ -104,6 +179,9 @@ def _windowed(outputs: Iterable[Any]) -> Iterable[Any]:
 
 class ReadAndTokenize(beam.DoFn):
     """(source, path, listed size) -> ((source, bucket), staged tokens) for the file's documents.
+
+    The file must still have its listed size (a negative size: unknown, not checked) when
+    its reading starts and ends, else :class:`InputChangedError` fails the bundle.
 
     One element is one input file: its documents never become Beam elements (per-element
     overhead would cost more than tokenizing a short web document), only its rejected
@@ -137,7 +215,9 @@ class ReadAndTokenize(beam.DoFn):
         batch_chars: int = 1 << 20,
         batch_docs: int = 1024,
         flush_bytes: int = staging.DEFAULT_FLUSH_BYTES,
+        driver_pid: Optional[int] = None,
     ):
+        self._driver_pid = driver_pid
         self._sources = dict(sources)
         self._path = tokenizer_path
         self._sha = tokenizer_sha256
@@ -153,6 +233,7 @@ class ReadAndTokenize(beam.DoFn):
         self._flush_bytes = flush_bytes
 
     def setup(self):
+        exit_with_driver(self._driver_pid)
         self._sp, _ = tokenizer.load(self._path, self._sha)
         self._fault = faults.current_spec()
         self._counters = _Counters()
@@ -170,6 +251,7 @@ class ReadAndTokenize(beam.DoFn):
     def process(self, element: tuple[str, str, int]):
         source_name, path, size = element
         source = self._sources[source_name]
+        check_input_unchanged(path, size, "when its reading started")
         raw: list[Any] = []
         n = done = 0
         for item in readers.read_file(source, path, on_open=raw.append):
@@ -194,8 +276,9 @@ class ReadAndTokenize(beam.DoFn):
                     at = done
                 self._read_beat.add(documents=32, bytes=max(0, at - done))
                 done = max(done, at)
+        check_input_unchanged(path, size, "once it was read")
         self._counters[source_name, "read"].inc(n)
-        self._counters[source_name, "bytes_read"].inc(size)
+        self._counters[source_name, "bytes_read"].inc(max(0, size))
         self._read_beat.add(documents=n % 32, bytes=max(0, size - done))
         yield pvalue.TaggedOutput(STATS, ("read", source_name, n))
 
@@ -351,7 +434,9 @@ class PackAndWriteShard(beam.DoFn):
         token_dtype: str,
         heartbeat_dir: Optional[str] = None,
         window_tokens: int = 1 << 22,
+        driver_pid: Optional[int] = None,
     ):
+        self._driver_pid = driver_pid
         self._output = output
         self._seq_len = seq_len
         self._max_segments = max_segments
@@ -361,6 +446,7 @@ class PackAndWriteShard(beam.DoFn):
         self._window_tokens = window_tokens
 
     def setup(self):
+        exit_with_driver(self._driver_pid)
         self._beat = progress.Heartbeat(self._heartbeat_dir, progress.PACK)
 
     def process(self, element):
@@ -467,10 +553,13 @@ class PackSources(beam.PTransform):
       output: dataset folder (local or FileSystems URL).
       num_shards: per source, its shard count (``dataprep.sizing.plan_shards``); default:
         ``config.shards_per_source`` (or 1) for every source.
-      sizes: per source, the listed byte size of each file (for progress); default 0.
+      sizes: per source, the listed byte size of each file (for progress, and checked
+        against the file as it is read: :class:`InputChangedError`); default: unknown.
       spill_dir: folder for spill files (``dataprep.staging``); ``None``: tokens go through
         the shuffle inline.
       heartbeat_dir: local folder for progress heartbeats (``dataprep.progress``), or None.
+      driver_pid: on local runners, the driver's process id: worker processes exit when it
+        is gone (:func:`exit_with_driver`); None on distributed runners.
     """
 
     def __init__(
@@ -484,8 +573,10 @@ class PackSources(beam.PTransform):
         sizes: Optional[Mapping[str, Sequence[int]]] = None,
         spill_dir: Optional[str] = None,
         heartbeat_dir: Optional[str] = None,
+        driver_pid: Optional[int] = None,
     ):
         super().__init__()
+        self._driver_pid = driver_pid
         self._config = config
         self._files = files
         self._sha = tokenizer_sha256
@@ -493,7 +584,7 @@ class PackSources(beam.PTransform):
         self._output = output
         default = config.shards_per_source or 1
         self._num_shards = dict(num_shards) if num_shards is not None else {n: default for n in config.source_names}
-        self._sizes = sizes or {n: [0] * len(files[n]) for n in config.source_names}
+        self._sizes = sizes or {n: [-1] * len(files[n]) for n in config.source_names}
         self._spill = spill_dir
         self._beats = heartbeat_dir
 
@@ -514,7 +605,7 @@ class PackSources(beam.PTransform):
             >> beam.ParDo(
                 ReadAndTokenize(
                     {s.name: s for s in cfg.sources}, tok.path, self._sha, tok.add_bos, tok.add_eos,
-                    self._dtype, cfg.seed, n, self._spill, self._beats,
+                    self._dtype, cfg.seed, n, self._spill, self._beats, driver_pid=self._driver_pid,
                 )
             ).with_outputs(REJECTED, STATS, main="staged")
         )
@@ -527,7 +618,8 @@ class PackSources(beam.PTransform):
             | "GroupByBucket" >> beam.GroupByKey()
             | "PackAndWrite"
             >> beam.ParDo(
-                PackAndWriteShard(self._output, cfg.seq_len, cfg.max_segments_per_row, n, self._dtype, self._beats)
+                PackAndWriteShard(self._output, cfg.seq_len, cfg.max_segments_per_row, n, self._dtype, self._beats,
+                                  driver_pid=self._driver_pid)
             )
         )
         errors = (

@@ -49,20 +49,22 @@ def match_inputs_with_sizes(config: MixtureConfig) -> dict[str, tuple[tuple[str,
     """Returns, per source, the ``(file, listed size in bytes)`` its paths match, sorted.
 
     Folders (and FIFOs, devices) that a glob matches (``in/*`` over a tree) are not inputs and
-    are left out.
+    are left out. Local globs follow symbolic links to folders (``dataprep.fsutil.list_inputs``).
 
     Raises:
       ConfigError: a path or glob matches no file (naming ``sources[i].paths[j]``), a path
-        names a folder, a matched file's name is not UTF-8, or two sources read the same file.
+        names a folder, a matched file's name is not UTF-8, two sources (or two paths of one
+        source) read the same file, or the local listing would leave files out silently
+        (``dataprep.fsutil.list_inputs``: a dangling link, a folder that cannot be listed).
     """
     files: dict[str, tuple[tuple[str, int], ...]] = {}
-    owner: dict[str, str] = {}
+    owner: dict[str, tuple[str, str]] = {}  # real path -> (source, path as listed)
     for i, source in enumerate(config.sources):
         found: dict[str, int] = {}
         for j, pattern in enumerate(source.paths):
             try:
-                listed = dict(fsutil.match_sizes(pattern))
-            except ValueError as e:  # a scheme no installed Beam file system serves
+                listed = dict(fsutil.list_inputs(pattern))
+            except ValueError as e:  # a scheme no file system serves; a dangling link, an unreadable folder
                 raise ConfigError(f"sources[{i}].paths[{j}]: {e}") from None
             if not listed and fsutil.has_glob(pattern) and fsutil.exists(pattern):
                 listed = {pattern: fsutil.size(pattern)}  # a file whose name holds glob characters, "a[1].jsonl"
@@ -88,12 +90,18 @@ def match_inputs_with_sizes(config: MixtureConfig) -> dict[str, tuple[tuple[str,
         for f in sorted(found):
             same = fsutil.real_path(f)  # one file through two links, or two spellings
             if same in owner:
+                other, first = owner[same]
+                if other == source.name:
+                    raise ConfigError(
+                        f"sources[{i}].paths: {first} and {f} are the same file ({same}, through a symbolic "
+                        "link): its documents would be read twice; narrow the paths or globs to one of them"
+                    )
                 raise ConfigError(
-                    f"sources[{i}].paths: {f} is also an input of source {owner[same]!r}"
-                    + (f" (as {same})" if same != f else "")
+                    f"sources[{i}].paths: {f} is also an input of source {other!r}"
+                    + (f" (as {first})" if first != f else "")
                     + "; a file may belong to one source only"
                 )
-            owner[same] = source.name
+            owner[same] = (source.name, f)
         files[source.name] = tuple(sorted(found.items()))
     return files
 

@@ -145,14 +145,22 @@ class Monitor:
         self.durations: dict[str, float] = {}
         self._bar = None
         self._tasks: dict[str, int] = {}
+        self._broken = False
 
     # -- rendering -------------------------------------------------------------------------
 
     def _print(self, line: str) -> None:
-        if self._bar is not None:
-            self._bar.console.print(line, highlight=False, soft_wrap=True)
-        else:
-            print(line, file=self._stream, flush=True)
+        """Shows ``line``; once the stream fails (a pipe whose reader is gone) the monitor goes
+        quiet instead of failing the run: progress is a view, the manifest is the record."""
+        if self._broken:
+            return
+        try:
+            if self._bar is not None:
+                self._bar.console.print(line, highlight=False, soft_wrap=True)
+            else:
+                print(line, file=self._stream, flush=True)
+        except (OSError, ValueError):
+            self._broken = True
 
     def _start_bar(self) -> None:
         from rich.console import Console
@@ -191,8 +199,11 @@ class Monitor:
                 f"pack: pack and write done in {duration(self.durations['pack and write'])} "
                 f"({int(pack.get('shards', 0)):,} shards, {int(pack.get('rows', 0)):,} rows)"
             )
-        if self._terminal:
-            self._update_bar(read, tok, pack)
+        if self._terminal and not self._broken:
+            try:
+                self._update_bar(read, tok, pack)
+            except (OSError, ValueError):
+                self._broken = True
         elif not final and now - self._last_line >= self._interval:
             self._last_line = now
             self._print(self.line(read, tok, pack, now))
@@ -239,7 +250,10 @@ class Monitor:
 
     def close(self) -> None:
         if self._bar is not None:
-            self._bar.stop()
+            try:
+                self._bar.stop()
+            except (OSError, ValueError):
+                self._broken = True
             self._bar = None
 
     # -- sources ---------------------------------------------------------------------------
@@ -318,11 +332,19 @@ def filtered_stderr(active: bool) -> Iterator[TextIO]:
     os.dup2(write_end, 2)
     os.close(write_end)
 
+    out = os.dup(saved)  # the pump's own: closing ``saved`` never leaves it writing to a reused fd
+
     def pump() -> None:
-        with os.fdopen(read_end, "rb") as pipe:
-            for line in pipe:
-                if not is_worker_noise(line.decode("utf-8", "replace")):
-                    os.write(saved, line)
+        try:
+            with os.fdopen(read_end, "rb") as pipe:
+                for line in pipe:  # drained to the end even when the real stderr fails
+                    if not is_worker_noise(line.decode("utf-8", "replace")):
+                        try:
+                            os.write(out, line)
+                        except OSError:
+                            pass  # the real stderr is closed; writers must not block on a full pipe
+        finally:
+            os.close(out)
 
     thread = threading.Thread(target=pump, name="dataprep-stderr", daemon=True)
     thread.start()
@@ -330,9 +352,15 @@ def filtered_stderr(active: bool) -> Iterator[TextIO]:
     try:
         yield stream
     finally:
-        stream.flush()
-        sys.stderr.flush()
+        for f in (stream, sys.stderr):
+            try:
+                f.flush()
+            except (OSError, ValueError):  # a closed real stderr must not keep fd 2 on the pipe
+                pass
         os.dup2(saved, 2)  # the pipe ends when the workers (which hold it too) have exited
         thread.join(timeout=10)
-        stream.close()
+        try:
+            stream.close()
+        except OSError:
+            pass
         os.close(saved)

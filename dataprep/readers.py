@@ -292,23 +292,37 @@ def _iter_text(source: SourceConfig, rel: str, data: bytes, index: Optional[int]
         yield _check_text(key, text, block)
 
 
+# Parquet is read PARQUET_BATCH_ROWS rows at a time through a buffered stream of
+# PARQUET_BUFFER_BYTES, so a worker holds one batch of text, not a whole row group (a
+# pandas-written file is often one row group of gigabytes).
+PARQUET_BATCH_ROWS = 1024
+PARQUET_BUFFER_BYTES = 1 << 20
+
+
 def _iter_parquet(source: SourceConfig, rel: str, f) -> Iterator[Item]:
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(f)
-    names = set(pf.schema_arrow.names)
+    pf = pq.ParquetFile(f, buffer_size=PARQUET_BUFFER_BYTES)
+    all_names = pf.schema_arrow.names
+    names = set(all_names)
     missing = missing_detail("column", source.text_field, names) if source.text_field not in names else ""
+    if all_names.count(source.text_field) > 1:  # pyarrow would read the first one silently
+        yield Rejected(
+            document_key(source.name, rel, "file"),
+            Reason.UNREADABLE_FILE,
+            b"",
+            f"the file has {all_names.count(source.text_field)} columns named {source.text_field!r}; "
+            "rewrite it with one",
+        )
+        return
     row = 0
-    for rg in range(pf.num_row_groups):
-        n = pf.metadata.row_group(rg).num_rows
-        if missing:
-            for _ in range(n):
-                key = document_key(source.name, rel, row)
-                yield Rejected(key, Reason.MISSING_TEXT, "", missing)
-                row += 1
-            continue
-        texts = pf.read_row_group(rg, columns=[source.text_field]).column(0).to_pylist()
-        for text in texts:
+    if missing:
+        for _ in range(pf.metadata.num_rows):
+            yield Rejected(document_key(source.name, rel, row), Reason.MISSING_TEXT, "", missing)
+            row += 1
+        return
+    for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[source.text_field], use_threads=False):
+        for text in batch.column(0).to_pylist():
             key = document_key(source.name, rel, row)
             row += 1
             if isinstance(text, bytes):  # a BINARY column (no UTF8 annotation): text if it decodes

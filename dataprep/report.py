@@ -13,14 +13,15 @@ Six panels, drawn with matplotlib (Agg) from the manifest and the run's stats:
 
 The picture is a view of the run, not part of the dataset contract: it is not listed in
 ``manifest.json``, the loader never reads it, and it is drawn after the manifest is
-committed (or, when a source lost too much, in place of the manifest, to show why). Its
+committed (or, when a source lost too much, in place of the manifest, to show why: its
+title then says it was not committed, and the failure message is printed in red). Its
 bytes depend only on the data and the matplotlib version, so reruns reproduce it.
 """
 
 from __future__ import annotations
 
 import io
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -38,8 +39,58 @@ def segment_histograms(stats: Sequence[Sequence]) -> dict[str, np.ndarray]:
     return out
 
 
-def render(manifest: Manifest, config: MixtureConfig, histograms: Mapping[str, np.ndarray]) -> bytes:
-    """Returns the PNG bytes of the report (1600 x 1200 pixels)."""
+# Phases with distinct weights drawn beside the packed tokens (more would be unreadable bars).
+MAX_PHASES_DRAWN = 5
+# Rows of the totals table (sources beyond it are summed in the total row only).
+MAX_TABLE_SOURCES = 24
+
+
+def short_names(names: Sequence[str], width: int) -> list[str]:
+    """``names`` cut to at most ``width`` characters, keeping head and tail (``"web_…_v2"``), unique.
+
+    Source names often share a long prefix and differ at the end, so a plain cut would make
+    them all look alike. Where cut names still collide, the name's index is prefixed.
+    """
+    def cut(n: str) -> str:
+        if len(n) <= width:
+            return n
+        head = (width - 1) // 2
+        return n[:head] + "\u2026" + n[len(n) - (width - 1 - head):]
+
+    out = [cut(n) for n in names]
+    if len(set(out)) < len(out):
+        out = [cut(f"{i}:{n}") for i, n in enumerate(names)]
+    return out
+
+
+def _phase_groups(config: MixtureConfig, names: Sequence[str]) -> list[tuple[list[int], np.ndarray]]:
+    """Phases grouped by identical weights (in order of first appearance): ``(from_steps, weights)``."""
+    groups: list[tuple[list[int], np.ndarray]] = []
+    for p in config.phases:
+        w = np.array([p.weights.get(n, 0.0) for n in names], float)
+        w = 100.0 * w / w.sum()
+        for steps, seen in groups:
+            if np.array_equal(seen, w):
+                steps.append(p.from_step)
+                break
+        else:
+            groups.append(([p.from_step], w))
+    return groups
+
+
+def render(
+    manifest: Manifest,
+    config: MixtureConfig,
+    histograms: Mapping[str, np.ndarray],
+    failure: Optional[str] = None,
+) -> bytes:
+    """Returns the PNG bytes of the report (1600 x 1200 pixels).
+
+    ``failure``: the message of a run that was not committed (a source lost too much); the
+    title then says so in red and the message is printed under the totals.
+    """
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -51,11 +102,21 @@ def render(manifest: Manifest, config: MixtureConfig, histograms: Mapping[str, n
     seq = manifest.seq_len
     fig = Figure(figsize=(16, 12), dpi=100, layout="constrained")
     axes = fig.subplots(3, 2)
-    fig.suptitle(
+    title = (
         f"dataset {manifest.name} v{manifest.version}: seq_len {seq:,}, {manifest.token_dtype} tokens, "
-        f"{len(names)} sources",
-        fontsize=15,
+        f"{len(names)} source{'s' if len(names) != 1 else ''}"
     )
+    if failure:
+        title = "NOT COMMITTED (no manifest.json): " + title
+    fig.suptitle(title, fontsize=15, color="C3" if failure else "black")
+    long_labels = len(names) > 6 or max(map(len, names)) > 14
+    tick_names = short_names(names, 24)
+
+    def source_ticks(ax, positions, labels) -> None:
+        if long_labels:
+            ax.set_xticks(positions, labels, fontsize=8, rotation=30, ha="right", rotation_mode="anchor")
+        else:
+            ax.set_xticks(positions, labels, fontsize=9)
 
     ax = axes[0, 0]
     for n in names:
@@ -72,8 +133,10 @@ def render(manifest: Manifest, config: MixtureConfig, histograms: Mapping[str, n
     ax.set_xlabel("segment length (tokens)")
     ax.set_ylabel("segments (log scale)")
     ax.set_title("segment lengths (chunks of documents placed in rows)")
-    if any(n in histograms for n in names):
+    if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best", fontsize=9)
+    else:
+        ax.text(0.5, 0.5, "no segment packed", ha="center", va="center", fontsize=14, transform=ax.transAxes)
 
     ax = axes[0, 1]
     x, fills, cols, ticks, labels = 0, [], [], [], []
@@ -86,7 +149,9 @@ def render(manifest: Manifest, config: MixtureConfig, histograms: Mapping[str, n
             x += 1
         if shards:
             ticks.append((start + x - 1) / 2)
-            labels.append(f"{n}\n({len(shards)} shard{'s' if len(shards) > 1 else ''})")
+            label = tick_names[names.index(n)]
+            labels.append(f"{label} ({len(shards)})" if long_labels else
+                          f"{label}\n({len(shards)} shard{'s' if len(shards) > 1 else ''})")
     if fills:
         ax.bar(np.arange(len(fills)), fills, color=cols, width=0.8 if len(fills) <= 200 else 1.0)
         used = [f for f in fills if f > 0]
@@ -99,26 +164,31 @@ def render(manifest: Manifest, config: MixtureConfig, histograms: Mapping[str, n
                 ax.text(i, bottom + (100.2 - bottom) * 0.02, "empty" if f == 0 else f"{f:.1f}%",
                         ha="center", fontsize=8, rotation=90 if len(fills) > 16 else 0,
                         color="0.2" if f == 0 else "white")
-    ax.set_xticks(ticks, labels, fontsize=9)
+    source_ticks(ax, ticks, labels)
     ax.set_ylabel("fill (% of row slots holding tokens)")
-    ax.set_title("fill per shard")
+    ax.set_title("fill per shard" + ("; labels: source (shard count)" if long_labels else ""))
 
     ax = axes[1, 0]
     tokens = np.array([manifest.sources[n].totals()["tokens"] for n in names], float)
     bars = [("packed tokens", 100.0 * tokens / tokens.sum() if tokens.sum() else tokens)]
-    for p in config.phases:
-        w = np.array([p.weights.get(n, 0.0) for n in names], float)
-        bars.append((f"weights from step {p.from_step:,}", 100.0 * w / w.sum()))
+    groups = _phase_groups(config, names)
+    for steps, w in groups[:MAX_PHASES_DRAWN]:
+        shown = ", ".join(f"{st:,}" for st in steps[:4]) + (f" (+{len(steps) - 4})" if len(steps) > 4 else "")
+        bars.append((f"weights from step{'s' if len(steps) > 1 else ''} {shown}", w))
     width = 0.8 / len(bars)
     idx = np.arange(len(names))
     for i, (label, values) in enumerate(bars):
         b = ax.bar(idx + (i - (len(bars) - 1) / 2) * width, values, width, label=label,
                    color="0.25" if i == 0 else f"C{(i + 1) % 10}", alpha=1.0 if i == 0 else 0.75)
-        ax.bar_label(b, fmt="%.0f%%", fontsize=8)
-    ax.set_xticks(idx, names)
+        if len(bars) * len(names) <= 40:
+            ax.bar_label(b, fmt="%.0f%%", fontsize=8)
+    source_ticks(ax, idx, tick_names)
     ax.set_ylabel("share (%)")
-    ax.set_title("tokens per source against the mixture weights")
-    ax.legend(fontsize=9)
+    more = len(groups) - MAX_PHASES_DRAWN
+    ax.set_title("tokens per source against the mixture weights"
+                 + (f" (first {MAX_PHASES_DRAWN} weightings; {more} more not drawn)" if more > 0 else ""))
+    ax.set_ylim(0, max(float(max(v.max() for _, v in bars)), 1.0) * 1.25)
+    ax.legend(fontsize=8, loc="upper left", ncol=2 if len(bars) > 3 else 1)
 
     ax = axes[1, 1]
     packed = np.array([manifest.sources[n].ledger.packed for n in names], float)
@@ -127,7 +197,7 @@ def render(manifest: Manifest, config: MixtureConfig, histograms: Mapping[str, n
     b2 = ax.bar(idx + 0.2, split, 0.4, label=f"split (longer than {seq:,} tokens)", color="C3")
     ax.bar_label(b1, labels=[f"{int(v):,}" for v in packed], fontsize=8)
     ax.bar_label(b2, labels=[f"{int(s):,} ({s / p:.0%})" if p else "0" for s, p in zip(split, packed)], fontsize=8)
-    ax.set_xticks(idx, names)
+    source_ticks(ax, idx, tick_names)
     ax.set_ylabel("documents")
     ax.set_ylim(0, max(1.0, float(packed.max()) if len(packed) else 1.0) * 1.3)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -140,7 +210,7 @@ def render(manifest: Manifest, config: MixtureConfig, histograms: Mapping[str, n
         y = np.arange(len(rows))
         b = ax.barh(y, [c for _, _, c in rows], color=[colors[n] for n, _, _ in rows])
         ax.bar_label(b, labels=[f"{c:,}" for _, _, c in rows], fontsize=8, padding=2)
-        ax.set_yticks(y, [f"{n}: {r}" for n, r, _ in rows], fontsize=9)
+        ax.set_yticks(y, [f"{tick_names[names.index(n)]}: {r}" for n, r, _ in rows], fontsize=9 if len(rows) <= 20 else 7)
         ax.invert_yaxis()
         ax.set_xlabel("documents rejected (dead letters in errors/)")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -152,25 +222,37 @@ def render(manifest: Manifest, config: MixtureConfig, histograms: Mapping[str, n
 
     ax = axes[2, 1]
     ax.axis("off")
-    lines = [f"{'source':<14}{'read':>11}{'packed':>11}{'rejected':>10}{'rows':>10}{'tokens':>15}{'fill':>9}"]
+    col = max(6, min(32, max(map(len, names)))) + 1
+    table_names = short_names(names, col - 1)
+    lines = [f"{'source':<{col}}{'read':>11}{'packed':>11}{'rejected':>10}{'rows':>10}{'tokens':>15}{'fill':>9}"]
     tot = np.zeros(6)
-    for n in names:
+    for i, n in enumerate(names):
         e = manifest.sources[n]
         t, led = e.totals(), e.ledger
         rej = sum(led.rejected.values())
         fill = t["tokens"] / (t["records"] * seq) if t["records"] else 0.0
-        lines.append(f"{n[:13]:<14}{led.read:>11,}{led.packed:>11,}{rej:>10,}{t['records']:>10,}"
-                     f"{t['tokens']:>15,}{fill:>9.2%}")
+        if i < MAX_TABLE_SOURCES:
+            lines.append(f"{table_names[i]:<{col}}{led.read:>11,}{led.packed:>11,}{rej:>10,}{t['records']:>10,}"
+                         f"{t['tokens']:>15,}{fill:>9.2%}")
         tot += [led.read, led.packed, rej, t["records"], t["tokens"], t["bytes"]]
+    if len(names) > MAX_TABLE_SOURCES:
+        lines.append(f"... {len(names) - MAX_TABLE_SOURCES} more sources (in manifest.json)")
     fill = tot[4] / (tot[3] * seq) if tot[3] else 0.0
-    lines.append(f"{'total':<14}{int(tot[0]):>11,}{int(tot[1]):>11,}{int(tot[2]):>10,}{int(tot[3]):>10,}"
+    lines.append(f"{'total':<{col}}{int(tot[0]):>11,}{int(tot[1]):>11,}{int(tot[2]):>10,}{int(tot[3]):>10,}"
                  f"{int(tot[4]):>15,}{fill:>9.2%}")
     shards = sum(len(manifest.sources[n].shards) for n in names)
-    lines += ["", f"{shards:,} shards, {tot[5] / 1e6:,.1f} MB on disk, "
-              f"{tot[5] / max(tot[4], 1):.3f} bytes a token",
+    per_token = f"{tot[5] / tot[4]:.3f} bytes a token" if tot[4] else "no token packed"
+    lines += ["", f"{shards:,} shard{'s' if shards != 1 else ''}, {tot[5] / 1e6:,.1f} MB on disk, {per_token}",
               f"tokenizer sha256 {str(manifest.tokenizer.get('sha256', ''))[:16]}..., "
               f"vocab {manifest.tokenizer.get('vocab_size', '?'):,}"]
-    ax.text(0.0, 1.0, "\n".join(lines), family="monospace", fontsize=10, va="top", transform=ax.transAxes)
+    size = 10 if col + 66 <= 84 else 8
+    ax.text(0.0, 1.0, "\n".join(lines), family="monospace", fontsize=size, va="top", transform=ax.transAxes)
+    if failure:
+        wrapped = [w for line in failure.splitlines() for w in textwrap.wrap(line, 105, subsequent_indent="    ")]
+        if len(wrapped) > 14:
+            wrapped = wrapped[:13] + ["    ... (the rest in the command's error message)"]
+        ax.text(0.0, 0.0, "\n".join(wrapped), family="monospace", fontsize=8, va="bottom", color="C3",
+                transform=ax.transAxes)
     ax.set_title("totals (documents read = packed + rejected)")
 
     buf = io.BytesIO()

@@ -105,15 +105,18 @@ def plan_shards(
     Args:
       config: the validated mixture config.
       sizes: per source name, the listed byte sizes of its input files.
-      max_shard_tokens: the bucket budget, >= 1.
+      max_shard_tokens: the bucket budget, >= ``config.seq_len``.
 
     Raises:
-      ConfigError: ``target_shard_tokens`` is over the budget; a source's estimated tokens
+      ConfigError: the budget is below ``seq_len``; ``target_shard_tokens`` is over it; a source's estimated tokens
         per shard are over it (naming the ``shards_per_source`` to set); or the automatic
         count would exceed 99999 shards (naming the ``target_shard_tokens`` to set).
     """
-    if max_shard_tokens < 1:
-        raise ConfigError(f"--max-shard-tokens: must be >= 1, got {max_shard_tokens}")
+    if max_shard_tokens < config.seq_len:
+        raise ConfigError(
+            f"--max-shard-tokens: must be >= seq_len ({config.seq_len}), got {max_shard_tokens}; a shard holds "
+            f"whole rows of seq_len tokens"
+        )
     explicit = config.shards_per_source
     if explicit is None and config.target_shard_tokens > max_shard_tokens:
         raise ConfigError(

@@ -479,12 +479,12 @@ def test_source_rejecting_more_than_max_rejected_fraction_fails(small, tmp_path,
         "rejected 2: invalid_json 1 (first: a/a.jsonl:3: Expecting value: line 1 column 1 (char 0)); "
         f"non_string_text 1 (first: a/a.jsonl:4: text is NoneType); dead letters in {out}/errors/a-*.jsonl"
     )
-    assert lines[2].startswith("  source 'z' rejected 100% of its documents, over max_rejected_fraction 0.25: ")
-    assert "unreadable_file 1 (first: z/t.jsonl.zst:file: ZstdError:" in lines[2]
-    assert lines[3].endswith("raise max_rejected_fraction in the config (now 0.25)")
+    # "z" (weight 0 in every phase) rejects everything too, but this mixture never draws from it:
+    # it is warned about, not a reason to fail (see test_dataprep_hostile_scale.py).
+    assert len(lines) == 3 and lines[2].endswith("raise max_rejected_fraction in the config (now 0.25)")
     assert not (out / "manifest.json").exists() and not (out / "report.png").exists()
-    # At the limit (0.5 of "a") it packs; "z" is weight 0 and rejects everything: allowed at 1.0 only.
-    raw["max_rejected_fraction"] = 1.0
+    # At the limit (0.5 of "a") it packs.
+    raw["max_rejected_fraction"] = 0.5
     cfg2.write_text(yaml.safe_dump(raw))
     assert pack.run(["--config", str(cfg2), "--output", str(out), "--no-report"], print_summary=False).manifest
 

@@ -77,8 +77,15 @@ def test_budget_and_shard_limit_messages_name_the_number_to_set():
         "tokens, 250,000 shards of target_shard_tokens 8, over the 99999 a source may have; set "
         "target_shard_tokens to at least 21, or split the source in two"
     )
-    with pytest.raises(ConfigError, match=r"^--max-shard-tokens: must be >= 1, got 0$"):
-        sizing.plan_shards(_config(), {"web": [1], "code": [1]}, 0)
+    # A budget below seq_len cannot hold one row (was: "set target_shard_tokens to at most 4", impossible).
+    seq_len = _config().seq_len
+    with pytest.raises(ConfigError) as e:
+        sizing.plan_shards(_config(), {"web": [1], "code": [1]}, seq_len - 1)
+    assert str(e.value) == (
+        f"--max-shard-tokens: must be >= seq_len ({seq_len}), got {seq_len - 1}; a shard holds whole rows of "
+        "seq_len tokens"
+    )
+    assert sizing.plan_shards(_config(target_shard_tokens=seq_len), {"web": [1], "code": [1]}, seq_len)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +135,8 @@ def test_bucket_over_the_budget_is_refused_before_any_work(corpus, tmp_path, cap
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--max-shard-tokens", "0"], "error: --max-shard-tokens: must be >= 1, got 0\n"),
+        (["--max-shard-tokens", "0"], "error: --max-shard-tokens: must be >= seq_len (64), got 0; a shard holds "
+                                      "whole rows of seq_len tokens\n"),
         (["--progress-every", "0"], "error: --progress-every: must be > 0 seconds, got 0.0\n"),
     ],
 )
