@@ -35,6 +35,30 @@ def write_bytes(path: str, data: bytes) -> None:
         f.write(data)
 
 
+def write_bytes_atomic(path: str, data: bytes) -> None:
+    """:func:`write_bytes`, but a reader never sees a partial file at ``path``.
+
+    Local files are written to a temporary name beside ``path``, flushed to disk
+    (``fsync``) and renamed over it; object stores (``gs://``) make an upload visible only
+    once it is complete, so there it is :func:`write_bytes`. For commit markers such as
+    ``manifest.json``: a run killed while writing one must not leave a truncated one.
+    """
+    if not _is_local(path):
+        write_bytes(path, data)
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def copy_local_to(local_path: str, dest: str) -> tuple[str, int]:
     """Copies a local file to ``dest`` through FileSystems; returns (sha256 hex, bytes)."""
     parent, _ = FileSystems.split(dest)
@@ -194,7 +218,11 @@ def list_inputs(pattern: str) -> list[tuple[str, int]]:
 
         metas, dangling = [], set()
         reals: dict[str, str] = {}
+        # Without "**" a match lies exactly this many folders below ``top``: go no deeper.
+        depth = None if "**" in pattern else pattern[len(top):].strip(os.sep).count(os.sep)
         for folder, subfolders, names in os.walk(top, onerror=cannot_list, followlinks=True):
+            if depth is not None and folder[len(top):].count(os.sep) >= depth:
+                subfolders[:] = []
             real = os.path.realpath(folder)
             above, parent = set(), os.path.dirname(folder)
             while parent in reals:  # the folders this one is inside (walked before it)

@@ -281,19 +281,44 @@ exit on their own when the driver is killed).
 """
 
 
-def check_inputs_outside_output(files: Mapping[str, Sequence[str]], output: str) -> None:
-    """Raises :class:`ConfigError` when an input file lies inside ``--output``.
+def check_inputs_outside_output(files: Mapping[str, Sequence[str]], output: str, what: str = "--output") -> None:
+    """Raises :class:`ConfigError` when an input file lies inside ``--output`` (or the spill folder).
 
     A glob such as ``corpus/**/*.jsonl`` with ``--output corpus/ds`` would otherwise read the
-    previous run's dead letters (``errors/*.jsonl``) or shards back in as documents.
+    previous run's dead letters (``errors/*.jsonl``) or shards back in as documents; with
+    ``--temp_location corpus/tmp``, a killed run's spill files.
     """
     out = fsutil.real_path(output).rstrip("/") + "/"
     for source in sorted(files):
         for f in files[source]:
             if fsutil.real_path(f).startswith(out):
                 raise ConfigError(
-                    f"sources: {f} (source {source!r}) lies inside --output {output}; "
-                    "the dataset's own files would be read back as inputs: narrow the glob or move --output"
+                    f"sources: {f} (source {source!r}) lies inside {what} {output}; "
+                    f"the run's own files would be read back as inputs: narrow the glob or move {what}"
+                )
+
+
+def check_spill_outside_inputs(config: MixtureConfig, base: str) -> None:
+    """Raises :class:`ConfigError` when a source's paths would match a spill file under ``base``.
+
+    With ``--temp_location corpus/tmp`` and ``paths: [corpus/**]``, the spill files of a run
+    killed before its cleanup (``<base>/dataprep-spill-*/*.seg``) would be read as documents
+    by the next run. Checked on a spill file's name, before any exists.
+    """
+    import re
+
+    probe = fsutil.join(base, f"{SPILL_PREFIX}000000000000-000000000000", "0" * 32 + staging.SPILL_SUFFIX)
+    for i, source in enumerate(config.sources):
+        for j, pattern in enumerate(source.paths):
+            try:
+                fs = FileSystems.get_filesystem(pattern)
+            except ValueError:
+                continue
+            if re.match(fs.translate_pattern(pattern), probe) or pattern == probe:
+                raise ConfigError(
+                    f"sources[{i}].paths[{j}]: {pattern!r} would match the spill files under --temp_location "
+                    f"{base} (e.g. {probe}); those of a killed run would be read back as inputs: narrow the "
+                    "glob or move --temp_location"
                 )
 
 
@@ -686,6 +711,7 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
         raise ConfigError(f"Beam options: {e}") from None
     base = spill_base(args.spill, options, output)
     if base is not None and base != fsutil.join(output, TMP_DIR):
+        check_spill_outside_inputs(config, base)
         check_writable_folder(base, "--temp_location")
     check_writable_folder(output, "--output")  # creates it: the lock is taken on the folder
     lock = lock_output(output)
@@ -719,7 +745,7 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary) 
     vocab = int(pre.tokenizer_info["vocab_size"])
     local = is_local_runner(options)
     spill = spill_folder(base, output)
-    beats = tempfile.mkdtemp(prefix="dataprep-progress-") if local and not quiet else None
+    beats = progress.heartbeat_folder() if local and not quiet else None
     _ = p | "Pack" >> pipeline.PackSources(
         config, pre.files, pre.tokenizer_sha256, token_dtype_for_vocab(vocab).name, output,
         num_shards=shards, sizes=pre.sizes, spill_dir=spill, heartbeat_dir=beats,
@@ -772,7 +798,7 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary) 
             report_path = _write_report(manifest, config, stats, output, quiet, failure=message)
         fsutil.delete(stats_path)
         raise DataLossError(message + (f"\nreport: {report_path}" if report_path else ""))
-    fsutil.write_bytes(manifest_path, manifest.to_json().encode("ascii"))
+    fsutil.write_bytes_atomic(manifest_path, manifest.to_json().encode("ascii"))  # the commit
     fsutil.delete(stats_path)
     timings["manifest"] = time.time() - t2
     _say(quiet, f"pack: manifest written in {progress.duration(timings['manifest'])}: {manifest_path}")

@@ -76,6 +76,31 @@ class Heartbeat:
         self._last_write = time.monotonic()
 
 
+HEARTBEAT_PREFIX = "dataprep-progress-"
+
+
+def heartbeat_folder() -> str:
+    """Creates this run's heartbeat folder, ``<tmp>/dataprep-progress-<pid>-<random>``.
+
+    First removes the folders of runs whose process is gone (killed: they could not remove
+    their own); the pid in the name tells them apart from those of runs still going.
+    """
+    import shutil
+    import tempfile
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), HEARTBEAT_PREFIX + "*-*")):
+        pid = os.path.basename(path)[len(HEARTBEAT_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (PermissionError, OverflowError):  # another user's live process, or not a pid
+            pass
+    return tempfile.mkdtemp(prefix=f"{HEARTBEAT_PREFIX}{os.getpid()}-")
+
+
 def read_heartbeats(folder: str) -> dict[str, dict[str, float]]:
     """Sums the heartbeat files of ``folder`` by stage; also gives each stage's first and last time."""
     out: dict[str, dict[str, float]] = {}

@@ -88,6 +88,7 @@ NORMALIZATIONS = {
     "identity": "none: text is kept byte-exact, whitespace included (with byte fallback every byte round-trips)",
 }
 DEFAULT_NUM_THREADS = 4
+DEFAULT_CHARACTER_COVERAGE = 0.9995  # SentencePiece's default
 DEFAULT_MAX_SENTENCES = 2_000_000
 
 
@@ -157,7 +158,7 @@ def train(
     model_type: str = "unigram",
     byte_fallback: bool = True,
     max_sentences: int = DEFAULT_MAX_SENTENCES,
-    character_coverage: float = 0.9995,
+    character_coverage: float = DEFAULT_CHARACTER_COVERAGE,
     num_threads: int = DEFAULT_NUM_THREADS,
     normalization: str = "nmt_nfkc",
 ) -> str:
@@ -172,10 +173,10 @@ def train(
 
     Raises:
       TrainError: ``vocab_size`` < 16, ``sample_fraction`` not in (0, 1], ``seed`` not in
-        [0, 2**32), ``max_sentences`` < 1, ``num_threads`` not in [1, 1024], an unknown
-        ``normalization`` (or ``identity`` without byte fallback), ``out`` is a folder (or
-        under a file), no line sampled, or SentencePiece refuses the sample (e.g. fewer
-        pieces than characters).
+        [0, 2**32), ``max_sentences`` < 1, ``num_threads`` not in [1, 1024],
+        ``character_coverage`` not in (0, 1], an unknown ``normalization`` (or ``identity``
+        without byte fallback), ``out`` is a folder (or under a file), no line sampled, or
+        SentencePiece refuses the sample (e.g. fewer pieces than characters).
       ConfigError: an input glob matches nothing.
     """
     if vocab_size < 16:
@@ -194,6 +195,10 @@ def train(
         raise TrainError(
             f"--num-threads must be in [1, 1024], got {num_threads!r}; keep it fixed: the model depends on it"
         )
+    if isinstance(character_coverage, bool) or not isinstance(character_coverage, (int, float)) or not (
+        0 < character_coverage <= 1
+    ):
+        raise TrainError(f"--character-coverage must be in (0, 1], got {character_coverage!r}")
     if normalization not in NORMALIZATIONS:
         raise TrainError(f"--normalization must be one of {sorted(NORMALIZATIONS)}, got {normalization!r}")
     if normalization == "identity" and not byte_fallback:
@@ -213,13 +218,28 @@ def train(
             normalization,
         )
     except RuntimeError as e:  # SentencePiece's own checks, e.g. a vocabulary too small
-        raise TrainError(f"SentencePiece refused to train: {e}") from None
+        raise TrainError(_refusal(str(e), character_coverage)) from None
     data = model.getvalue()
     sha = hashlib.sha256(data).hexdigest()
     fsutil.write_bytes(out, data)
     name = out.rsplit("/", 1)[-1]
     fsutil.write_bytes(out + ".sha256", f"{sha}  {name}\n".encode("ascii"))
     return sha
+
+
+def _refusal(message: str, character_coverage: float) -> str:
+    """SentencePiece's refusal in this command's terms (its own flags, e.g. ``--character_coverage``,
+    are not this command's options)."""
+    import re
+
+    m = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", message)
+    if m:
+        return (
+            f"SentencePiece refused to train: the sample's characters (at --character-coverage "
+            f"{character_coverage:g}) and the special pieces need {m.group(2)} pieces, more than --vocab-size "
+            f"{m.group(1)}; set --vocab-size to at least {m.group(2)}, or lower --character-coverage"
+        )
+    return f"SentencePiece refused to train: {message}"
 
 
 def _check_out(out: str) -> None:
@@ -318,6 +338,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help=f"SentencePiece training threads (default {DEFAULT_NUM_THREADS}); the model depends on it: keep it fixed",
     )
     parser.add_argument(
+        "--character-coverage",
+        type=float,
+        default=DEFAULT_CHARACTER_COVERAGE,
+        help=f"share of the sample's characters the vocabulary must cover (0, 1] (default "
+        f"{DEFAULT_CHARACTER_COVERAGE}); the rest decode by byte fallback",
+    )
+    parser.add_argument(
         "--normalization",
         default="nmt_nfkc",
         choices=sorted(NORMALIZATIONS),
@@ -335,6 +362,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.model_type,
             not args.no_byte_fallback,
             args.max_sentences,
+            character_coverage=args.character_coverage,
             num_threads=args.num_threads,
             normalization=args.normalization,
         )

@@ -356,7 +356,11 @@ def test_same_file_through_a_symlink_in_two_sources_is_a_config_error(tmp_path, 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--vocab-size", "20"], "SentencePiece refused to train: .*Vocabulary size is smaller than required_chars"),
+        # SentencePiece's own message named its flag --character_coverage, not an option of this command.
+        (["--vocab-size", "20"], r"SentencePiece refused to train: the sample's characters \(at --character-coverage "
+                                 r"0\.9995\) and the special pieces need \d+ pieces, more than --vocab-size 20; set "
+                                 r"--vocab-size to at least \d+, or lower --character-coverage\n"),
+        (["--vocab-size", "300", "--character-coverage", "0"], r"--character-coverage must be in \(0, 1\], got 0\.0"),
         (["--vocab-size", "300", "--seed", "-1"], r"--seed \(default: the config's seed\) must be an integer in \[0, 2\*\*32\), got -1"),
         (["--vocab-size", "300", "--max-sentences", "0"], "--max-sentences must be >= 1, got 0"),
         (["--vocab-size", "300", "--out", "{d}"], "--out {d} is a folder; name the model file"),

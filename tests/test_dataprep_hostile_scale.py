@@ -293,6 +293,40 @@ def test_killed_runs_leftovers_are_removed_and_the_rerun_matches(small, tmp_path
     ) * 2
 
 
+def test_temp_location_inside_the_inputs_is_refused(tmp_path, tok, capsys):
+    # Was: accepted; a killed run's spill files (<temp>/dataprep-spill-*/*.seg) matched the
+    # input glob of the rerun and were listed as documents (then vanished under it).
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in/a.txt").write_text("a document")
+    cfg = _config(tmp_path, tok[0], [{"name": "docs", "paths": ["in/**"], "format": "text"}])
+    temp = tmp_path / "in/tmp"
+    code = pack.main(["--config", str(cfg), "--output", str(tmp_path / "ds"), "--temp_location", str(temp)])
+    assert code == pack.EXIT_CONFIG
+    probe = f"{temp}/dataprep-spill-000000000000-000000000000/{'0' * 32}.seg"
+    assert capsys.readouterr().err == (
+        f"error: sources[0].paths[0]: '{tmp_path}/in/**' would match the spill files under --temp_location "
+        f"{temp} (e.g. {probe}); those of a killed run would be read back as inputs: narrow the glob or move "
+        "--temp_location\n"
+    )
+    assert not temp.exists() and not (tmp_path / "ds").exists()
+
+
+def test_manifest_is_committed_atomically(tmp_path, monkeypatch):
+    # Was: written in place: a run killed while writing it left a truncated manifest.json,
+    # which both the loader and a rerun (without --overwrite) take for a committed dataset.
+    path = tmp_path / "ds/manifest.json"
+    fsutil.write_bytes_atomic(str(path), b"{}\n")
+    assert path.read_bytes() == b"{}\n"
+
+    def killed(src, dst):
+        raise OSError(errno.EIO, "killed while committing")
+
+    monkeypatch.setattr(fsutil.os, "replace", killed)
+    with pytest.raises(OSError):
+        fsutil.write_bytes_atomic(str(path), b'{"a": 1}\n')
+    assert path.read_bytes() == b"{}\n" and sorted(p.name for p in path.parent.iterdir()) == ["manifest.json"]
+
+
 def test_input_that_changes_after_the_listing_fails_the_run(small, tmp_path, monkeypatch, capsys):
     # Was: read as it was then, with shard counts planned on the old size: no run on the
     # files as they are now reproduces that dataset.
@@ -345,6 +379,24 @@ def test_progress_to_a_closed_pipe_does_not_fail_the_run(monkeypatch):
     assert m.durations == {"read and tokenize": 1.0 - m._start, "pack and write": 1.0}
     monkeypatch.setattr("sys.stderr", _Closed())
     pack._say(False, "pack: manifest written")  # no exception
+
+
+def test_heartbeat_folders_of_killed_runs_are_removed(tmp_path, monkeypatch):
+    # Was: a killed run's <tmp>/dataprep-progress-* folder stayed for ever.
+    import subprocess
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = tmp_path / f"dataprep-progress-{gone.pid}-abc"
+    alive = tmp_path / f"dataprep-progress-{os.getpid()}-abc"
+    for folder in (dead, alive):
+        folder.mkdir()
+        (folder / "read-1.json").write_text("{}")
+    mine = progress.heartbeat_folder()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, os.path.basename(mine)])
+    assert os.path.basename(mine).startswith(f"dataprep-progress-{os.getpid()}-")
 
 
 def test_stderr_filter_keeps_draining_when_the_real_stderr_is_closed():
