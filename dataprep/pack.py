@@ -824,7 +824,11 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary) 
 def _pipeline_failure(e: BaseException, output: str, spill: Optional[str]) -> str:
     """The one-paragraph message of a failed pipeline: what failed, what was kept, what to do."""
     text = f"{type(e).__name__}: {e}"
-    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    # A multi-process runner's error holds the worker's whole traceback: its last line that is
+    # not a frame ("SomeError: what [while running 'Pack/...']") says what failed.
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln[0].isspace()
+             and not ln.startswith(("Traceback (most recent call last)", "During handling", "The above exception"))]
+    first = lines[-1] if lines else type(e).__name__
     if len(first) > 600:
         first = first[:600] + " ..."
     hint = "fix the cause (the worker traceback above names the step) and rerun; the rerun replaces what this run left"

@@ -187,7 +187,7 @@ class ReadAndTokenize(beam.DoFn):
     overhead would cost more than tokenizing a short web document), only its rejected
     inputs do. Reads the file (``dataprep.readers``), buffers documents and encodes them in
     batches of about ``batch_chars`` characters with one SentencePiece ``encode(list)``
-    call into NumPy arrays (``token_dtype``: uint16 when the vocabulary fits, else
+    call (a document over ``tokenizer.LONG_TEXT_CHARS`` in pieces, same ids) into NumPy arrays (``token_dtype``: uint16 when the vocabulary fits, else
     uint32; BOS/EOS added by id); each document's tokens are staged for the bucket
     ``packing.bucket_of(seed, source, key, num_shards[source])`` and its text dropped. The
     stager (``dataprep.staging``: inline segments, or spill files under ``spill_dir``) is
@@ -235,6 +235,7 @@ class ReadAndTokenize(beam.DoFn):
     def setup(self):
         exit_with_driver(self._driver_pid)
         self._sp, _ = tokenizer.load(self._path, self._sha)
+        self._cuts = tokenizer.safe_cuts(self._sp)  # long documents encoded in pieces, same ids
         self._fault = faults.current_spec()
         self._counters = _Counters()
         self._bucket = {s: packing.BucketOf(self._seed, s, self._num_shards[s]) for s in self._sources}
@@ -289,7 +290,7 @@ class ReadAndTokenize(beam.DoFn):
         if not batch:
             return
         encoded = tokenizer.encode_batch(
-            self._sp, [doc.text for doc in batch], self._add_bos, self._add_eos, self._dtype
+            self._sp, [doc.text for doc in batch], self._add_bos, self._add_eos, self._dtype, self._cuts
         )
         n = 0
         stage = self._stager.add

@@ -45,7 +45,7 @@ class Reason(str, enum.Enum):
     INVALID_UNICODE = "invalid_unicode"  # lone surrogates (e.g. "\ud800" in JSON)
     EMPTY = "empty_after_tokenization"  # no token besides BOS/EOS
     UNREADABLE_FILE = "unreadable_file"  # corrupt compression or Parquet; rest of file lost
-    TOO_LONG = "too_long"  # a JSONL line or whole-file text document over MAX_DOCUMENT_BYTES
+    TOO_LONG = "too_long"  # a JSONL line, text document or Parquet text over MAX_DOCUMENT_BYTES
 
 
 class Document(NamedTuple):
@@ -326,6 +326,9 @@ def _iter_parquet(source: SourceConfig, rel: str, f) -> Iterator[Item]:
             key = document_key(source.name, rel, row)
             row += 1
             if isinstance(text, bytes):  # a BINARY column (no UTF8 annotation): text if it decodes
+                if len(text) > MAX_DOCUMENT_BYTES:
+                    yield _too_long(key, text[:TOO_LONG_RAW_BYTES], len(text))
+                    continue
                 try:
                     text = text.decode("utf-8")
                 except UnicodeDecodeError as e:
@@ -335,6 +338,9 @@ def _iter_parquet(source: SourceConfig, rel: str, f) -> Iterator[Item]:
             elif not isinstance(text, str):
                 raw = json.dumps({source.text_field: text}, default=repr)
                 yield Rejected(key, Reason.NON_STRING_TEXT, raw, type(text).__name__)
+            elif len(text) > MAX_DOCUMENT_BYTES // 4 and len(text.encode("utf-8", "surrogatepass")) > MAX_DOCUMENT_BYTES:
+                data = text.encode("utf-8", "surrogatepass")
+                yield _too_long(key, data[:TOO_LONG_RAW_BYTES], len(data))
             else:
                 yield _check_text(key, text, text)
 

@@ -13,6 +13,8 @@ import os
 import pathlib
 import threading
 
+import hypothesis
+import hypothesis.strategies as st
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -21,7 +23,7 @@ import yaml
 
 from contract.config import ConfigError, SourceConfig, SourceFormat, load_mixture, mixture_from_dict
 from contract.manifest import Ledger, Manifest, ShardInfo, SourceEntry
-from dataprep import fsutil, pack, pipeline, preflight, progress, readers, report, testing
+from dataprep import fsutil, pack, pipeline, preflight, progress, readers, report, testing, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +146,21 @@ def test_parquet_is_read_in_bounded_batches_not_whole_row_groups(tmp_path, monke
     items = list(readers.read_file(src, str(tmp_path / "a.parquet")))
     assert items == [readers.Document(f"s/a.parquet:{i}", t) for i, t in enumerate(texts)]
     assert sum(seen) == 2500 and max(seen) <= readers.PARQUET_BATCH_ROWS
+
+
+def test_parquet_text_over_the_document_limit_is_too_long(tmp_path, monkeypatch):
+    # Was: no limit for Parquet (JSONL lines and text files had one): a cell of any size went on.
+    monkeypatch.setattr(readers, "MAX_DOCUMENT_BYTES", 10)
+    pq.write_table(pa.table({"text": ["short", "\u00e9" * 6, "x" * 11]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"text": pa.array([b"y" * 11], pa.binary())}), tmp_path / "b.parquet")
+    src = SourceConfig(name="s", paths=(str(tmp_path),), root=str(tmp_path), format=SourceFormat.PARQUET)
+    items = list(readers.read_file(src, str(tmp_path / "a.parquet"))) + list(readers.read_file(src, str(tmp_path / "b.parquet")))
+    assert [(type(i).__name__, getattr(i, "reason", None), getattr(i, "detail", None)) for i in items] == [
+        ("Document", None, None),
+        ("Rejected", readers.Reason.TOO_LONG, "12 bytes, over the limit of 10; raw holds the first 12"),
+        ("Rejected", readers.Reason.TOO_LONG, "11 bytes, over the limit of 10; raw holds the first 11"),
+        ("Rejected", readers.Reason.TOO_LONG, "11 bytes, over the limit of 10; raw holds the first 11"),
+    ]
 
 
 def test_parquet_with_the_text_column_twice_is_one_dead_letter(tmp_path):
@@ -347,6 +364,20 @@ def test_input_that_changes_after_the_listing_fails_the_run(small, tmp_path, mon
     pipeline.check_input_unchanged(str(tmp_path / "gone.jsonl"), -1, "")  # unknown size: not checked
 
 
+def test_failure_of_a_worker_process_names_its_error_not_traceback():
+    # Was (multi_processing): "error: the pipeline failed, ...: RuntimeError: Traceback (most
+    # recent call last):", the first line of the worker's traceback.
+    e = RuntimeError(
+        "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n    g()\n"
+        "ValueError: bad spec\n\nDuring handling of the above exception, another exception occurred:\n\n"
+        "Traceback (most recent call last):\n  File \"y.py\", line 2, in h\n"
+        "ValueError: bad spec [while running 'Pack/PackAndWrite']\n"
+    )
+    assert pack._pipeline_failure(e, "/data/ds", None).splitlines()[0] == (
+        "the pipeline failed, manifest.json not written: ValueError: bad spec [while running 'Pack/PackAndWrite']"
+    )
+
+
 def test_full_disk_failure_says_what_to_free():
     e = RuntimeError("OSError: [Errno 28] No space left on device [while running 'Pack/ReadAndTokenize']")
     assert pack._pipeline_failure(e, "/data/ds", "/scratch/dataprep-spill-k-r") == (
@@ -508,3 +539,63 @@ def test_sigterm_stops_the_run_like_ctrl_c(monkeypatch, capsys):
     monkeypatch.setattr(pack, "run", interrupted)
     assert pack.main(["--config", "x", "--output", "y"]) == 130
     assert capsys.readouterr().err == "error: interrupted; nothing was committed (no manifest.json); rerun to pack\n"
+
+
+# --- long documents --------------------------------------------------------------------------
+
+
+def _model(**options):
+    import sentencepiece as spm
+
+    lines = [ln.strip() for t in testing.pydoc_text(30_000) for ln in t.splitlines() if ln.strip()]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=500,
+                                   model_type="unigram", byte_fallback=True, character_coverage=1.0,
+                                   num_threads=1, hard_vocab_limit=False, minloglevel=2, **options)
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+@pytest.fixture(scope="module")
+def models(tok):
+    import sentencepiece as spm
+
+    out = {"nmt_nfkc": spm.SentencePieceProcessor(model_file=str(tok[0]))}
+    shared = pathlib.Path(__file__).resolve().parents[1] / "../shared/tokenizers/en_unigram_1000.model"
+    if shared.exists():  # the shared corpora's tokenizer keeps newlines and tabs as characters
+        out["shared"] = spm.SentencePieceProcessor(model_file=str(shared))
+    return {name: (sp, tokenizer.safe_cuts(sp)) for name, sp in out.items()}
+
+
+def test_long_documents_are_cut_only_where_the_model_allows_it(models):
+    # Was: a long document went to SentencePiece whole, at about 44 bytes of RAM a character
+    # (2.1 GB for one 50 MB document, 0.4 GB in pieces; a document may have 256 MiB: 11 GB).
+    assert models["nmt_nfkc"][1] == " \n"
+    # Whitespace kept as it is: a piece cut before a space would get a second dummy prefix.
+    assert tokenizer.safe_cuts(_model(normalization_rule_name="identity", remove_extra_whitespaces=False)) == ""
+    assert tokenizer.safe_cuts(_model(treat_whitespace_as_suffix=True)) == ""  # pieces end with it
+    if "shared" in models:  # "\n" is a character of its own there: cutting before it is not safe
+        assert models["shared"][1] == " "
+
+
+_TRICKY = " \t\n\r\u00a0\u3000\u0301\u00a8\ufb01\uff21\u4e2d\U0001f642ae1.<>/s"
+
+
+@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.given(text=st.text(alphabet=_TRICKY, max_size=120), piece=st.integers(1, 12))
+def test_long_documents_encoded_in_pieces_decode_to_the_same_text(models, text, piece):
+    pieces = tokenizer._cut(text, " \n", piece)
+    assert "".join(pieces) == text and all(p[0] in " \n" for p in pieces[1:])
+    assert all(len(p) <= piece or not any(c in p[1:] for c in " \n") for p in pieces)
+    for sp, cuts in models.values():
+        whole = tokenizer.encode_batch(sp, [text, "short one"], False, True, np.uint16)
+        saved = tokenizer.LONG_TEXT_CHARS, tokenizer.PIECE_CHARS
+        tokenizer.LONG_TEXT_CHARS, tokenizer.PIECE_CHARS = 4, piece
+        try:
+            cut = tokenizer.encode_batch(sp, [text, "short one"], False, True, np.uint16, cuts=cuts)
+            again = tokenizer.encode_batch(sp, [text, "short one"], False, True, np.uint16, cuts=cuts)
+        finally:
+            tokenizer.LONG_TEXT_CHARS, tokenizer.PIECE_CHARS = saved
+        assert [c.tolist() for c in cut] == [a.tolist() for a in again]  # a function of the text
+        assert sp.decode(cut[0][:-1].tolist()) == sp.decode(whole[0][:-1].tolist())
+        assert cut[1].tolist() == whole[1].tolist() and cut[0].dtype == np.uint16
+        assert cut[0].size == whole[0].size == 0 or cut[0][-1] == sp.eos_id()
