@@ -95,6 +95,20 @@ class PipelineError(RuntimeError):
     """The Beam pipeline failed (its cause is chained); the manifest was not written."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped the run; ``committed`` says whether manifest.json was written."""
+
+    def __init__(self, output: str, committed: bool):
+        super().__init__(output, committed)
+        self.output, self.committed = output, committed
+
+    def __str__(self) -> str:
+        if self.committed:
+            return (f"interrupted after manifest.json was written: the dataset {self.output} is complete "
+                    "(report.png may be missing)")
+        return f"interrupted; nothing was committed (no manifest.json in {self.output}); rerun to pack"
+
+
 class OutputExistsError(ValueError):
     """The output folder already holds a committed dataset (manifest.json)."""
 
@@ -690,6 +704,7 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
       PipelineError: the pipeline failed (``manifest.json`` is not written).
       LedgerError: the counts do not reconcile (``manifest.json`` is not written).
       DataLossError: a source lost too much (``manifest.json`` is not written).
+      Interrupted: Ctrl-C or SIGTERM (a ``KeyboardInterrupt`` saying whether it came after the commit).
     """
     t0 = time.time()
     args, beam_args = parse_args(argv)
@@ -715,15 +730,19 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
         check_writable_folder(base, "--temp_location")
     check_writable_folder(output, "--output")  # creates it: the lock is taken on the folder
     lock = lock_output(output)
+    state: dict[str, bool] = {}
     try:
-        return _run_locked(args, config, pre, output, options, p, base, t0, print_summary)
+        return _run_locked(args, config, pre, output, options, p, base, t0, print_summary, state)
+    except KeyboardInterrupt:
+        raise Interrupted(output, state.get("committed", False)) from None
     finally:
         if lock is not None:
             os.close(lock)
 
 
-def _run_locked(args, config, pre, output, options, p, base, t0, print_summary) -> PackResult:
-    """:func:`run` once every check has passed and the output is locked."""
+def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, state) -> PackResult:
+    """:func:`run` once every check has passed and the output is locked; ``state["committed"]``
+    is set once manifest.json is written."""
     quiet = args.quiet
     manifest_path = fsutil.join(output, MANIFEST_NAME)
     if fsutil.exists(manifest_path):
@@ -735,6 +754,9 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary) 
     _clear_dead_letters(output, config, pre)
     fsutil.delete(fsutil.join(output, REPORT_NAME))
     remove_stale_spills(output, base)
+    vocab = int(pre.tokenizer_info["vocab_size"])
+    for warning in disk_space_warnings(pre, output, base, token_dtype_for_vocab(vocab).itemsize):
+        _say(False, "warning: " + warning)
     timings = {"checks": time.time() - t0}
     shards = {n: num_shards(config, pre, n) for n in config.source_names}
     _say(
@@ -742,7 +764,6 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary) 
         f"pack: checks done in {progress.duration(timings['checks'])} ({sum(map(len, pre.files.values())):,} files, "
         f"{pre.input_bytes / 1e6:,.1f} MB; shards: " + ", ".join(f"{n} {k}" for n, k in shards.items()) + ")",
     )
-    vocab = int(pre.tokenizer_info["vocab_size"])
     local = is_local_runner(options)
     spill = spill_folder(base, output)
     beats = progress.heartbeat_folder() if local and not quiet else None
@@ -799,6 +820,7 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary) 
         fsutil.delete(stats_path)
         raise DataLossError(message + (f"\nreport: {report_path}" if report_path else ""))
     fsutil.write_bytes_atomic(manifest_path, manifest.to_json().encode("ascii"))  # the commit
+    state["committed"] = True
     fsutil.delete(stats_path)
     timings["manifest"] = time.time() - t2
     _say(quiet, f"pack: manifest written in {progress.duration(timings['manifest'])}: {manifest_path}")
@@ -819,6 +841,39 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary) 
 
         summary.print_summary(out)
     return out
+
+
+# Shard bytes on disk per token, high: 0.31 of the uint16 width measured (docs/dataprep.md).
+SHARD_BYTES_PER_TOKEN = 1.0
+
+
+def disk_space_warnings(pre: preflight.Preflight, output: str, base: Optional[str], itemsize: int) -> list[str]:
+    """Warnings for local folders with less free space than the run may need there.
+
+    Needs, from the estimated tokens (high on purpose, ``dataprep.sizing``): the spill
+    files, ``itemsize`` bytes a token (removed at the end), and the shards,
+    :data:`SHARD_BYTES_PER_TOKEN`. Folders on one file system add up. Only a warning: the
+    estimate can be twice the real count; a disk that fills fails the run (exit 1).
+    """
+    tokens = sum(plan.estimated_tokens for plan in pre.shards.values())
+    needs: dict[int, list] = {}
+    for folder, need in ((output, tokens * SHARD_BYTES_PER_TOKEN), (base, tokens * itemsize if base else 0)):
+        if not folder or not need or not fsutil._is_local(folder):
+            continue
+        while not os.path.isdir(folder) and os.path.dirname(folder) != folder:  # <output>/_tmp: not made yet
+            folder = os.path.dirname(folder)
+        dev = os.stat(folder).st_dev
+        entry = needs.setdefault(dev, [folder, 0.0, shutil.disk_usage(folder).free])
+        entry[1] += need
+    def size(n: float) -> str:
+        return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
+
+    return [
+        f"{folder} has {size(free)} free; this run may need up to {size(need)} there (spill "
+        f"files {itemsize} bytes a token and shards, from the estimated tokens, which are high on purpose); "
+        "if the disk fills, the run fails with exit status 1"
+        for folder, need, free in needs.values() if free < need
+    ]
 
 
 def _pipeline_failure(e: BaseException, output: str, spill: Optional[str]) -> str:
@@ -895,8 +950,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _main(argv: Optional[Sequence[str]]) -> int:
     try:
         run(argv)
-    except KeyboardInterrupt:
-        print("error: interrupted; nothing was committed (no manifest.json); rerun to pack", file=sys.stderr)
+    except Interrupted as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # before the output was touched
+        print("error: interrupted before any work; nothing was written", file=sys.stderr)
         return 130
     except (ConfigError, OutputExistsError) as e:
         print(f"error: {e}", file=sys.stderr)

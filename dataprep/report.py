@@ -161,7 +161,8 @@ def render(
         ax.axhline(100.0, color="0.5", linewidth=0.8, linestyle="--")
         if len(fills) <= 64:
             for i, f in enumerate(fills):
-                ax.text(i, bottom + (100.2 - bottom) * 0.02, "empty" if f == 0 else f"{f:.1f}%",
+                label = "empty" if f == 0 else f"{np.floor(f * 100) / 100:.2f}%"  # 99.96 is not "100.0"
+                ax.text(i, bottom + (100.2 - bottom) * 0.02, label,
                         ha="center", fontsize=8, rotation=90 if len(fills) > 16 else 0,
                         color="0.2" if f == 0 else "white")
     source_ticks(ax, ticks, labels)

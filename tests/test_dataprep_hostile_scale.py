@@ -378,6 +378,27 @@ def test_failure_of_a_worker_process_names_its_error_not_traceback():
     )
 
 
+def test_too_little_free_disk_is_warned_about_before_any_work(tmp_path, monkeypatch):
+    # Was: no word until the disk filled, hours into a run (then a traceback).
+    import collections
+
+    from dataprep import sizing
+
+    plan = sizing.ShardPlan(input_bytes=4_000_000_000, estimated_tokens=2_000_000_000, num_shards=8, auto=True)
+    pre = preflight.Preflight(files={}, tokenizer_sha256="", tokenizer_info={}, shards={"web": plan})
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(pack.shutil, "disk_usage", lambda p: usage(0, 0, 5_000_000_000))
+    (tmp_path / "ds").mkdir()
+    assert pack.disk_space_warnings(pre, str(tmp_path / "ds"), str(tmp_path / "ds/_tmp"), 2) == [
+        f"{tmp_path}/ds has 5.0 GB free; this run may need up to 6.0 GB there (spill files 2 bytes a token and "
+        "shards, from the estimated tokens, which are high on purpose); if the disk fills, the run fails with "
+        "exit status 1"
+    ]
+    monkeypatch.setattr(pack.shutil, "disk_usage", lambda p: usage(0, 0, 7_000_000_000))
+    assert pack.disk_space_warnings(pre, str(tmp_path / "ds"), str(tmp_path / "ds/_tmp"), 2) == []
+    assert pack.disk_space_warnings(pre, "memfs://ds", None, 2) == []  # object stores: no check
+
+
 def test_full_disk_failure_says_what_to_free():
     e = RuntimeError("OSError: [Errno 28] No space left on device [while running 'Pack/ReadAndTokenize']")
     assert pack._pipeline_failure(e, "/data/ds", "/scratch/dataprep-spill-k-r") == (
@@ -533,12 +554,18 @@ def test_sigterm_stops_the_run_like_ctrl_c(monkeypatch, capsys):
     with pytest.raises(KeyboardInterrupt):
         pack._terminate(15, None)
 
-    def interrupted(argv):
-        raise KeyboardInterrupt("signal 15")
+    for error, message in [
+        (pack.Interrupted("/d/ds", False), "interrupted; nothing was committed (no manifest.json in /d/ds); rerun to pack"),
+        (pack.Interrupted("/d/ds", True), "interrupted after manifest.json was written: the dataset /d/ds is "
+                                          "complete (report.png may be missing)"),
+        (KeyboardInterrupt(), "interrupted before any work; nothing was written"),
+    ]:
+        def interrupted(argv, error=error):
+            raise error
 
-    monkeypatch.setattr(pack, "run", interrupted)
-    assert pack.main(["--config", "x", "--output", "y"]) == 130
-    assert capsys.readouterr().err == "error: interrupted; nothing was committed (no manifest.json); rerun to pack\n"
+        monkeypatch.setattr(pack, "run", interrupted)
+        assert pack.main(["--config", "x", "--output", "y"]) == 130
+        assert capsys.readouterr().err == f"error: {message}\n"
 
 
 # --- long documents --------------------------------------------------------------------------
