@@ -496,65 +496,46 @@ def _loss_reasons(name: str, led: Ledger, examples: Mapping[tuple[str, str], tup
     )
 
 
-def loss_problems(
+def losses(
     config: MixtureConfig,
     manifest: Manifest,
     examples: Mapping[tuple[str, str], tuple[str, str]],
     output: str,
-) -> list[str]:
-    """What makes the run fail instead of committing: silent loss, source by source.
+) -> tuple[list[str], list[str]]:
+    """Silent loss, source by source: ``(problems that fail the run, warnings)``.
 
-    For each source with weight > 0 in some phase (the sources this mixture trains on):
+    A source with weight > 0 in some phase (one this mixture trains on) is a problem when
 
-    * it packed no row (a loader could not draw from it);
+    * it packed no row (a loader could not draw from it), or
     * it rejected more than ``config.max_rejected_fraction`` of the documents it read.
 
-    Each problem names the top three reasons with their counts and the first dead letter's
-    key and detail, and where the dead letters are. Sources at weight 0 in every phase do
-    not fail the run (:func:`loss_warnings` names their losses).
+    A source at weight 0 in every phase never fails the run (this mixture never draws from
+    it); over the rejection limit it is a warning, since a mixture that gives it weight later
+    would train on what was packed. Each line names the top three reasons with their counts
+    and the first dead letter's key and detail, and where the dead letters are.
     """
-    out = []
+    problems, warnings = [], []
     limit = config.max_rejected_fraction
     for name in config.source_names:
         led = manifest.sources[name].ledger
         rejected = sum(led.rejected.values())
         steps = _weighted_steps(config, name)
+        over = bool(led.read) and rejected / led.read > limit
+        share = f"rejected {rejected / led.read:.0%} of its documents, over max_rejected_fraction {limit:g}" if over else ""
         if not steps:
+            if over:
+                warnings.append(f"source {name!r} (weight 0 in every phase) {share}"
+                                + _loss_reasons(name, led, examples, output)
+                                + "; fix its input before a mixture gives it weight")
             continue
         why = []
         if manifest.sources[name].records == 0:
             why.append(f"packed no rows but has weight {steps[0][1]:g} from step {steps[0][0]}")
-        if led.read and rejected / led.read > limit:
-            why.append(f"rejected {rejected / led.read:.0%} of its documents, over max_rejected_fraction {limit:g}")
+        if over:
+            why.append(share)
         if why:
-            out.append(f"source {name!r} " + " and ".join(why) + _loss_reasons(name, led, examples, output))
-    return out
-
-
-def loss_warnings(
-    config: MixtureConfig,
-    manifest: Manifest,
-    examples: Mapping[tuple[str, str], tuple[str, str]],
-    output: str,
-) -> list[str]:
-    """The losses of sources at weight 0 in every phase that would fail a weighted source.
-
-    They do not fail the run (this mixture never draws from them), but a mixture that gives
-    one of them weight later would train on what was packed: the warning says so.
-    """
-    out = []
-    limit = config.max_rejected_fraction
-    for name in config.source_names:
-        led = manifest.sources[name].ledger
-        rejected = sum(led.rejected.values())
-        if _weighted_steps(config, name) or not led.read or rejected / led.read <= limit:
-            continue
-        out.append(
-            f"source {name!r} (weight 0 in every phase) rejected {rejected / led.read:.0%} of its documents, over "
-            f"max_rejected_fraction {limit:g}" + _loss_reasons(name, led, examples, output)
-            + "; fix its input before a mixture gives it weight"
-        )
-    return out
+            problems.append(f"source {name!r} " + " and ".join(why) + _loss_reasons(name, led, examples, output))
+    return problems, warnings
 
 
 def _loss_message(problems: list[str], limit: float) -> str:
@@ -812,9 +793,9 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, 
         )
     report_path = None
     examples = rejected_examples(stats)
-    losses = loss_problems(config, manifest, examples, output)
-    if losses:
-        message = _loss_message(losses, config.max_rejected_fraction)
+    lost, warnings = losses(config, manifest, examples, output)
+    if lost:
+        message = _loss_message(lost, config.max_rejected_fraction)
         if not args.no_report:
             report_path = _write_report(manifest, config, stats, output, quiet, failure=message)
         fsutil.delete(stats_path)
@@ -824,7 +805,7 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, 
     fsutil.delete(stats_path)
     timings["manifest"] = time.time() - t2
     _say(quiet, f"pack: manifest written in {progress.duration(timings['manifest'])}: {manifest_path}")
-    for warning in loss_warnings(config, manifest, examples, output):
+    for warning in warnings:
         _say(False, "warning: " + warning)
     if not args.no_report:
         t3 = time.time()
