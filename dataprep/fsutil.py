@@ -12,6 +12,16 @@ from apache_beam.io.filesystems import FileSystems
 _CHUNK = 1 << 20
 
 
+def is_local(path: str) -> bool:
+    """True when Beam's local file system serves ``path`` (False for ``gs://`` and unknown schemes)."""
+    from apache_beam.io.localfilesystem import LocalFileSystem
+
+    try:
+        return isinstance(FileSystems.get_filesystem(path), LocalFileSystem)
+    except ValueError:
+        return False
+
+
 def open_raw(path: str) -> BinaryIO:
     """Opens ``path`` for reading bytes as stored (no decompression by extension)."""
     return FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
@@ -43,7 +53,7 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
     once it is complete, so there it is :func:`write_bytes`. For commit markers such as
     ``manifest.json``: a run killed while writing one must not leave a truncated one.
     """
-    if not _is_local(path):
+    if not is_local(path):
         write_bytes(path, data)
         return
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -114,24 +124,12 @@ def is_not_a_file(path: str) -> bool:
     (a name ending in ``/``)."""
     if path.endswith("/"):
         return True
-    from apache_beam.io.localfilesystem import LocalFileSystem
-
-    try:
-        local = isinstance(FileSystems.get_filesystem(path), LocalFileSystem)
-    except ValueError:
-        return False
-    return local and os.path.exists(path) and not os.path.isfile(path)
+    return is_local(path) and os.path.exists(path) and not os.path.isfile(path)
 
 
 def real_path(path: str) -> str:
     """The canonical name of a local file (symbolic links resolved); other paths unchanged."""
-    from apache_beam.io.localfilesystem import LocalFileSystem
-
-    try:
-        local = isinstance(FileSystems.get_filesystem(path), LocalFileSystem)
-    except ValueError:
-        return path
-    return os.path.realpath(path) if local else path
+    return os.path.realpath(path) if is_local(path) else path
 
 
 def has_glob(pattern: str) -> bool:
@@ -167,15 +165,6 @@ class ListingError(ValueError):
     """Listing a local input pattern would leave files out silently; the message names the path."""
 
 
-def _is_local(path: str) -> bool:
-    from apache_beam.io.localfilesystem import LocalFileSystem
-
-    try:
-        return isinstance(FileSystems.get_filesystem(path), LocalFileSystem)
-    except ValueError:
-        return False
-
-
 def list_inputs(pattern: str) -> list[tuple[str, int]]:
     """Returns the sorted ``(path, size in bytes)`` of the input files ``pattern`` matches.
 
@@ -194,7 +183,7 @@ def list_inputs(pattern: str) -> list[tuple[str, int]]:
       ListingError: as above.
       ValueError: no installed Beam file system serves the pattern's scheme.
     """
-    if not _is_local(pattern):
+    if not is_local(pattern):
         return match_sizes(pattern)
     import re
 

@@ -162,7 +162,7 @@ def check_writable_folder(folder: str, what: str) -> None:
       ConfigError: the folder (or one above it) is a file, or the file system refuses to
         create it or write in it (read-only, permission denied, no space left).
     """
-    if not fsutil._is_local(folder):
+    if not fsutil.is_local(folder):
         return
     try:
         os.makedirs(folder, exist_ok=True)
@@ -188,7 +188,7 @@ def lock_output(output: str) -> Optional[int]:
     Raises:
       OutputBusyError: another process holds the lock.
     """
-    if not fsutil._is_local(output):
+    if not fsutil.is_local(output):
         return None
     import errno
     import fcntl
@@ -562,7 +562,7 @@ def remove_stale_spills(output: str, base: Optional[str]) -> None:
     if base is not None and base != tmp:
         targets.append((base, f"{SPILL_PREFIX}{_output_key(output)}-"))
     for folder, prefix in targets:
-        if fsutil._is_local(folder):
+        if fsutil.is_local(folder):
             import glob
 
             for path in sorted(glob.glob(os.path.join(glob.escape(folder), glob.escape(prefix) + "*"))):
@@ -570,7 +570,7 @@ def remove_stale_spills(output: str, base: Optional[str]) -> None:
         else:  # object stores have no folders: the files are the folder
             for path in fsutil.match(fsutil.join(folder, prefix + "*", "*" + staging.SPILL_SUFFIX)):
                 fsutil.delete(path)
-    if fsutil._is_local(tmp):
+    if fsutil.is_local(tmp):
         try:
             os.rmdir(tmp)  # the folder may hold other files: then it stays
         except OSError:
@@ -602,8 +602,8 @@ def spill_base(mode: str, options: PipelineOptions, output: str) -> Optional[str
 
     base = options.view_as(GoogleCloudOptions).temp_location
     if not base:
-        base = fsutil.join(output, TMP_DIR) if fsutil._is_local(output) else tempfile.gettempdir()
-    if not local and fsutil._is_local(base):
+        base = fsutil.join(output, TMP_DIR) if fsutil.is_local(output) else tempfile.gettempdir()
+    if not local and fsutil.is_local(base):
         raise ConfigError(
             f"--spill on: the spill folder {base} is on this machine's disk, which the workers of a "
             "distributed runner do not share; set --temp_location to storage they all read (gs://...), "
@@ -839,7 +839,7 @@ def disk_space_warnings(pre: preflight.Preflight, output: str, base: Optional[st
     tokens = sum(plan.estimated_tokens for plan in pre.shards.values())
     needs: dict[int, list] = {}
     for folder, need in ((output, tokens * SHARD_BYTES_PER_TOKEN), (base, tokens * itemsize if base else 0)):
-        if not folder or not need or not fsutil._is_local(folder):
+        if not folder or not need or not fsutil.is_local(folder):
             continue
         while not os.path.isdir(folder) and os.path.dirname(folder) != folder:  # <output>/_tmp: not made yet
             folder = os.path.dirname(folder)
