@@ -84,8 +84,11 @@ def write_tiny_run(
     phases: Sequence[tuple[int, Mapping[str, float]]] = ((10, {"a": 0.2, "b": 0.8}),),
     mesh: Optional[Mapping[str, int]] = None,
     model: Optional[Mapping[str, Any]] = None,
+    extra: Optional[Mapping[str, Any]] = None,
 ) -> str:
     """Writes a synthetic packed dataset (``loader.testing``), its mixture YAML and a run config.
+
+    ``extra``: further run config fields (e.g. ``{"canary_every": 5}``), written as given.
 
     Returns:
       the run config path ``<folder>/run.yaml`` (dataset in ``<folder>/dataset``).
@@ -111,6 +114,7 @@ def write_tiny_run(
         "skip_windows": [list(w) for w in skip_windows],
         "loader": {"workers": workers, "prefetch": 2},
         "canary": {"step": 0, "seed": 1234},
+        **dict(extra or {}),
     }
     path = os.path.join(folder, "run.yaml")
     with open(path, "w", encoding="utf-8") as f:
