@@ -46,7 +46,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 DRILL_MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "head_dim": 8, "n_experts": 4, "top_k": 2, "d_ff": 32,
-               "capacity_factor": 2.0, "aux_loss_weight": 0.05, "router_bias_rate": 0.002}
+               "capacity_factor": 2.0, "aux_loss_weight": 0.1, "router_bias_rate": 0.02}
 STEPS = 120
 
 
@@ -61,6 +61,7 @@ def make_config(folder: str, canary_every: int = 10):
                           phases=(), model=DRILL_MODEL)
     raw = yaml.safe_load(open(path))
     raw["canary_every"] = canary_every
+    raw["router_health"] = {"window_steps": 10}  # as the demo: expert shares over 10-step windows
     with open(path, "w") as f:
         yaml.safe_dump(raw, f, sort_keys=False)
     return runm.load_run_config(path)

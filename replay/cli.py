@@ -43,6 +43,7 @@ verdicts and exit codes:
   6  environment drift: the environment differs from the run's env.json and a bit-exact claim
      was asked for (pass --allow-env-drift, or --tolerance for a weaker comparison)
   7  drill not caught (replay or canary failed to name the injected device and step)
+  8  suspects found ('replay scan': the logs name suspect devices, router layers, the loader or the run)
   1  internal error (a bug; traceback printed)
 """
 

@@ -18,6 +18,17 @@ checkpoint written after the faulty step, counts the parameters the flipped bit 
 
 The fault is a traced input of the trainer's compiled step, so drills never recompile; the
 session caches restored checkpoints, so many drills cost a few steps each.
+
+Screening drills (``replay drill --scenario drift|flip|canary``, :func:`run_scenario`) check layers
+1 and 2 of the screening instead: the run is retrained from a checkpoint with a fault, written as
+a run directory, and ``replay scan`` of that directory alone must name the faulty device, and only
+it, from the fault's first step::
+
+    drift    DriftSpec(device, start, magnitude): the device's local gradient scaled by 1 + magnitude
+             (or offset by magnitude * rms) at every step from start: too small to spike the loss
+    flip     FaultSpec at `start` and at random later steps: bit 30 (the exponent's top bit) of one
+             element of the device's local gradient: intermittent
+    canary   the device's canary gradient has a bit flipped at every periodic canary from `start`
 """
 
 from __future__ import annotations
@@ -389,8 +400,12 @@ def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Rando
         f.write(json.dumps({"event": "drill", "step": start, "scenario": scenario, "device": device,
                             "faults": as_dicts}, sort_keys=True) + "\n")
     mesh = session.mesh(session.home_assignment())
-    ref_run.train(out_dir, cfg, end, trainer=trainer, mesh=mesh, log=log or (lambda s: None), faults=faults,
-                  canary_fault=canary_fault)
+    import warnings
+
+    with warnings.catch_warnings():  # the drill's own canary mismatches are its point, not news
+        warnings.simplefilter("ignore", ref_run.CanaryMismatchWarning)
+        ref_run.train(out_dir, cfg, end, trainer=trainer, mesh=mesh, log=log or (lambda s: None), faults=faults,
+                      canary_fault=canary_fault)
     scan = scan_run(load_run(out_dir)).to_dict()
     return ScenarioReport(scenario=scenario, device=device, first_step=first_step, faults=as_dicts,
                           run_dir=out_dir, scan=scan, named=top_device_suspect(scan),

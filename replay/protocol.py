@@ -12,8 +12,35 @@ The run directory a training run leaves (DESIGN.md, "The run directory")::
       env.json              # environment record (see replay.reference / env module)
       events.jsonl          # one JSON object a line: {"event": ..., "step": ..., ...}
       fingerprints.jsonl    # one StepFingerprints.to_json() a line, appended every step
+      signals.jsonl         # one StepSignals.to_json() a line, appended every step (screening)
+      canary.jsonl          # one CanaryRecord a line per device, every canary_every steps (optional)
       checkpoints/<step>/   # Orbax checkpoints: params, optimizer state, loader state
       quarantine.txt        # optional: device ids (one a line, '#' comments) held suspect
+      suspects.json         # written by `replay scan`: its report, with "suspect_devices"
+      canary/golden.json    # golden canary values per environment (replay canary, periodic canary)
+
+Every ``*.jsonl`` file is append-only, one JSON object a line, flushed line by line
+(:func:`append_line`): a process killed mid-write leaves at most a torn last line, which every
+reader skips. On a restart from checkpoint ``c`` the trainer drops the lines of steps ``>= c`` from
+the step logs before appending again, so each holds the uninterrupted history. Events a trainer
+writes: ``start``, ``restore``, ``checkpoint`` (only once the checkpoint has *committed*: with an
+asynchronous save, after the commit, never at the call to save), ``checkpoint_failed``,
+``phase_change``, ``skipped_window``, ``canary_mismatch`` (``devices``, ``verdict``), ``stopped``,
+``end``.
+
+Screening signals, for a user's own trainer (what ``replay scan`` reads; each optional, and a
+check whose signal is missing says "not available"): inside the step, before the data-parallel
+reduction, each device computes the float32 sum of squares of its local gradient contribution
+(one fused reduction per leaf, ``jnp.sum(jnp.square(g.astype(jnp.float32)))``) and, per leaf, the
+count of non-finite elements; after the reduction, optionally, ``<g_local, g_reduced>``. Then::
+
+    signals = StepSignals(step=s, loss=..., grad_norm=...,
+                          replicas=tuple(ReplicaNorm(r, devices_of_r, norm_sq_r, dot_r) for r ...),
+                          devices={d: {"norm_sq": ..., "nonfinite": {leaf: n}} for d ...},
+                          router=tuple(RouterLayerStats(...) for each MoE layer),
+                          step_time_s=..., loader_wait_s=data.metrics()["wait_s_last_step"],
+                          loader_occupancy=data.metrics()["prefetch_occupancy"])
+    append_line(os.path.join(run_dir, SIGNALS_NAME), signals.to_json())
 
 Glossary: *step* is the global training step (the batch of step ``s`` holds global rows
 ``[s*B, (s+1)*B)``); *device id* is ``jax.Device.id``; *leaf path* is
@@ -360,7 +387,9 @@ class Trainer(Protocol):
         """Runs one optimizer step on ``batch`` (the loader's global arrays).
 
         ``fault``, when given and ``fault.step == step``, flips the bit it names before the
-        data-parallel reduction (a drill). Returns the new state and the step's fingerprints.
+        data-parallel reduction (a drill); a trainer may also accept a :class:`DriftSpec` or a
+        list of faults (screening drills). Returns the new state and the step's fingerprints,
+        whose ``signals`` carry the step's :class:`StepSignals` when the trainer computes them.
         """
 
 

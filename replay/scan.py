@@ -285,9 +285,7 @@ def _replicas(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig):
             f"replica {rid_of[r]}'s gradient norm was an outlier against the other replicas at {len(st)} step(s) "
             f"{st[:5]}{' ...' if len(st) > 5 else ''} ({worst}; threshold {cfg.spike_z:g})")))
     for a in res.drifts:
-        onset, alarm = steps[a.onset], steps[a.alarm]
-        if alarm < start:
-            continue
+        onset, alarm = steps[a.onset], steps[a.alarm]  # a drift lasts to the last step: it reaches the range
         kind = "device" if len(devs[rid_of[a.replica]]) == 1 else "replica"
         rel = math.expm1(a.shift_log)
         found.append(((kind, devs[rid_of[a.replica]]), sc_evidence(
@@ -328,14 +326,17 @@ def _router(signals, steps, start, health: sc.RouterHealth):
         for i, L in enumerate(signals[s].router):
             series["dropped"][t, i] = L.dropped_fraction
             series["share_ratio"][t, i] = share_ratio(L.expert_share)
+    W = int(health.window_steps)
     for i in range(layers):
         bad = []
         worst_drop, worst_ratio = 0.0, 1.0
-        for s in judged:
-            if i >= len(signals[s].router):
+        for t, s in enumerate(steps):
+            if s < health.warmup_steps or i >= len(signals[s].router):
                 continue
             L = signals[s].router[i]
-            ratio = share_ratio(L.expert_share)
+            window = [signals[u].router[i].expert_share for u in steps[max(0, t - W + 1):t + 1]
+                      if i < len(signals[u].router)]
+            ratio = share_ratio(np.mean(np.asarray(window, np.float64), axis=0)) if W > 1 else share_ratio(L.expert_share)
             worst_drop, worst_ratio = max(worst_drop, L.dropped_fraction), max(worst_ratio, ratio)
             if L.dropped_fraction > health.max_dropped_fraction or ratio > health.max_share_ratio:
                 bad.append(s)
@@ -351,7 +352,7 @@ def _router(signals, steps, start, health: sc.RouterHealth):
     detail = "; ".join(f"layer {i}: max dropped {d:.4f}, worst share {r:.2f}x uniform"
                        for i, (d, r) in sorted(worst_all.items()))
     detail += f" (after {health.warmup_steps} warm-up steps; limits {health.max_dropped_fraction:g} and " \
-              f"{health.max_share_ratio:g}x)"
+              f"{health.max_share_ratio:g}x" + (f", shares over {W}-step windows" if W > 1 else "") + ")"
     return {"status": "found" if out else "clear", "detail": detail}, out, series
 
 

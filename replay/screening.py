@@ -82,11 +82,16 @@ class RouterHealth:
       max_share_ratio: every expert's share of a layer's assignments must lie within
         ``[1 / (ratio * E), ratio / E]`` after warm-up, i.e. within ``ratio`` times uniform; >= 1.
       warmup_steps: steps before the thresholds apply (a fresh router is not yet balanced), >= 0.
+      window_steps: the expert shares judged at a step are the mean of the last ``window_steps``
+        steps' shares (1: that step's alone). A small global batch makes one step's shares follow
+        its rows' mix of sources; a window of steps judges the router rather than the batch.
+        The dropped fraction is judged step by step. >= 1.
     """
 
     max_dropped_fraction: float = 0.01
     max_share_ratio: float = 3.0
     warmup_steps: int = 10
+    window_steps: int = 1
 
     def __post_init__(self):
         s = "router_health"
@@ -94,6 +99,8 @@ class RouterHealth:
         _check(self.max_share_ratio >= 1, s, "max_share_ratio", self.max_share_ratio, ">= 1")
         _check(float(self.warmup_steps).is_integer() and self.warmup_steps >= 0, s, "warmup_steps",
                self.warmup_steps, "an int >= 0")
+        _check(float(self.window_steps).is_integer() and self.window_steps >= 1, s, "window_steps",
+               self.window_steps, "an int >= 1")
 
     @classmethod
     def from_dict(cls, d: Optional[Mapping[str, Any]]) -> "RouterHealth":

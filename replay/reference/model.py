@@ -82,10 +82,14 @@ class ModelConfig:
       z_loss_weight: weight of the router z-loss, >= 0.
       router_bias_rate: loss-free load balancing (DeepSeek-V3, Liu et al. 2024, sec. 2.1.2; Wang
         et al. 2024, "Auxiliary-loss-free load balancing"): per layer a per-expert bias ``b`` is
-        added to the router probabilities for the top-R *choice* only (gates stay the unbiased
-        probabilities), and after every step ``b_e += rate * (mean_e' n_e' - n_e) / mean_e' n_e'``
+        added to the router logits for the top-R *choice* only (gates stay the unbiased
+        probabilities; DeepSeek-V3 adds it to sigmoid affinities, the logits are a softmax
+        router's additive scale), and after every step ``b_e += rate * (mean_e' n_e' - n_e) / mean_e' n_e'``
         with ``n_e`` the step's assignments to expert ``e`` (:func:`router_bias_update`). >= 0; 0
         turns it off (the bias stays 0).
+      router_init_scale: the router weights' init is ``normal(0, router_init_scale / sqrt(D))``,
+        > 0 (router logits of about that standard deviation at init: how distinct the tokens'
+        choices are before the router has learned anything).
       param_dtype: ``"float32"`` or ``"bfloat16"`` (parameters, activations and gradients;
         router, softmax, norms and loss are float32 either way).
       rope_theta: rotary base, > 0.
@@ -104,6 +108,7 @@ class ModelConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 1e-3
     router_bias_rate: float = 0.0
+    router_init_scale: float = 1.0
     param_dtype: str = "float32"
     rope_theta: float = 10000.0
     init_std: float = 0.02
@@ -125,6 +130,7 @@ class ModelConfig:
         need(self.aux_loss_weight >= 0, "aux_loss_weight", ">= 0")
         need(self.z_loss_weight >= 0, "z_loss_weight", ">= 0")
         need(self.router_bias_rate >= 0, "router_bias_rate", ">= 0")
+        need(self.router_init_scale > 0, "router_init_scale", "> 0")
         need(self.param_dtype in ("float32", "bfloat16"), "param_dtype", "'float32' or 'bfloat16'")
         need(self.rope_theta > 0, "rope_theta", "> 0")
         need(self.init_std > 0, "init_std", "> 0")
@@ -177,7 +183,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict[str, Any]:
                 "wv": normal((D, H, K), D),
                 "wo": normal((H, K, D), H * K),
                 "moe_norm": jnp.ones((D,), dt),
-                "router": normal((D, E), D),
+                "router": normal((D, E), D) * jnp.asarray(cfg.router_init_scale, dt),
                 "w_in": normal((E, D, F), D),
                 "w_out": normal((E, F, D), F),
             }
@@ -233,7 +239,7 @@ def _moe(p, x, valid, cfg: ModelConfig, bias=None):
     Args:
       p: the layer's ``router`` [D, E], ``w_in`` [E, D, F], ``w_out`` [E, F, D].
       x: [B, S, D]; valid: bool [B, S] (routed tokens).
-      bias: float32 [E] added to the router probabilities for the top-R choice only (loss-free
+      bias: float32 [E] added to the router logits for the top-R choice only (loss-free
         balancing, ``ModelConfig.router_bias_rate``), or None.
 
     Returns:
@@ -249,8 +255,8 @@ def _moe(p, x, valid, cfg: ModelConfig, bias=None):
     probs = jax.nn.softmax(logits, axis=-1)  # [B, S, E] float32
     if bias is None:
         gate, idx = jax.lax.top_k(probs, R)  # [B, S, R]
-    else:  # the bias decides which experts, never how much (DeepSeek-V3 eq. 16)
-        _, idx = jax.lax.top_k(probs + bias.astype(jnp.float32), R)
+    else:  # the bias decides which experts, never how much (DeepSeek-V3 eq. 16), in logit units
+        _, idx = jax.lax.top_k(logits + bias.astype(jnp.float32), R)
         gate = jnp.take_along_axis(probs, idx, axis=-1)
     gate = gate / jnp.sum(gate, axis=-1, keepdims=True)
     assign = jax.nn.one_hot(idx, E, dtype=jnp.int32) * valid[:, :, None, None].astype(jnp.int32)  # [B,S,R,E]
