@@ -325,7 +325,13 @@ def plot_scan(scan: Any, path: str) -> None:
                            (axes[3], "share_ratio", "worst expert share vs uniform (x)")):
         if rout:
             for i in range(rout[key].shape[1]):
-                ax.plot(rout["steps"], rout[key][:, i], label=f"layer {i}")
+                line, = ax.plot(rout["steps"], rout[key][:, i], linewidth=0.8,
+                                label=f"layer {i}" + (" (each step)" if key == "share_ratio" else ""))
+                if key == "share_ratio" and rout.get("window", 1) > 1:
+                    ax.plot(rout["steps"], rout["share_ratio_window"][:, i], color=line.get_color(), linewidth=2.2,
+                            label=f"layer {i} (over {rout['window']} steps: judged)")
+            if key == "share_ratio":
+                ax.set_yscale("log")
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "router figures not available", ha="center", transform=ax.transAxes)

@@ -320,7 +320,8 @@ def _router(signals, steps, start, health: sc.RouterHealth):
     judged = [s for s in steps if s >= health.warmup_steps]
     out = []
     series = {"steps": steps, "dropped": np.full((len(steps), layers), np.nan),
-              "share_ratio": np.full((len(steps), layers), np.nan)}
+              "share_ratio": np.full((len(steps), layers), np.nan),
+              "share_ratio_window": np.full((len(steps), layers), np.nan), "window": int(health.window_steps)}
     worst_all = {}
     for t, s in enumerate(steps):
         for i, L in enumerate(signals[s].router):
@@ -337,6 +338,7 @@ def _router(signals, steps, start, health: sc.RouterHealth):
             window = [signals[u].router[i].expert_share for u in steps[max(0, t - W + 1):t + 1]
                       if i < len(signals[u].router)]
             ratio = share_ratio(np.mean(np.asarray(window, np.float64), axis=0)) if W > 1 else share_ratio(L.expert_share)
+            series["share_ratio_window"][t, i] = ratio
             worst_drop, worst_ratio = max(worst_drop, L.dropped_fraction), max(worst_ratio, ratio)
             if L.dropped_fraction > health.max_dropped_fraction or ratio > health.max_share_ratio:
                 bad.append(s)

@@ -325,3 +325,30 @@ def test_checkpoint_event_only_after_the_async_save_commits(tiny, tmp_path):
     assert [e["step"] for e in events if e["event"] == "restore"] == [0]
     assert [e["step"] for e in events if e["event"] == "checkpoint"] == [0, 4, 8]
     assert all(ckpt.is_committed(str(run_dir / "checkpoints"), s) for s in (0, 4, 8))
+
+
+def test_every_run_config_field_is_documented_and_the_demo_config_comments_each():
+    """docs/trainer.md's "Run config" table names every field; configs/runs/demo.yaml comments each line."""
+    import dataclasses
+
+    from replay.reference.model import ModelConfig
+    from replay.reference.trainer import OptimizerConfig
+    from replay.screening import RouterHealth
+
+    doc = (REPO / "docs" / "trainer.md").read_text()
+    table = doc[doc.index("## Run config"):doc.index("## Determinism")]
+    fields = set(runm._KEYS) - {"loader", "model", "optimizer", "canary", "router_health", "screening"}
+    fields.add("screening.*")
+    fields |= {f"model.{f.name}" for f in dataclasses.fields(ModelConfig)}
+    fields |= {f"optimizer.{f.name}" for f in dataclasses.fields(OptimizerConfig)}
+    fields |= {f"router_health.{f.name}" for f in dataclasses.fields(RouterHealth)}
+    fields |= {"loader.workers", "loader.prefetch", "canary.step", "canary.seed", "canary.rows"}
+    missing = []
+    for f in sorted(fields):
+        head, _, leaf = f.rpartition(".")
+        if f"`{f}`" not in table and not (head and f"`{leaf}`" in table and f"`{head}." in table):
+            missing.append(f)
+    assert missing == [], missing
+    for n, line in enumerate(DEMO_CONFIG.read_text().splitlines(), 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            assert "#" in line, f"configs/runs/demo.yaml:{n} has no comment: {line!r}"
