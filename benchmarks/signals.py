@@ -8,8 +8,8 @@ Three variants of the reference train step, compiled in one process and interlea
 signals), ``fingerprints`` (``signals=False``) and ``all`` (the default trainer: fingerprints and
 the screening signals: per-device norms before the reduction, their dots with the reduced gradient,
 non-finite counts, per-layer router figures). Then the periodic canary
-(``ReferenceTrainer.canary_fingerprints``: forward and backward of ``--canary-rows`` rows on every
-device at once), timed the same way.
+(``ReferenceTrainer.canary_fingerprints``: forward and backward of ``--canary-rows`` rows of
+``--canary-seq-len`` slots on every device at once, as the demo's config), timed the same way.
 
 Prints ONE JSON object: ``overhead_signals`` = median over back-to-back pairs of
 (all / fingerprints) - 1; ``overhead_total`` = median of (all / plain) - 1 (the goal of issue 10:
@@ -41,22 +41,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--canary-rows", type=int, default=1)
+    ap.add_argument("--canary-seq-len", type=int, default=256, help="slots of each canary row (the demo's canary.seq_len)")
     ap.add_argument("--canary-every", type=int, default=10, help="the demo's canary period (configs/runs/demo.yaml)")
     args = ap.parse_args(argv)
 
     import jax
 
-    from replay.reference.model import ModelConfig
-    from replay.reference.testing import random_batch
+    from replay.reference.testing import benchmark_model_config, random_batch
     from replay.reference.trainer import OptimizerConfig, ReferenceTrainer, make_mesh
 
     seq_len = args.seq_len or (256 if args.quick else 1024)
     steps = args.steps or (12 if args.quick else 20)
-    # The fingerprint benchmark's model (the demo's sizes, vocabulary 8000).
-    model = ModelConfig(vocab_size=8000, d_model=128, n_layers=2, n_heads=4, head_dim=32, n_experts=8, top_k=2,
-                        d_ff=256, capacity_factor=1.25)
-    n_dev = jax.device_count()
-    mesh = make_mesh({"data": -1, "expert": 2 if n_dev % 2 == 0 else 1})
+    model = benchmark_model_config()  # the fingerprint benchmark's model
+    mesh = make_mesh({"data": -1, "expert": 2 if jax.device_count() % 2 == 0 else 1})
     variants = {
         "all": ReferenceTrainer(model, OptimizerConfig()),
         "fingerprints": ReferenceTrainer(model, OptimizerConfig(), signals=False),
@@ -67,8 +64,8 @@ def main(argv=None) -> dict:
     batches = [random_batch(i, args.global_batch, seq_len, model.vocab_size) for i in range(4)]
     batches = [{k: jax.device_put(v, trainer.batch_sharding(mesh)) for k, v in b.items()} for b in batches]
     canary_params = trainer.init_params(mesh, 1234)
-    canary_batch = {k: v[: args.canary_rows] for k, v in random_batch(99, args.global_batch, seq_len,
-                                                                      model.vocab_size).items()}
+    canary_batch = {k: v[: args.canary_rows, : args.canary_seq_len]
+                    for k, v in random_batch(99, args.global_batch, seq_len, model.vocab_size).items()}
 
     def timed(name, step):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -113,6 +110,7 @@ def main(argv=None) -> dict:
         "canary_s": round(med["canary"], 5),
         "canary_cpu_s": round(med_cpu["canary"], 5),
         "canary_rows": args.canary_rows,
+        "canary_seq_len": min(args.canary_seq_len, seq_len),
         "canary_every": args.canary_every,
         "reference": "the same train step compiled without fingerprints or signals, same process, interleaved",
         "timed_steps_each": steps,

@@ -185,12 +185,12 @@ def _canary(canary: Optional[list[proto.CanaryRecord]], start: int, stop: int):
         if max(steps) < start:
             continue
         total = len({c.step for c in recs if c.device == dev})
-        found.append((("device", (dev,)), sc_evidence("canary", min(steps), max(steps), float(len(steps)),
+        found.append((("device", (dev,)), _evidence("canary", min(steps), max(steps), float(len(steps)),
                       f"canary differs from the others' bits at {len(steps)} of {total} canaries "
                       f"(first before step {min(steps)})")))
     run_level = []
     if ambiguous and max(ambiguous) >= start:
-        run_level.append((("run", ()), sc_evidence("canary", min(ambiguous), max(ambiguous), float(len(ambiguous)),
+        run_level.append((("run", ()), _evidence("canary", min(ambiguous), max(ambiguous), float(len(ambiguous)),
                          "no majority among the devices' canary results (an environment change, or several "
                          "devices wrong)")))
     n = len({c.step for c in recs})
@@ -198,7 +198,7 @@ def _canary(canary: Optional[list[proto.CanaryRecord]], start: int, stop: int):
     return {"status": status, "detail": f"{n} canaries on {len({c.device for c in recs})} devices"}, found, run_level
 
 
-def sc_evidence(check, first, last, strength, detail) -> Evidence:
+def _evidence(check, first, last, strength, detail) -> Evidence:
     return Evidence(check=check, first_step=int(first), last_step=int(last), strength=float(strength), detail=detail)
 
 
@@ -224,25 +224,23 @@ def _nonfinite(run: RunLog, signals, steps: list[int], start: int):
         if max(e["steps"]) < start:
             continue
         leaves = sorted(e["leaves"])
-        found.append((("device", (d,)), sc_evidence(
+        found.append((("device", (d,)), _evidence(
             "nonfinite", min(e["steps"]), max(e["steps"]), 1.0 + math.log10(max(e["count"], 1)),
             f"{e['count']} NaN/Inf gradient element(s) in its local contribution at {len(e['steps'])} step(s), "
             f"leaves {leaves[:3]}{' ...' if len(leaves) > 3 else ''}, while the other devices had none")))
     if all_dev_steps and max(all_dev_steps) >= start:
-        run_level.append((("run", ()), sc_evidence("nonfinite", min(all_dev_steps), max(all_dev_steps),
+        run_level.append((("run", ()), _evidence("nonfinite", min(all_dev_steps), max(all_dev_steps),
                                                    float(len(all_dev_steps)),
                                                    "every device's local gradient had NaN/Inf: a numerical "
                                                    "divergence of the run, not one device")))
     if signals is None:
         if reduced and max(reduced) >= start:
-            run_level.append((("run", ()), sc_evidence("nonfinite", min(reduced), max(reduced), float(len(reduced)),
-                                                       "the reduced gradient had NaN/Inf (per-device counts not "
-                                                       "available: no signals.jsonl)")))
-        status = {"status": "found" if run_level else "not available",
-                  "detail": "per-device counts need signals.jsonl; reduced-gradient counts from fingerprints.jsonl"}
-        if not run_level:
-            return status, found, run_level
-        return status, found, run_level
+            run_level.append((("run", ()), _evidence("nonfinite", min(reduced), max(reduced), float(len(reduced)),
+                                                     "the reduced gradient had NaN/Inf (per-device counts not "
+                                                     "available: no signals.jsonl)")))
+        return ({"status": "found" if run_level else "not available",
+                 "detail": "per-device counts need signals.jsonl; reduced-gradient counts from fingerprints.jsonl"},
+                found, run_level)
     return ({"status": "found" if found or run_level else "clear",
              "detail": f"per leaf and device over {len(steps)} steps; reduced gradient non-finite at "
                        f"{len(reduced)} step(s)"}, found, run_level)
@@ -280,7 +278,7 @@ def _replicas(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig):
         zmax = max(abs(sp.z) for sp in sps)
         kind = "device" if len(devs[rid_of[r]]) == 1 else "replica"
         worst = "non-finite norm" if math.isinf(zmax) else f"|z| up to {zmax:.1f}"
-        found.append(((kind, devs[rid_of[r]]), sc_evidence(
+        found.append(((kind, devs[rid_of[r]]), _evidence(
             "norm_spike", min(st), max(st), zmax / cfg.spike_z,
             f"replica {rid_of[r]}'s gradient norm was an outlier against the other replicas at {len(st)} step(s) "
             f"{st[:5]}{' ...' if len(st) > 5 else ''} ({worst}; threshold {cfg.spike_z:g})")))
@@ -288,7 +286,7 @@ def _replicas(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig):
         onset, alarm = steps[a.onset], steps[a.alarm]  # a drift lasts to the last step: it reaches the range
         kind = "device" if len(devs[rid_of[a.replica]]) == 1 else "replica"
         rel = math.expm1(a.shift_log)
-        found.append(((kind, devs[rid_of[a.replica]]), sc_evidence(
+        found.append(((kind, devs[rid_of[a.replica]]), _evidence(
             "norm_drift", onset, steps[-1], a.strength,
             f"replica {rid_of[a.replica]}'s gradient norm {'rose' if a.direction > 0 else 'fell'} against the "
             f"other replicas from step {onset} (alarm at step {alarm}; shift {a.shift:+.1f} sigma, about "
@@ -346,7 +344,7 @@ def _router(signals, steps, start, health: sc.RouterHealth):
         if bad and max(bad) >= start:
             strength = max(worst_drop / health.max_dropped_fraction if health.max_dropped_fraction else math.inf,
                            worst_ratio / health.max_share_ratio)
-            out.append((("layer", ()), i, sc_evidence(
+            out.append((("layer", ()), i, _evidence(
                 "router", min(bad), max(bad), strength,
                 f"layer {i}: {len(bad)} of {len(judged)} steps after warm-up out of bounds (worst dropped "
                 f"{worst_drop:.3f} vs {health.max_dropped_fraction:g}; worst expert share {worst_ratio:.2f}x "
@@ -375,7 +373,7 @@ def _loss(run: RunLog, steps, start, cfg: sc.ScreeningConfig, explaining: Mappin
             found.append(rec)
     out = []
     if found:
-        out.append((("run", ()), sc_evidence(
+        out.append((("run", ()), _evidence(
             "loss_spike", found[0]["step"], found[-1]["step"], max(f["z"] for f in found) / cfg.loss_spike_z,
             f"loss spike(s) at step(s) {[f['step'] for f in found][:6]} (robust derivative above "
             f"{cfg.loss_spike_z:g} sigma and {cfg.loss_min_rise:.0%} above its rolling median)")))
@@ -397,7 +395,7 @@ def _loader(signals, steps, start, cfg: sc.ScreeningConfig, restarts: set[int]):
     step_total = float(np.nansum([x for x, s in zip(st, steps) if s >= start]))
     budget = cfg.stall_budget * step_total
     if stall_steps and total > budget:
-        out.append((("loader", ()), sc_evidence(
+        out.append((("loader", ()), _evidence(
             "loader_stall", stall_steps[0], stall_steps[-1], total / max(cfg.stall_min_s, 1e-9),
             f"the step waited for data at {len(stall_steps)} step(s) {stall_steps[:6]} ({total:.2f} s in all, "
             f"over {cfg.stall_budget:.0%} of the steps' {step_total:.1f} s; median step "

@@ -342,7 +342,7 @@ def test_every_run_config_field_is_documented_and_the_demo_config_comments_each(
     fields |= {f"model.{f.name}" for f in dataclasses.fields(ModelConfig)}
     fields |= {f"optimizer.{f.name}" for f in dataclasses.fields(OptimizerConfig)}
     fields |= {f"router_health.{f.name}" for f in dataclasses.fields(RouterHealth)}
-    fields |= {"loader.workers", "loader.prefetch", "canary.step", "canary.seed", "canary.rows"}
+    fields |= {"loader.workers", "loader.prefetch", "canary.step", "canary.seed", "canary.rows", "canary.seq_len"}
     missing = []
     for f in sorted(fields):
         head, _, leaf = f.rpartition(".")

@@ -16,7 +16,8 @@ Run config (YAML; relative paths are resolved against the config file's folder):
     checkpoint_every: 10                   # Orbax checkpoint every K steps (and at 0 and the end)
     skip_windows: [[100, 119]]             # inclusive training-step windows whose data is skipped
     loader: {workers: 0, prefetch: 2}      # Grain worker processes and prefetch depth
-    canary: {step: 0, seed: 1234, rows: 1} # canary batch = the first rows of the batch of this step;
+    canary: {step: 0, seed: 1234, rows: 1, seq_len: null}  # canary batch = the first rows (and slots)
+                                           # of the batch of this step;
                                            # canary weights = fresh init from this seed
     canary_every: 10                       # periodic canary every N steps on every device (0: off)
     canary_action: warn                    # on a canary mismatch: warn (event, warning) or stop
@@ -67,11 +68,14 @@ class RunConfigError(ValueError):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CanaryConfig:
     """Attributes: step (int >= 0: whose batch is the canary batch), seed (int >= 0: canary weights),
-    rows (int >= 1: rows of that batch the periodic canary runs; ``replay canary`` takes ``--rows``)."""
+    rows (int >= 1: rows of that batch the periodic canary runs; ``replay canary`` takes ``--rows``),
+    seq_len (int >= 2 or None: the periodic canary keeps the first ``seq_len`` slots of each row, a
+    valid packed prefix, to cost less; None: whole rows)."""
 
     step: int = 0
     seed: int = 1234
     rows: int = 1
+    seq_len: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -182,9 +186,12 @@ def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConf
     if bad:
         raise RunConfigError(f"loader: unknown keys {bad}; allowed: ['prefetch', 'workers']")
     canary_raw = dict(raw.get("canary", {}) or {})
-    bad = sorted(set(canary_raw) - {"step", "seed", "rows"})
+    bad = sorted(set(canary_raw) - {"step", "seed", "rows", "seq_len"})
     if bad:
-        raise RunConfigError(f"canary: unknown keys {bad}; allowed: ['rows', 'seed', 'step']")
+        raise RunConfigError(f"canary: unknown keys {bad}; allowed: ['rows', 'seed', 'seq_len', 'step']")
+    canary_seq = canary_raw.get("seq_len")
+    if canary_seq is not None:
+        canary_seq = _int(canary_seq, "canary.seq_len", 2)
     action = raw.get("canary_action", "warn")
     if action not in CANARY_ACTIONS:
         raise RunConfigError(f"canary_action: must be one of {list(CANARY_ACTIONS)}, got {action!r}")
@@ -218,7 +225,7 @@ def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConf
         loader_prefetch=_int(loader.get("prefetch", 2), "loader.prefetch", 0),
         canary=CanaryConfig(
             step=_int(canary_raw.get("step", 0), "canary.step", 0), seed=_int(canary_raw.get("seed", 1234), "canary.seed", 0),
-            rows=canary_rows,
+            rows=canary_rows, seq_len=canary_seq,
         ),
         canary_every=_int(raw.get("canary_every", 0), "canary_every", 0),
         canary_action=action,
@@ -442,10 +449,12 @@ class PeriodicCanary:
         from replay import canary as cn
 
         host = canary_batch(cfg, mesh)
-        self.batch = {k: v[: cfg.canary.rows] for k, v in host.items()}
+        self.batch = {k: v[: cfg.canary.rows, : cfg.canary.seq_len] for k, v in host.items()}
         self.trainer, self.rd = trainer, rd
         self.params = trainer.init_params(mesh, cfg.canary.seed)
         shape = "x".join(f"{a}{n}" for a, n in zip(mesh.axis_names, mesh.devices.shape))
+        if cfg.canary.seq_len is not None:
+            shape += f"-seq{self.batch['inputs'].shape[1]}"
         self.spec = cn.CanarySpec(step=cfg.canary.step, rows=cfg.canary.rows, weights=f"init:{cfg.canary.seed}",
                                   batch_sha256=cn.batch_sha256(self.batch), program=f"mesh:{shape}")
         self.env_key = cn.environment_key(self.spec, env)
