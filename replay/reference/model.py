@@ -87,9 +87,6 @@ class ModelConfig:
         router's additive scale), and after every step ``b_e += rate * (mean_e' n_e' - n_e) / mean_e' n_e'``
         with ``n_e`` the step's assignments to expert ``e`` (:func:`router_bias_update`). >= 0; 0
         turns it off (the bias stays 0).
-      router_init_scale: the router weights' init is ``normal(0, router_init_scale / sqrt(D))``,
-        > 0 (router logits of about that standard deviation at init: how distinct the tokens'
-        choices are before the router has learned anything).
       param_dtype: ``"float32"`` or ``"bfloat16"`` (parameters, activations and gradients;
         router, softmax, norms and loss are float32 either way).
       rope_theta: rotary base, > 0.
@@ -108,7 +105,6 @@ class ModelConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 1e-3
     router_bias_rate: float = 0.0
-    router_init_scale: float = 1.0
     param_dtype: str = "float32"
     rope_theta: float = 10000.0
     init_std: float = 0.02
@@ -130,7 +126,6 @@ class ModelConfig:
         need(self.aux_loss_weight >= 0, "aux_loss_weight", ">= 0")
         need(self.z_loss_weight >= 0, "z_loss_weight", ">= 0")
         need(self.router_bias_rate >= 0, "router_bias_rate", ">= 0")
-        need(self.router_init_scale > 0, "router_init_scale", "> 0")
         need(self.param_dtype in ("float32", "bfloat16"), "param_dtype", "'float32' or 'bfloat16'")
         need(self.rope_theta > 0, "rope_theta", "> 0")
         need(self.init_std > 0, "init_std", "> 0")
@@ -183,7 +178,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict[str, Any]:
                 "wv": normal((D, H, K), D),
                 "wo": normal((H, K, D), H * K),
                 "moe_norm": jnp.ones((D,), dt),
-                "router": normal((D, E), D) * jnp.asarray(cfg.router_init_scale, dt),
+                "router": normal((D, E), D),
                 "w_in": normal((E, D, F), D),
                 "w_out": normal((E, F, D), F),
             }

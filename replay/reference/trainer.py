@@ -82,9 +82,6 @@ class OptimizerConfig:
       eps: Adam epsilon, > 0.
       weight_decay: decoupled weight decay, >= 0.
       clip_norm: global-norm gradient clipping threshold, > 0, or ``None`` (off).
-      router_lr_scale: the router weights' updates are multiplied by this, in (0, 1] (a slower
-        router: its logits move for all tokens at once, so a full-size step can move the load
-        of every token from one expert to another).
     """
 
     learning_rate: float = 3e-3
@@ -94,7 +91,6 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.01
     clip_norm: Optional[float] = 1.0
-    router_lr_scale: float = 1.0
 
     def __post_init__(self):
         def need(cond, field, allowed):
@@ -108,7 +104,6 @@ class OptimizerConfig:
         need(self.eps > 0, "eps", "> 0")
         need(self.weight_decay >= 0, "weight_decay", ">= 0")
         need(self.clip_norm is None or self.clip_norm > 0, "clip_norm", "> 0 or null")
-        need(0 < self.router_lr_scale <= 1, "router_lr_scale", "in (0, 1]")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "OptimizerConfig":
@@ -124,12 +119,6 @@ class OptimizerConfig:
         else:
             lr = self.learning_rate
         adam = optax.adamw(lr, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)
-        if self.router_lr_scale != 1.0:
-            def is_router(params):
-                return jax.tree_util.tree_map_with_path(
-                    lambda path, _: jax.tree_util.keystr(path[-1:]) == "['router']", params)
-
-            adam = optax.chain(adam, optax.masked(optax.scale(self.router_lr_scale), is_router))
         if self.clip_norm is None:
             return adam
         return optax.chain(optax.clip_by_global_norm(self.clip_norm), adam)
