@@ -49,14 +49,19 @@ class CanarySpec:
     weights: str  # "checkpoint:N" or "init:SEED"
     batch_sha256: str
     version: int = CANARY_VERSION
+    program: Optional[str] = None  # None: the one-device program (replay canary); "mesh:..." the periodic one
 
     @property
     def name(self) -> str:
-        return f"step{self.step}-rows{self.rows}-{self.weights.replace(':', '')}"
+        base = f"step{self.step}-rows{self.rows}-{self.weights.replace(':', '')}"
+        return base if self.program is None else f"{base}-{self.program.replace(':', '')}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "version": self.version, "step": self.step, "rows": self.rows,
-                "weights": self.weights, "batch_sha256": self.batch_sha256}
+        d = {"name": self.name, "version": self.version, "step": self.step, "rows": self.rows,
+             "weights": self.weights, "batch_sha256": self.batch_sha256}
+        if self.program is not None:  # absent for the one-device canary: its golden keys are unchanged
+            d["program"] = self.program
+        return d
 
 
 def batch_sha256(batch: Mapping[str, np.ndarray]) -> str:
@@ -196,7 +201,7 @@ def write_golden(path: str, table: Mapping[str, Any]) -> None:
         raise
 
 
-def _update_golden(path: str, key: str, entry: Mapping[str, Any], reset: bool) -> None:
+def update_golden(path: str, key: str, entry: Mapping[str, Any], reset: bool = False) -> None:
     """Adds ``entry`` under ``key`` to the table at ``path``, under an exclusive lock, re-reading the
     table first so that concurrent canaries on one run do not drop each other's entries (a
     corrupt table is replaced only when ``reset``)."""
@@ -291,7 +296,7 @@ def run_canary(
         raise ValueError(f"canary rows must be in [1, {setup.global_batch}], got {rows}")
     if step < 0:
         raise ValueError(f"canary step must be >= 0, got {step}")
-    chosen = dv.select_devices(device_spec, session.device_infos(), run.quarantine, minimum=1)
+    chosen = dv.select_devices(device_spec, session.device_infos(), run.held_suspect, minimum=1)
     path = os.path.join(run.run_dir, GOLDEN_DEFAULT) if golden_path == "default" else golden_path
     if not reset_golden:
         read_golden(path)  # a corrupt golden file is reported before any device work
@@ -326,7 +331,7 @@ def run_canary(
     decision = decide_canary(results, golden)
     if path is not None and decision.golden_status == "created" and fault is None:
         try:
-            _update_golden(path, env_key, {"signature": decision.reference, "canary": spec.to_dict(),
+            update_golden(path, env_key, {"signature": decision.reference, "canary": spec.to_dict(),
                                            "created_from": f"majority of {len(results)} device(s)"}, reset_golden)
         except OSError as e:  # e.g. a read-only run directory: the verdict stands, the golden value is not kept
             decision = dataclasses.replace(

@@ -17,8 +17,9 @@ from replay.verdict import ExitCode
 DEVICE_SPEC_HELP = """\
 device spec (--devices):
   all          every device of this process group
-  good         all but the quarantined devices (the run's quarantine.txt, or --quarantine FILE)
-  suspect      only the quarantined devices
+  good         all but the devices held suspect: quarantined (the run's quarantine.txt, or
+               --quarantine FILE) or named by 'replay scan' (the run's suspects.json)
+  suspect      only the devices held suspect
   0,3,5-7      explicit device ids (jax.Device.id) and inclusive ranges
   process:1    every device of process 1 (process:0-1, process:0,2 also work)
   parts join with '+', e.g. process:0+12. A range replay needs at least as many devices as the
@@ -42,7 +43,18 @@ verdicts and exit codes:
   6  environment drift: the environment differs from the run's env.json and a bit-exact claim
      was asked for (pass --allow-env-drift, or --tolerance for a weaker comparison)
   7  drill not caught (replay or canary failed to name the injected device and step)
+  8  suspects found ('replay scan': the logs name suspect devices, router layers, the loader or the run)
   1  internal error (a bug; traceback printed)
+"""
+
+SCAN_EXIT_HELP = """\
+exit codes:
+  0  clean: every available check is clear (a check whose signal the run did not log says
+     'not available', never 'clear')
+  8  suspects found (devices, replicas, router layers, the loader or the run): suspects.json
+     written in the run directory; replay the suggested range with --devices good
+  2  usage error (bad option, malformed --steps)
+  5  run directory or data error (unknown run, range not logged, malformed log)
 """
 
 INSPECT_EXIT_HELP = """\
@@ -81,9 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "  replay --run DIR --steps A:B --devices good     rerun steps A..B-1 and diff\n"
                     "  replay canary --run DIR --devices all           fixed canary batch on every device\n"
                     "  replay inspect --run DIR --steps A:B [--text]   which documents were in those batches\n"
+                    "  replay scan --run DIR [--steps A:B]             screen the logs alone, rank suspects\n"
                     "  replay drill --run DIR                          inject a fault, prove it is caught",
         epilog=DEVICE_SPEC_HELP + "\n" + VERDICT_HELP, formatter_class=fmt)
-    sub = parser.add_subparsers(dest="command", metavar="{range,canary,inspect,drill}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{range,canary,inspect,scan,drill}", parser_class=_Parser)
 
     r = sub.add_parser("range", help="rerun a step range and diff it with the log (the default command)",
                        description="Restore the newest checkpoint at or before A (read-only), rebuild the "
@@ -128,6 +141,20 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", metavar="OUT", help="write the full report (every row and document) as JSON here")
     i.add_argument("--max-rows", type=int, default=200, help="documents shown in the table (the JSON has all)")
 
+    sc = sub.add_parser("scan", help="screen a run from its logs alone (no recompute) and rank suspects",
+                        description="From the run's logs alone (signals.jsonl, canary.jsonl, fingerprints.jsonl, "
+                                    "events.jsonl; no device work): replica gradient-norm drift and spikes (robust "
+                                    "log-ratios against the cross-replica median), canary mismatches, NaN/Inf per "
+                                    "leaf and device, loss spikes, router health per layer (the run config's "
+                                    "router_health), loader stalls. Prints the ranked suspects, writes "
+                                    "<run>/suspects.json (used by --devices suspect / good) and suggests the range "
+                                    "replay to run.",
+                        epilog=SCAN_EXIT_HELP, formatter_class=fmt)
+    sc.add_argument("--run", required=True, help="the training run directory")
+    sc.add_argument("--steps", help="A:B: report findings in steps A..B-1 (earlier steps serve as history)")
+    sc.add_argument("--json", metavar="OUT", help="write the full report as JSON here")
+    sc.add_argument("--plot", metavar="OUT.png", help="write the per-step signals with the suspects marked")
+
     d = sub.add_parser("drill", help="inject a simulated bit flip and check replay and canary catch it",
                        description="Flip one bit (chosen, or random from --seed) in one device's local gradient "
                                    "at one step of a replay of the run, then check that range replay convicts "
@@ -146,6 +173,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--to-disk", metavar="DIR",
                    help="write each drill as a short faulty training run DIR/drill-N (fingerprints, a checkpoint "
                         "after the faulty step) and replay it from disk")
+    d.add_argument("--scenario", choices=("drift", "flip", "canary"),
+                   help="a screening drill instead: retrain the run from a checkpoint with a persistent small "
+                        "error on one device (drift: --magnitude, --kind), intermittent bit flips (flip: --flips, "
+                        "--bit) or a wrong canary (canary), then check that 'replay scan' names that device and "
+                        "the first step; --step is the fault's first step, the drilled runs go to --to-disk "
+                        "(default: a temporary folder)")
+    d.add_argument("--magnitude", type=float, default=0.2,
+                   help="drift: relative error of the device's local gradient (default 0.2)")
+    d.add_argument("--kind", choices=("scale", "bias"), default="scale", help="drift: scale or bias (default scale)")
+    d.add_argument("--flips", type=int, default=3, help="flip: number of bit flips (default 3)")
     return parser
 
 
@@ -242,6 +279,29 @@ def _cmd_inspect(args, console) -> int:
     return int(ExitCode.ACQUITTED)
 
 
+def _cmd_scan(args, console) -> int:
+    from replay import report, scan
+    from replay.runlog import load_run, parse_steps
+
+    start, stop = parse_steps(args.steps) if args.steps else (None, None)
+    run = load_run(args.run)
+    _check_outputs(run.run_dir, json=args.json, plot=args.plot)
+    rep = scan.scan_run(run, start, stop)
+    out = rep.to_dict()
+    report.render_scan(out, console)
+    try:
+        where = scan.write_suspects(rep)
+        console.print(f"suspects.json: {where}")
+    except OSError as e:  # a read-only run directory: the report stands
+        console.print(f"[yellow]note:[/] suspects.json not written ({e.strerror or e}); --devices suspect "
+                      f"will not see these suspects")
+    if args.json:
+        report.write_json(out, args.json)
+    if args.plot:
+        report.plot_scan(rep, args.plot)
+    return rep.exit_code
+
+
 def _cmd_drill(args, console) -> int:
     from replay import drill, engine, report
     from replay.runlog import load_run
@@ -254,6 +314,8 @@ def _cmd_drill(args, console) -> int:
     _check_outputs(run.run_dir, json=args.json, to_disk=args.to_disk)
     session = engine.Session(run)
     rng = random.Random(args.seed)
+    if args.scenario:
+        return _scenario_drills(args, console, session, rng)
     results = []
     for n in range(args.count):
         fault = drill.random_fault(session, rng, args.step, args.device, args.leaf, args.element, args.bit)
@@ -274,6 +336,34 @@ def _cmd_drill(args, console) -> int:
     return int(ExitCode.ACQUITTED) if caught == len(results) else DRILL_NOT_CAUGHT
 
 
+def _scenario_drills(args, console, session, rng) -> int:
+    import tempfile
+
+    from replay import drill, report
+
+    if args.magnitude <= 0 or args.flips < 1:
+        raise _Usage(f"--magnitude must be > 0 and --flips >= 1, got {args.magnitude} and {args.flips}")
+    root = args.to_disk or tempfile.mkdtemp(prefix="replay-drill-")
+    results = []
+    for n in range(args.count):
+        out = os.path.join(root, f"{args.scenario}-{n}")
+        res = drill.run_scenario(session, args.scenario, out, rng=rng, device=args.device, start=args.step,
+                                 magnitude=args.magnitude, kind=args.kind, flips=args.flips,
+                                 bit=30 if args.bit is None else args.bit)
+        results.append(res)
+        named = res.named
+        mark = "[green]caught[/]" if res.caught else "[red]NOT caught[/]"
+        console.print(f"drill {args.scenario} on device {res.device} from step {res.first_step}: {mark} (scan "
+                      f"named {'nothing' if named is None else named['devices']} from step "
+                      f"{None if named is None else named['first_step']}; run in {out})")
+    caught = sum(r.caught for r in results)
+    console.print(f"{caught} of {len(results)} {args.scenario} drill(s) caught")
+    if args.json:
+        report.write_json({"kind": "scenario_drills", "scenario": args.scenario, "caught": caught,
+                           "total": len(results), "drills": [r.to_dict() for r in results]}, args.json)
+    return int(ExitCode.ACQUITTED) if caught == len(results) else DRILL_NOT_CAUGHT
+
+
 class _Usage(ValueError):
     pass
 
@@ -281,12 +371,16 @@ class _Usage(ValueError):
 def _check_outputs(run_dir: str, **paths: Optional[str]) -> None:
     """Refuses, before any device work, output paths that are folders or that would overwrite the
     run's own files (its config, env record, logs, quarantine file or checkpoints): replay reads a
-    run directory and never writes into it, but for its documented outputs (canary/golden.json)."""
+    run directory and never writes into it, but for its documented outputs (canary/golden.json,
+    and suspects.json from scan)."""
     from replay.devices import QUARANTINE_NAME
     from replay.runlog import CHECKPOINTS, ENV_JSON, EVENTS, FINGERPRINTS, RUN_CONFIG
 
     run = os.path.realpath(run_dir)
-    protected = {os.path.join(run, n) for n in (RUN_CONFIG, ENV_JSON, EVENTS, FINGERPRINTS, QUARANTINE_NAME)}
+    from replay.protocol import CANARY_NAME, SIGNALS_NAME, SUSPECTS_NAME
+
+    protected = {os.path.join(run, n) for n in (RUN_CONFIG, ENV_JSON, EVENTS, FINGERPRINTS, QUARANTINE_NAME,
+                                                 SIGNALS_NAME, CANARY_NAME, SUSPECTS_NAME)}
     ckpts = os.path.join(run, CHECKPOINTS)
     for name, path in paths.items():
         if not path:
@@ -356,7 +450,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sys.modules["replay.reference.checkpoint"].exit_quietly_after_failed_restore(code)
         return code
     argv = list(argv)
-    if argv and argv[0] not in ("range", "canary", "inspect", "drill", "-h", "--help"):
+    if argv and argv[0] not in ("range", "canary", "inspect", "scan", "drill", "-h", "--help"):
         argv = ["range", *argv]  # `replay --run DIR --steps A:B` is the range command
     parser = build_parser()
     if not argv:
@@ -373,7 +467,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Piped or redirected output has no terminal width: Rich would wrap tables at 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=160)
     err = Console(stderr=True)
-    handlers = {"range": _cmd_range, "canary": _cmd_canary, "inspect": _cmd_inspect, "drill": _cmd_drill}
+    handlers = {"range": _cmd_range, "canary": _cmd_canary, "inspect": _cmd_inspect, "scan": _cmd_scan,
+                "drill": _cmd_drill}
     try:
         return handlers[args.command](args, console)
     except (StepsSpecError, DeviceSpecError, DrillError, _Usage) as e:

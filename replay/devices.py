@@ -3,8 +3,9 @@
 A *device spec* names a set of devices by ``jax.Device.id``::
 
     all                 every device of this process group
-    good                all but the quarantined ones (the run's quarantine.txt, or --quarantine FILE)
-    suspect             only the quarantined ones
+    good                all but the devices held suspect: quarantined (the run's quarantine.txt, or
+                        --quarantine FILE) or named by `replay scan` (the run's suspects.json)
+    suspect             only the devices held suspect
     0,3,5-7             explicit ids and inclusive ranges
     process:1           every device of process 1 (also process:0,2 and process:0-1)
 
@@ -105,7 +106,7 @@ def select_devices(
     Args:
       spec: the spec (grammar in the module docstring).
       devices: the available devices, in the order meshes are built from (``jax.devices()``).
-      quarantine: device ids held suspect.
+      quarantine: device ids held suspect (quarantined, or named by ``replay scan``).
       minimum: the fewest devices the caller can use (the run's mesh size); >= 1.
 
     Returns:
@@ -130,8 +131,9 @@ def select_devices(
         elif part == "suspect":
             if not quarantined:
                 raise DeviceSpecError(
-                    "device spec: 'suspect' but no device is quarantined (no quarantine.txt in the run "
-                    "directory and no --quarantine FILE)"
+                    "device spec: 'suspect' but no device is held suspect (no quarantine.txt in the run "
+                    "directory, no --quarantine FILE, and no suspect device in suspects.json: run "
+                    "'replay scan' first)"
                 )
             chosen.update(i for i in by_id if i in quarantined)
         elif part.startswith("process:"):

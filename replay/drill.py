@@ -18,6 +18,17 @@ checkpoint written after the faulty step, counts the parameters the flipped bit 
 
 The fault is a traced input of the trainer's compiled step, so drills never recompile; the
 session caches restored checkpoints, so many drills cost a few steps each.
+
+Screening drills (``replay drill --scenario drift|flip|canary``, :func:`run_scenario`) check layers
+1 and 2 of the screening instead: the run is retrained from a checkpoint with a fault, written as
+a run directory, and ``replay scan`` of that directory alone must name the faulty device, and only
+it, from the fault's first step::
+
+    drift    DriftSpec(device, start, magnitude): the device's local gradient scaled by 1 + magnitude
+             (or offset by magnitude * rms) at every step from start: too small to spike the loss
+    flip     FaultSpec at `start` and at random later steps: bit 30 (the exponent's top bit) of one
+             element of the device's local gradient: intermittent
+    canary   the device's canary gradient has a bit flipped at every periodic canary from `start`
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import json
 import os
 import random
 import shutil
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from replay.protocol import FaultSpec
 from replay.verdict import Verdict
@@ -209,3 +220,193 @@ def run_drill(session: Any, fault: FaultSpec, *, device_spec: str = "all", repla
                          golden_path=None, fault=dataclasses.replace(fault, step=0))
         can_ok = can.decision.verdict is Verdict.CONVICTED and can.decision.odd_devices == (fault.device_id,)
     return DrillReport(fault, rep, can, ok, can_ok)
+
+
+# ----------------------------------------------------------------------------- screening drills
+
+SCENARIOS = ("drift", "flip", "canary")
+EXPECTED_CHECK = {"drift": ("norm_drift",), "flip": ("norm_spike", "nonfinite"), "canary": ("canary",)}
+DRIFT_TOLERANCE = 5  # steps: a drift's onset is an estimate (the CUSUM's last reset before its alarm)
+
+
+@dataclasses.dataclass
+class ScenarioReport:
+    """A screening drill (``replay drill --scenario``): a short training run with an injected fault,
+    and whether ``replay scan`` of it named the faulty device (and only it) at the right first step.
+
+    Attributes:
+      scenario: ``drift``, ``flip`` or ``canary``.
+      device: the faulty device; first_step: the first step the fault can show at (the drift's
+        start, the first flip, the first canary at or after the canary fault's step).
+      faults: what was injected (as dicts).
+      run_dir: the drilled run directory.
+      scan: the scan report (dict).
+      named: the top device suspect's ``(device, first step, checks)`` or None.
+      tolerance: steps the named first step may differ from ``first_step`` (0 but for drift).
+    """
+
+    scenario: str
+    device: int
+    first_step: int
+    faults: list[dict[str, Any]]
+    run_dir: str
+    scan: dict[str, Any]
+    named: Optional[dict[str, Any]]
+    tolerance: int
+
+    @property
+    def caught(self) -> bool:
+        return judge_scan(self.scan, self.scenario, self.device, self.first_step, self.tolerance)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "scenario_drill", "scenario": self.scenario, "device": self.device,
+                "first_step": self.first_step, "faults": self.faults, "run_dir": self.run_dir,
+                "caught": self.caught, "named": self.named, "tolerance": self.tolerance,
+                "scan_suspects": self.scan.get("suspects"), "scan_checks": self.scan.get("checks")}
+
+
+def top_device_suspect(scan: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The highest-ranked device or replica suspect of a scan report (dict), or None."""
+    for s in scan.get("suspects", []):
+        if s["kind"] in ("device", "replica"):
+            return {"devices": s["devices"], "first_step": s["first_step"],
+                    "checks": [e["check"] for e in s["evidence"]]}
+    return None
+
+
+def judge_scan(scan: dict[str, Any], scenario: str, device: int, first_step: int, tolerance: int = 0) -> bool:
+    """True when the scan names exactly ``device`` among the device suspects, with evidence of the
+    scenario's kind (drift: ``norm_drift``; flip: ``norm_spike`` or ``nonfinite``; canary:
+    ``canary``) whose first step is within ``tolerance`` of ``first_step``."""
+    if scan.get("suspect_devices") != [device]:
+        return False
+    for s in scan.get("suspects", []):
+        if s["kind"] in ("device", "replica") and s["devices"] == [device]:
+            return any(e["check"] in EXPECTED_CHECK[scenario] and abs(e["first_step"] - first_step) <= tolerance
+                       for e in s["evidence"])
+    return False
+
+
+def scenario_faults(scenario: str, *, device: int, start: int, stop: int, magnitude: float = 0.2,
+                    kind: str = "scale", flips: int = 3, bit: int = 30, leaf: Optional[str] = None,
+                    leaf_paths: Sequence[str] = (), leaf_sizes: Sequence[int] = (),
+                    rng: Optional[random.Random] = None) -> tuple[Any, Any, int]:
+    """``(train faults, canary fault, first step)`` of a scenario between ``start`` and ``stop``.
+
+    drift: a :class:`DriftSpec` on ``device`` from ``start`` on. flip: ``flips`` bit flips of bit
+    ``bit`` (30: the float32 exponent's top bit, so an element below 2 in magnitude grows by 2^128)
+    on ``device`` at ``start`` and at random later steps, each in a random element of ``leaf``
+    (random when None). canary: the canary gradient of ``device`` has a bit flipped from ``start``.
+
+    Raises:
+      DrillError: an unknown scenario, or ``stop - start`` too short for it.
+    """
+    from replay.protocol import DriftSpec
+
+    rng = rng or random.Random(0)
+    if scenario not in SCENARIOS:
+        raise DrillError(f"--scenario {scenario!r}: must be one of {', '.join(SCENARIOS)} (or none: the replay drill)")
+    if stop <= start:
+        raise DrillError(f"the drill needs steps after its start {start}; the run trains to {stop}")
+    if scenario == "drift":
+        return DriftSpec(device_id=device, start=start, magnitude=magnitude, kind=kind), None, start
+    paths = list(leaf_paths)
+    if scenario == "flip":
+        later = sorted(rng.sample(range(start + 1, stop), min(flips - 1, stop - start - 1)))
+        out = []
+        for s in [start, *later]:
+            lf = leaf if leaf is not None else rng.choice(paths)
+            out.append(FaultSpec(step=s, device_id=device, leaf=lf, element=rng.randrange(leaf_sizes[paths.index(lf)]),
+                                 bit=bit))
+        return out, None, start
+    lf = leaf if leaf is not None else rng.choice(paths)
+    return None, FaultSpec(step=start, device_id=device, leaf=lf, element=rng.randrange(leaf_sizes[paths.index(lf)]),
+                           bit=0), start
+
+
+def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Random, device: Optional[int] = None,
+                 start: Optional[int] = None, magnitude: float = 0.2, kind: str = "scale", flips: int = 3,
+                 bit: int = 30, canary_every: Optional[int] = None, log=None) -> ScenarioReport:
+    """A screening drill on a reference-trainer run: copies the run into ``out_dir`` up to its
+    checkpoint ``c`` (the logs before ``c`` are the history the scan's baselines need), trains
+    ``c .. end`` again with the scenario's fault (``scenario_faults``), scans the drilled run and
+    judges it (:func:`judge_scan`).
+
+    Args:
+      session: a ``replay.engine.Session`` of a reference-trainer run.
+      out_dir: a new folder for the drilled run.
+      device: the faulty device (default: random among the run's).
+      start: the fault's first step (default: random after the middle checkpoint, leaving at
+        least a quarter of the run after it).
+      magnitude, kind: a drift's relative error and kind (``replay.protocol.DriftSpec``).
+      flips, bit: the flip scenario's number of flips and bit.
+      canary_every: the drilled run's canary period (default: the run's, or 5 if it has none;
+        the canary scenario needs one).
+
+    Raises:
+      DrillError: the run is too short, or ``device``/``start`` are out of range.
+      FileExistsError: ``out_dir`` exists and is not empty.
+    """
+    from replay.protocol import CHECKPOINTS_DIR
+    from replay.reference import run as ref_run
+    from replay.runlog import ENV_JSON, EVENTS, RUN_CONFIG, load_run
+    from replay.scan import scan_run
+
+    run, setup = session.run, session.setup
+    first, end = run.logged_steps
+    ids = list(setup.run_device_ids)
+    device = rng.choice(ids) if device is None else device
+    if device not in ids:
+        raise DrillError(f"--device {device}: not a device of the run's mesh {ids}")
+    ckpts = [c for c in run.checkpoints if first < c < end] or [c for c in run.checkpoints if c < end]
+    if not ckpts:
+        raise DrillError(f"the run has no checkpoint before its last step {end - 1} to restart from")
+    c = ckpts[len(ckpts) // 2] if start is None else max([x for x in run.checkpoints if x <= start] or [-1])
+    if c < 0:
+        raise DrillError(f"--step {start}: no checkpoint at or before it; checkpoints {run.checkpoints}")
+    if start is None:
+        latest = max(c, end - max(4, (end - first) // 4))
+        start = rng.randrange(c, latest) if latest > c else c
+    if not c <= start < end:
+        raise DrillError(f"--step {start}: must be in [{c}, {end}) (after checkpoint {c}, before the run's end)")
+    cfg = ref_run.run_config_from_dict(run.config, run.run_dir)
+    period = canary_every if canary_every is not None else (cfg.canary_every or 5)
+    cfg = dataclasses.replace(cfg, canary_every=period if scenario == "canary" or cfg.canary_every else 0)
+    trainer = setup.trainer
+    faults, canary_fault, first_step = scenario_faults(
+        scenario, device=device, start=start, stop=end, magnitude=magnitude, kind=kind, flips=flips, bit=bit,
+        leaf_paths=trainer.leaf_paths, leaf_sizes=trainer.leaf_sizes, rng=rng)
+    if scenario == "canary":
+        first_step = -(-start // cfg.canary_every) * cfg.canary_every
+        if first_step >= end:
+            raise DrillError(f"no canary runs between step {start} and the run's end {end} (canary_every "
+                             f"{cfg.canary_every})")
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise FileExistsError(f"{out_dir} exists and is not empty")
+    os.makedirs(out_dir, exist_ok=True)
+    for name in (ENV_JSON, EVENTS, "fingerprints.jsonl", "signals.jsonl", "canary.jsonl"):
+        if os.path.exists(os.path.join(run.run_dir, name)):
+            shutil.copy(os.path.join(run.run_dir, name), out_dir)
+    shutil.copytree(os.path.join(run.run_dir, CHECKPOINTS_DIR, str(c)), os.path.join(out_dir, CHECKPOINTS_DIR, str(c)))
+    import yaml
+
+    with open(os.path.join(out_dir, RUN_CONFIG), "w", encoding="utf-8") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    as_dicts = [dataclasses.asdict(f) | {"type": type(f).__name__}
+                for f in ([] if faults is None else faults if isinstance(faults, list) else [faults])]
+    if canary_fault is not None:
+        as_dicts.append(dataclasses.asdict(canary_fault) | {"type": "canary FaultSpec"})
+    with open(os.path.join(out_dir, EVENTS), "a", encoding="utf-8") as f:
+        f.write(json.dumps({"event": "drill", "step": start, "scenario": scenario, "device": device,
+                            "faults": as_dicts}, sort_keys=True) + "\n")
+    mesh = session.mesh(session.home_assignment())
+    import warnings
+
+    with warnings.catch_warnings():  # the drill's own canary mismatches are its point, not news
+        warnings.simplefilter("ignore", ref_run.CanaryMismatchWarning)
+        ref_run.train(out_dir, cfg, end, trainer=trainer, mesh=mesh, log=log or (lambda s: None), faults=faults,
+                      canary_fault=canary_fault)
+    scan = scan_run(load_run(out_dir)).to_dict()
+    return ScenarioReport(scenario=scenario, device=device, first_step=first_step, faults=as_dicts,
+                          run_dir=out_dir, scan=scan, named=top_device_suspect(scan),
+                          tolerance=DRIFT_TOLERANCE if scenario == "drift" else 0)

@@ -441,6 +441,7 @@ class RangeReport:
     phase_changes: list[dict[str, Any]]
     restore_seconds: float
     replay_seconds: float
+    scan_suspects: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def verdict(self) -> Verdict:
@@ -462,6 +463,7 @@ class RangeReport:
             "device_spec": self.device_spec,
             "devices": self.devices,
             "quarantine": self.quarantine,
+            "scan_suspects": self.scan_suspects,
             "run_devices": self.run_devices,
             "mesh": self.mesh,
             "environment": {"differences": self.env_differences, "drift": bool(self.env_differences),
@@ -560,7 +562,7 @@ def replay_range(
     missing = missing_steps(log, ckpt, start)
     if missing:
         raise RunDirError(f"steps {missing[:10]} between checkpoint {ckpt} and {start} have no logged fingerprints")
-    chosen = dv.select_devices(device_spec, session.device_infos(), run.quarantine, minimum=setup.mesh_size)
+    chosen = dv.select_devices(device_spec, session.device_infos(), run.held_suspect, minimum=setup.mesh_size)
     ids = [d.id for d in chosen]
     assignments = dv.independent_assignments(ids, setup.mesh_size, replays)
     diffs_env = environment_differences(run, session.mesh(assignments[0]))
@@ -606,5 +608,5 @@ def replay_range(
         replays=runs, decision=decision, disagreement=disagreement, differing_elements=differing,
         relogged_conflicts=list(run.relogged_conflicts), skip_windows=skip_windows(run),
         phase_changes=phase_changes(run), restore_seconds=session.restore_seconds - restore0,
-        replay_seconds=replay_s,
+        replay_seconds=replay_s, scan_suspects=sorted(getattr(run, "suspects", ())),
     )

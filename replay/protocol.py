@@ -12,8 +12,35 @@ The run directory a training run leaves (DESIGN.md, "The run directory")::
       env.json              # environment record (see replay.reference / env module)
       events.jsonl          # one JSON object a line: {"event": ..., "step": ..., ...}
       fingerprints.jsonl    # one StepFingerprints.to_json() a line, appended every step
+      signals.jsonl         # one StepSignals.to_json() a line, appended every step (screening)
+      canary.jsonl          # one CanaryRecord a line per device, every canary_every steps (optional)
       checkpoints/<step>/   # Orbax checkpoints: params, optimizer state, loader state
       quarantine.txt        # optional: device ids (one a line, '#' comments) held suspect
+      suspects.json         # written by `replay scan`: its report, with "suspect_devices"
+      canary/golden.json    # golden canary values per environment (replay canary, periodic canary)
+
+Every ``*.jsonl`` file is append-only, one JSON object a line, flushed line by line
+(:func:`append_line`): a process killed mid-write leaves at most a torn last line, which every
+reader skips. On a restart from checkpoint ``c`` the trainer drops the lines of steps ``>= c`` from
+the step logs before appending again, so each holds the uninterrupted history. Events a trainer
+writes: ``start``, ``restore``, ``checkpoint`` (only once the checkpoint has *committed*: with an
+asynchronous save, after the commit, never at the call to save), ``checkpoint_failed``,
+``phase_change``, ``skipped_window``, ``canary_mismatch`` (``devices``, ``verdict``), ``stopped``,
+``end``.
+
+Screening signals, for a user's own trainer (what ``replay scan`` reads; each optional, and a
+check whose signal is missing says "not available"): inside the step, before the data-parallel
+reduction, each device computes the float32 sum of squares of its local gradient contribution
+(one fused reduction per leaf, ``jnp.sum(jnp.square(g.astype(jnp.float32)))``) and, per leaf, the
+count of non-finite elements; after the reduction, optionally, ``<g_local, g_reduced>``. Then::
+
+    signals = StepSignals(step=s, loss=..., grad_norm=...,
+                          replicas=tuple(ReplicaNorm(r, devices_of_r, norm_sq_r, dot_r) for r ...),
+                          devices={d: {"norm_sq": ..., "nonfinite": {leaf: n}} for d ...},
+                          router=tuple(RouterLayerStats(...) for each MoE layer),
+                          step_time_s=..., loader_wait_s=data.metrics()["wait_s_last_step"],
+                          loader_occupancy=data.metrics()["prefetch_occupancy"])
+    append_line(os.path.join(run_dir, SIGNALS_NAME), signals.to_json())
 
 Glossary: *step* is the global training step (the batch of step ``s`` holds global rows
 ``[s*B, (s+1)*B)``); *device id* is ``jax.Device.id``; *leaf path* is
@@ -49,6 +76,40 @@ class FaultSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class DriftSpec:
+    """A simulated *persistent* small error on one device (a screening drill, ``replay drill
+    --scenario drift``): from ``start`` to ``stop`` (exclusive; ``None``: to the end) the
+    device's local gradient contribution, before the data-parallel reduction, is changed.
+
+    Attributes:
+      device_id: ``jax.Device.id`` of the faulty device.
+      start: first global step of the error; stop: first step without it, or ``None``.
+      magnitude: the relative error ``||delta|| / ||g_d||``, > 0.
+      kind: ``"scale"``: ``g_d * (1 + magnitude)`` (the local norm moves by the factor
+        ``1 + magnitude``); ``"bias"``: each leaf ``+ magnitude * rms(leaf)`` (a constant offset
+        of the same relative size: the norm moves only to second order, by about
+        ``sqrt(1 + magnitude^2)``, so norm screening sees it far less).
+    """
+
+    device_id: int
+    start: int
+    magnitude: float
+    stop: Optional[int] = None
+    kind: str = "scale"
+
+    def __post_init__(self):
+        if self.kind not in ("scale", "bias"):
+            raise ValueError(f"DriftSpec.kind: must be 'scale' or 'bias', got {self.kind!r}")
+        if not self.magnitude > 0:
+            raise ValueError(f"DriftSpec.magnitude: must be > 0, got {self.magnitude!r}")
+        if self.stop is not None and self.stop <= self.start:
+            raise ValueError(f"DriftSpec: stop {self.stop} must be > start {self.start}")
+
+    def active(self, step: int) -> bool:
+        return self.start <= step and (self.stop is None or step < self.stop)
+
+
+@dataclasses.dataclass(frozen=True)
 class StepFingerprints:
     """What one train step computed, in integers that compare bit for bit.
 
@@ -64,6 +125,9 @@ class StepFingerprints:
         z-loss), floats, for humans; never compared bit for bit.
       device_coords: per device id, its mesh coordinates ``{axis name: index}``, so that a
         replay on another device set can match shards by position (added; default empty).
+      signals: the step's screening signals (:class:`StepSignals`) when the trainer computes
+        them; not part of ``fingerprints.jsonl`` (the training loop writes them, with its
+        timings, to ``signals.jsonl``), never compared.
     """
 
     step: int
@@ -74,6 +138,7 @@ class StepFingerprints:
     devices: Mapping[int, Mapping[str, int]]
     router: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     device_coords: Mapping[int, Mapping[str, int]] = dataclasses.field(default_factory=dict)
+    signals: Optional["StepSignals"] = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict; device ids become string keys (JSON objects key by str)."""
@@ -122,6 +187,180 @@ class StepFingerprints:
         return a == b
 
 
+def _float(v: Any) -> float:
+    """A JSON number as float (``NaN``/``Infinity`` are written by Python's json and read back)."""
+    return float(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterLayerStats:
+    """Router health of one MoE layer at one step, over the whole global batch.
+
+    Attributes:
+      entropy: mean router entropy per routed token, nats (at most ``ln E``).
+      expert_share: per expert, its share of the step's assignments before capacity (sums to 1).
+      dropped_fraction: assignments past expert capacity / all assignments, in [0, 1].
+      max_logit: the largest router logit of any routed token (large logits precede
+        router collapse; ST-MoE's z-loss keeps them small).
+      z_loss: mean over routed tokens of ``logsumexp(router logits)^2`` (ST-MoE eq. 5).
+      aux_loss: load-balancing loss ``E * sum_e f_e * P_e`` (Switch Transformer eq. 4), mean
+        over rows.
+    """
+
+    entropy: float
+    expert_share: tuple[float, ...]
+    dropped_fraction: float
+    max_logit: float
+    z_loss: float
+    aux_loss: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"entropy": self.entropy, "expert_share": list(self.expert_share),
+                "dropped_fraction": self.dropped_fraction, "max_logit": self.max_logit,
+                "z_loss": self.z_loss, "aux_loss": self.aux_loss}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "RouterLayerStats":
+        return cls(entropy=_float(d["entropy"]), expert_share=tuple(_float(x) for x in d["expert_share"]),
+                   dropped_fraction=_float(d["dropped_fraction"]), max_logit=_float(d["max_logit"]),
+                   z_loss=_float(d["z_loss"]), aux_loss=_float(d["aux_loss"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaNorm:
+    """One data-parallel replica's local gradient contribution at one step.
+
+    A *replica* is the set of devices that together compute one contribution, over their own
+    rows of the global batch, before the data-parallel reduction. In the reference trainer the
+    batch is split over every mesh axis and expert weights are gathered for compute, so each
+    device is a replica of its own; in a trainer with tensor or pipeline parallelism a replica
+    spans devices that each hold a disjoint shard of it, and its ``norm_sq`` is the sum of
+    theirs.
+
+    Attributes:
+      replica: replica index (row-major over the mesh positions of its first device).
+      devices: its device ids.
+      norm_sq: float32 ``||g_r||^2`` of its contribution ``g_r`` (before the reduction).
+      dot: float32 ``<g_r, g>`` with the reduced gradient ``g = sum_r g_r``, or None when the
+        trainer does not keep ``g_r`` past the reduction. Exactly (up to float rounding)
+        ``sum_r dot_r = ||g||^2``: the per-replica figures reconcile with the global norm
+        (squared norms alone cannot: ``||sum g_r||^2`` has cross terms).
+    """
+
+    replica: int
+    devices: tuple[int, ...]
+    norm_sq: float
+    dot: Optional[float] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"replica": self.replica, "devices": list(self.devices), "norm_sq": self.norm_sq, "dot": self.dot}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ReplicaNorm":
+        dot = d.get("dot")
+        return cls(replica=int(d["replica"]), devices=tuple(int(x) for x in d["devices"]),
+                   norm_sq=_float(d["norm_sq"]), dot=None if dot is None else _float(dot))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSignals:
+    """The screening signals of one step: one line of ``signals.jsonl`` (floats, never compared
+    bit for bit; ``replay scan`` reads them).
+
+    Attributes:
+      step: global step.
+      loss: the step's loss (float32 value).
+      grad_norm: global gradient norm of the reduced gradient (float32 value).
+      replicas: per data-parallel replica, :class:`ReplicaNorm`.
+      devices: per device id ``{"norm_sq": float32 ||g_d||^2 of the device's local
+        contribution before the reduction, "nonfinite": {leaf path: NaN + Inf count}}`` (only
+        leaves with a non-zero count are listed).
+      router: per MoE layer, in layer order, :class:`RouterLayerStats`.
+      step_time_s: wall seconds of the train step (dispatch to results on the host), or None.
+      loader_wait_s: seconds the step waited for its batch (the loader's
+        ``metrics()["wait_s_last_step"]``), or None; loader_occupancy: batches ready in the
+        prefetch buffer after the step's batch was taken (a stall shows here first), or None.
+    """
+
+    step: int
+    loss: float
+    grad_norm: float
+    replicas: tuple[ReplicaNorm, ...] = ()
+    devices: Mapping[int, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    router: tuple[RouterLayerStats, ...] = ()
+    step_time_s: Optional[float] = None
+    loader_wait_s: Optional[float] = None
+    loader_occupancy: Optional[int] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": int(self.step), "loss": self.loss, "grad_norm": self.grad_norm,
+            "step_time_s": self.step_time_s, "loader_wait_s": self.loader_wait_s,
+            "loader_occupancy": self.loader_occupancy,
+            "replicas": [r.to_dict() for r in self.replicas],
+            "devices": {str(d): {"norm_sq": v["norm_sq"], "nonfinite": dict(v.get("nonfinite", {}))}
+                        for d, v in self.devices.items()},
+            "router": [r.to_dict() for r in self.router],
+        }
+
+    def to_json(self) -> str:
+        """One line of ``signals.jsonl`` (keys sorted; NaN/Inf written as Python's json does)."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "StepSignals":
+        """Inverse of :meth:`to_dict`; missing optional fields read as empty/None.
+
+        Raises:
+          KeyError, TypeError, ValueError: a required field is missing or malformed.
+        """
+        opt = {k: (None if d.get(k) is None else _float(d[k])) for k in ("step_time_s", "loader_wait_s")}
+        occ = d.get("loader_occupancy")
+        return cls(
+            step=int(d["step"]), loss=_float(d["loss"]), grad_norm=_float(d["grad_norm"]),
+            replicas=tuple(ReplicaNorm.from_dict(r) for r in d.get("replicas", [])),
+            devices={int(k): {"norm_sq": _float(v["norm_sq"]),
+                              "nonfinite": {p: int(c) for p, c in (v.get("nonfinite") or {}).items()}}
+                     for k, v in (d.get("devices") or {}).items()},
+            router=tuple(RouterLayerStats.from_dict(r) for r in d.get("router", [])),
+            loader_occupancy=None if occ is None else int(occ), **opt,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CanaryRecord:
+    """One device's result of one periodic canary: one line of ``canary.jsonl``.
+
+    Attributes:
+      step: the global step before which the canary ran.
+      device: ``jax.Device.id``.
+      signature: sha256 of the device's ``{leaf: fingerprint}`` of the canary gradient.
+      status: ``"ok"``, ``"differs_from_golden"``, ``"differs_from_majority"`` or
+        ``"no_majority"`` (``replay.canary.decide_canary``).
+      golden: ``"matched"``, ``"created"`` (this canary made the golden value) or another
+        ``CanaryDecision.golden_status``.
+      canary: the canary's name (its batch, rows and weights).
+      seconds: wall seconds of the whole canary (all devices at once).
+    """
+
+    step: int
+    device: int
+    signature: str
+    status: str
+    golden: str
+    canary: str
+    seconds: float
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "CanaryRecord":
+        return cls(step=int(d["step"]), device=int(d["device"]), signature=str(d["signature"]),
+                   status=str(d["status"]), golden=str(d.get("golden", "")), canary=str(d.get("canary", "")),
+                   seconds=_float(d.get("seconds", 0.0)))
+
+
 @runtime_checkable
 class Trainer(Protocol):
     """A trainer that replay can drive.
@@ -148,7 +387,9 @@ class Trainer(Protocol):
         """Runs one optimizer step on ``batch`` (the loader's global arrays).
 
         ``fault``, when given and ``fault.step == step``, flips the bit it names before the
-        data-parallel reduction (a drill). Returns the new state and the step's fingerprints.
+        data-parallel reduction (a drill); a trainer may also accept a :class:`DriftSpec` or a
+        list of faults (screening drills). Returns the new state and the step's fingerprints,
+        whose ``signals`` carry the step's :class:`StepSignals` when the trainer computes them.
         """
 
 
@@ -158,8 +399,57 @@ RUN_CONFIG_NAME = "run_config.yaml"
 ENV_NAME = "env.json"
 EVENTS_NAME = "events.jsonl"
 FINGERPRINTS_NAME = "fingerprints.jsonl"
+SIGNALS_NAME = "signals.jsonl"
+CANARY_NAME = "canary.jsonl"
+SUSPECTS_NAME = "suspects.json"
 CHECKPOINTS_DIR = "checkpoints"
 QUARANTINE_NAME = "quarantine.txt"
+
+
+def append_line(path: str, line: str) -> None:
+    """Appends one JSON line to a run-log file and flushes it (append-only: a process killed
+    mid-write leaves at most a torn last line, which every reader skips)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        f.flush()
+
+
+def _read_lines(path: str, parse) -> list:
+    """``parse(dict)`` of each line; a torn (or otherwise unparsable) *last* line is skipped, an
+    unparsable line elsewhere raises ``ValueError`` naming the file and line."""
+    with open(path, encoding="utf-8") as f:
+        lines = [(n, x) for n, x in enumerate(f.read().split("\n"), 1) if x.strip()]
+    out = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            out.append(parse(json.loads(line)))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{n}: not a valid entry ({e!r})") from None
+    return out
+
+
+def read_signals(run_dir: str) -> dict[int, StepSignals]:
+    """Reads ``<run_dir>/signals.jsonl`` into ``{step: StepSignals}`` (a later line for a step wins).
+
+    Raises:
+      FileNotFoundError: the file does not exist. ValueError: a malformed line (not the last).
+    """
+    import os
+
+    return {s.step: s for s in _read_lines(os.path.join(run_dir, SIGNALS_NAME), StepSignals.from_dict)}
+
+
+def read_canary(run_dir: str) -> list[CanaryRecord]:
+    """Reads ``<run_dir>/canary.jsonl`` (in order).
+
+    Raises:
+      FileNotFoundError: the file does not exist. ValueError: a malformed line (not the last).
+    """
+    import os
+
+    return _read_lines(os.path.join(run_dir, CANARY_NAME), CanaryRecord.from_dict)
 
 
 def read_fingerprints(run_dir: str) -> dict[int, StepFingerprints]:

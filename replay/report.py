@@ -13,6 +13,7 @@ import os
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -240,4 +241,120 @@ def plot_range(report: Mapping[str, Any], path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+_CHECK_STYLE = {"found": "bold red", "clear": "green", "not available": "yellow"}
+
+
+def render_scan(report: Mapping[str, Any], console: Optional[Console] = None) -> None:
+    """Prints a scan report: each check's status, the ranked suspects, and the replay to run next."""
+    console = console or Console()
+    checks = Table(title=f"replay scan of steps {report['steps']['start']}:{report['steps']['stop']}")
+    checks.add_column("check")
+    checks.add_column("status")
+    checks.add_column("detail", overflow="fold")
+    for name, c in report["checks"].items():
+        checks.add_row(name, f"[{_CHECK_STYLE.get(c['status'], '')}]{c['status']}[/]", c.get("detail", ""))
+    console.print(checks)
+    if report["suspects"]:
+        table = Table(title="suspects (ranked)")
+        for col in ("rank", "suspect", "first step", "strength", "evidence"):
+            table.add_column(col, overflow="fold")
+        for s in report["suspects"]:
+            ev = "\n".join(escape(f"[{e['check']}] {e['detail']}") for e in s["evidence"])
+            table.add_row(str(s["rank"]), s["subject"], str(s["first_step"]), f"{s['strength']:.2f}", ev)
+        console.print(table)
+    for e in report.get("explained", []):
+        console.print(f"loss spike at step {e['step']} coincides with a logged {e['explained_by']} (not a suspect)")
+    if report["suspects"]:
+        lines = [f"[bold red]SUSPECTS[/] (exit code {report['exit_code']}): "
+                 f"{', '.join(s['subject'] for s in report['suspects'])}"]
+        if report.get("suggested_replay"):
+            lines.append(f"next: {report['suggested_replay']}")
+    else:
+        lines = [f"[bold green]CLEAN[/] (exit code {report['exit_code']}): no check found anything"
+                 + ("; some checks were not available (above)"
+                    if any(c["status"] == "not available" for c in report["checks"].values()) else "")]
+    console.print(Panel("\n".join(lines), title="scan"))
+
+
+def plot_scan(scan: Any, path: str) -> None:
+    """Writes a PNG of a ``replay.scan.ScanReport`` (it needs the per-step series, which the JSON
+    report leaves out): the replicas' log-ratio to the cross-replica median norm (suspect devices
+    drawn thick, a drift's onset marked, canary mismatches as red crosses), the loss, each layer's
+    dropped fraction and its worst expert share against the router-health limits, and the loader
+    wait per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rep, rout, loss, load = (scan.series.get(k) or {} for k in ("replicas", "router", "loss", "loader"))
+    fig, axes = plt.subplots(5, 1, figsize=(10, 13), sharex=True)
+    suspects = set(scan.suspect_devices)
+    ax = axes[0]
+    if rep:
+        steps = np.asarray(rep["steps"])
+        for i, rid in enumerate(rep["replicas"]):
+            y = rep["log_ratio"][:, i]
+            thick = rid in suspects
+            ax.plot(steps, y, linewidth=2.2 if thick else 0.8, alpha=1.0 if thick else 0.6,
+                    label=f"replica {rid}" + (" (suspect)" if thick else ""), zorder=3 if thick else 2)
+        for s in scan.suspects:
+            for e in s.evidence:
+                if e.check == "norm_drift":
+                    ax.axvline(e.first_step, color="red", linestyle="--", linewidth=1)
+        ax.legend(fontsize=7, ncol=4, loc="upper left")
+    else:
+        ax.text(0.5, 0.5, "per-replica norms not available", ha="center", transform=ax.transAxes)
+    bad = [(c.step, c.device) for c in scan.series.get("canary", []) if c.status != "ok"]
+    if bad:
+        ax2 = ax.twinx()
+        ax2.plot([b[0] for b in bad], [b[1] for b in bad], "rx", markersize=9, label="canary mismatch")
+        ax2.set_ylabel("canary mismatch: device", color="red")
+    ax.set_ylabel("log(norm / median norm)")
+    ax.set_title("per-replica gradient norm against the cross-replica median", fontsize=9)
+    ax = axes[1]
+    if loss:
+        ax.plot(loss["steps"], loss["loss"], color="black", linewidth=1)
+    ax.set_ylabel("loss")
+    health = scan.checks.get("router", {})
+    for ax, key, label in ((axes[2], "dropped", "dropped fraction"),
+                           (axes[3], "share_ratio", "worst expert share vs uniform (x)")):
+        if rout:
+            for i in range(rout[key].shape[1]):
+                line, = ax.plot(rout["steps"], rout[key][:, i], linewidth=0.8,
+                                label=f"layer {i}" + (" (each step)" if key == "share_ratio" else ""))
+                if key == "share_ratio" and rout.get("window", 1) > 1:
+                    ax.plot(rout["steps"], rout["share_ratio_window"][:, i], color=line.get_color(), linewidth=2.2,
+                            label=f"layer {i} (over {rout['window']} steps: judged)")
+            if key == "share_ratio":
+                ax.set_yscale("log")
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "router figures not available", ha="center", transform=ax.transAxes)
+        ax.set_ylabel(label)
+    limits = getattr(scan, "limits", None) or {}
+    if "max_dropped_fraction" in limits:
+        axes[2].axhline(limits["max_dropped_fraction"], color="red", linestyle=":", label="limit")
+        axes[3].axhline(limits["max_share_ratio"], color="red", linestyle=":")
+        for ax in axes[2:4]:
+            ax.axvline(limits["warmup_steps"], color="grey", linestyle=":", linewidth=1)
+    axes[2].set_title(f"router health ({health.get('status', 'n/a')})", fontsize=9)
+    ax = axes[4]
+    if load:
+        ax.plot(load["steps"], np.asarray(load["wait"]) * 1e3, label="loader wait")
+        ax.plot(load["steps"], np.asarray(load["step_time"]) * 1e3, label="step time", alpha=0.6)
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    ax.set_ylabel("ms")
+    ax.set_xlabel("step")
+    verdict = "SUSPECTS: " + ", ".join(s.subject for s in scan.suspects[:4]) if scan.suspects else "CLEAN"
+    fig.suptitle(f"replay scan of {os.path.basename(os.path.abspath(scan.run_dir))}: {verdict}", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -11,6 +11,9 @@ directory is reported before any device work starts::
                             are listed in RunLog.relogged_conflicts
     checkpoints/<step>/  -> RunLog.checkpoints (sorted steps; Orbax temporaries ignored)
     quarantine.txt       -> RunLog.quarantine (device ids)
+    suspects.json        -> RunLog.suspects (device ids named by `replay scan`)
+
+The screening logs (signals.jsonl, canary.jsonl) are read by ``replay.scan`` only.
 
 Step ranges are half-open, ``A:B`` meaning steps ``A, A+1, ..., B-1`` (like Python slices);
 ``A`` alone is the one step ``A``.
@@ -34,6 +37,7 @@ ENV_JSON = "env.json"
 EVENTS = "events.jsonl"
 FINGERPRINTS = "fingerprints.jsonl"
 CHECKPOINTS = "checkpoints"
+SUSPECTS = "suspects.json"
 
 
 class RunDirError(ValueError):
@@ -126,6 +130,13 @@ class RunLog:
     checkpoints: list[int]
     quarantine: frozenset[int]
     malformed: dict[int, str] = dataclasses.field(default_factory=dict)  # step -> why its line is unusable
+    suspects: frozenset[int] = frozenset()  # devices named by the last `replay scan` (suspects.json)
+
+    @property
+    def held_suspect(self) -> frozenset[int]:
+        """Devices held suspect: quarantined (quarantine.txt) or named by ``replay scan`` (suspects.json).
+        ``--devices good`` leaves them out, ``--devices suspect`` picks them."""
+        return self.quarantine | self.suspects
 
     @property
     def logged_steps(self) -> tuple[int, int]:
@@ -262,8 +273,24 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
     return RunLog(
         run_dir=run_dir, config=config, env=env, events=events, fingerprints=fingerprints,
         relogged_conflicts=sorted(conflicts), checkpoints=checkpoints, quarantine=quarantine,
-        malformed=malformed,
+        malformed=malformed, suspects=read_suspects(run_dir),
     )
+
+
+def read_suspects(run_dir: str) -> frozenset[int]:
+    """The devices ``<run_dir>/suspects.json`` (written by ``replay scan``) names; empty when absent.
+
+    Raises:
+      RunDirError: the file is not a scan report.
+    """
+    path = os.path.join(run_dir, SUSPECTS)
+    if not os.path.exists(path):
+        return frozenset()
+    try:
+        data = json.loads(_read_text(path))
+        return frozenset(int(d) for d in data["suspect_devices"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise RunDirError(f"{path}: not a replay scan report ({e!r}); rerun 'replay scan' or remove it") from None
 
 
 def _inconsistency(fp: StepFingerprints) -> Optional[str]:

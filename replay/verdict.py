@@ -35,6 +35,8 @@ class ExitCode(enum.IntEnum):
     RUN_ERROR = 5  # the run directory or its data is unusable: missing, no checkpoint, range not logged
     ENV_DRIFT = 6  # the environment differs from the run's and a bit-exact claim was asked for
     DRILL_NOT_CAUGHT = 7  # a drill's injected fault was not convicted (range) or not named (canary)
+    SUSPECTS = 8  # replay scan: the logs name suspects (devices, replicas, router layers, the loader, the run)
+    CLEAN = 0  # replay scan: every available check is clear (an alias of ACQUITTED: exit code 0)
 
 
 class Verdict(enum.Enum):

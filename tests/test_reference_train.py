@@ -52,7 +52,7 @@ def test_two_runs_of_30_steps_have_bit_identical_fingerprints(tiny):
 def test_run_directory_layout_and_events(tiny):
     folder, path, cfg, trainer, mesh, run_a, _ = tiny
     assert sorted(os.listdir(run_a)) == ["checkpoints", "env.json", "events.jsonl", "fingerprints.jsonl",
-                                         "run_config.yaml"]
+                                         "run_config.yaml", "signals.jsonl"]  # canary_every 0: no canary.jsonl
     assert ckpt.all_steps(str(run_a / "checkpoints")) == [0, 10, 20, 30]
     env = json.loads((run_a / "env.json").read_text())
     assert env["mesh"]["shape"] == [4, 2] and env["backend"]["device_count"] == 8
@@ -122,6 +122,9 @@ def test_sigkill_at_a_random_step_then_restart_matches_uninterrupted(tiny):
     cfg_w = runm.load_run_config(str(cfg_path))
     runm.train(str(run_k), cfg_w, STEPS, trainer=trainer, mesh=mesh, log=lambda s: None)
     assert _lines(run_k) == _lines(run_a)  # the uninterrupted run's history, byte for byte
+    # the screening signals too: one line per step, none twice (timings differ, so not byte for byte)
+    sig_steps = [json.loads(x)["step"] for x in (run_k / proto.SIGNALS_NAME).read_text().splitlines()]
+    assert sig_steps == list(range(STEPS))
     restores = [e for e in proto.read_events(str(run_k)) if e["event"] == "restore"]
     assert len(restores) == 1 and restores[0]["step"] in (0, 10, 20)
     assert restores[0]["step"] <= killed_lines
@@ -147,6 +150,12 @@ def test_cli_reports_config_errors_before_any_work(tmp_path, capsys):
         ({"model": {"top_k": 9}}, r"model.top_k: must be an int in \[1, n_experts=4\], got 9"),
         ({"optimizer": {"b2": 1.5}}, r"optimizer.b2: must be in \[0, 1\), got 1.5"),
         ({"canary": {"stp": 1}}, r"canary: unknown keys \['stp'\]"),
+        ({"canary": {"rows": 9}}, r"canary.rows: must be <= global_batch 8, got 9"),
+        ({"canary_every": -1}, r"canary_every: must be an int >= 0, got -1"),
+        ({"canary_action": "halt"}, r"canary_action: must be one of \['warn', 'stop'\], got 'halt'"),
+        ({"router_health": {"max_share_ratio": 0}}, r"router_health.max_share_ratio: must be >= 1, got 0"),
+        ({"screening": {"cusum_h": -1}}, r"screening.cusum_h: must be > 0, got -1"),
+        ({"model": {"router_bias_rate": -0.1}}, r"model.router_bias_rate: must be >= 0, got -0.1"),
     ],
 )
 def test_run_config_errors_name_the_field(change, match):
@@ -212,3 +221,133 @@ def test_restart_may_append_a_skip_window(tiny, tmp_path):
     assert any(e["event"] == "skip_window_added" and (e["start"], e["end"]) == (40, 44) for e in events)
     assert yaml.safe_load((run_c / "run_config.yaml").read_text())["skip_windows"] == [[3, 4], [40, 44]]
     assert _lines(run_c) == _lines(run_a)
+
+
+def test_every_step_logs_its_screening_signals(tiny):
+    folder, path, cfg, trainer, mesh, run_a, _ = tiny
+    sig = proto.read_signals(str(run_a))
+    fps = proto.read_fingerprints(str(run_a))
+    assert sorted(sig) == list(range(STEPS))
+    for s, x in sig.items():
+        assert np.float32(x.loss).view(np.uint32) == fps[s].loss_bits
+        assert np.float32(x.grad_norm).view(np.uint32) == fps[s].grad_norm_bits
+        assert x.step_time_s > 0 and x.loader_wait_s >= 0 and isinstance(x.loader_occupancy, int)
+        assert sorted(x.devices) == list(range(8)) and len(x.replicas) == 8 and len(x.router) == 2
+        assert sum(r.dot for r in x.replicas) == pytest.approx(x.grad_norm ** 2, rel=1e-4)
+        assert all(sum(layer.expert_share) == pytest.approx(1.0) for layer in x.router)
+
+
+def _canary_run(tiny, tmp_path, name, steps, **over):
+    import dataclasses
+
+    folder, path, cfg, trainer, mesh, run_a, _ = tiny
+    cfg = dataclasses.replace(cfg, canary_every=4, **over)
+    return cfg, trainer, mesh, tmp_path / name
+
+
+def test_periodic_canary_runs_every_n_steps_and_names_a_mismatching_device(tiny, tmp_path):
+    cfg, trainer, mesh, run_dir = _canary_run(tiny, tmp_path, "canary", 10)
+    fault = proto.FaultSpec(step=5, device_id=3, leaf="['layers'][0]['wq']", element=7, bit=0)
+    with pytest.warns(runm.CanaryMismatchWarning, match=r"canary before step 8: device\(s\) \[3\]"):
+        summary = runm.train(str(run_dir), cfg, 10, trainer=trainer, mesh=mesh, log=lambda s: None, canary_fault=fault)
+    recs = proto.read_canary(str(run_dir))
+    assert [(r.step, r.device) for r in recs] == [(s, d) for s in (0, 4, 8) for d in range(8)]
+    assert {r.golden for r in recs if r.step == 0} == {"created"} and {r.golden for r in recs if r.step == 4} == {"matched"}
+    assert [(r.step, r.device) for r in recs if r.status != "ok"] == [(8, 3)]
+    assert {r.status for r in recs if r.step == 8 and r.device == 3} == {"differs_from_golden"}
+    assert len({r.signature for r in recs if r.status == "ok"}) == 1  # bit-identical across devices and time
+    events = [e for e in proto.read_events(str(run_dir)) if e["event"] == "canary_mismatch"]
+    assert [(e["step"], e["devices"], e["verdict"]) for e in events] == [(8, [3], "convicted")]
+    assert summary["stopped"] is None and len(summary["canary_seconds"]) == 3
+    assert sorted(proto.read_fingerprints(str(run_dir))) == list(range(10))  # training went on (warn)
+    golden = json.loads((run_dir / "canary" / "golden.json").read_text())
+    assert len(golden) == 1 and next(iter(golden.values()))["canary"]["program"] == "mesh:data4xexpert2"
+
+
+def test_canary_action_stop_stops_at_the_mismatch_with_a_checkpoint(tiny, tmp_path):
+    cfg, trainer, mesh, run_dir = _canary_run(tiny, tmp_path, "stop", 10, canary_action="stop")
+    fault = proto.FaultSpec(step=3, device_id=6, leaf="['embed']", element=0, bit=0)
+    with pytest.warns(runm.CanaryMismatchWarning):
+        summary = runm.train(str(run_dir), cfg, 10, trainer=trainer, mesh=mesh, log=lambda s: None, canary_fault=fault)
+    assert summary["stopped"]["step"] == 4 and sorted(summary["losses"]) == [0, 1, 2, 3]
+    kinds = [(e["event"], e["step"]) for e in proto.read_events(str(run_dir))]
+    assert ("stopped", 4) in kinds and ("checkpoint", 4) in kinds and kinds[-1] == ("end", 4)
+    assert ckpt.all_steps(str(run_dir / "checkpoints")) == [0, 4]
+
+
+KILL_DURING_SAVE = """
+import os, sys, time
+from orbax.checkpoint._src.path import atomicity
+original = atomicity.AtomicRenameTemporaryPath.finalize
+async def slow_commit(self, *a, **k):
+    if os.path.basename(str(self.get_final())) == "4":  # checkpoint 4: hold its commit back
+        open(sys.argv[1], "w").write("saving")
+        time.sleep(300)
+    return await original(self, *a, **k)
+atomicity.AtomicRenameTemporaryPath.finalize = slow_commit
+from replay.reference.train import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_checkpoint_event_only_after_the_async_save_commits(tiny, tmp_path):
+    """Killed while Orbax's asynchronous save of checkpoint 4 is still committing (its commit is held
+    back): the run went on training, but no `checkpoint` event names 4; resumed, it restores 0."""
+    folder, path, cfg, trainer, mesh, run_a, _ = tiny
+    raw = yaml.safe_load(pathlib.Path(path).read_text())
+    raw["checkpoint_every"] = 4
+    cfg_path = folder / "run_every4.yaml"  # beside the dataset (relative paths)
+    cfg_path.write_text(yaml.safe_dump(raw))
+    run_dir, mark = tmp_path / "run", tmp_path / "saving"
+    script = tmp_path / "kill_during_save.py"
+    script.write_text(KILL_DURING_SAVE)
+    proc = subprocess.Popen([sys.executable, str(script), str(mark), "--run", str(run_dir), "--config", str(cfg_path),
+                             "--steps", "8"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    fp_file = run_dir / proto.FINGERPRINTS_NAME
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        # the save of 4 is in flight and training has moved past it
+        if mark.exists() and fp_file.exists() and fp_file.read_text().count("\n") >= 6:
+            break
+        time.sleep(0.01)
+    events_then = proto.read_events(str(run_dir))
+    os.killpg(proc.pid, signal.SIGKILL)
+    out = proc.communicate()[0].decode()
+    assert proc.returncode == -signal.SIGKILL, out
+    assert [e["step"] for e in events_then if e["event"] == "checkpoint"] == [0]
+    assert [e["step"] for e in proto.read_events(str(run_dir)) if e["event"] == "checkpoint"] == [0]
+    assert not ckpt.is_committed(str(run_dir / "checkpoints"), 4) and ckpt.is_committed(str(run_dir / "checkpoints"), 0)
+    cfg4 = runm.load_run_config(str(cfg_path))
+    runm.train(str(run_dir), cfg4, 8, trainer=trainer, mesh=mesh, log=lambda s: None)
+    events = proto.read_events(str(run_dir))
+    assert [e["step"] for e in events if e["event"] == "restore"] == [0]
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [0, 4, 8]
+    assert all(ckpt.is_committed(str(run_dir / "checkpoints"), s) for s in (0, 4, 8))
+
+
+def test_every_run_config_field_is_documented_and_the_demo_config_comments_each():
+    """docs/trainer.md's "Run config" table names every field; configs/runs/demo.yaml comments each line."""
+    import dataclasses
+
+    from replay.reference.model import ModelConfig
+    from replay.reference.trainer import OptimizerConfig
+    from replay.screening import RouterHealth
+
+    doc = (REPO / "docs" / "trainer.md").read_text()
+    table = doc[doc.index("## Run config"):doc.index("## Determinism")]
+    fields = set(runm._KEYS) - {"loader", "model", "optimizer", "canary", "router_health", "screening"}
+    fields.add("screening.*")
+    fields |= {f"model.{f.name}" for f in dataclasses.fields(ModelConfig)}
+    fields |= {f"optimizer.{f.name}" for f in dataclasses.fields(OptimizerConfig)}
+    fields |= {f"router_health.{f.name}" for f in dataclasses.fields(RouterHealth)}
+    fields |= {"loader.workers", "loader.prefetch", "canary.step", "canary.seed", "canary.rows", "canary.seq_len"}
+    missing = []
+    for f in sorted(fields):
+        head, _, leaf = f.rpartition(".")
+        if f"`{f}`" not in table and not (head and f"`{leaf}`" in table and f"`{head}." in table):
+            missing.append(f)
+    assert missing == [], missing
+    for n, line in enumerate(DEMO_CONFIG.read_text().splitlines(), 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            assert "#" in line, f"configs/runs/demo.yaml:{n} has no comment: {line!r}"

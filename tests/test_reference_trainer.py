@@ -1,13 +1,14 @@
 """The sharded, fingerprinted train step of the reference trainer (8 CPU devices)."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
 import pytest
 
 from replay import fingerprint as fpm
-from replay.protocol import FaultSpec, StepFingerprints, Trainer
+from replay.protocol import DriftSpec, FaultSpec, StepFingerprints, StepSignals, Trainer
 from replay.reference import checkpoint as ckpt
 from replay.reference.testing import random_batch, tiny_model_config
 from replay.reference.trainer import (
@@ -217,3 +218,98 @@ def test_bfloat16_parameters_train_and_take_16_bit_faults(env):
     assert [(d, p) for d in hit.devices for p in hit.devices[d] if hit.devices[d][p] != fp.devices[d][p]] == [(6, leaf)]
     with pytest.raises(FaultSpecError, match=r"fault.bit 16 outside \[0, 16\)"):
         trainer.train_step(state, batch, step=0, fault=dataclasses.replace(fault, bit=16))
+
+
+# ----------------------------------------------------------------------------- screening signals
+
+
+def test_signals_reconcile_with_the_contributions(env):
+    """Per-device norms are those of the local contributions (before the reduction), the
+    per-replica dots sum to the global norm squared, router shares sum to 1 per layer."""
+    trainer, mesh, state, batch, new_state, fp = env
+    per_device, reduced, fp_c = trainer.device_contributions(state, batch, step=3)
+    sig = fp.signals
+    assert sig is not None and sig.step == 3 and sig.loss == fp.router["loss"]
+    assert [r.replica for r in sig.replicas] == list(range(8)) and [r.devices for r in sig.replicas] == [(i,) for i in range(8)]
+    for r in sig.replicas:
+        dev = r.devices[0]
+        host = sum(float(np.sum(np.square(np.asarray(g, np.float64)))) for g in jax.tree_util.tree_leaves(per_device[dev]))
+        assert r.norm_sq == pytest.approx(host, rel=1e-5)
+        assert sig.devices[dev]["norm_sq"] == r.norm_sq and sig.devices[dev]["nonfinite"] == {}
+        dot = sum(float(np.sum(np.asarray(a, np.float64) * np.asarray(b, np.float64)))
+                  for a, b in zip(jax.tree_util.tree_leaves(per_device[dev]), jax.tree_util.tree_leaves(reduced)))
+        assert r.dot == pytest.approx(dot, rel=1e-4, abs=1e-9)
+    # sum_r <g_r, g> = ||g||^2: the per-replica figures combine to the global norm
+    assert sum(r.dot for r in sig.replicas) == pytest.approx(sig.grad_norm ** 2, rel=1e-5)
+    assert np.float32(sig.grad_norm).view(np.uint32) == fp.grad_norm_bits
+    # and the norms of the contributions are not the global norm's parts (cross terms): measured
+    assert sum(r.norm_sq for r in sig.replicas) != pytest.approx(sig.grad_norm ** 2, rel=1e-3)
+    assert len(sig.router) == trainer.model.n_layers
+    for layer in sig.router:
+        assert sum(layer.expert_share) == pytest.approx(1.0, abs=1e-12) and len(layer.expert_share) == 4
+        assert 0 <= layer.dropped_fraction < 1 and 0 < layer.entropy <= np.log(4) + 1e-6
+        assert layer.z_loss > 0 and layer.aux_loss > 0 and np.isfinite(layer.max_logit)
+    # the per-layer figures add up to the step's aggregate ones
+    agg = fp.router
+    assert np.mean([r.z_loss for r in sig.router]) == pytest.approx(agg["z_loss"], rel=1e-6)
+    assert np.mean([r.aux_loss for r in sig.router]) == pytest.approx(agg["load_balance_loss"], rel=1e-6)
+    back = StepSignals.from_dict(json.loads(sig.to_json()))
+    assert back == sig
+
+
+def test_a_drift_scales_one_device_contribution_without_recompiling(env):
+    trainer, mesh, state, batch, new_state, fp = env
+    step_fn = trainer._step_fn(mesh, B)
+    before = step_fn._cache_size()
+    _, hit = trainer.train_step(state, batch, step=3, fault=DriftSpec(device_id=5, start=2, magnitude=0.25))
+    base = {r.devices[0]: r.norm_sq for r in fp.signals.replicas}
+    got = {r.devices[0]: r.norm_sq for r in hit.signals.replicas}
+    assert got[5] == pytest.approx(base[5] * 1.25 ** 2, rel=1e-5)
+    assert all(got[d] == base[d] for d in base if d != 5)  # the others' contributions, bit for bit
+    assert [d for d in fp.devices if hit.devices[d] != fp.devices[d]] == [5]
+    _, bias = trainer.train_step(state, batch, step=3, fault=DriftSpec(device_id=2, start=0, magnitude=0.5, kind="bias"))
+    assert bias.signals.replicas[2].norm_sq > base[2] and bias.signals.replicas[3].norm_sq == base[3]
+    _, late = trainer.train_step(state, batch, step=3, fault=DriftSpec(device_id=2, start=4, magnitude=0.5))
+    assert late.bits_equal(fp)  # not active yet
+    # a flip and a drift together, as a list (an intermittent fault plus a persistent one)
+    flip = FaultSpec(step=3, device_id=1, leaf="['embed']", element=0, bit=30)
+    _, both = trainer.train_step(state, batch, step=3, fault=[flip, DriftSpec(device_id=5, start=0, magnitude=0.25)])
+    assert {d for d in fp.devices if both.devices[d] != fp.devices[d]} == {1, 5}
+    assert step_fn._cache_size() == before
+    with pytest.raises(FaultSpecError, match=r"at most one bit flip and one drift per step"):
+        trainer.train_step(state, batch, step=3, fault=[flip, flip])
+
+
+def test_canary_program_agrees_across_devices_and_names_a_faulty_one(env):
+    trainer, mesh, state, batch, _, _ = env
+    params = trainer.init_params(mesh, 1234)
+    rows = {k: v[:1] for k, v in batch.items()}
+    a = trainer.canary_fingerprints(params, rows)
+    assert sorted(a) == list(range(8)) and len({json.dumps(v, sort_keys=True) for v in a.values()}) == 1
+    assert trainer.canary_fingerprints(params, rows) == a  # across time
+    leaf = "['layers'][0]['wq']"
+    hit = trainer.canary_fingerprints(params, rows, FaultSpec(step=0, device_id=6, leaf=leaf, element=1, bit=0))
+    assert [d for d in hit if hit[d] != a[d]] == [6] and [p for p in hit[6] if hit[6][p] != a[6][p]] == [leaf]
+
+
+def test_public_functions_work_inside_the_runs_own_set_mesh(env, tmp_path):
+    """google/orbax#3164-like: inside ``jax.set_mesh(mesh)`` shard_map refused a one-device mesh."""
+    trainer, mesh, state, batch, new_state, fp = env
+    devs = sorted(jax.devices(), key=lambda d: d.id)
+    outside = trainer.single_device_fingerprints(state, batch, devs[2])
+    mngr = ckpt.manager(str(tmp_path))
+    ckpt.save(mngr, 3, state, {"next_step": 3})
+    mngr.wait_until_finished()
+    mngr.close()
+    with jax.set_mesh(mesh):
+        fresh = trainer.init_state(mesh, seed=0)
+        assert _bits(fresh) == _bits(state)
+        _, again = trainer.train_step(state, batch, step=3)
+        assert again.bits_equal(fp)
+        per, _, _ = trainer.device_contributions(state, batch, step=3)
+        assert sorted(per) == list(range(8))
+        assert trainer.single_device_fingerprints(state, batch, devs[2]) == outside
+        assert trainer.local_gradients(state, batch, devs[3])[2] == outside
+        assert len(trainer.canary_fingerprints(trainer.init_params(mesh, 1), {k: v[:1] for k, v in batch.items()})) == 8
+        restored, _ = ckpt.restore(str(tmp_path), 3, trainer.abstract_state(mesh))
+        assert _bits(restored) == _bits(state)

@@ -75,7 +75,7 @@ def test_bad_usage_exit_codes_and_messages(run_dir, run_copy, tmp_path, capsys):
         (["--run", run_dir, "--steps", "1:2", "--devices", "0-2"], ExitCode.USAGE,
          "leaves 3 device(s) [0, 1, 2], but the run's mesh needs 4"),
         (["--run", run_dir, "--steps", "1:2", "--devices", "12"], ExitCode.USAGE, "no device with id [12]"),
-        (["--run", run_dir, "--steps", "1:2", "--devices", "suspect"], ExitCode.USAGE, "no device is quarantined"),
+        (["--run", run_dir, "--steps", "1:2", "--devices", "suspect"], ExitCode.USAGE, "no device is held suspect"),
         (["--run", run_copy, "--steps", "1:2"], ExitCode.RUN_ERROR, "no checkpoint at or before step 1"),
         (["--run", run_dir, "--steps", "1:2", "--tolerance", "2"], ExitCode.USAGE, "--tolerance must be in (0, 1)"),
         (["--run", run_dir, "--steps", "1:2", "--repeats", "0"], ExitCode.USAGE, "--repeats must be >= 1"),

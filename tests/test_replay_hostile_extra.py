@@ -262,7 +262,7 @@ def test_golden_updates_are_atomic_and_keep_concurrent_entries(tmp_path):
 
     def add(i):
         barrier.wait()
-        canary._update_golden(path, f"key{i}", {"signature": f"s{i}"}, reset=False)
+        canary.update_golden(path, f"key{i}", {"signature": f"s{i}"}, reset=False)
 
     threads = [threading.Thread(target=add, args=(i,)) for i in range(8)]
     for t in threads:
@@ -274,8 +274,8 @@ def test_golden_updates_are_atomic_and_keep_concurrent_entries(tmp_path):
     assert sorted(os.listdir(tmp_path / "canary")) == [".golden.json.lock", "golden.json"]
     _write(path, "{torn")
     with pytest.raises(runlog.RunDirError, match="pass --reset-golden"):
-        canary._update_golden(path, "k", {"signature": "s"}, reset=False)
-    canary._update_golden(path, "k", {"signature": "s"}, reset=True)
+        canary.update_golden(path, "k", {"signature": "s"}, reset=False)
+    canary.update_golden(path, "k", {"signature": "s"}, reset=True)
     assert canary.read_golden(path) == {"k": {"signature": "s"}}
 
 

@@ -48,7 +48,7 @@ def test_select_devices(spec, quarantine, want):
         ("0,x", (), 1, "bad device id 'x'"),
         ("9", (), 1, "no device with id [9]; device ids are [0, 1, 2, 3, 4, 5, 6, 7]"),
         ("process:2", (), 1, "no process [2]; processes are [0, 1]"),
-        ("suspect", (), 1, "no device is quarantined"),
+        ("suspect", (), 1, "no device is held suspect"),
         ("good", (0, 1, 2, 3, 4), 4, "leaves 3 device(s) [5, 6, 7], but the run's mesh needs 4"),
         ("0-2", (), 4, "needs 4"),
     ],

@@ -189,3 +189,15 @@ def quiet_aborted_reads() -> None:
     hook._quiet_aborted_reads = True
     sys.excepthook = hook
 
+
+
+def is_committed(directory: str, step: int) -> bool:
+    """Whether checkpoint ``step`` under ``directory`` has committed (Orbax's own test,
+    ``orbax.checkpoint.path.step.is_path_finalized``: on a local file system the temporary
+    ``<step>.orbax-checkpoint-tmp-*`` folder has been renamed to ``<step>``; on object stores
+    ``<step>/commit_success.txt`` exists). A save still in flight, or one killed or failed
+    before its commit, is not committed."""
+    path = os.path.join(directory, str(step))
+    if not os.path.isdir(path):
+        return False
+    return bool(ocp.path.step.is_path_finalized(path))

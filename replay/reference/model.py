@@ -80,6 +80,13 @@ class ModelConfig:
       capacity_factor: > 0; ``C = max(1, ceil(capacity_factor * S * R / E))``.
       aux_loss_weight: weight of the load-balancing loss, >= 0.
       z_loss_weight: weight of the router z-loss, >= 0.
+      router_bias_rate: loss-free load balancing (DeepSeek-V3, Liu et al. 2024, sec. 2.1.2; Wang
+        et al. 2024, "Auxiliary-loss-free load balancing"): per layer a per-expert bias ``b`` is
+        added to the router logits for the top-R *choice* only (gates stay the unbiased
+        probabilities; DeepSeek-V3 adds it to sigmoid affinities, the logits are a softmax
+        router's additive scale), and after every step ``b_e += rate * (mean_e' n_e' - n_e) / mean_e' n_e'``
+        with ``n_e`` the step's assignments to expert ``e`` (:func:`router_bias_update`). >= 0; 0
+        turns it off (the bias stays 0).
       param_dtype: ``"float32"`` or ``"bfloat16"`` (parameters, activations and gradients;
         router, softmax, norms and loss are float32 either way).
       rope_theta: rotary base, > 0.
@@ -97,6 +104,7 @@ class ModelConfig:
     capacity_factor: float = 1.25
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 1e-3
+    router_bias_rate: float = 0.0
     param_dtype: str = "float32"
     rope_theta: float = 10000.0
     init_std: float = 0.02
@@ -117,6 +125,7 @@ class ModelConfig:
         need(self.capacity_factor > 0, "capacity_factor", "> 0")
         need(self.aux_loss_weight >= 0, "aux_loss_weight", ">= 0")
         need(self.z_loss_weight >= 0, "z_loss_weight", ">= 0")
+        need(self.router_bias_rate >= 0, "router_bias_rate", ">= 0")
         need(self.param_dtype in ("float32", "bfloat16"), "param_dtype", "'float32' or 'bfloat16'")
         need(self.rope_theta > 0, "rope_theta", "> 0")
         need(self.init_std > 0, "init_std", "> 0")
@@ -219,14 +228,31 @@ def _attention(p, x, segment_ids, positions, cfg: ModelConfig):
     return jnp.einsum("bqhk,hkd->bqd", out, p["wo"])
 
 
-def _moe(p, x, valid, cfg: ModelConfig):
-    """MoE feed-forward. x: [B, S, D]; valid: bool [B, S] (routed tokens). Returns (y, stats)."""
+def _moe(p, x, valid, cfg: ModelConfig, bias=None):
+    """MoE feed-forward of one layer.
+
+    Args:
+      p: the layer's ``router`` [D, E], ``w_in`` [E, D, F], ``w_out`` [E, F, D].
+      x: [B, S, D]; valid: bool [B, S] (routed tokens).
+      bias: float32 [E] added to the router logits for the top-R choice only (loss-free
+        balancing, ``ModelConfig.router_bias_rate``), or None.
+
+    Returns:
+      ``(y [B, S, D], stats)``; stats (float32 scalars unless said, sums over this device's
+      rows): ``lb_sum``, ``z_sum``, ``entropy_sum``, ``tokens`` (routed tokens), ``assigned``
+      [E] (assignments before capacity), ``dropped`` (assignments past capacity),
+      ``max_logit`` (largest router logit of a routed token; -inf when none).
+    """
     B, S, _ = x.shape
     E, R = cfg.n_experts, cfg.top_k
     C = cfg.capacity(S)
     logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), p["router"].astype(jnp.float32))
     probs = jax.nn.softmax(logits, axis=-1)  # [B, S, E] float32
-    gate, idx = jax.lax.top_k(probs, R)  # [B, S, R]
+    if bias is None:
+        gate, idx = jax.lax.top_k(probs, R)  # [B, S, R]
+    else:  # the bias decides which experts, never how much (DeepSeek-V3 eq. 16), in logit units
+        _, idx = jax.lax.top_k(logits + bias.astype(jnp.float32), R)
+        gate = jnp.take_along_axis(probs, idx, axis=-1)
     gate = gate / jnp.sum(gate, axis=-1, keepdims=True)
     assign = jax.nn.one_hot(idx, E, dtype=jnp.int32) * valid[:, :, None, None].astype(jnp.int32)  # [B,S,R,E]
     # Slot of each assignment in its expert: rank-major, then position (GShard priority).
@@ -277,39 +303,40 @@ def _moe(p, x, valid, cfg: ModelConfig):
         "tokens": jnp.sum(validf),
         "assigned": jnp.sum(counts, axis=0),  # [E]
         "dropped": jnp.sum((assigned - kept).astype(jnp.float32)),
+        "max_logit": jnp.max(jnp.where(valid[..., None], logits, -jnp.inf)),
     }
     return y, stats
 
 
-def forward(params, batch: Mapping[str, jnp.ndarray], cfg: ModelConfig):
+def forward(params, batch: Mapping[str, jnp.ndarray], cfg: ModelConfig, router_bias=None):
     """Runs the decoder.
 
     Args:
       params: from :func:`init_params`.
       batch: ``inputs``, ``inputs_segmentation``, ``inputs_position``: int32 [B, S].
+      router_bias: float32 [L, E], the loss-free balancing bias of each layer, or None.
 
     Returns:
-      ``(logits, stats)``: logits float32 [B, S, V]; stats: per-layer sums (float32
-      scalars, ``assigned`` float32 [E]) summed over layers: ``lb_sum``, ``z_sum``,
-      ``entropy_sum``, ``tokens``, ``assigned``, ``dropped``.
+      ``(logits, stats)``: logits float32 [B, S, V]; stats: the :func:`_moe` figures of each
+      layer stacked on a leading layer axis (float32 [L], ``assigned`` [L, E]).
     """
     tokens = batch["inputs"]
     seg = batch["inputs_segmentation"]
     pos = batch["inputs_position"]
     x = jnp.take(params["embed"], tokens, axis=0)
     valid = seg != 0
-    totals = None
-    for p in params["layers"]:
+    per_layer = []
+    for i, p in enumerate(params["layers"]):
         x = x + _attention(p, _rms_norm(x, p["attn_norm"]), seg, pos, cfg)
-        y, stats = _moe(p, _rms_norm(x, p["moe_norm"]), valid, cfg)
+        y, stats = _moe(p, _rms_norm(x, p["moe_norm"]), valid, cfg, None if router_bias is None else router_bias[i])
         x = x + y
-        totals = stats if totals is None else jax.tree_util.tree_map(jnp.add, totals, stats)
+        per_layer.append(stats)
     x = _rms_norm(x, params["final_norm"])
     logits = jnp.einsum("bsd,dv->bsv", x, params["unembed"], preferred_element_type=jnp.float32)
-    return logits, totals
+    return logits, jax.tree_util.tree_map(lambda *v: jnp.stack(v), *per_layer)
 
 
-def local_loss(params, batch, cfg: ModelConfig, total_tokens, total_rows):
+def local_loss(params, batch, cfg: ModelConfig, total_tokens, total_rows, router_bias=None):
     """One device's contribution to the global loss (module docstring).
 
     Args:
@@ -317,25 +344,49 @@ def local_loss(params, batch, cfg: ModelConfig, total_tokens, total_rows):
       total_tokens: float32 scalar, target tokens (``targets_segmentation != 0``) in the
         *global* batch; clamped to >= 1.
       total_rows: float32 scalar, rows in the global batch.
+      router_bias: float32 [L, E] (loss-free balancing) or None.
 
     Returns:
       ``(loss_contribution, aux)``: float32 scalar
-      ``ce_sum / N + aux_w * lb_sum / (rows * L) + z_w * z_sum / (N * L)``, and ``aux``
-      with ``ce_sum`` and the :func:`forward` stats.
+      ``ce_sum / N + aux_w * lb_sum / (rows * L) + z_w * z_sum / (N * L)`` (``lb_sum`` and
+      ``z_sum`` summed over layers), and ``aux`` with ``ce_sum`` and the per-layer
+      :func:`forward` stats.
     """
-    logits, stats = forward(params, batch, cfg)
+    logits, stats = forward(params, batch, cfg, router_bias)
     logp = jax.nn.log_softmax(logits, axis=-1)
     tgt = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
     mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
     ce_sum = -jnp.sum(tgt * mask)
     n = jnp.maximum(total_tokens, 1.0)
     L = float(cfg.n_layers)
+    lb_sum, z_sum = stats["lb_sum"][0], stats["z_sum"][0]
+    for i in range(1, cfg.n_layers):  # layer order, as a running sum
+        lb_sum, z_sum = lb_sum + stats["lb_sum"][i], z_sum + stats["z_sum"][i]
     loss = (
         ce_sum / n
-        + cfg.aux_loss_weight * stats["lb_sum"] / (total_rows * L)
-        + cfg.z_loss_weight * stats["z_sum"] / (n * L)
+        + cfg.aux_loss_weight * lb_sum / (total_rows * L)
+        + cfg.z_loss_weight * z_sum / (n * L)
     )
     return loss, dict(stats, ce_sum=ce_sum)
+
+
+def router_bias_update(bias, assigned, rate: float):
+    """Loss-free balancing update: ``bias + rate * (mean(assigned) - assigned) / mean(assigned)``.
+
+    DeepSeek-V3 (sec. 2.1.2) moves each bias by ``rate * sign(load error)``. Here the error is taken
+    in relative units instead of its sign (proportional control): measured on the reference model,
+    whose router probabilities stay close to uniform early in training, sign steps of a fixed size
+    flip the choice of every token at once and the load oscillates between experts from step to
+    step; a step proportional to the error shrinks as the load balances.
+
+    Args:
+      bias: float32 [L, E]; assigned: float32 [L, E], the step's global assignments per expert.
+
+    Returns:
+      float32 [L, E]: an overloaded expert's bias goes down, an underloaded one's up.
+    """
+    mean = jnp.mean(assigned, axis=-1, keepdims=True)
+    return bias + jnp.float32(rate) * (mean - assigned) / jnp.maximum(mean, 1.0)
 
 
 def count_target_tokens(batch) -> jnp.ndarray:

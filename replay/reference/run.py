@@ -16,13 +16,25 @@ Run config (YAML; relative paths are resolved against the config file's folder):
     checkpoint_every: 10                   # Orbax checkpoint every K steps (and at 0 and the end)
     skip_windows: [[100, 119]]             # inclusive training-step windows whose data is skipped
     loader: {workers: 0, prefetch: 2}      # Grain worker processes and prefetch depth
-    canary: {step: 0, seed: 1234}          # canary batch = the batch of this step;
+    canary: {step: 0, seed: 1234, rows: 1, seq_len: null}  # canary batch = the first rows (and slots)
+                                           # of the batch of this step;
                                            # canary weights = fresh init from this seed
+    canary_every: 10                       # periodic canary every N steps on every device (0: off)
+    canary_action: warn                    # on a canary mismatch: warn (event, warning) or stop
+    router_health: {max_dropped_fraction: 0.01, max_share_ratio: 3.0, warmup_steps: 10}
+    screening: {}                          # replay.screening.ScreeningConfig overrides (replay scan)
+
+The full reference table of the fields is in docs/trainer.md ("Run config").
 
 The loop (:func:`train`) writes the run directory of ``replay.protocol``; killed at any
 point and started again with the same arguments it resumes from the last complete
-checkpoint, drops fingerprint lines from that step on, and continues: the resulting
-``fingerprints.jsonl`` equals an uninterrupted run's.
+checkpoint, drops fingerprint, signal and canary lines from that step on, and continues: the
+resulting ``fingerprints.jsonl`` equals an uninterrupted run's. Each step it appends the step's
+fingerprints and its screening signals (``signals.jsonl``: loss, step time, loader wait and
+buffer occupancy, per-replica and per-device gradient norms, non-finite counts, per-layer router
+health); every ``canary_every`` steps the periodic canary (one ``canary.jsonl`` line per device,
+a ``canary_mismatch`` event when a device disagrees); a ``checkpoint`` event only once Orbax has
+committed that checkpoint (saves are asynchronous: a kill during a save leaves no event for it).
 """
 
 from __future__ import annotations
@@ -39,11 +51,13 @@ import yaml
 from replay import protocol as proto
 from replay.reference.model import ModelConfig
 from replay.reference.trainer import OptimizerConfig
+from replay.screening import RouterHealth, ScreeningConfig
 
 _KEYS = {
     "name", "mixture", "dataset", "global_batch", "seed", "mesh", "model", "optimizer", "checkpoint_every",
-    "skip_windows", "loader", "canary",
+    "skip_windows", "loader", "canary", "canary_every", "canary_action", "router_health", "screening",
 }
+CANARY_ACTIONS = ("warn", "stop")
 _REQUIRED = ("name", "mixture", "dataset", "global_batch")
 
 
@@ -53,10 +67,15 @@ class RunConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CanaryConfig:
-    """Attributes: step (int >= 0: whose batch is the canary batch), seed (int >= 0: canary weights)."""
+    """Attributes: step (int >= 0: whose batch is the canary batch), seed (int >= 0: canary weights),
+    rows (int >= 1: rows of that batch the periodic canary runs; ``replay canary`` takes ``--rows``),
+    seq_len (int >= 2 or None: the periodic canary keeps the first ``seq_len`` slots of each row, a
+    valid packed prefix, to cost less; None: whole rows)."""
 
     step: int = 0
     seed: int = 1234
+    rows: int = 1
+    seq_len: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,6 +95,10 @@ class RunConfig:
     loader_workers: int = 0
     loader_prefetch: int = 2
     canary: CanaryConfig = CanaryConfig()
+    canary_every: int = 0
+    canary_action: str = "warn"
+    router_health: RouterHealth = RouterHealth()
+    screening: ScreeningConfig = ScreeningConfig()
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         """The model config, ``vocab_size`` from the manifest unless the run config sets it.
@@ -104,6 +127,10 @@ class RunConfig:
             "skip_windows": [list(w) for w in self.skip_windows],
             "loader": {"workers": self.loader_workers, "prefetch": self.loader_prefetch},
             "canary": dataclasses.asdict(self.canary),
+            "canary_every": self.canary_every,
+            "canary_action": self.canary_action,
+            "router_health": self.router_health.to_dict(),
+            "screening": self.screening.to_dict(),
         }
 
 
@@ -159,15 +186,27 @@ def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConf
     if bad:
         raise RunConfigError(f"loader: unknown keys {bad}; allowed: ['prefetch', 'workers']")
     canary_raw = dict(raw.get("canary", {}) or {})
-    bad = sorted(set(canary_raw) - {"step", "seed"})
+    bad = sorted(set(canary_raw) - {"step", "seed", "rows", "seq_len"})
     if bad:
-        raise RunConfigError(f"canary: unknown keys {bad}; allowed: ['seed', 'step']")
+        raise RunConfigError(f"canary: unknown keys {bad}; allowed: ['rows', 'seed', 'seq_len', 'step']")
+    canary_seq = canary_raw.get("seq_len")
+    if canary_seq is not None:
+        canary_seq = _int(canary_seq, "canary.seq_len", 2)
+    action = raw.get("canary_action", "warn")
+    if action not in CANARY_ACTIONS:
+        raise RunConfigError(f"canary_action: must be one of {list(CANARY_ACTIONS)}, got {action!r}")
     model = dict(raw.get("model", {}) or {})
     try:
         ModelConfig.from_dict({"vocab_size": 2, **model} if "vocab_size" not in model else model)
         opt = OptimizerConfig.from_dict(dict(raw.get("optimizer", {}) or {}))
+        health = RouterHealth.from_dict(raw.get("router_health"))
+        screening = ScreeningConfig.from_dict(raw.get("screening"))
     except (ValueError, TypeError) as e:
         raise RunConfigError(str(e)) from None
+    global_batch = _int(raw["global_batch"], "global_batch", 1)
+    canary_rows = _int(canary_raw.get("rows", 1), "canary.rows", 1)
+    if canary_rows > global_batch:
+        raise RunConfigError(f"canary.rows: must be <= global_batch {global_batch}, got {canary_rows}")
     name = raw["name"]
     if not isinstance(name, str) or not name:
         raise RunConfigError(f"name: must be a non-empty string, got {name!r}")
@@ -175,7 +214,7 @@ def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConf
         name=name,
         mixture=path("mixture"),
         dataset=path("dataset"),
-        global_batch=_int(raw["global_batch"], "global_batch", 1),
+        global_batch=global_batch,
         seed=_int(raw.get("seed", 0), "seed", 0),
         mesh=tuple(mesh),
         model=model,
@@ -185,8 +224,13 @@ def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConf
         loader_workers=_int(loader.get("workers", 0), "loader.workers", 0),
         loader_prefetch=_int(loader.get("prefetch", 2), "loader.prefetch", 0),
         canary=CanaryConfig(
-            step=_int(canary_raw.get("step", 0), "canary.step", 0), seed=_int(canary_raw.get("seed", 1234), "canary.seed", 0)
+            step=_int(canary_raw.get("step", 0), "canary.step", 0), seed=_int(canary_raw.get("seed", 1234), "canary.seed", 0),
+            rows=canary_rows, seq_len=canary_seq,
         ),
+        canary_every=_int(raw.get("canary_every", 0), "canary_every", 0),
+        canary_action=action,
+        router_health=health,
+        screening=screening,
     )
 
 
@@ -246,8 +290,13 @@ class RunDir:
         return True
 
     def truncate_fingerprints(self, before_step: int) -> int:
-        """Keeps only lines with ``step < before_step`` (atomic rewrite); returns lines dropped."""
-        path = self.file(proto.FINGERPRINTS_NAME)
+        """Keeps only lines of fingerprints.jsonl with ``step < before_step``; returns lines dropped."""
+        return self.truncate_log(proto.FINGERPRINTS_NAME, before_step)
+
+    def truncate_log(self, name: str, before_step: int) -> int:
+        """Keeps only lines of the step log ``name`` with ``step < before_step`` (atomic rewrite; a
+        torn line is dropped); returns lines dropped."""
+        path = self.file(name)
         if not os.path.exists(path):
             return 0
         keep, dropped = [], 0
@@ -271,8 +320,13 @@ class RunDir:
         return dropped
 
     def append_fingerprints(self, fp: proto.StepFingerprints) -> None:
-        with open(self.file(proto.FINGERPRINTS_NAME), "a", encoding="utf-8") as f:
-            f.write(fp.to_json() + "\n")
+        proto.append_line(self.file(proto.FINGERPRINTS_NAME), fp.to_json())
+
+    def append_signals(self, signals: proto.StepSignals) -> None:
+        proto.append_line(self.file(proto.SIGNALS_NAME), signals.to_json())
+
+    def append_canary(self, record: proto.CanaryRecord) -> None:
+        proto.append_line(self.file(proto.CANARY_NAME), record.to_json())
 
 
 def _write_config(path: str, cfg: Mapping[str, Any]) -> None:
@@ -374,6 +428,74 @@ def _phase_index(data, step: int) -> int:
     return idx
 
 
+class CanaryMismatchWarning(UserWarning):
+    """The periodic canary found a device that disagrees with the others or with the golden value."""
+
+
+class PeriodicCanary:
+    """The periodic canary of a training run (``canary_every``): the fixed canary batch (the first
+    ``canary.rows`` rows of the batch of ``canary.step``) and fixed weights (a fresh init from
+    ``canary.seed``) through forward and backward on every device of the run at once
+    (``ReferenceTrainer.canary_fingerprints``), judged by ``replay.canary.decide_canary`` against
+    the golden value of this environment in ``<run>/canary/golden.json`` (created from the majority
+    of the devices by the first canary of the environment).
+
+    Each run appends one :class:`replay.protocol.CanaryRecord` per device to ``canary.jsonl``; a
+    device that disagrees is a ``canary_mismatch`` event (naming it) and a
+    :class:`CanaryMismatchWarning`.
+    """
+
+    def __init__(self, cfg: RunConfig, trainer, mesh, rd: "RunDir", env: Mapping[str, Any]):
+        from replay import canary as cn
+
+        host = canary_batch(cfg, mesh)
+        self.batch = {k: v[: cfg.canary.rows, : cfg.canary.seq_len] for k, v in host.items()}
+        self.trainer, self.rd = trainer, rd
+        self.params = trainer.init_params(mesh, cfg.canary.seed)
+        shape = "x".join(f"{a}{n}" for a, n in zip(mesh.axis_names, mesh.devices.shape))
+        if cfg.canary.seq_len is not None:
+            shape += f"-seq{self.batch['inputs'].shape[1]}"
+        self.spec = cn.CanarySpec(step=cfg.canary.step, rows=cfg.canary.rows, weights=f"init:{cfg.canary.seed}",
+                                  batch_sha256=cn.batch_sha256(self.batch), program=f"mesh:{shape}")
+        self.env_key = cn.environment_key(self.spec, env)
+        self.golden_path = rd.file(cn.GOLDEN_DEFAULT)
+        cn.read_golden(self.golden_path)  # a corrupt golden file is reported before training starts
+
+    def run(self, step: int, fault=None):
+        """Runs the canary before ``step``; returns ``(CanaryDecision, seconds)``."""
+        import time
+        import warnings
+
+        from replay import canary as cn
+        from replay.verdict import Verdict
+
+        t0 = time.perf_counter()
+        fps = self.trainer.canary_fingerprints(self.params, self.batch, fault)
+        seconds = time.perf_counter() - t0
+        results = [cn.DeviceResult(d, (cn.fingerprints_signature(f),), f) for d, f in fps.items()]
+        golden = (cn.read_golden(self.golden_path).get(self.env_key) or {}).get("signature")
+        decision = cn.decide_canary(results, golden)
+        if decision.golden_status == "created":
+            try:
+                cn.update_golden(self.golden_path, self.env_key,
+                                 {"signature": decision.reference, "canary": self.spec.to_dict(),
+                                  "created_from": f"majority of {len(results)} device(s) at step {step}"})
+            except OSError as e:  # the verdict stands; the next canary tries again
+                decision = dataclasses.replace(decision, golden_status="created-not-saved",
+                                               explanation=f"{decision.explanation} (golden not saved: {e})")
+        for r in results:
+            self.rd.append_canary(proto.CanaryRecord(
+                step=step, device=r.id, signature=r.signatures[0], status=decision.statuses[r.id],
+                golden=decision.golden_status, canary=self.spec.name, seconds=round(seconds, 6)))
+        if decision.verdict is not Verdict.ACQUITTED:
+            devices = list(decision.odd_devices) or sorted(decision.statuses)
+            self.rd.event("canary_mismatch", step, devices=devices, verdict=decision.verdict.value,
+                          statuses={str(k): v for k, v in decision.statuses.items()}, canary=self.spec.name,
+                          explanation=decision.explanation)
+            warnings.warn(CanaryMismatchWarning(f"canary before step {step}: {decision.explanation}"), stacklevel=2)
+        return decision, seconds
+
+
 def train(
     run_dir: str,
     cfg: RunConfig,
@@ -382,6 +504,8 @@ def train(
     trainer=None,
     mesh=None,
     log: Optional[Callable[[str], None]] = None,
+    faults: Any = None,
+    canary_fault: Any = None,
 ) -> dict[str, Any]:
     """Trains until global step ``steps`` (exclusive), resuming from the run directory's last checkpoint.
 
@@ -393,14 +517,21 @@ def train(
       trainer, mesh: a prepared :class:`ReferenceTrainer` and its mesh (tests reuse the
         compiled step); default from ``cfg``.
       log: progress lines (default: stderr).
+      faults: a drill (``replay drill --scenario``): passed to every ``trainer.train_step`` as its
+        ``fault`` (``FaultSpec``/``DriftSpec`` or a list of them; each fires at its own steps).
+      canary_fault: a drill: a ``FaultSpec`` whose bit is flipped in its device's canary gradient
+        at every periodic canary from step ``canary_fault.step`` on.
 
     Returns:
-      ``{"start": first step run, "end": steps, "losses": {step: loss}}``.
+      ``{"start": first step run, "end": steps, "losses": {step: loss}, "stopped": None or
+      {"step", "reason"}, "canary_seconds": [seconds of each periodic canary]}``.
 
     Raises:
       RunConfigError: ``cfg`` does not fit the run directory, or ``steps`` < 0.
       loader errors (``DatasetError``, ``ResumeError``) as raised by ``loader.build``.
     """
+    import time
+
     from replay.env import compare_environment, record_environment
     from replay.reference import checkpoint as ckpt
 
@@ -414,6 +545,7 @@ def train(
     rd.drop_torn_event()
     env = record_environment(mesh)
     env_path = rd.file(proto.ENV_NAME)
+    step_logs = (proto.FINGERPRINTS_NAME, proto.SIGNALS_NAME, proto.CANARY_NAME)
 
     latest = ckpt.latest_step(rd.checkpoints)
     loader_state = None
@@ -422,7 +554,8 @@ def train(
             json.dump(env, f, indent=1, sort_keys=True)
         state = trainer.init_state(mesh, cfg.seed)
         start = 0
-        rd.truncate_fingerprints(0)
+        for name in step_logs:
+            rd.truncate_log(name, 0)
         rd.event("start", 0, name=cfg.name, steps=steps, mesh=dict(zip(mesh.axis_names, mesh.devices.shape)))
     else:
         recorded = {}
@@ -447,22 +580,51 @@ def train(
         _write_config(rd.file(proto.RUN_CONFIG_NAME), cfg.to_dict())
     if latest is not None:
         dropped = rd.truncate_fingerprints(start)
+        for name in step_logs[1:]:
+            rd.truncate_log(name, start)
         rd.event("restore", start, checkpoint=latest, dropped_fingerprint_lines=dropped,
                  env_differences=compare_environment(recorded, env), skip_windows_changed=grown)
     for ev in data.events:  # e.g. a skip window appended on restore
         name = "skip_window_added" if ev.get("event") == "skip_window" else f"loader_{ev.get('event', 'event')}"
         rd.event(name, ev.get("step", start), **{k: v for k, v in ev.items() if k not in ("event", "step")})
+    canary = PeriodicCanary(cfg, trainer, mesh, rd, env) if cfg.canary_every and start < steps else None
 
     mngr = ckpt.manager(rd.checkpoints)
+    pending: list[int] = []  # checkpoints saved (asynchronously), not yet known to have committed
+
+    def save(step_: int) -> None:
+        ckpt.save(mngr, step_, state, data.state().to_dict())
+        pending.append(step_)
+
+    def commit_events(wait: bool) -> None:
+        """A ``checkpoint`` event for each pending save that has committed (Orbax's commit: the
+        temporary folder renamed, or commit_success.txt written), ``checkpoint_failed`` for one that
+        finished without committing; with ``wait``, waits for the saves in flight first."""
+        if not pending:
+            return
+        if wait:
+            mngr.wait_until_finished()
+        elif mngr.is_saving_in_progress():
+            return
+        for s_ in pending:
+            if ckpt.is_committed(rd.checkpoints, s_):
+                rd.event("checkpoint", s_)
+            else:
+                rd.event("checkpoint_failed", s_)
+        pending.clear()
+
     if latest is None:
-        ckpt.save(mngr, 0, state, data.state().to_dict())
-        rd.event("checkpoint", 0)
+        save(0)
     losses: dict[int, float] = {}
+    canary_seconds: list[float] = []
+    stopped = None
     phase = _phase_index(data, start) if start < steps else None
     windows = {a: b for a, b in cfg.skip_windows}
+    finished = False
     try:
         if start < steps:
             for step, batch in data.iterate(start):
+                metrics = data.metrics()
                 p = _phase_index(data, step)
                 if p != phase:
                     rd.event("phase_change", step, phase=p, from_data_step=data.schedule.phases[p].from_step)
@@ -470,21 +632,47 @@ def train(
                 if step in windows:
                     rd.event("skipped_window", step, start=step, end=windows[step],
                              data_step=data.schedule.data_step(step))
-                state, fp = trainer.train_step(state, batch, step)
+                if canary is not None and step % cfg.canary_every == 0:
+                    hit = canary_fault if canary_fault is not None and step >= canary_fault.step else None
+                    decision, seconds = canary.run(step, hit)
+                    canary_seconds.append(seconds)
+                    if decision.verdict.value != "acquitted":
+                        log(f"WARNING: canary before step {step}: {decision.explanation}")
+                        if cfg.canary_action == "stop":
+                            if step not in pending and not ckpt.is_committed(rd.checkpoints, step):
+                                save(step)
+                            stopped = {"step": step, "reason": decision.explanation}
+                            rd.event("stopped", step, reason="canary_mismatch", devices=list(decision.odd_devices))
+                            break
+                t0 = time.perf_counter()
+                state, fp = trainer.train_step(state, batch, step, faults)
+                dt = time.perf_counter() - t0
                 rd.append_fingerprints(fp)
+                if fp.signals is not None:
+                    rd.append_signals(dataclasses.replace(
+                        fp.signals, step_time_s=round(dt, 6), loader_wait_s=round(float(metrics["wait_s_last_step"]), 6),
+                        loader_occupancy=int(metrics["prefetch_occupancy"])))
                 losses[step] = fp.router["loss"]
-                log(f"step {step} loss {fp.router['loss']:.4f} dropped {fp.router['dropped_fraction']:.3f}")
+                dropped_max = max((r.dropped_fraction for r in fp.signals.router), default=fp.router["dropped_fraction"]) \
+                    if fp.signals is not None else fp.router["dropped_fraction"]
+                log(f"step {step} loss {fp.router['loss']:.4f} dropped {dropped_max:.3f} ({dt:.2f} s)")
                 nxt = step + 1
                 if nxt % cfg.checkpoint_every == 0 or nxt == steps:
-                    ckpt.save(mngr, nxt, state, data.state().to_dict())
-                    rd.event("checkpoint", nxt)
+                    save(nxt)
+                commit_events(wait=False)
                 if nxt >= steps:
                     break
-        mngr.wait_until_finished()
+        commit_events(wait=True)
+        finished = True
     finally:
-        mngr.close()
-    rd.event("end", max(start, steps))
-    return {"start": start, "end": steps, "losses": losses}
+        try:
+            mngr.close()  # waits for a save in flight
+            commit_events(wait=False)
+        except Exception:  # noqa: BLE001
+            if finished:
+                raise  # else already failing: the original error is the one to see
+    rd.event("end", max(start, steps) if stopped is None else stopped["step"])
+    return {"start": start, "end": steps, "losses": losses, "stopped": stopped, "canary_seconds": canary_seconds}
 
 
 def canary_batch(cfg: RunConfig, mesh) -> dict[str, Any]:

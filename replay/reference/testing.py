@@ -17,6 +17,14 @@ from replay.reference.model import ModelConfig
 TINY_MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "head_dim": 8, "n_experts": 4, "top_k": 2, "d_ff": 32}
 
 
+def benchmark_model_config(**overrides: Any) -> ModelConfig:
+    """The demo-size model of the cost benchmarks (``benchmarks/fingerprint.py``'s sizes: 3.2 M
+    parameters, vocabulary 8000, d_model 128, 2 layers, 8 experts top-2, capacity factor 1.25)."""
+    sizes = dict(vocab_size=8000, d_model=128, n_layers=2, n_heads=4, head_dim=32, n_experts=8, top_k=2, d_ff=256,
+                 capacity_factor=1.25)
+    return ModelConfig(**{**sizes, **overrides})
+
+
 def tiny_model_config(vocab_size: int = 128, **overrides: Any) -> ModelConfig:
     """The test-size model (about 30k parameters)."""
     return ModelConfig(vocab_size=vocab_size, **{**TINY_MODEL, **overrides})
@@ -84,8 +92,11 @@ def write_tiny_run(
     phases: Sequence[tuple[int, Mapping[str, float]]] = ((10, {"a": 0.2, "b": 0.8}),),
     mesh: Optional[Mapping[str, int]] = None,
     model: Optional[Mapping[str, Any]] = None,
+    extra: Optional[Mapping[str, Any]] = None,
 ) -> str:
     """Writes a synthetic packed dataset (``loader.testing``), its mixture YAML and a run config.
+
+    ``extra``: further run config fields (e.g. ``{"canary_every": 5}``), written as given.
 
     Returns:
       the run config path ``<folder>/run.yaml`` (dataset in ``<folder>/dataset``).
@@ -111,6 +122,7 @@ def write_tiny_run(
         "skip_windows": [list(w) for w in skip_windows],
         "loader": {"workers": workers, "prefetch": 2},
         "canary": {"step": 0, "seed": 1234},
+        **dict(extra or {}),
     }
     path = os.path.join(folder, "run.yaml")
     with open(path, "w", encoding="utf-8") as f:

@@ -4,7 +4,8 @@
 
 ``--steps`` is the step to stop at (total): after a kill, the same command resumes from
 the last complete checkpoint and finishes the same run. Thin over
-:func:`replay.reference.run.train`.
+:func:`replay.reference.run.train`. Exit codes: 0 done, 2 a config, data or file error, 3 stopped
+by a canary mismatch (``canary_action: stop``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 2
     losses = summary["losses"]
+    if summary.get("stopped"):
+        stop = summary["stopped"]
+        print(f"stopped before step {stop['step']} (canary_action: stop): {stop['reason']}; a checkpoint was "
+              f"saved at step {stop['step']}: run 'replay scan --run {args.run}' and quarantine the device",
+              file=sys.stderr)
+        return 3
     if losses:
         first, last = min(losses), max(losses)
         print(f"trained steps {summary['start']}..{summary['end'] - 1}: loss {losses[first]:.4f} -> {losses[last]:.4f}")

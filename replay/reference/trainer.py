@@ -41,8 +41,23 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from replay import fingerprint as fpm
-from replay.protocol import CHECKPOINTS_DIR, FaultSpec, StepFingerprints
-from replay.reference.model import BATCH_KEYS, ModelConfig, count_target_tokens, init_params, local_loss
+from replay.protocol import (
+    CHECKPOINTS_DIR,
+    DriftSpec,
+    FaultSpec,
+    ReplicaNorm,
+    RouterLayerStats,
+    StepFingerprints,
+    StepSignals,
+)
+from replay.reference.model import (
+    BATCH_KEYS,
+    ModelConfig,
+    count_target_tokens,
+    init_params,
+    local_loss,
+    router_bias_update,
+)
 
 DEFAULT_AXES = ("data", "expert")
 EXPERT_LEAVES = ("w_in", "w_out")
@@ -166,15 +181,23 @@ class ReferenceTrainer:
       fingerprints: compute fingerprints in the step (``False``: the plain step, for the
         overhead benchmark and the no-interference test; ``StepFingerprints`` then carry
         only loss, gradient-norm bits and the batch hash).
+      signals: compute the screening signals (:class:`replay.protocol.StepSignals`: per-device
+        and per-replica gradient norms before the reduction, non-finite counts per leaf and
+        device, per-layer router health) in the step; default: as ``fingerprints``, so that
+        ``fingerprints=False`` is the plain step with none of the instrumentation.
 
-    The train state is a dict ``{"params": ..., "opt_state": ...}`` of global ``jax.Array``.
+    The train state is a dict ``{"params": ..., "opt_state": ..., "router_bias": float32 [L, E]}``
+    of global ``jax.Array`` (``router_bias``: the loss-free balancing bias, zeros unless
+    ``model.router_bias_rate > 0``).
     """
 
-    def __init__(self, model: ModelConfig, optimizer: OptimizerConfig = OptimizerConfig(), *, fingerprints: bool = True):
+    def __init__(self, model: ModelConfig, optimizer: OptimizerConfig = OptimizerConfig(), *, fingerprints: bool = True,
+                 signals: Optional[bool] = None):
         self.model = model
         self.optimizer_config = optimizer
         self.optimizer = optimizer.build()
         self.fingerprints = fingerprints
+        self.signals = fingerprints if signals is None else bool(signals)
         abstract = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
         self.leaf_paths = leaf_paths(abstract)
         flat = jax.tree_util.tree_leaves(abstract)
@@ -205,13 +228,18 @@ class ReferenceTrainer:
             self.optimizer, lambda _, s: s, abstract_opt, psh,
             transform_non_params=lambda _: NamedSharding(mesh, P()),
         )
-        return {"params": psh, "opt_state": osh}
+        return {"params": psh, "opt_state": osh, "router_bias": NamedSharding(mesh, P())}
 
     def abstract_state(self, mesh: Mesh) -> dict[str, Any]:
         """``jax.ShapeDtypeStruct`` tree of the state with shardings (an Orbax restore target)."""
         sh = self.state_shardings(mesh)
-        shapes = {"params": self._abstract_params, "opt_state": jax.eval_shape(self.optimizer.init, self._abstract_params)}
+        shapes = {"params": self._abstract_params, "opt_state": jax.eval_shape(self.optimizer.init, self._abstract_params),
+                  "router_bias": jax.ShapeDtypeStruct(self._bias_shape, jnp.float32)}
         return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, sh)
+
+    @property
+    def _bias_shape(self) -> tuple[int, int]:
+        return (self.model.n_layers, self.model.n_experts)
 
     @staticmethod
     def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -223,9 +251,20 @@ class ReferenceTrainer:
     def init_state(self, mesh: Mesh, seed: int) -> dict[str, Any]:
         """Fresh parameters from ``jax.random.key(seed)`` and AdamW state, placed on ``mesh``."""
         sh = self.state_shardings(mesh)
-        params = jax.jit(lambda k: init_params(self.model, k), out_shardings=sh["params"])(jax.random.key(seed))
-        opt_state = jax.jit(self.optimizer.init, out_shardings=sh["opt_state"])(params)
-        return {"params": params, "opt_state": opt_state}
+        params = self.init_params(mesh, seed)
+        key = ("opt_init", mesh)
+        if key not in self._compiled:
+            self._compiled[key] = jax.jit(self.optimizer.init, out_shardings=sh["opt_state"])
+        opt_state = self._compiled[key](params)
+        bias = jax.device_put(np.zeros(self._bias_shape, np.float32), sh["router_bias"])
+        return {"params": params, "opt_state": opt_state, "router_bias": bias}
+
+    def init_params(self, mesh: Mesh, seed: int) -> Any:
+        """The parameters of :meth:`init_state` alone (canary weights need no optimizer state)."""
+        key = ("init", mesh)
+        if key not in self._compiled:  # compiled once per mesh (a run per seed reuses it)
+            self._compiled[key] = jax.jit(lambda k: init_params(self.model, k), out_shardings=self.param_shardings(mesh))
+        return self._compiled[key](jax.random.key(seed))
 
     def restore(self, run_dir: str, step: int, mesh: Mesh) -> tuple[dict[str, Any], Mapping[str, Any]]:
         """Restores, read-only, the checkpoint of ``step`` under ``<run_dir>/checkpoints`` onto ``mesh``.
@@ -260,92 +299,166 @@ class ReferenceTrainer:
             raise FaultSpecError(f"fault.device_id {fault.device_id} not in the mesh's devices {sorted(mesh_ids)}")
         return np.asarray([1, fault.device_id, i, fault.element, fault.bit], np.int32)
 
+    def drift_array(self, drift: Optional[DriftSpec], step: int, mesh_ids: Sequence[int]) -> np.ndarray:
+        """``float32[4] = [enabled, device_id, kind (0 scale, 1 bias), magnitude]`` for the traced
+        drift input; ``enabled`` is 1 when ``drift`` is given and active at ``step``.
+
+        Raises:
+          FaultSpecError: the device is not in the mesh.
+        """
+        if drift is None or not drift.active(step):
+            return np.zeros(4, np.float32)
+        if drift.device_id not in mesh_ids:
+            raise FaultSpecError(f"drift.device_id {drift.device_id} not in the mesh's devices {sorted(mesh_ids)}")
+        return np.asarray([1, drift.device_id, 0 if drift.kind == "scale" else 1, drift.magnitude], np.float32)
+
+    @staticmethod
+    def split_faults(fault: Any, step: Optional[int]) -> tuple[Optional[FaultSpec], Optional[DriftSpec]]:
+        """The bit flip firing at ``step`` and the drift active there, from ``fault``: a
+        :class:`FaultSpec`, a :class:`DriftSpec`, a sequence of them (an intermittent fault: flips
+        at several steps), or None. ``step`` None: the first flip, whatever its step."""
+        items = [] if fault is None else list(fault) if isinstance(fault, (list, tuple)) else [fault]
+        flips = [f for f in items if isinstance(f, FaultSpec) and (step is None or f.step == step)]
+        drifts = [f for f in items if isinstance(f, DriftSpec) and (step is None or f.active(step))]
+        bad = [f for f in items if not isinstance(f, (FaultSpec, DriftSpec))]
+        if bad:
+            raise FaultSpecError(f"a fault must be a FaultSpec or a DriftSpec, got {type(bad[0]).__name__}")
+        if len(flips) > 1 or len(drifts) > 1:
+            raise FaultSpecError(f"at most one bit flip and one drift per step; step {step} has "
+                                 f"{len(flips)} and {len(drifts)}")
+        return (flips[0] if flips else None), (drifts[0] if drifts else None)
+
     def _inject(self, grads, fault, device_id):
         leaves, treedef = jax.tree_util.tree_flatten(grads)
         hit_dev = (fault[0] == 1) & (fault[1] == device_id)
         out = [fpm.flip_bit(g, fault[3], fault[4], hit_dev & (fault[2] == i)) for i, g in enumerate(leaves)]
         return jax.tree_util.tree_unflatten(treedef, out)
 
+    @staticmethod
+    def _drift(grads, drift, device_id):
+        """Applies the traced drift (``drift_array``) on its device; a ``lax.cond``, so the healthy
+        step computes nothing for it."""
+
+        def hit(gs):
+            m = drift[3]
+
+            def one(g):
+                gf = g.astype(jnp.float32)
+                rms = jnp.sqrt(jnp.mean(gf * gf))
+                return jnp.where(drift[2] == 0, gf * (1.0 + m), gf + m * rms).astype(g.dtype)
+
+            return jax.tree_util.tree_map(one, gs)
+
+        on = (drift[0] == 1) & (drift[1] == device_id.astype(jnp.float32))
+        return jax.lax.cond(on, hit, lambda gs: gs, grads)
+
+    @staticmethod
+    def _linear_index(mesh: Mesh):
+        """Inside ``shard_map``: this device's row-major position in ``mesh`` (traced int32)."""
+        lin = 0
+        for a in mesh.axis_names:
+            lin = lin * mesh.shape[a] + jax.lax.axis_index(a)
+        return lin
+
     def _step_fn(self, mesh: Mesh, global_batch: int, keep_local: bool = False):
-        key = ("step", mesh, global_batch, self.fingerprints, keep_local)
+        key = ("step", mesh, global_batch, self.fingerprints, self.signals, keep_local)
         if key in self._compiled:
             return self._compiled[key]
         axes = tuple(mesh.axis_names)
         n_dev = mesh.size
         dev_table = jnp.asarray([d.id for d in mesh.devices.reshape(-1)], jnp.int32)
         cfg = self.model
-        with_fp = self.fingerprints
+        with_fp, with_sig = self.fingerprints, self.signals
+        rate = cfg.router_bias_rate
         opt = self.optimizer
 
-        def linear_index():
-            lin = 0
-            for a in axes:
-                lin = lin * mesh.shape[a] + jax.lax.axis_index(a)
-            return lin
-
-        def per_device(params, batch, fault, total_tokens, total_rows):
+        def per_device(params, bias, batch, fault, drift, total_tokens, total_rows):
             (loss_c, aux), grads = jax.value_and_grad(local_loss, has_aux=True)(
-                params, batch, cfg, total_tokens, total_rows
+                params, batch, cfg, total_tokens, total_rows, bias if rate > 0 else None
             )
             out = {}
+            if with_fp or with_sig:
+                dev = dev_table[self._linear_index(mesh)]
+                grads = self._drift(self._inject(grads, fault, dev), drift, dev)
+            local = jax.tree_util.tree_leaves(grads)
             if with_fp:
-                lin = linear_index()
-                grads = self._inject(grads, fault, dev_table[lin])
-                out["devices"] = jnp.stack([fpm.fingerprint(g, counts=False) for g in jax.tree_util.tree_leaves(grads)])[None]
+                out["devices"] = jnp.stack([fpm.fingerprint(g, counts=False) for g in local])[None]
+            if with_sig:  # the local contribution, before the reduction: float32 sums of squares
+                sq = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in local])
+                out["dev_norm_sq"] = jnp.sum(sq)[None]
+                out["dev_nonfinite"] = jnp.stack([jnp.sum(~jnp.isfinite(g), dtype=jnp.int32) for g in local])[None]
             if keep_local:
                 out["local_grads"] = jax.tree_util.tree_map(lambda g: g[None], grads)
             grads = jax.lax.psum(grads, axes)
             if keep_local:
                 out["reduced_grads"] = grads
+            if with_sig:  # <g_d, g>: sums over devices to ||g||^2
+                dots = [jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32))
+                        for a, b in zip(local, jax.tree_util.tree_leaves(grads))]
+                out["dev_dot"] = jnp.sum(jnp.stack(dots))[None]
             if with_fp:
                 # each device fingerprints one row block of the reduced gradient; the
                 # uint32 partials add up to the whole leaf's fingerprint
+                lin = self._linear_index(mesh)
                 parts = [fpm.fingerprint_row_block(g, lin, n_dev) for g in jax.tree_util.tree_leaves(grads)]
                 out["leaves"] = jax.lax.psum(jnp.stack(parts), axes)
             out["loss"] = jax.lax.psum(loss_c, axes)
-            out["stats"] = jax.lax.psum(aux, axes)
+            out["stats"] = jax.lax.psum({k: v for k, v in aux.items() if k != "max_logit"}, axes)
+            out["max_logit"] = jax.lax.pmax(aux["max_logit"], axes)
             return grads, out
 
-        out_specs_extra = {"loss": P(), "stats": P()}
+        out_specs_extra = {"loss": P(), "stats": P(), "max_logit": P()}
         if with_fp:
             out_specs_extra.update(devices=P(axes), leaves=P())
+        if with_sig:
+            out_specs_extra.update(dev_norm_sq=P(axes), dev_nonfinite=P(axes), dev_dot=P(axes))
         if keep_local:
             out_specs_extra.update(local_grads=P(axes), reduced_grads=P())
         sharded = jax.shard_map(
             per_device,
             mesh=mesh,
-            in_specs=(P(), P(axes), P(), P(), P()),
+            in_specs=(P(), P(), P(axes), P(), P(), P(), P()),
             out_specs=(P(), out_specs_extra),
             check_vma=False,  # grads of replicated params stay local until our psum
         )
 
-        def step(state, batch, fault):
+        def step(state, batch, fault, drift):
             batch = {k: batch[k] for k in BATCH_KEYS}
             total_tokens = count_target_tokens(batch)
             # Rows as a traced value, as local_gradients passes it (XLA may compile a
             # constant divisor as a multiply by its reciprocal, which rounds differently).
             total_rows = jnp.asarray(batch["inputs"].shape[0], jnp.float32) + fault[0].astype(jnp.float32) * 0
-            grads, out = sharded(state["params"], batch, fault, total_tokens, total_rows)
+            grads, out = sharded(state["params"], state["router_bias"], batch, fault, drift, total_tokens, total_rows)
             grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree_util.tree_leaves(grads)))
             updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
+            bias = state["router_bias"]
+            if rate > 0:
+                bias = router_bias_update(bias, out["stats"]["assigned"], rate)
             out["grad_norm"] = grad_norm
             out["batch"] = fpm.fingerprint(batch["inputs"])
-            return {"params": params, "opt_state": opt_state}, out
+            return {"params": params, "opt_state": opt_state, "router_bias": bias}, out
 
         st_sh = self.state_shardings(mesh)
         b_sh = self.batch_sharding(mesh)
         rep = NamedSharding(mesh, P())
         fn = jax.jit(
             step,
-            in_shardings=(st_sh, {k: b_sh for k in BATCH_KEYS}, rep),
+            in_shardings=(st_sh, {k: b_sh for k in BATCH_KEYS}, rep, rep),
             out_shardings=(st_sh, rep),
         )
         self._compiled[key] = fn
         return fn
 
+    def _fault_inputs(self, fault: Any, step: int, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        flip, drift = self.split_faults(fault, step)
+        fault_arr, drift_arr = self.fault_array(flip, step, ids), self.drift_array(drift, step, ids)
+        if (fault_arr[0] or drift_arr[0]) and not (self.fingerprints or self.signals):
+            raise FaultSpecError("fault injection needs a trainer built with fingerprints or signals")
+        return fault_arr, drift_arr
+
     def device_contributions(
-        self, state: Mapping[str, Any], batch: Mapping[str, Any], step: int, fault: Optional[FaultSpec] = None
+        self, state: Mapping[str, Any], batch: Mapping[str, Any], step: int, fault: Any = None
     ) -> tuple[dict[int, Any], Any, StepFingerprints]:
         """Runs :meth:`train_step`'s program with each device's local gradient and the reduced
         gradient as extra outputs (no update is kept).
@@ -362,26 +475,31 @@ class ReferenceTrainer:
         mesh = jax.tree_util.tree_leaves(state["params"])[0].sharding.mesh
         ids = [int(d.id) for d in mesh.devices.reshape(-1)]
         rows = int(batch["inputs"].shape[0])
-        fault_arr = self.fault_array(fault, step, ids)
-        _, out = self._step_fn(mesh, rows, keep_local=True)(state, batch, fault_arr)
+        fault_arr, drift_arr = self._fault_inputs(fault, step, ids)
+        _, out = self._step_fn(mesh, rows, keep_local=True)(state, batch, fault_arr, drift_arr)
         out = jax.device_get(out)
         local, reduced = out.pop("local_grads"), out.pop("reduced_grads")
         per = {dev: jax.tree_util.tree_map(lambda g, r=r: g[r], local) for r, dev in enumerate(ids)}
         return per, reduced, self._to_fingerprints(step, out, ids, device_coords(mesh), rows)
 
     def train_step(
-        self, state: Mapping[str, Any], batch: Mapping[str, Any], step: int, fault: Optional[FaultSpec] = None
+        self, state: Mapping[str, Any], batch: Mapping[str, Any], step: int, fault: Any = None
     ) -> tuple[dict[str, Any], StepFingerprints]:
         """One AdamW step on the global ``batch``; returns ``(new_state, fingerprints)``.
 
         Args:
-          state: ``{"params", "opt_state"}`` on a mesh from :func:`make_mesh`.
+          state: ``{"params", "opt_state", "router_bias"}`` on a mesh from :func:`make_mesh`.
           batch: the six int32 ``[global_batch, seq_len]`` arrays of
             ``replay.reference.model.BATCH_KEYS`` (global ``jax.Array`` or NumPy);
             ``global_batch`` must divide by the device count.
           step: the global step (recorded; selects whether ``fault`` fires).
-          fault: a drill: flips the named bit in device ``fault.device_id``'s local gradient
-            before the reduction when ``fault.step == step``.
+          fault: a drill (``split_faults``): a :class:`FaultSpec` flips the named bit in device
+            ``fault.device_id``'s local gradient before the reduction when ``fault.step == step``;
+            a :class:`DriftSpec` changes that device's local gradient while it is active; a
+            list of them combines (e.g. flips at several steps).
+
+        The fingerprints' ``signals`` (when the trainer computes them) hold the step's
+        :class:`StepSignals` without timings (the training loop adds those).
 
         Raises:
           ValueError: batch keys missing, or rows not divisible by the device count.
@@ -395,24 +513,50 @@ class ReferenceTrainer:
         if rows % mesh.size:
             raise ValueError(f"global batch {rows} must be a multiple of the device count {mesh.size}")
         ids = [int(d.id) for d in mesh.devices.reshape(-1)]
-        fault_arr = self.fault_array(fault, step, ids)
-        if fault_arr[0] and not self.fingerprints:
-            raise FaultSpecError("fault injection needs a trainer built with fingerprints=True")
-        new_state, out = self._step_fn(mesh, rows)(state, batch, fault_arr)
+        fault_arr, drift_arr = self._fault_inputs(fault, step, ids)
+        new_state, out = self._step_fn(mesh, rows)(state, batch, fault_arr, drift_arr)
         out = jax.device_get(out)
         return new_state, self._to_fingerprints(step, out, ids, device_coords(mesh), rows)
 
+    def _router_layers(self, out, rows) -> tuple[RouterLayerStats, ...]:
+        st = out["stats"]
+        layers = []
+        for i in range(self.model.n_layers):
+            assigned = np.asarray(st["assigned"][i], np.float64)
+            total = float(assigned.sum())
+            tokens = max(float(st["tokens"][i]), 1.0)
+            layers.append(RouterLayerStats(
+                entropy=float(st["entropy_sum"][i]) / tokens,
+                expert_share=tuple(float(a / total) if total else 0.0 for a in assigned),
+                dropped_fraction=float(st["dropped"][i]) / total if total else 0.0,
+                max_logit=float(out["max_logit"][i]),
+                z_loss=float(st["z_sum"][i]) / tokens,
+                aux_loss=float(st["lb_sum"][i]) / rows,
+            ))
+        return tuple(layers)
+
+    def _signals(self, step, out, ids, rows) -> StepSignals:
+        devices, replicas = {}, []
+        for r, dev in enumerate(ids):
+            counts = out["dev_nonfinite"][r]
+            devices[dev] = {"norm_sq": float(out["dev_norm_sq"][r]),
+                            "nonfinite": {p: int(counts[i]) for i, p in enumerate(self.leaf_paths) if counts[i]}}
+            replicas.append(ReplicaNorm(replica=r, devices=(dev,), norm_sq=float(out["dev_norm_sq"][r]),
+                                        dot=float(out["dev_dot"][r])))
+        return StepSignals(step=int(step), loss=float(out["loss"]), grad_norm=float(out["grad_norm"]),
+                           replicas=tuple(replicas), devices=devices, router=self._router_layers(out, rows))
+
     def _to_fingerprints(self, step, out, ids, coords, rows) -> StepFingerprints:
         stats = out["stats"]
-        assigned = np.asarray(stats["assigned"], np.float64)
+        assigned = np.asarray(stats["assigned"], np.float64).sum(axis=0)
         total_assigned = float(assigned.sum())
-        tokens = max(float(stats["tokens"]), 1.0)
+        tokens = max(float(np.sum(stats["tokens"])), 1.0)
         router = {
             "expert_share": [float(a / total_assigned) if total_assigned else 0.0 for a in assigned],
-            "dropped_fraction": float(stats["dropped"]) / total_assigned if total_assigned else 0.0,
-            "entropy": float(stats["entropy_sum"]) / tokens,
-            "z_loss": float(stats["z_sum"]) / tokens,
-            "load_balance_loss": float(stats["lb_sum"]) / (rows * self.model.n_layers),
+            "dropped_fraction": float(np.sum(stats["dropped"])) / total_assigned if total_assigned else 0.0,
+            "entropy": float(np.sum(stats["entropy_sum"])) / tokens,
+            "z_loss": float(np.sum(stats["z_sum"])) / tokens,
+            "load_balance_loss": float(np.sum(stats["lb_sum"])) / (rows * self.model.n_layers),
             "loss": float(out["loss"]),
         }
         leaves, devices = {}, {}
@@ -431,7 +575,63 @@ class ReferenceTrainer:
             devices=devices,
             router=router,
             device_coords=coords,
+            signals=self._signals(step, out, ids, rows) if "dev_norm_sq" in out else None,
         )
+
+    # ------------------------------------------------------------------ canary
+
+    def _canary_fn(self, mesh: Mesh, rows: int):
+        """jit(shard_map) over the run's mesh: every device computes the gradient of the same
+        (replicated) canary batch with the same weights and fingerprints it: one program, all
+        devices at once, so healthy devices agree bit for bit."""
+        key = ("canary", mesh, rows)
+        if key in self._compiled:
+            return self._compiled[key]
+        axes = tuple(mesh.axis_names)
+        dev_table = jnp.asarray([d.id for d in mesh.devices.reshape(-1)], jnp.int32)
+        cfg = self.model
+
+        def per_device(params, batch, fault, total_tokens, total_rows):
+            (_, _), grads = jax.value_and_grad(local_loss, has_aux=True)(params, batch, cfg, total_tokens, total_rows)
+            grads = self._inject(grads, fault, dev_table[self._linear_index(mesh)])
+            return jnp.stack([fpm.fingerprint(g, counts=False) for g in jax.tree_util.tree_leaves(grads)])[None]
+
+        sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), P(), P()), out_specs=P(axes),
+                                check_vma=False)
+
+        def fn(params, batch, fault):
+            batch = {k: batch[k] for k in BATCH_KEYS}
+            total_rows = jnp.asarray(rows, jnp.float32) + fault[0].astype(jnp.float32) * 0
+            return sharded(params, batch, fault, count_target_tokens(batch), total_rows)
+
+        rep = NamedSharding(mesh, P())
+        self._compiled[key] = jax.jit(fn, in_shardings=(self.param_shardings(mesh), {k: rep for k in BATCH_KEYS}, rep),
+                                      out_shardings=rep)
+        return self._compiled[key]
+
+    def canary_fingerprints(self, params: Any, batch: Mapping[str, Any], fault: Optional[FaultSpec] = None
+                            ) -> dict[int, dict[str, int]]:
+        """Forward and backward of the whole canary ``batch`` on *every* device of ``params``'s
+        mesh at once (no update): ``{device id: {leaf path: 64-bit fingerprint}}``.
+
+        Args:
+          params: the canary weights (e.g. :meth:`init_params`), on the run's mesh.
+          batch: the six int32 ``[rows, S]`` arrays (host NumPy), replicated to every device.
+          fault: a drill: flips its bit in device ``fault.device_id``'s canary gradient
+            (``fault.step`` ignored).
+
+        Healthy devices of one kind give identical values (one SPMD program on identical
+        inputs, no collective inside); a device that computes wrong bits does not. The values
+        are those of this program: they need not equal :meth:`single_device_fingerprints`'.
+        """
+        mesh = jax.tree_util.tree_leaves(params)[0].sharding.mesh
+        ids = [int(d.id) for d in mesh.devices.reshape(-1)]
+        rows = int(np.asarray(batch["inputs"]).shape[0])
+        fault_arr = self.fault_array(fault, None, ids) if fault is not None else np.zeros(5, np.int32)
+        host = {k: np.asarray(batch[k], np.int32) for k in BATCH_KEYS}
+        fps = np.asarray(jax.device_get(self._canary_fn(mesh, rows)(params, host, fault_arr)))
+        return {dev: {p: fpm.fingerprint_int(fps[r, i]) for i, p in enumerate(self.leaf_paths)}
+                for r, dev in enumerate(ids)}
 
     # ------------------------------------------------------------------ single device
 
@@ -459,7 +659,7 @@ class ReferenceTrainer:
             batch = {k: batch[k] for k in BATCH_KEYS}
             return sharded(params, batch, fault, total_tokens, total_rows)
 
-        self._compiled[key] = jax.jit(fn)
+        self._compiled[key] = (jax.jit(fn), mesh1)
         return self._compiled[key]
 
     def local_gradients(
@@ -502,10 +702,14 @@ class ReferenceTrainer:
             total_rows = int(np.asarray(batch["inputs"]).shape[0])
         fault_arr = self.fault_array(fault, None, [device.id]) if fault is not None and fault.device_id == device.id \
             else np.zeros(5, np.int32)
-        grads, loss, fps = self._local_grad_fn(device)(
-            params, b, jax.device_put(fault_arr, device),
-            jax.device_put(np.float32(total_tokens), device), jax.device_put(np.float32(total_rows), device),
-        )
+        fn, mesh1 = self._local_grad_fn(device)
+        # Its own one-device mesh as the context mesh: inside a caller's ``jax.set_mesh(run mesh)``
+        # shard_map would otherwise refuse a mesh that is not the context's.
+        with jax.set_mesh(mesh1):
+            grads, loss, fps = fn(
+                params, b, jax.device_put(fault_arr, device),
+                jax.device_put(np.float32(total_tokens), device), jax.device_put(np.float32(total_rows), device),
+            )
         fps = np.asarray(fps)
         return grads, float(loss), {p: fpm.fingerprint_int(fps[i]) for i, p in enumerate(self.leaf_paths)}
 

@@ -1,0 +1,520 @@
+"""``replay scan``: screen a run from its logs alone (no recompute) and rank the suspects.
+
+Reads the run directory (``replay.runlog.load_run``: run config, env, events, fingerprints) and
+the screening logs ``signals.jsonl`` and ``canary.jsonl`` (``replay.protocol``), runs the checks
+below, and returns a :class:`ScanReport`: every check's status (``found``, ``clear`` or ``not
+available`` with the reason: a missing signal is never "clear"), the ranked suspects, and the
+range replay to run next. Statistics live in ``replay.screening`` (pure); this module gathers the
+numbers and words the findings::
+
+    check         signal                                   suspect
+    canary        canary.jsonl: a device's signature       the device, from its first mismatching canary
+                  differs from the others' / the golden
+    nonfinite     signals.jsonl devices[d].nonfinite       the device whose local gradient had NaN/Inf
+                  (fingerprints.jsonl: reduced gradient)   while others had none (all devices: the run)
+    norm_spike    replica norms, |robust z| > spike_z      the replica's devices, at that step
+                  or a non-finite norm
+    norm_drift    replica norms, robust CUSUM              the replica's devices, from the change's onset
+    router        signals.jsonl router[layer]              the layer (dropped fraction or an expert's share
+                  vs run config router_health               out of bounds after warm-up)
+    loss_spike    loss (fingerprints.jsonl loss bits)      the run (unless an event explains it: a phase
+                                                            change, skip window or restore at that step)
+    loader_stall  signals.jsonl loader_wait_s              the loader (a wait above stall_fraction of the
+                                                            median step time; a start or restore excepted)
+
+Suspects are ranked by the strength of their best evidence's kind, in the order of the table
+(a bit-exact canary disagreement first), then by strength. ``suspect_devices`` (written to
+``<run>/suspects.json``) are the devices of device and replica suspects: ``--devices suspect``
+picks them (with ``quarantine.txt``), ``--devices good`` leaves them out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+from replay import protocol as proto
+from replay import screening as sc
+from replay.runlog import RunDirError, RunLog
+
+CHECKS = ("canary", "nonfinite", "norm_spike", "norm_drift", "router", "loss_spike", "loader_stall")
+DEVICE_CHECKS = ("canary", "nonfinite", "norm_spike", "norm_drift")
+EXPLAINING_EVENTS = ("phase_change", "skipped_window", "skip_window_added", "restore", "start")
+STRENGTH_CAP = 1e6  # a non-finite score is reported as this
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    """One check's finding about one subject."""
+
+    check: str
+    first_step: int
+    last_step: int
+    strength: float
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"check": self.check, "first_step": self.first_step, "last_step": self.last_step,
+                "strength": _num(self.strength), "detail": self.detail}
+
+
+@dataclasses.dataclass(frozen=True)
+class Suspect:
+    """A ranked suspect: a device (or replica), a router layer, the loader or the run.
+
+    Attributes:
+      kind: ``"device"``, ``"replica"`` (several devices), ``"layer"``, ``"loader"`` or ``"run"``.
+      subject: e.g. ``"device 3"``, ``"layer 1"``.
+      devices: the device ids it implicates (empty unless device or replica).
+      first_step: the earliest step of its evidence.
+      strength: its strongest evidence's strength (>= 1 means at or past that check's threshold).
+      evidence: every finding about it, strongest kind first.
+    """
+
+    kind: str
+    subject: str
+    devices: tuple[int, ...]
+    first_step: int
+    strength: float
+    evidence: tuple[Evidence, ...]
+
+    def rank_key(self) -> tuple:
+        best = min(CHECKS.index(e.check) for e in self.evidence)
+        return (best, -self.strength, self.first_step, self.subject)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "subject": self.subject, "devices": list(self.devices),
+                "first_step": self.first_step, "strength": _num(self.strength),
+                "evidence": [e.to_dict() for e in self.evidence]}
+
+
+def _num(v: float) -> Any:
+    return None if v is None else (round(float(v), 4) if math.isfinite(v) else STRENGTH_CAP)
+
+
+@dataclasses.dataclass
+class ScanReport:
+    """What ``replay scan`` found (``to_dict`` is the JSON report and ``suspects.json``)."""
+
+    run_dir: str
+    steps: tuple[int, int]
+    checks: dict[str, dict[str, str]]
+    suspects: list[Suspect]
+    explained: list[dict[str, Any]]
+    suggestion: Optional[str]
+    figures: dict[str, Any]
+    series: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    limits: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def suspect_devices(self) -> list[int]:
+        return sorted({d for s in self.suspects if s.kind in ("device", "replica") for d in s.devices})
+
+    @property
+    def exit_code(self) -> int:
+        from replay.verdict import ExitCode
+
+        return int(ExitCode.SUSPECTS if self.suspects else ExitCode.CLEAN)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "scan", "run": self.run_dir, "steps": {"start": self.steps[0], "stop": self.steps[1]},
+            "verdict": "suspects" if self.suspects else "clean", "exit_code": self.exit_code,
+            "suspect_devices": self.suspect_devices,
+            "suspects": [dict(s.to_dict(), rank=i + 1) for i, s in enumerate(self.suspects)],
+            "checks": self.checks, "explained": self.explained, "suggested_replay": self.suggestion,
+            "figures": self.figures, "limits": self.limits,
+        }
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_screening_logs(run_dir: str) -> tuple[Optional[dict[int, proto.StepSignals]], Optional[list[proto.CanaryRecord]]]:
+    """``(signals or None, canary records or None)``: None where the file is absent.
+
+    Raises:
+      RunDirError: a file is unreadable or has a malformed line (other than a torn last line).
+    """
+    out = []
+    for name, reader in ((proto.SIGNALS_NAME, proto.read_signals), (proto.CANARY_NAME, proto.read_canary)):
+        path = os.path.join(run_dir, name)
+        if not os.path.exists(path):
+            out.append(None)
+            continue
+        try:
+            out.append(reader(run_dir))
+        except (ValueError, OSError) as e:
+            raise RunDirError(f"{path}: unreadable ({e})") from None
+    return out[0], out[1]
+
+
+def _run_thresholds(run: RunLog) -> tuple[sc.RouterHealth, sc.ScreeningConfig]:
+    try:
+        return (sc.RouterHealth.from_dict(run.config.get("router_health")),
+                sc.ScreeningConfig.from_dict(run.config.get("screening")))
+    except (sc.ScreeningConfigError, TypeError) as e:
+        raise RunDirError(f"{os.path.join(run.run_dir, 'run_config.yaml')}: {e}") from None
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _device_names(devs) -> str:
+    return ("device " if len(devs) == 1 else "devices ") + ",".join(str(d) for d in devs)
+
+
+def _canary(canary: Optional[list[proto.CanaryRecord]], start: int, stop: int):
+    if canary is None:
+        return {"status": "not available", "detail": "no canary.jsonl: the run's canary_every is 0 (or it "
+                                                      "predates the periodic canary)"}, [], []
+    recs = [c for c in canary if c.step < stop]
+    bad: dict[int, list[int]] = {}
+    ambiguous = []
+    for c in recs:
+        if c.status in ("differs_from_golden", "differs_from_majority", "repeats_disagree"):
+            bad.setdefault(c.device, []).append(c.step)
+        elif c.status == "no_majority":
+            ambiguous.append(c.step)
+    found = []
+    for dev, steps in sorted(bad.items()):
+        if max(steps) < start:
+            continue
+        total = len({c.step for c in recs if c.device == dev})
+        found.append((("device", (dev,)), _evidence("canary", min(steps), max(steps), float(len(steps)),
+                      f"canary differs from the others' bits at {len(steps)} of {total} canaries "
+                      f"(first before step {min(steps)})")))
+    run_level = []
+    if ambiguous and max(ambiguous) >= start:
+        run_level.append((("run", ()), _evidence("canary", min(ambiguous), max(ambiguous), float(len(ambiguous)),
+                         "no majority among the devices' canary results (an environment change, or several "
+                         "devices wrong)")))
+    n = len({c.step for c in recs})
+    status = "found" if found or run_level else "clear"
+    return {"status": status, "detail": f"{n} canaries on {len({c.device for c in recs})} devices"}, found, run_level
+
+
+def _evidence(check, first, last, strength, detail) -> Evidence:
+    return Evidence(check=check, first_step=int(first), last_step=int(last), strength=float(strength), detail=detail)
+
+
+def _nonfinite(run: RunLog, signals, steps: list[int], start: int):
+    found, run_level = [], []
+    per_dev: dict[int, dict[str, Any]] = {}
+    all_dev_steps = []
+    if signals is not None:
+        for s in steps:
+            sig = signals[s]
+            hit = {d: v["nonfinite"] for d, v in sig.devices.items() if v.get("nonfinite")}
+            if hit and len(hit) == len(sig.devices) and len(sig.devices) > 1:
+                all_dev_steps.append(s)
+                continue
+            for d, leaves in hit.items():
+                e = per_dev.setdefault(d, {"steps": [], "count": 0, "leaves": set()})
+                e["steps"].append(s)
+                e["count"] += sum(leaves.values())
+                e["leaves"].update(leaves)
+    reduced = [s for s in steps if s in run.fingerprints
+               and any(v.get("nan", 0) or v.get("inf", 0) for v in run.fingerprints[s].leaves.values())]
+    for d, e in sorted(per_dev.items()):
+        if max(e["steps"]) < start:
+            continue
+        leaves = sorted(e["leaves"])
+        found.append((("device", (d,)), _evidence(
+            "nonfinite", min(e["steps"]), max(e["steps"]), 1.0 + math.log10(max(e["count"], 1)),
+            f"{e['count']} NaN/Inf gradient element(s) in its local contribution at {len(e['steps'])} step(s), "
+            f"leaves {leaves[:3]}{' ...' if len(leaves) > 3 else ''}, while the other devices had none")))
+    if all_dev_steps and max(all_dev_steps) >= start:
+        run_level.append((("run", ()), _evidence("nonfinite", min(all_dev_steps), max(all_dev_steps),
+                                                   float(len(all_dev_steps)),
+                                                   "every device's local gradient had NaN/Inf: a numerical "
+                                                   "divergence of the run, not one device")))
+    if signals is None:
+        if reduced and max(reduced) >= start:
+            run_level.append((("run", ()), _evidence("nonfinite", min(reduced), max(reduced), float(len(reduced)),
+                                                     "the reduced gradient had NaN/Inf (per-device counts not "
+                                                     "available: no signals.jsonl)")))
+        return ({"status": "found" if run_level else "not available",
+                 "detail": "per-device counts need signals.jsonl; reduced-gradient counts from fingerprints.jsonl"},
+                found, run_level)
+    return ({"status": "found" if found or run_level else "clear",
+             "detail": f"per leaf and device over {len(steps)} steps; reduced gradient non-finite at "
+                       f"{len(reduced)} step(s)"}, found, run_level)
+
+
+def _replicas(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig):
+    """Drift and spike checks over the replicas' norms; returns (status_spike, status_drift, findings, series)."""
+    na = {"status": "not available"}
+    if signals is None:
+        msg = "no signals.jsonl (per-replica gradient norms are not logged)"
+        return dict(na, detail=msg), dict(na, detail=msg), [], {}
+    reps = sorted({(r.replica, r.devices) for s in steps for r in signals[s].replicas})
+    index = {rid: i for i, (rid, _) in enumerate(reps)}
+    devs = {rid: d for rid, d in reps}
+    if len(reps) < 3:
+        msg = f"{len(reps)} replica(s): at least 3 are needed to tell which one moved"
+        return dict(na, detail=msg), dict(na, detail=msg), [], {}
+    T, R = len(steps), len(reps)
+    n = np.full((T, R), np.nan)
+    present = np.zeros((T, R), bool)
+    for t, s in enumerate(steps):
+        for r in signals[s].replicas:
+            n[t, index[r.replica]] = r.norm_sq
+            present[t, index[r.replica]] = True
+    res = sc.screen_replicas(n, present, cfg)
+    rid_of = [rid for rid, _ in reps]
+    found = []
+    spikes_by: dict[int, list[sc.Spike]] = {}
+    for sp in res.spikes:
+        spikes_by.setdefault(sp.replica, []).append(sp)
+    for r, sps in sorted(spikes_by.items()):
+        st = [steps[sp.index] for sp in sps]
+        if max(st) < start:
+            continue
+        zmax = max(abs(sp.z) for sp in sps)
+        kind = "device" if len(devs[rid_of[r]]) == 1 else "replica"
+        worst = "non-finite norm" if math.isinf(zmax) else f"|z| up to {zmax:.1f}"
+        found.append(((kind, devs[rid_of[r]]), _evidence(
+            "norm_spike", min(st), max(st), zmax / cfg.spike_z,
+            f"replica {rid_of[r]}'s gradient norm was an outlier against the other replicas at {len(st)} step(s) "
+            f"{st[:5]}{' ...' if len(st) > 5 else ''} ({worst}; threshold {cfg.spike_z:g})")))
+    for a in res.drifts:
+        onset, alarm = steps[a.onset], steps[a.alarm]  # a drift lasts to the last step: it reaches the range
+        kind = "device" if len(devs[rid_of[a.replica]]) == 1 else "replica"
+        rel = math.expm1(a.shift_log)
+        found.append(((kind, devs[rid_of[a.replica]]), _evidence(
+            "norm_drift", onset, steps[-1], a.strength,
+            f"replica {rid_of[a.replica]}'s gradient norm {'rose' if a.direction > 0 else 'fell'} against the "
+            f"other replicas from step {onset} (alarm at step {alarm}; shift {a.shift:+.1f} sigma, about "
+            f"{rel:+.1%} in norm)")))
+    judged = f"{res.judged} replica-steps scored ({R} replicas, {T} steps; robust sigma of the log-ratio " \
+             f"{np.nanmedian(res.sigma) if np.isfinite(res.sigma).any() else float('nan'):.3g})"
+    spike_st = {"status": "found" if any(e.check == "norm_spike" for _, e in found) else "clear", "detail": judged}
+    drift_st = {"status": "found" if any(e.check == "norm_drift" for _, e in found) else "clear", "detail": judged}
+    if res.judged == 0:
+        spike_st = drift_st = {"status": "not available",
+                               "detail": f"too few steps ({T}) for a baseline of {cfg.min_history}"}
+    series = {"steps": steps, "replicas": rid_of, "log_ratio": sc.log_ratios(np.where(present, n, np.nan)),
+              "z": res.z, "sigma": res.sigma}
+    return spike_st, drift_st, found, series
+
+
+def share_ratio(shares) -> float:
+    """How far the most unequal expert is from uniform: ``max(max_e s_e * E, 1 / (min_e s_e * E))``
+    (1 = uniform; ``inf`` when an expert got nothing)."""
+    E = len(shares)
+    hi, lo = max(shares) * E, min(shares) * E
+    return max(hi, 1.0 / lo if lo > 0 else math.inf)
+
+
+def _router(signals, steps, start, health: sc.RouterHealth):
+    if signals is None or not any(signals[s].router for s in steps):
+        return {"status": "not available", "detail": "no per-layer router figures in signals.jsonl"}, [], {}
+    layers = max(len(signals[s].router) for s in steps)
+    judged = [s for s in steps if s >= health.warmup_steps]
+    out = []
+    series = {"steps": steps, "dropped": np.full((len(steps), layers), np.nan),
+              "share_ratio": np.full((len(steps), layers), np.nan),
+              "share_ratio_window": np.full((len(steps), layers), np.nan), "window": int(health.window_steps)}
+    worst_all = {}
+    for t, s in enumerate(steps):
+        for i, L in enumerate(signals[s].router):
+            series["dropped"][t, i] = L.dropped_fraction
+            series["share_ratio"][t, i] = share_ratio(L.expert_share)
+    W = int(health.window_steps)
+    for i in range(layers):
+        bad = []
+        worst_drop, worst_ratio = 0.0, 1.0
+        for t, s in enumerate(steps):
+            if s < health.warmup_steps or i >= len(signals[s].router):
+                continue
+            L = signals[s].router[i]
+            window = [signals[u].router[i].expert_share for u in steps[max(0, t - W + 1):t + 1]
+                      if i < len(signals[u].router)]
+            ratio = share_ratio(np.mean(np.asarray(window, np.float64), axis=0)) if W > 1 else share_ratio(L.expert_share)
+            series["share_ratio_window"][t, i] = ratio
+            worst_drop, worst_ratio = max(worst_drop, L.dropped_fraction), max(worst_ratio, ratio)
+            if L.dropped_fraction > health.max_dropped_fraction or ratio > health.max_share_ratio:
+                bad.append(s)
+        worst_all[i] = (worst_drop, worst_ratio)
+        if bad and max(bad) >= start:
+            strength = max(worst_drop / health.max_dropped_fraction if health.max_dropped_fraction else math.inf,
+                           worst_ratio / health.max_share_ratio)
+            out.append((("layer", ()), i, _evidence(
+                "router", min(bad), max(bad), strength,
+                f"layer {i}: {len(bad)} of {len(judged)} steps after warm-up out of bounds (worst dropped "
+                f"{worst_drop:.3f} vs {health.max_dropped_fraction:g}; worst expert share {worst_ratio:.2f}x "
+                f"uniform vs {health.max_share_ratio:g}x)")))
+    detail = "; ".join(f"layer {i}: max dropped {d:.4f}, worst share {r:.2f}x uniform"
+                       for i, (d, r) in sorted(worst_all.items()))
+    detail += f" (after {health.warmup_steps} warm-up steps; limits {health.max_dropped_fraction:g} and " \
+              f"{health.max_share_ratio:g}x" + (f", shares over {W}-step windows" if W > 1 else "") + ")"
+    return {"status": "found" if out else "clear", "detail": detail}, out, series
+
+
+def _loss(run: RunLog, steps, start, cfg: sc.ScreeningConfig, explaining: Mapping[int, str]):
+    loss = np.array([np.uint32(run.fingerprints[s].loss_bits).view(np.float32) if s in run.fingerprints else np.nan
+                     for s in steps], np.float64)
+    spikes = sc.loss_spikes(loss, cfg)
+    found, explained = [], []
+    for i, z in spikes:
+        s = steps[i]
+        if s < start:
+            continue
+        why = explaining.get(s) or explaining.get(s - 1)
+        rec = {"check": "loss_spike", "step": s, "loss": float(loss[i]), "z": _num(z)}
+        if why:
+            explained.append(dict(rec, explained_by=why))
+        else:
+            found.append(rec)
+    out = []
+    if found:
+        out.append((("run", ()), _evidence(
+            "loss_spike", found[0]["step"], found[-1]["step"], max(f["z"] for f in found) / cfg.loss_spike_z,
+            f"loss spike(s) at step(s) {[f['step'] for f in found][:6]} (robust derivative above "
+            f"{cfg.loss_spike_z:g} sigma and {cfg.loss_min_rise:.0%} above its rolling median)")))
+    status = {"status": "found" if out else "clear",
+              "detail": f"{len(steps)} steps" + (f"; {len(explained)} spike(s) at a logged event" if explained else "")}
+    return status, out, explained, {"steps": steps, "loss": loss}
+
+
+def _loader(signals, steps, start, cfg: sc.ScreeningConfig, restarts: set[int]):
+    if signals is None or all(signals[s].loader_wait_s is None for s in steps):
+        return {"status": "not available", "detail": "no loader wait times in signals.jsonl"}, [], {}
+    wait = np.array([signals[s].loader_wait_s if signals[s].loader_wait_s is not None else np.nan for s in steps])
+    st = np.array([signals[s].step_time_s if signals[s].step_time_s is not None else np.nan for s in steps])
+    skip = np.array([s in restarts for s in steps])
+    stalls = sc.loader_stalls(wait, st, skip, cfg)
+    out = []
+    stall_steps = [steps[i] for i in stalls if steps[i] >= start]
+    total = float(sum(wait[i] for i in stalls if steps[i] >= start))
+    step_total = float(np.nansum([x for x, s in zip(st, steps) if s >= start]))
+    budget = cfg.stall_budget * step_total
+    if stall_steps and total > budget:
+        out.append((("loader", ()), _evidence(
+            "loader_stall", stall_steps[0], stall_steps[-1], total / max(cfg.stall_min_s, 1e-9),
+            f"the step waited for data at {len(stall_steps)} step(s) {stall_steps[:6]} ({total:.2f} s in all, "
+            f"over {cfg.stall_budget:.0%} of the steps' {step_total:.1f} s; median step "
+            f"{np.nanmedian(st):.3f} s)")))
+    return ({"status": "found" if out else "clear",
+             "detail": f"median wait {np.nanmedian(wait) * 1e3:.2f} ms, median step {np.nanmedian(st):.3f} s; "
+                       f"{len(stall_steps)} waiting step(s), {total:.2f} s"},
+            out, {"steps": steps, "wait": wait, "step_time": st})
+
+
+# ----------------------------------------------------------------------------- scan
+
+
+def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = None) -> ScanReport:
+    """Screens ``run`` from its logs (module docstring). Steps before ``start`` serve as history;
+    findings must reach into ``[start, stop)``.
+
+    Args:
+      run: a loaded run directory.
+      start, stop: the half-open range to report on (default: every logged step).
+
+    Raises:
+      RunDirError: a screening log is malformed, or the run config's thresholds are invalid.
+      StepRangeError: ``[start, stop)`` holds no logged step.
+    """
+    from replay.runlog import StepRangeError
+
+    health, cfg = _run_thresholds(run)
+    signals, canary = read_screening_logs(run.run_dir)
+    first, end = run.logged_steps
+    start = first if start is None else start
+    stop = end if stop is None else stop
+    if start >= end or stop <= first:
+        raise StepRangeError(f"steps {start}:{stop} are outside the logged steps {first}:{end} of {run.run_dir}")
+    steps_fp = sorted(s for s in run.fingerprints if s < stop)
+    steps_sig = sorted(s for s in (signals or {}) if s < stop)
+    explaining = {}
+    for e in run.events:
+        if e.get("event") in EXPLAINING_EVENTS and isinstance(e.get("step"), int):
+            explaining.setdefault(int(e["step"]), e["event"])
+    restarts = {int(e["step"]) for e in run.events if e.get("event") in ("start", "restore")
+                and isinstance(e.get("step"), int)}
+
+    checks: dict[str, dict[str, str]] = {}
+    findings: list[tuple[tuple[str, tuple[int, ...]], Any]] = []
+    checks["canary"], dev, runl = _canary(canary, start, stop)
+    findings += dev + runl
+    checks["nonfinite"], dev, runl = _nonfinite(run, signals, steps_sig or steps_fp, start)
+    findings += dev + runl
+    sig = signals if steps_sig else None
+    checks["norm_spike"], checks["norm_drift"], dev, rep_series = _replicas(sig, steps_sig, start, cfg)
+    findings += dev
+    checks["router"], layer_found, router_series = _router(sig, steps_sig, start, health)
+    checks["loss_spike"], loss_found, explained, loss_series = _loss(run, steps_fp, start, cfg, explaining)
+    findings += loss_found
+    checks["loader_stall"], loader_found, loader_series = _loader(sig, steps_sig, start, cfg, restarts)
+    findings += loader_found
+
+    grouped: dict[tuple[str, str], list[Evidence]] = {}
+    devices_of: dict[tuple[str, str], tuple[int, ...]] = {}
+    for (kind, devs), ev in findings:
+        subject = _device_names(devs) if kind in ("device", "replica") else kind
+        grouped.setdefault((kind, subject), []).append(ev)
+        devices_of[(kind, subject)] = tuple(devs)
+    for _, layer, ev in layer_found:
+        grouped.setdefault(("layer", f"layer {layer}"), []).append(ev)
+        devices_of[("layer", f"layer {layer}")] = ()
+    suspects = []
+    for (kind, subject), evs in grouped.items():
+        evs = sorted(evs, key=lambda e: (CHECKS.index(e.check), -e.strength))
+        suspects.append(Suspect(kind=kind, subject=subject, devices=devices_of[(kind, subject)],
+                                first_step=min(e.first_step for e in evs), strength=max(e.strength for e in evs),
+                                evidence=tuple(evs)))
+    suspects.sort(key=Suspect.rank_key)
+    report = ScanReport(run_dir=run.run_dir, steps=(start, stop), checks=checks, suspects=suspects,
+                        explained=explained, suggestion=None,
+                        figures=_figures(sig, steps_sig, canary),
+                        series={"replicas": rep_series, "router": router_series, "loss": loss_series,
+                                "loader": loader_series, "canary": canary or []},
+                        limits={**health.to_dict(), "screening": cfg.to_dict()})
+    report.suggestion = suggest_replay(run, report)
+    return report
+
+
+def _figures(signals, steps, canary) -> dict[str, Any]:
+    out: dict[str, Any] = {"steps_with_signals": len(steps)}
+    if signals is not None and steps:
+        st = [signals[s].step_time_s for s in steps if signals[s].step_time_s is not None]
+        if st:
+            out["median_step_s"] = round(float(np.median(st)), 6)
+    if canary:
+        by_step: dict[int, float] = {}
+        for c in canary:
+            by_step[c.step] = c.seconds
+        secs = sorted(by_step.values())
+        out["canaries"] = len(by_step)
+        out["median_canary_s"] = round(float(np.median(secs)), 6)
+    return out
+
+
+def suggest_replay(run: RunLog, report: ScanReport) -> Optional[str]:
+    """The range replay to run for the top device suspect: from its first step to the end of that
+    checkpoint segment (at most), on the good devices; None without a device suspect."""
+    top = next((s for s in report.suspects if s.kind in ("device", "replica")), None)
+    if top is None:
+        return None
+    first, end = run.logged_steps
+    a = max(top.first_step, first)
+    later = [c for c in run.checkpoints if c > a]
+    b = min(later[0] if later else end, end)
+    if b <= a:
+        b = min(a + 1, end)
+    return f"replay --run {run.run_dir} --steps {a}:{b} --devices good"
+
+
+def write_suspects(report: ScanReport) -> str:
+    """Writes ``<run>/suspects.json`` (atomically) and returns its path."""
+    from replay.report import write_json
+
+    path = os.path.join(report.run_dir, proto.SUSPECTS_NAME)
+    write_json(report.to_dict(), path)
+    return path
