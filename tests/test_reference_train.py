@@ -351,3 +351,20 @@ def test_every_run_config_field_is_documented_and_the_demo_config_comments_each(
     for n, line in enumerate(DEMO_CONFIG.read_text().splitlines(), 1):
         if line.strip() and not line.lstrip().startswith("#"):
             assert "#" in line, f"configs/runs/demo.yaml:{n} has no comment: {line!r}"
+
+
+def test_resume_refuses_a_run_logged_with_another_fingerprint_version(tiny, tmp_path):
+    """One fingerprints.jsonl, one formula: a run started by another release is not trained on."""
+    import shutil
+
+    folder, path, cfg, trainer, mesh, run_a, _ = tiny
+    run_v = tmp_path / "run_v"
+    shutil.copytree(run_a, run_v)
+    env = json.loads((run_v / proto.ENV_NAME).read_text())
+    env["versions"]["fingerprint"] = 1
+    (run_v / proto.ENV_NAME).write_text(json.dumps(env))
+    before = _lines(run_v)
+    with pytest.raises(runm.RunConfigError, match=r"cannot resume .*run_v: its fingerprints.jsonl holds fingerprints "
+                                                  r"of formula version 1 .* this code computes version 2"):
+        runm.train(str(run_v), cfg, STEPS + 5, trainer=trainer, mesh=mesh, log=lambda s: None)
+    assert _lines(run_v) == before  # nothing written

@@ -562,6 +562,15 @@ def train(
         if os.path.exists(env_path):
             with open(env_path, encoding="utf-8") as f:
                 recorded = json.load(f)
+        from replay.fingerprint import FINGERPRINT_VERSION, version_mismatch
+
+        if recorded and version_mismatch(recorded) is not None:
+            got = (recorded.get("versions") or {}).get("fingerprint", 1)
+            raise RunConfigError(
+                f"cannot resume {rd.path}: its fingerprints.jsonl holds fingerprints of formula version {got!r} "
+                f"(env.json versions.fingerprint) and this code computes version {FINGERPRINT_VERSION}, so one log "
+                "would mix two formulas that replay cannot compare; finish this run with the toolkit release that "
+                "started it, or train on in a new run directory")
         try:
             state, loader_state = trainer.restore(rd.path, latest, mesh)
         except Exception as e:  # noqa: BLE001 - Orbax/TensorStore report a damaged checkpoint many ways
