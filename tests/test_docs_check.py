@@ -1,0 +1,108 @@
+"""scripts/check_docs.py: which commands of a Markdown file run, with which expectations.
+
+The check itself (every README and docs command run after the demo) is run by .ci/run;
+these tests pin how a page is read, on hand-made pages.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("check_docs", REPO / "scripts" / "check_docs.py")
+check_docs = importlib.util.module_from_spec(_spec)
+sys.modules["check_docs"] = check_docs
+_spec.loader.exec_module(check_docs)
+
+PAGE = """\
+# A page
+
+```bash
+# a comment line is dropped
+export XLA_FLAGS=--xla_force_host_platform_device_count=8
+python -m dataprep.pack --config a.yaml \\
+    --output build/x   # trailing comment kept for bash
+```
+
+<!-- check: skip 2: .ci/run runs the tests itself -->
+```bash
+bash scripts/demo.sh
+pytest -q tests
+```
+
+<!-- check: exit 3; timeout 900 -->
+```bash
+replay drill --run build/demo/run
+```
+
+<!-- check: skip: needs a Google Cloud project -->
+```bash
+python -m dataprep.pack --runner DataflowRunner
+```
+
+```python
+import loader
+print(loader)
+```
+
+```text
+not a command
+```
+"""
+
+
+def _commands(tmp_path, text):
+    (tmp_path / "page.md").write_text(text)
+    return check_docs.commands_of(tmp_path / "page.md", root=tmp_path)
+
+
+def test_commands_lines_and_directives(tmp_path):
+    cmds = _commands(tmp_path, PAGE)
+    got = [(c.line, c.lang, c.text, c.expect_exit, c.timeout_s, c.skip) for c in cmds]
+    assert got == [
+        (5, "bash", "export XLA_FLAGS=--xla_force_host_platform_device_count=8", 0, 600, None),
+        (6, "bash", "python -m dataprep.pack --config a.yaml --output build/x   # trailing comment kept for bash",
+         0, 600, None),
+        (12, "bash", "bash scripts/demo.sh", 0, 600, None),
+        (13, "bash", "pytest -q tests", 0, 600, ".ci/run runs the tests itself"),
+        (18, "bash", "replay drill --run build/demo/run", 3, 900, None),
+        (23, "bash", "python -m dataprep.pack --runner DataflowRunner", 0, 600, "needs a Google Cloud project"),
+        (27, "python", "import loader\nprint(loader)", 0, 600, None),
+    ]
+
+
+def test_bad_directive_named_with_file_and_line(tmp_path):
+    with pytest.raises(check_docs.DocsCheckError, match=r"page.md:1: unknown check directive 'skipp: x'"):
+        _commands(tmp_path, "<!-- check: skipp: x -->\n```bash\nls\n```\n")
+
+
+def test_unclosed_fence(tmp_path):
+    with pytest.raises(check_docs.DocsCheckError, match=r"page.md:1: a ``` fence is never closed"):
+        _commands(tmp_path, "```bash\nls\n")
+
+
+def test_run_command_export_exit_code_and_timeout(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    export = check_docs.Command("p.md", 1, "bash", "export GREETING=hello-$HOME")
+    assert check_docs.run_command(export, env, root=tmp_path)[0] == 0
+    assert env["GREETING"] == f"hello-{tmp_path}"
+    echo = check_docs.Command("p.md", 2, "bash", 'echo "$GREETING"; exit 3')
+    code, _, out = check_docs.run_command(echo, env, root=tmp_path)
+    assert (code, out) == (3, f"hello-{tmp_path}\n")
+    slow = check_docs.Command("p.md", 3, "bash", "sleep 5", timeout_s=1)
+    code, _, out = check_docs.run_command(slow, env, root=tmp_path)
+    assert code == 124 and "timed out after 1 s" in out
+
+
+def test_placeholder_fails_the_check(tmp_path, monkeypatch, capsys):
+    (tmp_path / "README.md").write_text("```bash\npython -m dataprep.pack --config configs/<name>.yaml\n```\n")
+    (tmp_path / "docs").mkdir()
+    monkeypatch.setattr(check_docs, "REPO", tmp_path)
+    assert check_docs.main([]) == 1
+    out = capsys.readouterr().out
+    assert "holds a placeholder '<name>'" in out
+    assert "docs check: 1 failed of 1 commands" in out
