@@ -34,6 +34,7 @@ from dataprep.progress import duration
 
 INTERVAL_ENV = "REPLAY_PROGRESS_EVERY"
 DEFAULT_INTERVAL = 10.0
+_LIVE: list = []  # the StepProgress objects whose Rich bar is live, innermost last
 
 
 def line_interval(interval: Optional[float] = None) -> float:
@@ -117,8 +118,17 @@ class StepProgress:
         self._tokens = 0.0  # tokens after the first update (rates exclude the first step's)
         self._tokens_first = 0.0
         self._bar = None
+        self._via: Optional[StepProgress] = None  # the live bar this progress prints its lines above
         self._task = None
         self._broken = False
+        if self._terminal:  # the bar shows from the start (a first step's compilation takes a while)
+            if _LIVE:  # another bar is live (a drill's training inside the drill's bar): lines above it
+                self._via, self._terminal = _LIVE[-1], False
+            else:
+                try:
+                    self._start_bar()
+                except (OSError, ValueError):
+                    self._broken = True
 
     @property
     def total(self) -> int:
@@ -132,9 +142,10 @@ class StepProgress:
     def _print(self, line: str) -> None:
         if self._broken:
             return
+        bar = self._bar if self._bar is not None else (self._via._bar if self._via is not None else None)
         try:
-            if self._bar is not None:
-                self._bar.console.print(line, highlight=False, soft_wrap=True, markup=False)
+            if bar is not None:
+                bar.console.print(line, highlight=False, soft_wrap=True, markup=False)
             else:
                 print(line, file=self._stream, flush=True)
         except (OSError, ValueError):
@@ -213,15 +224,18 @@ class StepProgress:
             console=Console(file=self._stream), transient=True,
         )
         self._bar.start()
+        _LIVE.append(self)
         self._task = self._bar.add_task(self.label, total=max(self.total, 1), detail="")
 
     def _update_bar(self, now: float) -> None:
         if self._bar is None:
             self._start_bar()
         where = (f"{self.done:,}/{self.total:,}" if self.counted
-                 else f"{self.unit} {self.last} of {self.start}:{self.stop}")
+                 else f"{self.unit} {self.last} of {self.start}:{self.stop}" if self.last is not None
+                 else f"{self.unit}s {self.start}:{self.stop}")
         eta = self._eta(now)
-        detail = ", ".join([where, *self._details(now)] + ([f"ETA {duration(eta)}"] if eta is not None else []))
+        late = eta is not None and self.done < self.total
+        detail = ", ".join([where, *self._details(now)] + ([f"ETA {duration(eta)}"] if late else []))
         self._bar.update(self._task, completed=self.done, detail=detail)
 
     # -- updates ---------------------------------------------------------------------------
@@ -275,6 +289,8 @@ class StepProgress:
             except (OSError, ValueError):
                 self._broken = True
             self._bar = None
+            if self in _LIVE:
+                _LIVE.remove(self)
         if ok:
             self._print(self.summary())
         else:
@@ -285,11 +301,11 @@ class StepProgress:
 @contextlib.contextmanager
 def step_progress(label: str, start: int, stop: int, *, unit: str = "step", stream: Optional[TextIO] = None,
                   interval: Optional[float] = None, terminal: Optional[bool] = None, counted: bool = False,
-                  enabled: bool = True) -> Iterator[StepProgress]:
+                  enabled: bool = True, clock: Callable[[], float] = time.monotonic) -> Iterator[StepProgress]:
     """A :class:`StepProgress` for a ``with`` block: closes it at the end with the closing line
     (``done in``), or, when the block raises, with where it stopped (and the error propagates)."""
     progress = StepProgress(label, start, stop, unit=unit, stream=stream, interval=interval, terminal=terminal,
-                            counted=counted, enabled=enabled)
+                            counted=counted, enabled=enabled, clock=clock)
     try:
         yield progress
     except BaseException:

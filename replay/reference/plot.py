@@ -23,6 +23,28 @@ _EVENT_STYLE = {  # event -> (colour, line style, legend label)
 }
 
 
+def training_series(run_dir: str) -> dict[str, list]:
+    """The per-step series of ``train.png`` from ``<run_dir>/signals.jsonl``.
+
+    Returns:
+      ``{"steps": [int], "loss": [float], "grad_norm": [float], "dropped": [[float] per MoE layer]}``,
+      steps ascending (each logged step once); empty lists when nothing is logged yet.
+
+    Raises:
+      OSError, ValueError: signals.jsonl is unreadable or malformed (``replay.protocol.read_signals``).
+    """
+    signals = proto.read_signals(run_dir) if os.path.exists(os.path.join(run_dir, proto.SIGNALS_NAME)) else {}
+    steps = sorted(signals)
+    layers = max((len(signals[s].router) for s in steps), default=0)
+    return {
+        "steps": steps,
+        "loss": [signals[s].loss for s in steps],
+        "grad_norm": [signals[s].grad_norm for s in steps],
+        "dropped": [[signals[s].router[i].dropped_fraction if len(signals[s].router) > i else float("nan")
+                     for s in steps] for i in range(layers)],
+    }
+
+
 def plot_training(run_dir: str, path: Optional[str] = None, title: Optional[str] = None) -> str:
     """Writes the training picture of ``run_dir`` (module docstring); returns its path.
 
@@ -47,24 +69,21 @@ def plot_training(run_dir: str, path: Optional[str] = None, title: Optional[str]
 
     run_dir = os.path.abspath(run_dir)
     path = path or os.path.join(run_dir, TRAIN_PNG)
-    signals = proto.read_signals(run_dir) if os.path.exists(os.path.join(run_dir, proto.SIGNALS_NAME)) else {}
-    steps = sorted(signals)
+    series = training_series(run_dir)
+    steps = series["steps"]
     if title is None:
         title = f"training run {_run_name(run_dir)} ({run_dir})"
     fig, axes = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True)
     fig.suptitle(title + (f": steps 0:{steps[-1] + 1}" if steps else ": no step logged yet"), fontsize=10)
     loss_ax, norm_ax, drop_ax = axes
     if steps:
-        loss_ax.plot(steps, [signals[s].loss for s in steps], color="black", linewidth=1, label="loss")
-        norm_ax.plot(steps, [signals[s].grad_norm for s in steps], color="tab:blue", linewidth=1,
-                     label="gradient norm")
-        norms = [signals[s].grad_norm for s in steps if signals[s].grad_norm == signals[s].grad_norm]
+        loss_ax.plot(steps, series["loss"], color="black", linewidth=1, label="loss")
+        norm_ax.plot(steps, series["grad_norm"], color="tab:blue", linewidth=1, label="gradient norm")
+        norms = [v for v in series["grad_norm"] if v == v and v != float("inf")]
         if norms and min(norms) > 0 and max(norms) / min(norms) > 20:  # a spike: keep the rest visible
             norm_ax.set_yscale("log")
-        layers = max(len(signals[s].router) for s in steps)
-        for i in range(layers):
-            xs = [s for s in steps if len(signals[s].router) > i]
-            drop_ax.plot(xs, [signals[s].router[i].dropped_fraction for s in xs], linewidth=1, label=f"layer {i}")
+        for i, dropped in enumerate(series["dropped"]):
+            drop_ax.plot(steps, dropped, linewidth=1, label=f"layer {i}")
     else:
         loss_ax.text(0.5, 0.5, f"no lines in {proto.SIGNALS_NAME} yet", ha="center", transform=loss_ax.transAxes)
     _mark_events(run_dir, axes, steps)
