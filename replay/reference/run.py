@@ -509,6 +509,7 @@ def train(
     canary_fault: Any = None,
     progress: Optional[TextIO] = None,
     plot: bool = True,
+    on_step: Optional[Callable[[int, float], None]] = None,
 ) -> dict[str, Any]:
     """Trains until global step ``steps`` (exclusive), resuming from the run directory's last checkpoint.
 
@@ -525,6 +526,7 @@ def train(
         loss and ETA; and a closing ``train: steps A:B done in ...`` line); default stderr.
       plot: write ``<run_dir>/train.png`` (``replay.reference.plot.plot_training``: the whole run,
         earlier invocations included) at the end, also when there was nothing to train.
+      on_step: called after each step with the step and its loss (benchmarks time steps with it).
       faults: a drill (``replay drill --scenario``): passed to every ``trainer.train_step`` as its
         ``fault`` (``FaultSpec``/``DriftSpec`` or a list of them; each fires at its own steps).
       canary_fault: a drill: a ``FaultSpec`` whose bit is flipped in its device's canary gradient
@@ -672,6 +674,8 @@ def train(
                 now_served = int(metrics["tokens_served"])
                 shown.update(step, tokens=now_served - served, step_s=dt, loss=fp.router["loss"], dropped=dropped_max)
                 served = now_served
+                if on_step is not None:
+                    on_step(step, fp.router["loss"])
                 nxt = step + 1
                 if nxt % cfg.checkpoint_every == 0 or nxt == steps:
                     save(nxt)
