@@ -4,8 +4,8 @@ Prints ONE JSON object:
 
   replay_train_ratio  replay seconds / train seconds for the same k steps (goal < 1.2).
                       train: ``replay.reference.run.train`` resuming the run at checkpoint c and
-                      training steps c..c+k; timed from the log line of step c to the log line
-                      of step c+k (per-step log timestamps: k steps), so process start, restore,
+                      training steps c..c+k; timed from the ``on_step`` call of step c to that
+                      of step c+k (per-step timestamps: k steps), so process start, restore,
                       the first step and the final checkpoint save are excluded; the loop's own
                       loader prefetch, fingerprint logging and any checkpoint inside the window
                       are included.
@@ -68,11 +68,10 @@ def make_run(tmp: str, *, seq_len: int, model: dict, global_batch: int, rows: in
 def timed_train(run_dir, cfg, stop, trainer, mesh) -> dict[int, float]:
     stamps: dict[int, float] = {}
 
-    def log(line: str) -> None:
-        if line.startswith("step "):
-            stamps[int(line.split()[1])] = time.perf_counter()
+    def on_step(step: int, loss: float) -> None:
+        stamps[step] = time.perf_counter()
 
-    ref_run.train(run_dir, cfg, stop, trainer=trainer, mesh=mesh, log=log)
+    ref_run.train(run_dir, cfg, stop, trainer=trainer, mesh=mesh, on_step=on_step, plot=False)
     return stamps
 
 

@@ -269,6 +269,7 @@ def run_canary(
     reset_golden: bool = False,
     fault: Optional[FaultSpec] = None,
     advance=lambda n=1: None,
+    progress=None,
 ) -> CanaryReport:
     """Runs the canary on each chosen device ``repeats`` times and judges it (module docstring).
 
@@ -283,6 +284,9 @@ def run_canary(
       golden_path: golden table file; "default": ``<run>/canary/golden.json``; None: in memory only.
       reset_golden: ignore and overwrite this environment's golden value.
       fault: a drill: flips a bit in ``fault.device_id``'s gradient.
+      advance: called with 1 after each canary run (one device, one repeat).
+      progress: a ``total -> advance`` factory (``replay.progress.StepProgress.advance``), called
+        once with the number of runs (devices x repeats) when they are known; replaces ``advance``.
 
     Raises:
       replay.devices.DeviceSpecError; replay.runlog.RunDirError (no such checkpoint); ValueError.
@@ -315,6 +319,8 @@ def run_canary(
         weights = f"init:{setup.canary_seed}"
     spec = CanarySpec(step=step, rows=rows, weights=weights, batch_sha256=batch_sha256(batch))
     env_key = environment_key(spec, run.env)
+    if progress is not None:
+        advance = progress(len(chosen) * repeats)
     results = []
     for d in chosen:
         dev = session.jax_devices[d.id]

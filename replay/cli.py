@@ -80,7 +80,8 @@ def _common(p: argparse.ArgumentParser, devices_default: str) -> None:
     p.add_argument("--devices", default=devices_default, help=f"device spec (default {devices_default}); see below")
     p.add_argument("--quarantine", metavar="FILE", help="quarantined device ids, one a line (default: <run>/quarantine.txt)")
     p.add_argument("--json", metavar="OUT", help="write the full report as JSON here")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar or progress lines (the closing 'done in' line stays)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,22 +187,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _progress(args, label):
-    from replay.report import progress_bar
+def _progress(args, label, unit="step"):
+    """A ``total -> advance`` factory (what ``replay_range`` and ``run_canary`` take) of counted
+    ``replay.progress`` progress on stderr, and the list that :func:`_close` closes."""
+    from replay.progress import StepProgress
 
     stack = []
 
     def factory(total):
-        cm = progress_bar(total, label, enabled=not args.no_progress)
-        stack.append(cm)
-        return cm.__enter__()
+        shown = StepProgress(label, 0, total, unit=unit, counted=True, enabled=not args.no_progress)
+        stack.append(shown)
+        return shown.advance
 
     return factory, stack
 
 
-def _close(stack):
+def _close(stack, ok=True):
+    """Closes the progress of :func:`_progress`: its closing line (``done in``), or where it stopped."""
     while stack:
-        stack.pop().__exit__(None, None, None)
+        stack.pop().close(ok)
 
 
 def _cmd_range(args, console) -> int:
@@ -219,13 +223,15 @@ def _cmd_range(args, console) -> int:
     run.check_range(start, stop)
     run.checkpoint_for(start)
     session = engine.Session(run)
-    factory, stack = _progress(args, f"replaying {args.steps}")
+    factory, stack = _progress(args, f"replay {start}:{stop}")
     try:
         rep = engine.replay_range(session, start, stop, device_spec=args.devices, repeats=args.repeats,
                                   tolerance=args.tolerance, allow_env_drift=args.allow_env_drift,
                                   progress=factory, replays=args.placements)
-    finally:
-        _close(stack)
+    except BaseException:
+        _close(stack, ok=False)
+        raise
+    _close(stack)
     out = rep.to_dict()
     report.render_range(out, console)
     if args.json:
@@ -248,9 +254,15 @@ def _cmd_canary(args, console) -> int:
     session = engine.Session(run)
     if args.rows is not None and not 1 <= args.rows <= session.setup.global_batch:
         raise _Usage(f"--rows must be in [1, {session.setup.global_batch}] (the run's global batch), got {args.rows}")
-    rep = canary.run_canary(session, device_spec=args.devices, repeats=args.repeats, checkpoint=args.checkpoint,
-                            step=args.step, rows=args.rows, golden_path=args.golden or "default",
-                            reset_golden=args.reset_golden)
+    factory, stack = _progress(args, "canary", unit="run")
+    try:
+        rep = canary.run_canary(session, device_spec=args.devices, repeats=args.repeats, checkpoint=args.checkpoint,
+                                step=args.step, rows=args.rows, golden_path=args.golden or "default",
+                                reset_golden=args.reset_golden, progress=factory)
+    except BaseException:
+        _close(stack, ok=False)
+        raise
+    _close(stack)
     out = rep.to_dict()
     report.render_canary(out, console)
     if args.json:
@@ -303,7 +315,7 @@ def _cmd_scan(args, console) -> int:
 
 
 def _cmd_drill(args, console) -> int:
-    from replay import drill, engine, report
+    from replay import engine
     from replay.runlog import load_run
 
     if args.count < 1:
@@ -314,8 +326,18 @@ def _cmd_drill(args, console) -> int:
     _check_outputs(run.run_dir, json=args.json, to_disk=args.to_disk)
     session = engine.Session(run)
     rng = random.Random(args.seed)
-    if args.scenario:
-        return _scenario_drills(args, console, session, rng)
+    from replay.progress import step_progress
+
+    with step_progress("drill" + (f" {args.scenario}" if args.scenario else ""), 0, args.count, unit="drill",
+                       counted=True, enabled=not args.no_progress) as shown:
+        if args.scenario:
+            return _scenario_drills(args, console, session, rng, shown)
+        return _flip_drills(args, console, session, rng, shown)
+
+
+def _flip_drills(args, console, session, rng, shown) -> int:
+    from replay import drill, report
+
     results = []
     for n in range(args.count):
         fault = drill.random_fault(session, rng, args.step, args.device, args.leaf, args.element, args.bit)
@@ -328,6 +350,7 @@ def _cmd_drill(args, console) -> int:
                       f"canary: {None if res.canary_report is None else list(res.canary_report.decision.odd_devices)})"
                       + (f"; differing elements after the step: {res.range_report.differing_elements}"
                          if res.range_report.differing_elements else ""))
+        shown.update(n + 1)
     caught = sum(r.caught for r in results)
     console.print(f"{caught} of {len(results)} drill(s) caught")
     if args.json:
@@ -336,7 +359,7 @@ def _cmd_drill(args, console) -> int:
     return int(ExitCode.ACQUITTED) if caught == len(results) else DRILL_NOT_CAUGHT
 
 
-def _scenario_drills(args, console, session, rng) -> int:
+def _scenario_drills(args, console, session, rng, shown) -> int:
     import tempfile
 
     from replay import drill, report
@@ -356,6 +379,7 @@ def _scenario_drills(args, console, session, rng) -> int:
         console.print(f"drill {args.scenario} on device {res.device} from step {res.first_step}: {mark} (scan "
                       f"named {'nothing' if named is None else named['devices']} from step "
                       f"{None if named is None else named['first_step']}; run in {out})")
+        shown.update(n + 1)
     caught = sum(r.caught for r in results)
     console.print(f"{caught} of {len(results)} {args.scenario} drill(s) caught")
     if args.json:

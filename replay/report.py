@@ -7,37 +7,16 @@ rendered or plotted again. No JAX.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 _VERDICT_STYLE = {"convicted": "bold red", "acquitted": "bold green", "ambiguous": "bold yellow"}
-
-
-@contextlib.contextmanager
-def progress_bar(total: int, label: str, console: Optional[Console] = None,
-                 enabled: bool = True) -> Iterator[Callable[[int], None]]:
-    """A Rich progress bar over ``total`` units (steps); yields ``advance(n)``.
-
-    Disabled (a no-op) when ``enabled`` is false or the console is not a terminal.
-    """
-    console = console or Console(stderr=True)
-    if not enabled or not console.is_terminal or total <= 0:
-        yield lambda n=1: None
-        return
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True,
-    ) as progress:
-        task = progress.add_task(label, total=total)
-        yield lambda n=1: progress.advance(task, n)
 
 
 def write_json(report: Mapping[str, Any], path: str) -> None:

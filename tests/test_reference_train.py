@@ -52,7 +52,7 @@ def test_two_runs_of_30_steps_have_bit_identical_fingerprints(tiny):
 def test_run_directory_layout_and_events(tiny):
     folder, path, cfg, trainer, mesh, run_a, _ = tiny
     assert sorted(os.listdir(run_a)) == ["checkpoints", "env.json", "events.jsonl", "fingerprints.jsonl",
-                                         "run_config.yaml", "signals.jsonl"]  # canary_every 0: no canary.jsonl
+                                         "run_config.yaml", "signals.jsonl", "train.png"]  # canary_every 0: no canary.jsonl
     assert ckpt.all_steps(str(run_a / "checkpoints")) == [0, 10, 20, 30]
     env = json.loads((run_a / "env.json").read_text())
     assert env["mesh"]["shape"] == [4, 2] and env["backend"]["device_count"] == 8
@@ -368,3 +368,91 @@ def test_resume_refuses_a_run_logged_with_another_fingerprint_version(tiny, tmp_
                                                   r"of formula version 1 .* this code computes version 2"):
         runm.train(str(run_v), cfg, STEPS + 5, trainer=trainer, mesh=mesh, log=lambda s: None)
     assert _lines(run_v) == before  # nothing written
+
+
+PROGRESS_LINE = (r"train: step {step} of {a}:{b} \({pct}\), [0-9.]+ (k )?steps/s, [0-9.,]+ (k )?tokens/s, "
+                 r"step [0-9.]+ s, loss [0-9]+\.[0-9]{{4}}, dropped [01]\.[0-9]{{4}}")
+
+
+def test_progress_lines_and_train_png_cover_a_resumed_run(tiny, tmp_path, monkeypatch):
+    """Not on a terminal, with REPLAY_PROGRESS_EVERY=0: a line per step (step, range, rates, step time,
+    loss, dropped fraction, ETA), then the closing line; train.png is rewritten by each invocation
+    and covers the steps of the earlier one too."""
+    import io
+    import re
+
+    import matplotlib.image
+
+    from replay.reference.plot import training_series
+
+    folder, path, cfg, trainer, mesh, run_a, _ = tiny
+    monkeypatch.setenv("REPLAY_PROGRESS_EVERY", "0")
+    run_dir = tmp_path / "run"
+    first, second = io.StringIO(), io.StringIO()
+    s1 = runm.train(str(run_dir), cfg, 3, trainer=trainer, mesh=mesh, log=lambda s: None, progress=first)
+    assert s1["plot"] == str(run_dir / "train.png") and training_series(str(run_dir))["steps"] == [0, 1, 2]
+    s2 = runm.train(str(run_dir), cfg, 5, trainer=trainer, mesh=mesh, log=lambda s: None, progress=second)
+    lines = first.getvalue().splitlines()
+    assert len(lines) == 4
+    assert re.fullmatch(r"train: step 0 of 0:3 \(33%\), step [0-9.]+ s, loss [0-9]+\.[0-9]{4}, dropped [01]\.[0-9]{4}",
+                        lines[0]), lines[0]
+    assert re.fullmatch(PROGRESS_LINE.format(step=1, a=0, b=3, pct="67%") + r", ETA [0-9.]+ s", lines[1]), lines[1]
+    assert re.fullmatch(PROGRESS_LINE.format(step=2, a=0, b=3, pct="100%"), lines[2]), lines[2]
+    assert re.fullmatch(r"train: steps 0:3 done in [0-9.]+ s \([0-9.]+ (k )?steps/s, [0-9.,]+ (k )?tokens/s\)",
+                        lines[3]), lines[3]
+    lines = second.getvalue().splitlines()
+    assert [x.split(",")[0] for x in lines] == ["train: step 3 of 3:5 (50%)", "train: step 4 of 3:5 (100%)",
+                                                lines[2].split(",")[0]]
+    assert lines[2].startswith("train: steps 3:5 done in ")
+    assert f"loss {s2['losses'][4]:.4f}" in lines[1]
+    series = training_series(str(run_dir))
+    assert series["steps"] == [0, 1, 2, 3, 4]  # the whole run, both invocations
+    logged = proto.read_signals(str(run_dir))
+    assert series["loss"] == [logged[s].loss for s in range(5)]
+    assert series["dropped"] == [[logged[s].router[i].dropped_fraction for s in range(5)] for i in range(2)]
+    image = matplotlib.image.imread(str(run_dir / "train.png"))
+    assert image.shape == (850, 1000, 4)
+
+
+def test_full_disk_error_says_what_to_do(tiny, tmp_path, monkeypatch, capsys):
+    import errno
+
+    from replay.reference import train as train_cli
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")  # as a write deep in Orbax raises it: no filename
+
+    monkeypatch.setattr(train_cli, "train", full)
+    run_dir = tmp_path / "run"
+    assert train_main(["--run", str(run_dir), "--config", tiny[1], "--steps", "3"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"error: No space left on device (writing the run directory {run_dir}). Free space there, or point --run "
+        f"at a folder on another disk (copy the run there first to keep its steps), then run the same command "
+        f"again: python -m replay.reference.train --run {run_dir} --config {tiny[1]} --steps 3 resumes from the "
+        f"last complete checkpoint\n")
+
+    def denied(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied", str(run_dir))
+
+    monkeypatch.setattr(train_cli, "train", denied)
+    assert train_main(["--run", str(run_dir), "--config", tiny[1], "--steps", "3"]) == 2
+    assert capsys.readouterr().err == f"error: {run_dir}: Permission denied\n"
+
+
+def test_rerun_of_a_finished_run_prints_no_library_noise(tiny, tmp_path):
+    """The command on a run already at its last step: one line and the picture's path, no absl/Orbax
+    'Given directory is read only' warnings (the read-only managers' notes)."""
+    import shutil
+
+    folder, path, cfg, trainer, mesh, run_a, _ = tiny
+    run_dir = tmp_path / "finished"
+    shutil.copytree(run_a, run_dir)
+    proc = subprocess.run([sys.executable, "-m", "replay.reference.train", "--run", str(run_dir), "--config", path,
+                           "--steps", str(STEPS)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (f"nothing to do: run already at step {STEPS}\n"
+                           f"loss, gradient norm and router drops per step: {run_dir / 'train.png'}\n")
+    assert "read only" not in proc.stderr and "absl" not in proc.stderr
+    assert proc.stderr == ""

@@ -9,8 +9,10 @@ complete, so a process killed mid-save leaves no checkpoint that :func:`latest_s
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import orbax.checkpoint as ocp
 
@@ -23,6 +25,27 @@ def manager(directory: str, *, read_only: bool = False, max_to_keep: Optional[in
     Saves are asynchronous (``enable_async_checkpointing``); call ``wait_until_finished()``
     before exit. ``read_only`` managers never write, delete or clean up (replay uses them).
     """
+    with (quiet_orbax_notes() if read_only else contextlib.nullcontext()):
+        return _manager(directory, read_only, max_to_keep)
+
+
+@contextlib.contextmanager
+def quiet_orbax_notes() -> Iterator[None]:
+    """Raises the ``absl`` logger (Orbax logs through it) to ERROR while the block runs, then puts
+    its level back: a read-only manager logs two WARNING notes on every creation
+    (``read_only=True, setting save_interval_steps=0``, ``Given directory is read only``), which are
+    what was asked for, not news. Errors still show."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    if logger.getEffectiveLevel() < logging.ERROR:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _manager(directory: str, read_only: bool, max_to_keep: Optional[int]) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         create=not read_only,

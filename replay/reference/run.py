@@ -39,12 +39,13 @@ committed that checkpoint (saves are asynchronous: a kill during a save leaves n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
 import sys
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, TextIO
 
 import yaml
 
@@ -506,6 +507,9 @@ def train(
     log: Optional[Callable[[str], None]] = None,
     faults: Any = None,
     canary_fault: Any = None,
+    progress: Optional[TextIO] = None,
+    plot: bool = True,
+    on_step: Optional[Callable[[int, float], None]] = None,
 ) -> dict[str, Any]:
     """Trains until global step ``steps`` (exclusive), resuming from the run directory's last checkpoint.
 
@@ -516,7 +520,13 @@ def train(
         a kill finishes the same run).
       trainer, mesh: a prepared :class:`ReferenceTrainer` and its mesh (tests reuse the
         compiled step); default from ``cfg``.
-      log: progress lines (default: stderr).
+      log: warnings of the loop (a canary mismatch; default: stderr).
+      progress: the stream of the step progress (``replay.progress``: a Rich bar on a terminal, a
+        line every ``$REPLAY_PROGRESS_EVERY`` s otherwise, with step, steps/s, tokens/s, step time,
+        loss and ETA; and a closing ``train: steps A:B done in ...`` line); default stderr.
+      plot: write ``<run_dir>/train.png`` (``replay.reference.plot.plot_training``: the whole run,
+        earlier invocations included) at the end, also when there was nothing to train.
+      on_step: called after each step with the step and its loss (benchmarks time steps with it).
       faults: a drill (``replay drill --scenario``): passed to every ``trainer.train_step`` as its
         ``fault`` (``FaultSpec``/``DriftSpec`` or a list of them; each fires at its own steps).
       canary_fault: a drill: a ``FaultSpec`` whose bit is flipped in its device's canary gradient
@@ -524,7 +534,8 @@ def train(
 
     Returns:
       ``{"start": first step run, "end": steps, "losses": {step: loss}, "stopped": None or
-      {"step", "reason"}, "canary_seconds": [seconds of each periodic canary]}``.
+      {"step", "reason"}, "canary_seconds": [seconds of each periodic canary], "plot": the path
+      of train.png or None}``.
 
     Raises:
       RunConfigError: ``cfg`` does not fit the run directory, or ``steps`` < 0.
@@ -533,11 +544,13 @@ def train(
     import time
 
     from replay.env import compare_environment, record_environment
+    from replay.progress import line_interval, step_progress
     from replay.reference import checkpoint as ckpt
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise RunConfigError(f"steps: must be an int >= 0, got {steps!r}")
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    line_interval()  # a bad $REPLAY_PROGRESS_EVERY is reported before any work
     if trainer is None or mesh is None:
         trainer, mesh, _ = make_trainer(cfg)
     rd = RunDir(run_dir)
@@ -630,8 +643,11 @@ def train(
     phase = _phase_index(data, start) if start < steps else None
     windows = {a: b for a, b in cfg.skip_windows}
     finished = False
+    bar = contextlib.ExitStack()
     try:
         if start < steps:
+            shown = bar.enter_context(step_progress("train", start, steps, stream=progress))
+            served = int(data.metrics()["tokens_served"])
             for step, batch in data.iterate(start):
                 metrics = data.metrics()
                 p = _phase_index(data, step)
@@ -664,7 +680,11 @@ def train(
                 losses[step] = fp.router["loss"]
                 dropped_max = max((r.dropped_fraction for r in fp.signals.router), default=fp.router["dropped_fraction"]) \
                     if fp.signals is not None else fp.router["dropped_fraction"]
-                log(f"step {step} loss {fp.router['loss']:.4f} dropped {dropped_max:.3f} ({dt:.2f} s)")
+                now_served = int(metrics["tokens_served"])
+                shown.update(step, tokens=now_served - served, step_s=dt, loss=fp.router["loss"], dropped=dropped_max)
+                served = now_served
+                if on_step is not None:
+                    on_step(step, fp.router["loss"])
                 nxt = step + 1
                 if nxt % cfg.checkpoint_every == 0 or nxt == steps:
                     save(nxt)
@@ -673,6 +693,11 @@ def train(
                     break
         commit_events(wait=True)
         finished = True
+    except BaseException:
+        bar.__exit__(*sys.exc_info())
+        raise
+    else:
+        bar.close()
     finally:
         try:
             mngr.close()  # waits for a save in flight
@@ -681,7 +706,13 @@ def train(
             if finished:
                 raise  # else already failing: the original error is the one to see
     rd.event("end", max(start, steps) if stopped is None else stopped["step"])
-    return {"start": start, "end": steps, "losses": losses, "stopped": stopped, "canary_seconds": canary_seconds}
+    picture = None
+    if plot:
+        from replay.reference.plot import plot_training
+
+        picture = plot_training(rd.path, title=f"training run {cfg.name} ({rd.path})")
+    return {"start": start, "end": steps, "losses": losses, "stopped": stopped, "canary_seconds": canary_seconds,
+            "plot": picture}
 
 
 def canary_batch(cfg: RunConfig, mesh) -> dict[str, Any]:

@@ -6,6 +6,9 @@
 the last complete checkpoint and finishes the same run. Thin over
 :func:`replay.reference.run.train`. Exit codes: 0 done, 2 a config, data or file error, 3 stopped
 by a canary mismatch (``canary_action: stop``).
+
+Progress goes to stderr (a Rich bar on a terminal; a line every ``$REPLAY_PROGRESS_EVERY`` seconds,
+default 10, otherwise); the summary and the path of ``<run>/train.png`` go to stdout.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             checkpoint.exit_quietly_after_failed_restore(2)
         return 2
     except OSError as e:  # e.g. --config is a folder, --run is a file, permission denied, disk full
-        print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: {os_error_message(e, args.run, args.config, args.steps)}", file=sys.stderr)
         return 2
     losses = summary["losses"]
     if summary.get("stopped"):
@@ -50,7 +53,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"trained steps {summary['start']}..{summary['end'] - 1}: loss {losses[first]:.4f} -> {losses[last]:.4f}")
     else:
         print(f"nothing to do: run already at step {summary['start']}")
+    if summary.get("plot"):
+        print(f"loss, gradient norm and router drops per step: {summary['plot']}")
     return 0
+
+
+def os_error_message(e: OSError, run: str, config: str, steps: int) -> str:
+    """The message of a file error of training: the file (when the error names one), what failed,
+    and for a full disk what to do next (the run resumes from its last complete checkpoint)."""
+    import errno
+
+    what = e.strerror or str(e) or type(e).__name__
+    head = f"{e.filename}: {what}" if e.filename else what
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"{head} (writing the run directory {run}). Free space there, or point --run at a folder on "
+                f"another disk (copy the run there first to keep its steps), then run the same command again: "
+                f"python -m replay.reference.train --run {run} --config {config} --steps {steps} resumes from "
+                f"the last complete checkpoint")
+    return head
 
 
 if __name__ == "__main__":

@@ -1,0 +1,144 @@
+"""``train.png``: a training run's loss, gradient norm and router dropped fraction per step.
+
+Read from the run directory's ``signals.jsonl`` (one line per step, kept whole across resumes:
+a resumed run drops the lines from its checkpoint on and appends them again), so the picture
+covers the whole run whatever number of invocations trained it. Phase changes, skipped windows,
+restores and canary mismatches from ``events.jsonl`` are drawn as vertical lines. No JAX.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from replay import protocol as proto
+
+TRAIN_PNG = "train.png"
+
+_EVENT_STYLE = {  # event -> (colour, line style, legend label)
+    "phase_change": ("tab:purple", "--", "phase change"),
+    "skipped_window": ("tab:gray", ":", "skipped data window"),
+    "restore": ("tab:green", "-.", "resumed from checkpoint"),
+    "canary_mismatch": ("tab:red", "-", "canary mismatch"),
+}
+
+
+def training_series(run_dir: str) -> dict[str, list]:
+    """The per-step series of ``train.png`` from ``<run_dir>/signals.jsonl``.
+
+    Returns:
+      ``{"steps": [int], "loss": [float], "grad_norm": [float], "dropped": [[float] per MoE layer]}``,
+      steps ascending (each logged step once); empty lists when nothing is logged yet.
+
+    Raises:
+      OSError, ValueError: signals.jsonl is unreadable or malformed (``replay.protocol.read_signals``).
+    """
+    signals = proto.read_signals(run_dir) if os.path.exists(os.path.join(run_dir, proto.SIGNALS_NAME)) else {}
+    steps = sorted(signals)
+    layers = max((len(signals[s].router) for s in steps), default=0)
+    return {
+        "steps": steps,
+        "loss": [signals[s].loss for s in steps],
+        "grad_norm": [signals[s].grad_norm for s in steps],
+        "dropped": [[signals[s].router[i].dropped_fraction if len(signals[s].router) > i else float("nan")
+                     for s in steps] for i in range(layers)],
+    }
+
+
+def plot_training(run_dir: str, path: Optional[str] = None, title: Optional[str] = None) -> str:
+    """Writes the training picture of ``run_dir`` (module docstring); returns its path.
+
+    Three panels over the training step (x): the loss (nats per target token), the global
+    gradient norm (L2 of the reduced gradient, log scale) and each MoE layer's router dropped
+    fraction (assignments past expert capacity / all assignments, in [0, 1]).
+
+    Args:
+      run_dir: a run directory (``replay.protocol`` layout).
+      path: the PNG to write (default ``<run_dir>/train.png``); written under a temporary name,
+        then renamed, so a reader never sees half a file.
+      title: the figure's title (default: the run's name from ``run_config.yaml`` and its folder).
+
+    Raises:
+      OSError: the PNG cannot be written. A run with no signal lines yet gives a picture that
+        says so, not an error.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = os.path.abspath(run_dir)
+    path = path or os.path.join(run_dir, TRAIN_PNG)
+    series = training_series(run_dir)
+    steps = series["steps"]
+    if title is None:
+        title = f"training run {_run_name(run_dir)} ({run_dir})"
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True)
+    fig.suptitle(title + (f": steps 0:{steps[-1] + 1}" if steps else ": no step logged yet"), fontsize=10)
+    loss_ax, norm_ax, drop_ax = axes
+    if steps:
+        loss_ax.plot(steps, series["loss"], color="black", linewidth=1, label="loss")
+        norm_ax.plot(steps, series["grad_norm"], color="tab:blue", linewidth=1, label="gradient norm")
+        norms = [v for v in series["grad_norm"] if v == v and v != float("inf")]
+        if norms and min(norms) > 0 and max(norms) / min(norms) > 20:  # a spike: keep the rest visible
+            norm_ax.set_yscale("log")
+        for i, dropped in enumerate(series["dropped"]):
+            drop_ax.plot(steps, dropped, linewidth=1, label=f"layer {i}")
+    else:
+        loss_ax.text(0.5, 0.5, f"no lines in {proto.SIGNALS_NAME} yet", ha="center", transform=loss_ax.transAxes)
+    _mark_events(run_dir, axes, steps)
+    loss_ax.set_ylabel("loss (nats / token)")
+    loss_ax.set_title("training loss", fontsize=9)
+    norm_ax.set_ylabel("gradient norm (L2)")
+    norm_ax.set_title("global gradient norm (reduced gradient)", fontsize=9)
+    drop_ax.set_ylabel("dropped fraction")
+    drop_ax.set_title("router: assignments dropped past expert capacity, per MoE layer", fontsize=9)
+    drop_ax.set_ylim(bottom=0)
+    drop_ax.set_xlabel("training step")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        handles, labels = ax.get_legend_handles_labels()
+        if len(handles) > 1:
+            ax.legend(fontsize=7, loc="upper right", ncol=min(4, len(handles)))
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    try:
+        fig.savefig(tmp, dpi=100)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def _run_name(run_dir: str) -> str:
+    import yaml
+
+    try:
+        with open(os.path.join(run_dir, proto.RUN_CONFIG_NAME), encoding="utf-8") as f:
+            return str((yaml.safe_load(f) or {}).get("name") or os.path.basename(run_dir))
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return os.path.basename(run_dir)
+
+
+def _mark_events(run_dir: str, axes, steps) -> None:
+    """Vertical lines at the steps of the events in ``_EVENT_STYLE`` (one legend entry each kind)."""
+    if not steps or not os.path.exists(os.path.join(run_dir, proto.EVENTS_NAME)):
+        return
+    try:
+        events = proto.read_events(run_dir)
+    except (OSError, ValueError):  # informational only: a picture without marks
+        return
+    seen, drawn = set(), set()
+    for e in events:
+        style = _EVENT_STYLE.get(e.get("event"))
+        key = (e.get("event"), e.get("step"))
+        if style is None or key in drawn or not steps[0] <= int(e.get("step", -1)) <= steps[-1]:
+            continue
+        drawn.add(key)
+        colour, ls, label = style
+        for i, ax in enumerate(axes):
+            ax.axvline(int(e["step"]), color=colour, linestyle=ls, linewidth=0.9, alpha=0.8,
+                       label=label if i == 0 and label not in seen else None)
+        seen.add(label)
