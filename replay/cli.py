@@ -28,26 +28,6 @@ device spec (--devices):
   that put a different device on every mesh position.
 """
 
-VERDICT_HELP = """\
-verdicts and exit codes (of every command; each command's --help lists its own):
-  0  acquitted   the replay on good devices reproduces the log (the cause of a loss spike is the
-                 data or the software: run 'replay inspect' on those steps), or the rebuilt batch
-                 differs from the logged one (a data or order difference, not a device fault)
-  3  convicted   replays on >= 2 independent good device placements agree with each other and
-                 not with the log, on some devices of the original run: those devices computed
-                 wrong bits (silent data corruption) at the reported step and leaf
-  4  ambiguous   replays disagree with each other (flaky hardware in the replay set: rerun with
-                 --repeats or other devices), every device differs (software/environment), only a
-                 tolerance comparison was possible, or too few independent replays
-  2  usage error (bad option, malformed --steps/--devices, too few devices for the run's mesh)
-  5  run directory or data error (unknown run, range not logged, no checkpoint, missing dataset)
-  6  environment drift: the environment differs from the run's env.json and a bit-exact claim
-     was asked for (pass --allow-env-drift, or --tolerance for a weaker comparison)
-  7  drill not caught (replay or canary failed to name the injected device and step)
-  8  suspects found ('replay scan': the logs name suspect devices, router layers, the loader or the run)
-  1  internal error (a bug; traceback printed)
-"""
-
 RANGE_EXIT_HELP = """\
 verdicts and exit codes:
   0  acquitted   the replay on good devices reproduces the log (the cause of a loss spike is the
@@ -66,6 +46,15 @@ verdicts and exit codes:
   1  internal error (a bug; traceback printed)
 """
 
+# The top-level help: range's codes, then those only other commands give, before code 1.
+_RANGE_HEAD, _INTERNAL_LINE = RANGE_EXIT_HELP.rsplit("\n  1  ", 1)
+VERDICT_HELP = (
+    _RANGE_HEAD.replace("verdicts and exit codes:",
+                        "verdicts and exit codes (of every command; each command's --help lists its own):", 1)
+    + "\n  7  drill not caught (replay or canary failed to name the injected device and step)"
+    + "\n  8  suspects found ('replay scan': the logs name suspect devices, router layers, the loader or the run)"
+    + "\n  1  " + _INTERNAL_LINE)
+
 CANARY_EXIT_HELP = """\
 verdicts and exit codes:
   0  acquitted   every chosen device and repeat gives the golden fingerprints (or, with no golden
@@ -74,7 +63,7 @@ verdicts and exit codes:
   4  ambiguous   every device agrees with the others but not with the golden value (an environment
                  or software change: --reset-golden), or no majority makes a golden value
   2  usage error (bad option, malformed --devices, --rows or --step out of range)
-  5  run directory or data error (unknown run, no checkpoint --checkpoint, corrupt golden file,
+  5  run directory or data error (unknown run, no checkpoint N for --checkpoint N, corrupt golden file,
      missing dataset)
   1  internal error (a bug; traceback printed)
 """
