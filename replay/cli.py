@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shlex
 import sys
 import traceback
 from typing import Optional, Sequence
@@ -27,7 +28,7 @@ device spec (--devices):
   that put a different device on every mesh position.
 """
 
-VERDICT_HELP = """\
+RANGE_EXIT_HELP = """\
 verdicts and exit codes:
   0  acquitted   the replay on good devices reproduces the log (the cause of a loss spike is the
                  data or the software: run 'replay inspect' on those steps), or the rebuilt batch
@@ -42,8 +43,39 @@ verdicts and exit codes:
   5  run directory or data error (unknown run, range not logged, no checkpoint, missing dataset)
   6  environment drift: the environment differs from the run's env.json and a bit-exact claim
      was asked for (pass --allow-env-drift, or --tolerance for a weaker comparison)
+  1  internal error (a bug; traceback printed)
+"""
+
+# The top-level help: range's codes, then those only other commands give, before code 1.
+_RANGE_HEAD, _INTERNAL_LINE = RANGE_EXIT_HELP.rsplit("\n  1  ", 1)
+VERDICT_HELP = (
+    _RANGE_HEAD.replace("verdicts and exit codes:",
+                        "verdicts and exit codes (of every command; each command's --help lists its own):", 1)
+    + "\n  7  drill not caught (replay or canary failed to name the injected device and step)"
+    + "\n  8  suspects found ('replay scan': the logs name suspect devices, router layers, the loader or the run)"
+    + "\n  1  " + _INTERNAL_LINE)
+
+CANARY_EXIT_HELP = """\
+verdicts and exit codes:
+  0  acquitted   every chosen device and repeat gives the golden fingerprints (or, with no golden
+                 value yet, agrees with the majority that makes it)
+  3  convicted   a device disagrees with the golden value or with its own repeats: it is named
+  4  ambiguous   every device agrees with the others but not with the golden value (an environment
+                 or software change: --reset-golden), or no majority makes a golden value
+  2  usage error (bad option, malformed --devices, --rows or --step out of range)
+  5  run directory or data error (unknown run, no checkpoint N for --checkpoint N, corrupt golden file,
+     missing dataset)
+  1  internal error (a bug; traceback printed)
+"""
+
+DRILL_EXIT_HELP = """\
+exit codes:
+  0  every drill caught: range replay convicted the injected device at the injected step and the
+     canary named it (--scenario: 'replay scan' named the device and the first step)
   7  drill not caught (replay or canary failed to name the injected device and step)
-  8  suspects found ('replay scan': the logs name suspect devices, router layers, the loader or the run)
+  2  usage error (bad option, malformed --devices, a fault field out of range: --step, --device,
+     --leaf, --element, --bit)
+  5  run directory or data error (unknown run, no checkpoint, missing dataset)
   1  internal error (a bug; traceback printed)
 """
 
@@ -55,6 +87,16 @@ exit codes:
      written in the run directory; replay the suggested range with --devices good
   2  usage error (bad option, malformed --steps)
   5  run directory or data error (unknown run, range not logged, malformed log)
+"""
+
+INSPECT_TEXT_HELP = """\
+decoded text (--text) is the tokenizer's normalization, not the original bytes:
+  SentencePiece normalizes text before encoding it, and decoding gives the normalized text. With
+  the default nmt_nfkc: U+FE30 becomes '..', 'ﬁ' (U+FB01) becomes 'fi', full-width digits become
+  ASCII, runs of whitespace (newlines too) collapse to one space; a character missing from the
+  vocabulary (no byte fallback) shows as ' ⁇ '; a row boundary inside a multi-byte character
+  decodes to U+FFFD on each side. For the exact tokens use --json OUT: every document carries its
+  token_ids (docs/dataprep.md, "Decoded text is the normalized text").
 """
 
 INSPECT_EXIT_HELP = """\
@@ -69,15 +111,40 @@ MAX_INSPECT_STEPS = 10_000
 DRILL_NOT_CAUGHT = int(ExitCode.DRILL_NOT_CAUGHT)
 
 
+RUN_HELP = ("the training run directory (run_config.yaml, env.json, fingerprints.jsonl, ...); default: "
+            "$REPLAY_RUN, else the current folder if it is a run directory")
+
+COMMANDS = ("range", "canary", "inspect", "scan", "drill")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's default exit code 2 is ExitCode.USAGE already; keep its text
         self.print_usage(sys.stderr)
         self.exit(int(ExitCode.USAGE), f"{self.prog}: error: {message}\n")
 
 
+class _TopParser(_Parser):
+    """The top-level parser: its help also lists the options of the default command (range)."""
+
+    range_parser: Optional[argparse.ArgumentParser] = None
+
+    def format_help(self) -> str:
+        text = super().format_help()
+        if self.range_parser is None:
+            return text
+        formatter = self._get_formatter()
+        formatter.start_section("range options (the default command: 'replay --steps A:B' is 'replay range "
+                                "--steps A:B')")
+        formatter.add_arguments([a for a in self.range_parser._actions if not isinstance(a, argparse._HelpAction)])
+        formatter.end_section()
+        options = formatter.format_help()
+        head, sep, tail = text.partition("\n" + DEVICE_SPEC_HELP.splitlines()[0])
+        return head.rstrip("\n") + "\n\n" + options + sep + tail if sep else text + "\n" + options
+
+
 def _common(p: argparse.ArgumentParser, devices_default: str) -> None:
-    p.add_argument("--run", required=True, help="the training run directory (run_config.yaml, env.json, ...)")
-    p.add_argument("--devices", default=devices_default, help=f"device spec (default {devices_default}); see below")
+    p.add_argument("--run", metavar="DIR", help=RUN_HELP)
+    p.add_argument("--devices", metavar="SPEC", default=devices_default, help=f"device spec (default {devices_default}); see below")
     p.add_argument("--quarantine", metavar="FILE", help="quarantined device ids, one a line (default: <run>/quarantine.txt)")
     p.add_argument("--json", metavar="OUT", help="write the full report as JSON here")
     p.add_argument("--no-progress", action="store_true",
@@ -86,27 +153,31 @@ def _common(p: argparse.ArgumentParser, devices_default: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
-    parser = _Parser(
+    parser = _TopParser(
         prog="replay",
-        description="Triage a training run: rerun step ranges and canary batches on chosen devices, diff "
-                    "gradient fingerprints against the run's log and give a silent-data-corruption verdict; "
+        usage="replay [range] [--run DIR] --steps A:B [--devices SPEC] [range options]\n"
+              "       replay {canary,inspect,scan,drill} [--run DIR] [options]   (replay COMMAND --help)",
+        description="Triage a training run: rerun step ranges and canary batches on chosen devices, diff\n"
+                    "gradient fingerprints against the run's log and give a silent-data-corruption verdict;\n"
                     "list the documents of any batch.\n\n"
                     "  replay --run DIR --steps A:B --devices good     rerun steps A..B-1 and diff\n"
                     "  replay canary --run DIR --devices all           fixed canary batch on every device\n"
                     "  replay inspect --run DIR --steps A:B [--text]   which documents were in those batches\n"
                     "  replay scan --run DIR [--steps A:B]             screen the logs alone, rank suspects\n"
-                    "  replay drill --run DIR                          inject a fault, prove it is caught",
+                    "  replay drill --run DIR                          inject a fault, prove it is caught\n\n"
+                    "--run DIR may be left out: $REPLAY_RUN, else the current folder if it is a run directory.",
         epilog=DEVICE_SPEC_HELP + "\n" + VERDICT_HELP, formatter_class=fmt)
-    sub = parser.add_subparsers(dest="command", metavar="{range,canary,inspect,scan,drill}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="{range,canary,inspect,scan,drill}",
+                                parser_class=_Parser)
 
-    r = sub.add_parser("range", help="rerun a step range and diff it with the log (the default command)",
+    r = sub.add_parser("range", help="rerun steps and diff them with the log (the default)",
                        description="Restore the newest checkpoint at or before A (read-only), rebuild the "
                                    "batches with the loader (phases and skipped windows followed), replay steps "
                                    "checkpoint..B-1 on two independent placements of the chosen devices and "
                                    "compare every step with the logged fingerprints.",
-                       epilog=DEVICE_SPEC_HELP + "\n" + VERDICT_HELP, formatter_class=fmt)
+                       epilog=DEVICE_SPEC_HELP + "\n" + RANGE_EXIT_HELP, formatter_class=fmt)
     _common(r, "good")
-    r.add_argument("--steps", required=True, help="A:B, steps A..B-1 (half-open), or one step A")
+    r.add_argument("--steps", metavar="A:B", required=True, help="A:B, steps A..B-1 (half-open), or one step A")
     r.add_argument("--repeats", type=int, default=1, help="replays per placement (faulty chips are often inconsistent)")
     r.add_argument("--placements", type=int, default=2, help="independent device placements (>= 2 to convict)")
     r.add_argument("--plot", metavar="OUT.png", help="write a steps x devices plot with mismatches marked")
@@ -115,12 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tolerance", type=float, metavar="RTOL",
                    help="compare loss and gradient norm within RTOL only (weaker evidence: can acquit, never convict)")
 
-    c = sub.add_parser("canary", help="run the fixed canary batch on each device separately",
+    c = sub.add_parser("canary", help="run the fixed canary batch on each device",
                        description="Forward and backward of a fixed, versioned canary batch with fixed weights on "
                                    "each chosen device, --repeats times; all must be bit-identical and equal to "
                                    "the golden value of this environment (created from the majority when absent). "
                                    "The odd device out is named.",
-                       epilog=DEVICE_SPEC_HELP + "\n" + VERDICT_HELP, formatter_class=fmt)
+                       epilog=DEVICE_SPEC_HELP + "\n" + CANARY_EXIT_HELP, formatter_class=fmt)
     _common(c, "all")
     c.add_argument("--repeats", type=int, default=2, help="runs per device; all must give the same fingerprints")
     c.add_argument("--checkpoint", type=int, help="weights from this checkpoint step (default: seeded init)")
@@ -129,20 +200,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--golden", metavar="FILE", help="golden values file (default <run>/canary/golden.json)")
     c.add_argument("--reset-golden", action="store_true", help="re-create this environment's golden value")
 
-    i = sub.add_parser("inspect", help="list the documents of each row of a step range",
+    i = sub.add_parser("inspect", help="list the documents of each row of any steps",
                        description="For each step and row: source, document key, chunk and token span; a "
                                    "per-source summary; the shards and records touched. Needs no device work "
                                    "(no --devices): a batch is a pure function of the step, so any step can be "
                                    "looked up, logged or not (e.g. the batches a run is about to train on), "
                                    f"at most {MAX_INSPECT_STEPS} steps a call.",
-                       epilog=INSPECT_EXIT_HELP, formatter_class=fmt)
-    i.add_argument("--run", required=True, help="the training run directory (its run config names the dataset)")
-    i.add_argument("--steps", required=True, help="A:B (half-open) or A")
-    i.add_argument("--text", action="store_true", help="decode each document's tokens with the dataset's tokenizer")
-    i.add_argument("--json", metavar="OUT", help="write the full report (every row and document) as JSON here")
+                       epilog=INSPECT_TEXT_HELP + "\n" + INSPECT_EXIT_HELP, formatter_class=fmt)
+    i.add_argument("--run", metavar="DIR", help=RUN_HELP + " (its run config names the dataset)")
+    i.add_argument("--steps", metavar="A:B", required=True, help="A:B (half-open) or A")
+    i.add_argument("--text", action="store_true",
+                   help="decode each document's tokens with the dataset's tokenizer (normalized text: below)")
+    i.add_argument("--json", metavar="OUT",
+                   help="write the full report (every row and document, with its token_ids) as JSON here")
     i.add_argument("--max-rows", type=int, default=200, help="documents shown in the table (the JSON has all)")
 
-    sc = sub.add_parser("scan", help="screen a run from its logs alone (no recompute) and rank suspects",
+    sc = sub.add_parser("scan", help="screen a run from its logs alone, rank suspects",
                         description="From the run's logs alone (signals.jsonl, canary.jsonl, fingerprints.jsonl, "
                                     "events.jsonl; no device work): replica gradient-norm drift and spikes (robust "
                                     "log-ratios against the cross-replica median), canary mismatches, NaN/Inf per "
@@ -151,17 +224,17 @@ def build_parser() -> argparse.ArgumentParser:
                                     "<run>/suspects.json (used by --devices suspect / good) and suggests the range "
                                     "replay to run.",
                         epilog=SCAN_EXIT_HELP, formatter_class=fmt)
-    sc.add_argument("--run", required=True, help="the training run directory")
-    sc.add_argument("--steps", help="A:B: report findings in steps A..B-1 (earlier steps serve as history)")
+    sc.add_argument("--run", metavar="DIR", help=RUN_HELP)
+    sc.add_argument("--steps", metavar="A:B", help="A:B: report findings in steps A..B-1 (earlier steps serve as history)")
     sc.add_argument("--json", metavar="OUT", help="write the full report as JSON here")
     sc.add_argument("--plot", metavar="OUT.png", help="write the per-step signals with the suspects marked")
 
-    d = sub.add_parser("drill", help="inject a simulated bit flip and check replay and canary catch it",
+    d = sub.add_parser("drill", help="inject a bit flip, check replay and canary catch it",
                        description="Flip one bit (chosen, or random from --seed) in one device's local gradient "
                                    "at one step of a replay of the run, then check that range replay convicts "
                                    "that device at that step and that the canary names it. Exit 0 when caught, "
                                    f"{DRILL_NOT_CAUGHT} when not.",
-                       epilog=DEVICE_SPEC_HELP + "\n" + VERDICT_HELP, formatter_class=fmt)
+                       epilog=DEVICE_SPEC_HELP + "\n" + DRILL_EXIT_HELP, formatter_class=fmt)
     _common(d, "all")
     d.add_argument("--seed", type=int, default=0, help="seed of the random fault fields")
     d.add_argument("--count", type=int, default=1, help="number of drills")
@@ -184,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drift: relative error of the device's local gradient (default 0.2)")
     d.add_argument("--kind", choices=("scale", "bias"), default="scale", help="drift: scale or bias (default scale)")
     d.add_argument("--flips", type=int, default=3, help="flip: number of bit flips (default 3)")
+    parser.range_parser = r
     return parser
 
 
@@ -283,7 +357,7 @@ def _cmd_inspect(args, console) -> int:
     data = session.lookup_loader()
     tok = getattr(getattr(getattr(data, "mixture", None), "tokenizer", None), "path", None)
     rep = forensics.inspect_steps(data, start, stop, text=args.text, tokenizer_path=tok,
-                                  dataset=session.setup.dataset)
+                                  dataset=session.setup.dataset, token_ids=bool(args.json))
     out = rep.to_dict()
     report.render_inspect(out, console, max_rows=args.max_rows)
     if args.json:
@@ -456,25 +530,65 @@ def _pin_determinism_flags(run_dir: Optional[str]) -> list[str]:
     return added
 
 
+def _with_steps(typed: Sequence[str], steps: str) -> list[str]:
+    """The command line ``typed`` (as the user gave it, without ``replay``) with ``--steps`` set to ``steps``."""
+    out, replaced, skip = [], False, False
+    for n, tok in enumerate(typed):
+        if skip:
+            skip = False
+            continue
+        if tok == "--steps" and n + 1 < len(typed):
+            out += ["--steps", steps]
+            replaced = skip = True
+        elif tok.startswith("--steps="):
+            out.append(f"--steps={steps}")
+            replaced = True
+        else:
+            out.append(tok)
+    return out if replaced else [*out, "--steps", steps]
+
+
+def _next_commands(typed: Sequence[str], args, e) -> list[tuple[str, str]]:
+    """``(command, why)`` to try after a range outside the logged steps (``StepRangeError``): the
+    same command on the nearest logged range, and ``replay inspect``, which lists any step."""
+    out = []
+    if e.suggestion is not None:
+        a, b = e.suggestion
+        out.append((shlex.join(["replay", *_with_steps(typed, f"{a}:{b}")]), "the nearest logged range"))
+    if e.start is not None and args.command != "inspect":
+        run = ["--run", args.run] if args.run_source == "--run" else []
+        stop = min(e.stop, e.start + MAX_INSPECT_STEPS)
+        out.append((shlex.join(["replay", "inspect", *run, "--steps", f"{e.start}:{stop}"]),
+                    "lists the documents of any step, logged or not"))
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``replay`` console script; returns the exit code (``ExitCode``)."""
-    from rich.console import Console
+    """Entry point of the ``replay`` console script; returns the exit code (``ExitCode``).
+
+    The run directory is ``--run``, else ``$REPLAY_RUN``, else the current folder when it is a run
+    directory (``replay.runlog.resolve_run_dir``); when not ``--run``, one line on stderr says which
+    (``run: DIR (from REPLAY_RUN)``). Messages go to stderr, never wrapped (``report.make_console``).
+    """
+    from rich.markup import escape
 
     from contract.config import ConfigError
     from replay.compare import PairingError
-    from replay.devices import DeviceSpecError
+    from replay.devices import DeviceSpecError, parse_spec
     from replay.drill import DrillError
     from replay.engine import EnvDriftError
     from replay.forensics import TokenizerUnavailableError
-    from replay.runlog import RunDirError, StepsSpecError
+    from replay.report import make_console
+    from replay.runlog import RunDirError, RunNotGivenError, StepRangeError, StepsSpecError, resolve_run_dir
 
     if argv is None:  # the console script: a whole process of its own
         code = main(sys.argv[1:])
         if "replay.reference.checkpoint" in sys.modules:
             sys.modules["replay.reference.checkpoint"].exit_quietly_after_failed_restore(code)
         return code
+    typed = list(argv)
     argv = list(argv)
-    if argv and argv[0] not in ("range", "canary", "inspect", "scan", "drill", "-h", "--help"):
+    if argv and argv[0] not in (*COMMANDS, "-h", "--help"):
         argv = ["range", *argv]  # `replay --run DIR --steps A:B` is the range command
     parser = build_parser()
     if not argv:
@@ -484,35 +598,48 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
         return int(e.code or 0)
-    _pin_determinism_flags(getattr(args, "run", None))
+    console = make_console()  # one width policy: messages never wrap, tables fit (160 columns when piped)
+    err = make_console(stderr=True)
+    try:
+        args.run, args.run_source = resolve_run_dir(args.run)
+        if hasattr(args, "devices"):
+            parse_spec(args.devices)  # a typo in --devices is reported before any work starts
+    except (RunNotGivenError, DeviceSpecError) as e:
+        err.print(f"[red]usage error:[/] {escape(str(e))}")
+        return int(ExitCode.USAGE)
+    if args.run_source != "--run":
+        err.print(f"run: {escape(args.run)} (from {args.run_source})")
+    _pin_determinism_flags(args.run)
     import logging
 
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on read-only restores are not news
-    # Piped or redirected output has no terminal width: Rich would wrap tables at 80 columns.
-    console = Console() if sys.stdout.isatty() else Console(width=160)
-    err = Console(stderr=True)
     handlers = {"range": _cmd_range, "canary": _cmd_canary, "inspect": _cmd_inspect, "scan": _cmd_scan,
                 "drill": _cmd_drill}
+
+    def fail(kind: str, message: str, code: ExitCode) -> int:
+        err.print(f"[red]{kind}:[/] {escape(message)}")
+        return int(code)
+
     try:
         return handlers[args.command](args, console)
     except (StepsSpecError, DeviceSpecError, DrillError, _Usage) as e:
-        err.print(f"[red]usage error:[/] {e}")
-        return int(ExitCode.USAGE)
+        return fail("usage error", str(e), ExitCode.USAGE)
     except EnvDriftError as e:
-        err.print(f"[red]environment drift:[/] {e}")
-        return int(ExitCode.ENV_DRIFT)
+        return fail("environment drift", str(e), ExitCode.ENV_DRIFT)
+    except StepRangeError as e:
+        code = fail("run directory or data error", str(e), ExitCode.RUN_ERROR)
+        for n, (command, why) in enumerate(_next_commands(typed, args, e)):
+            err.print(f"{'next' if n == 0 else '  or'}: {escape(command)}   ({why})")
+        return code
     except (RunDirError, ConfigError, TokenizerUnavailableError, FileNotFoundError, PairingError) as e:
-        err.print(f"[red]run directory or data error:[/] {e}")
-        return int(ExitCode.RUN_ERROR)
+        return fail("run directory or data error", str(e), ExitCode.RUN_ERROR)
     except OSError as e:  # e.g. permission denied, disk full, on a run file or an output file
-        err.print(f"[red]run directory or data error:[/] cannot read or write {e.filename or ''}: "
-                  f"{e.strerror or e}")
-        return int(ExitCode.RUN_ERROR)
+        what = f"cannot read or write {e.filename}: " if e.filename else ""
+        return fail("run directory or data error", f"{what}{e.strerror or e}", ExitCode.RUN_ERROR)
     except Exception as e:
         name = type(e).__module__
         if name.startswith("loader") and isinstance(e, ValueError):
-            err.print(f"[red]run directory or data error:[/] {e}")
-            return int(ExitCode.RUN_ERROR)
+            return fail("run directory or data error", str(e), ExitCode.RUN_ERROR)
         traceback.print_exc()
         return int(ExitCode.INTERNAL)
 

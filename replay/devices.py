@@ -21,6 +21,7 @@ then every device shard of the original run is recomputed by two different devic
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 from typing import Iterable, Optional, Sequence
@@ -74,6 +75,24 @@ def run_quarantine(run_dir: str, override: Optional[str] = None) -> frozenset[in
 
 _RANGE = re.compile(r"^([0-9]+)(?:-([0-9]+))?$")
 MAX_RANGE = 1 << 16
+NAMES = ("all", "good", "suspect")  # the named sets of a device spec (and process:N)
+_NAMES_HELP = "(names: all, good, suspect, process:N; device ids like 0,3,5-7; parts join with '+')"
+
+
+def _bad_part(part: str, text: str, what: str) -> DeviceSpecError:
+    """The error for a part that is not an id or range: a misspelt name gets the names and the nearest."""
+    if what == "device id" and re.search(r"[^0-9\s,-]", part):
+        head, sep, tail = part.partition(":")
+        if part in NAMES:  # a name inside a comma list: names join with '+'
+            return DeviceSpecError(f"device spec: {part!r} is a name, not a device id; names and ids join "
+                                   f"with '+': {text.replace(',', '+')!r}")
+        close = difflib.get_close_matches(head, [*NAMES, "process"], n=1, cutoff=0.6)
+        guess = ""
+        if close:
+            guess = close[0] if close[0] != "process" else f"process:{tail if sep and tail else 'N'}"
+            guess = f"did you mean {guess!r}? "
+        return DeviceSpecError(f"device spec: unknown name {part!r}; {guess}{_NAMES_HELP}")
+    return DeviceSpecError(f"device spec: bad {what} {part!r}; expected an integer or an inclusive range like 5-7")
 
 
 def _parse_ids(text: str, what: str) -> list[int]:
@@ -82,9 +101,7 @@ def _parse_ids(text: str, what: str) -> list[int]:
         part = part.strip()
         m = _RANGE.match(part)
         if not m:
-            raise DeviceSpecError(
-                f"device spec: bad {what} {part!r}; expected an integer or an inclusive range like 5-7"
-            )
+            raise _bad_part(part, text, what)
         lo = int(m.group(1))
         hi = int(m.group(2)) if m.group(2) is not None else lo
         if hi < lo:
@@ -93,6 +110,32 @@ def _parse_ids(text: str, what: str) -> list[int]:
             raise DeviceSpecError(f"device spec: range {part!r} names {hi - lo + 1} {what}s; at most {MAX_RANGE}")
         out.extend(range(lo, hi + 1))
     return out
+
+
+def parse_spec(spec: str) -> list[tuple[str, tuple[int, ...]]]:
+    """Parses a device spec (grammar in the module docstring) without a device list, so that a typo is
+    reported before any work starts.
+
+    Returns:
+      One ``(kind, ids)`` per ``+`` part: ``("all" | "good" | "suspect", ())``, ``("process",
+      process indices)`` or ``("ids", device ids)``, in the order of the spec.
+
+    Raises:
+      DeviceSpecError: an empty spec; a part that is neither a name nor ids (a misspelt name lists
+        the names and suggests the nearest, e.g. ``goood`` -> ``good``); an empty or huge range.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise DeviceSpecError("device spec: empty; use all, good, suspect, ids like 0,3,5-7, or process:N")
+    parts: list[tuple[str, tuple[int, ...]]] = []
+    for part in spec.split("+"):
+        part = part.strip().lower()
+        if part in NAMES:
+            parts.append((part, ()))
+        elif part.startswith("process:"):
+            parts.append(("process", tuple(_parse_ids(part[len("process:"):], "process index"))))
+        else:
+            parts.append(("ids", tuple(_parse_ids(part, "device id"))))
+    return parts
 
 
 def select_devices(
@@ -113,22 +156,20 @@ def select_devices(
       The chosen devices, in the order of ``devices``.
 
     Raises:
-      DeviceSpecError: an empty or malformed spec; an id or process that does not exist
-        (the message lists those that do); or fewer than ``minimum`` devices chosen.
+      DeviceSpecError: an empty or malformed spec (:func:`parse_spec`); an id or process that does
+        not exist (the message lists those that do); or fewer than ``minimum`` devices chosen.
     """
-    if not isinstance(spec, str) or not spec.strip():
-        raise DeviceSpecError("device spec: empty; use all, good, suspect, ids like 0,3,5-7, or process:N")
+    parts = parse_spec(spec)
     by_id = {d.id: d for d in devices}
     processes = sorted({d.process_index for d in devices})
     quarantined = frozenset(quarantine)
     chosen: set[int] = set()
-    for part in spec.split("+"):
-        part = part.strip().lower()
-        if part == "all":
+    for kind, wanted in parts:
+        if kind == "all":
             chosen.update(by_id)
-        elif part == "good":
+        elif kind == "good":
             chosen.update(i for i in by_id if i not in quarantined)
-        elif part == "suspect":
+        elif kind == "suspect":
             if not quarantined:
                 raise DeviceSpecError(
                     "device spec: 'suspect' but no device is held suspect (no quarantine.txt in the run "
@@ -136,8 +177,7 @@ def select_devices(
                     "'replay scan' first)"
                 )
             chosen.update(i for i in by_id if i in quarantined)
-        elif part.startswith("process:"):
-            wanted = _parse_ids(part[len("process:"):], "process index")
+        elif kind == "process":
             unknown = sorted(set(wanted) - set(processes))
             if unknown:
                 raise DeviceSpecError(
@@ -145,7 +185,6 @@ def select_devices(
                 )
             chosen.update(d.id for d in devices if d.process_index in wanted)
         else:
-            wanted = _parse_ids(part, "device id")
             unknown = sorted(set(wanted) - set(by_id))
             if unknown:
                 raise DeviceSpecError(

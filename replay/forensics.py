@@ -11,7 +11,9 @@ segment lengths, document keys, chunk indices). For each row this lists its docu
 ``chunk`` says which ``seq_len`` piece of a long document the segment is (the segment starts at
 token ``chunk * seq_len`` of the document). A per-source summary and the shards and records
 touched follow, so that a bad shard or input file can be found; ``text=True`` decodes each
-segment with the dataset's SentencePiece tokenizer.
+segment with the dataset's SentencePiece tokenizer, and ``token_ids=True`` carries each segment's
+token ids (the exact stored tokens: decoded text is the tokenizer's normalization of the original
+text, not its bytes; docs/dataprep.md, "Decoded text is the normalized text").
 """
 
 from __future__ import annotations
@@ -59,20 +61,24 @@ class InspectReport:
 
 
 def inspect_steps(data: Any, start: int, stop: int, *, text: bool = False, tokenizer_path: Optional[str] = None,
-                  dataset: Optional[str] = None) -> InspectReport:
+                  dataset: Optional[str] = None, token_ids: bool = False) -> InspectReport:
     """Lists the documents of every row of steps ``[start, stop)``.
 
     Args:
       data: a loader (``loader.build(...)``) with ``rows_at(step)`` and ``read_rows(step)``.
       start, stop: the half-open step range.
-      text: decode each segment's tokens (needs ``tokenizer_path``).
+      text: decode each segment's tokens (needs ``tokenizer_path``). The text is the tokenizer's
+        normalization of the original (e.g. NFKC: ``ﬁ`` -> ``fi``), not its bytes, and a segment
+        cut inside a multi-byte character decodes to U+FFFD at the cut.
       tokenizer_path: the dataset's SentencePiece model.
+      dataset: the dataset directory, recorded in the report.
+      token_ids: carry each segment's token ids (``token_ids``, a list of int, ``tokens`` long).
 
     Returns:
       The report; ``rows[i]`` has ``step``, ``position`` (row in the batch), ``global_row``,
       ``phase``, ``source``, ``epoch``, ``record``, ``shard``, ``record_in_shard``, ``tokens``,
       ``padding`` and ``documents`` (each ``key``, ``chunk``, ``span`` ``[begin, end)`` in row
-      slots, ``tokens``, optionally ``text``).
+      slots, ``tokens`` (a count), optionally ``text`` (str) and ``token_ids`` (list of int)).
 
     Raises:
       TokenizerUnavailableError: ``text`` without a usable tokenizer.
@@ -94,8 +100,11 @@ def inspect_steps(data: Any, start: int, stop: int, *, text: bool = False, token
             for i, key in enumerate(row.doc_keys):
                 b, e = int(ends[i] - row.segment_lengths[i]), int(ends[i])
                 doc = {"key": key, "chunk": int(row.chunk_indices[i]), "span": [b, e], "tokens": e - b}
+                ids = [int(t) for t in row.tokens[b:e]] if sp is not None or token_ids else None
                 if sp is not None:
-                    doc["text"] = sp.decode([int(t) for t in row.tokens[b:e]])
+                    doc["text"] = sp.decode(ids)
+                if token_ids:
+                    doc["token_ids"] = ids
                 docs.append(doc)
             rows.append({"step": step, "position": pos, **ref.to_dict(), "tokens": row.num_tokens,
                          "padding": row.padding, "documents": docs})

@@ -17,6 +17,20 @@ from rich.panel import Panel
 from rich.table import Table
 
 _VERDICT_STYLE = {"convicted": "bold red", "acquitted": "bold green", "ambiguous": "bold yellow"}
+PIPED_WIDTH = 160  # columns of a table when the output is a pipe or a file (which have no width)
+
+
+def make_console(stderr: bool = False) -> Console:
+    """The console of every message and report of the ``replay`` command: one width policy.
+
+    Message lines are never wrapped (``soft_wrap``), so that paths and commands stay whole for copy
+    and paste, on a terminal or not; tables and panels fit the terminal's width, or are
+    ``PIPED_WIDTH`` columns when the output is not a terminal (Rich would otherwise assume 80).
+    """
+    console = Console(stderr=stderr, soft_wrap=True)
+    if not console.is_terminal:
+        console.width = PIPED_WIDTH
+    return console
 
 
 def write_json(report: Mapping[str, Any], path: str) -> None:
@@ -64,7 +78,7 @@ def render_environment(env: Mapping[str, Any], console: Console) -> None:
 
 def render_range(report: Mapping[str, Any], console: Optional[Console] = None, max_rows: int = 60) -> None:
     """Prints a range replay report: one row per replayed step, one column per replay, then the verdict."""
-    console = console or Console()
+    console = console or make_console()
     render_environment(report.get("environment", {}), console)
     replays = report["replays"]
     table = Table(title=f"replay of steps {report['steps']['start']}:{report['steps']['stop']} "
@@ -101,7 +115,7 @@ def render_range(report: Mapping[str, Any], console: Optional[Console] = None, m
 
 def render_canary(report: Mapping[str, Any], console: Optional[Console] = None) -> None:
     """Prints a canary report: one row per device, its repeats' agreement, the golden value."""
-    console = console or Console()
+    console = console or make_console()
     table = Table(title=f"canary {report['canary']['name']} v{report['canary']['version']} "
                         f"(golden: {report['golden']['status']})")
     table.add_column("device", justify="right")
@@ -121,7 +135,7 @@ def render_canary(report: Mapping[str, Any], console: Optional[Console] = None) 
 
 def render_inspect(report: Mapping[str, Any], console: Optional[Console] = None, max_rows: int = 200) -> None:
     """Prints an inspect report: documents per step and row, a per-source summary, shards touched."""
-    console = console or Console()
+    console = console or make_console()
     table = Table(title=f"documents in steps {report['steps']['start']}:{report['steps']['stop']}")
     for col in ("step", "row", "source", "document key", "chunk", "span", "shard", "record"):
         table.add_column(col, overflow="fold")
@@ -228,7 +242,7 @@ _CHECK_STYLE = {"found": "bold red", "clear": "green", "not available": "yellow"
 
 def render_scan(report: Mapping[str, Any], console: Optional[Console] = None) -> None:
     """Prints a scan report: each check's status, the ranked suspects, and the replay to run next."""
-    console = console or Console()
+    console = console or make_console()
     checks = Table(title=f"replay scan of steps {report['steps']['start']}:{report['steps']['stop']}")
     checks.add_column("check")
     checks.add_column("status")
@@ -249,13 +263,13 @@ def render_scan(report: Mapping[str, Any], console: Optional[Console] = None) ->
     if report["suspects"]:
         lines = [f"[bold red]SUSPECTS[/] (exit code {report['exit_code']}): "
                  f"{', '.join(s['subject'] for s in report['suspects'])}"]
-        if report.get("suggested_replay"):
-            lines.append(f"next: {report['suggested_replay']}")
     else:
         lines = [f"[bold green]CLEAN[/] (exit code {report['exit_code']}): no check found anything"
                  + ("; some checks were not available (above)"
                     if any(c["status"] == "not available" for c in report["checks"].values()) else "")]
     console.print(Panel("\n".join(lines), title="scan"))
+    if report["suspects"] and report.get("suggested_replay"):  # outside the panel: a command is never broken
+        console.print(f"next: {escape(report['suggested_replay'])}")
 
 
 def plot_scan(scan: Any, path: str) -> None:

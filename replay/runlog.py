@@ -38,6 +38,8 @@ EVENTS = "events.jsonl"
 FINGERPRINTS = "fingerprints.jsonl"
 CHECKPOINTS = "checkpoints"
 SUSPECTS = "suspects.json"
+RUN_DIR_FILES = (RUN_CONFIG, ENV_JSON, FINGERPRINTS)  # what makes a folder a run directory
+RUN_ENV_VAR = "REPLAY_RUN"  # the run directory when --run is not given
 
 
 class RunDirError(ValueError):
@@ -49,7 +51,44 @@ class MissingCheckpointError(RunDirError):
 
 
 class StepRangeError(RunDirError):
-    """The step range asks for steps the run did not log."""
+    """The step range asks for steps the run did not log.
+
+    Attributes:
+      start, stop: the half-open range asked for.
+      logged: ``(first, stop)``, the half-open span of logged steps (None when not the issue).
+      suggestion: ``(start, stop)`` of the nearest logged range to try instead (the logged part of
+        a range partly outside, or a range of the same length at the near end of the log), or None.
+    """
+
+    def __init__(self, message: str, *, start: Optional[int] = None, stop: Optional[int] = None,
+                 logged: Optional[tuple[int, int]] = None, suggestion: Optional[tuple[int, int]] = None):
+        super().__init__(message)
+        self.start, self.stop, self.logged, self.suggestion = start, stop, logged, suggestion
+
+    @classmethod
+    def outside(cls, start: int, stop: int, first: int, end: int, run_dir: str) -> "StepRangeError":
+        """The error for ``[start, stop)`` not inside the logged span ``[first, end)`` of ``run_dir``.
+
+        A range partly outside names the part that is (``steps 20:25 were not logged``) and
+        suggests the logged part; a range entirely outside suggests the range of the same length
+        at the near end of the log (the whole log when that is shorter).
+        """
+        span = f"the logged steps {first}:{end} of {run_dir}"
+        if start >= end or stop <= first:
+            length = stop - start
+            if length <= end - first:
+                near = (end - length, end) if start >= end else (first, first + length)
+                hint = f"the nearest logged range of the same length is {near[0]}:{near[1]}"
+            else:
+                near = (first, end)
+                hint = f"all {end - first} logged steps are {first}:{end} (fewer than the {length} asked for)"
+            return cls(f"steps {start}:{stop} are outside {span}; {hint}", start=start, stop=stop,
+                       logged=(first, end), suggestion=near)
+        parts = ([f"{start}:{first}"] if start < first else []) + ([f"{end}:{stop}"] if stop > end else [])
+        near = (max(start, first), min(stop, end))
+        return cls(f"steps {start}:{stop} are partly outside {span}: steps {' and '.join(parts)} were not "
+                   f"logged; the logged part is {near[0]}:{near[1]}", start=start, stop=stop,
+                   logged=(first, end), suggestion=near)
 
 
 class StepsSpecError(ValueError):
@@ -146,7 +185,9 @@ class RunLog:
 
     def check_range(self, start: int, stop: int, allow_malformed: bool = False) -> None:
         """Raises :class:`StepRangeError` unless every step of ``[start, stop)`` was logged (and, unless
-        ``allow_malformed``, with well-formed fingerprints: ``inspect`` needs only the steps)."""
+        ``allow_malformed``, with well-formed fingerprints: ``inspect`` needs only the steps). A range
+        partly or entirely outside the logged span carries the nearest logged range to try
+        (:meth:`StepRangeError.outside`)."""
         bad = sorted(s for s in self.malformed if start <= s < stop)
         if bad and not allow_malformed:
             raise StepRangeError(
@@ -155,9 +196,7 @@ class RunLog:
         logged = {**self.malformed, **self.fingerprints} if allow_malformed else self.fingerprints
         first, end = min(logged), max(logged) + 1
         if start < first or stop > end:
-            raise StepRangeError(
-                f"steps {start}:{stop} are outside the logged steps {first}:{end} of {self.run_dir}"
-            )
+            raise StepRangeError.outside(start, stop, first, end, self.run_dir)
         missing = missing_steps(logged, start, stop)
         if missing:
             raise StepRangeError(f"steps {missing} of {start}:{stop} have no logged fingerprints")
@@ -193,6 +232,50 @@ class RunLog:
         return n
 
 
+class RunNotGivenError(ValueError):
+    """No run directory was named: no ``--run``, no ``REPLAY_RUN``, and the current folder is not one
+    (a usage error)."""
+
+
+def is_run_dir(path: str) -> bool:
+    """True when ``path`` holds the files every run directory has (``RUN_DIR_FILES``: run_config.yaml,
+    env.json, fingerprints.jsonl; the reference trainer writes them at its first step)."""
+    return all(os.path.isfile(os.path.join(path, name)) for name in RUN_DIR_FILES)
+
+
+def resolve_run_dir(given: Optional[str], environ: Optional[Mapping[str, str]] = None,
+                    cwd: Optional[str] = None) -> tuple[str, str]:
+    """The run directory a command works on, and where it came from.
+
+    In this order: ``given`` (``--run``); else the environment variable ``REPLAY_RUN`` when set and
+    not empty (taken as is: :func:`load_run` reports a wrong one); else the current folder when it
+    is a run directory (:func:`is_run_dir`).
+
+    Args:
+      given: the ``--run`` value, or None.
+      environ: the environment (default ``os.environ``).
+      cwd: the current folder (default ``os.getcwd()``).
+
+    Returns:
+      ``(run_dir, source)``, ``source`` one of ``"--run"``, ``"REPLAY_RUN"``, ``"the current folder"``.
+
+    Raises:
+      RunNotGivenError: none of the three; the message names all three ways.
+    """
+    if given:
+        return given, "--run"
+    env = (os.environ if environ is None else environ).get(RUN_ENV_VAR, "")
+    if env:
+        return env, RUN_ENV_VAR
+    here = os.getcwd() if cwd is None else cwd
+    if is_run_dir(here):
+        return here, "the current folder"
+    lacking = ", ".join(n for n in RUN_DIR_FILES if not os.path.isfile(os.path.join(here, n)))
+    raise RunNotGivenError(
+        f"no run directory: pass --run DIR, set {RUN_ENV_VAR}=DIR, or run replay from inside a run "
+        f"directory (the current folder {here} is not one: it lacks {lacking})")
+
+
 def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
     """Reads and checks a run directory.
 
@@ -207,7 +290,7 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
     if not os.path.isdir(run_dir):
         raise RunDirError(f"run directory not found: {run_dir}")
     paths = {name: os.path.join(run_dir, name) for name in (RUN_CONFIG, ENV_JSON, EVENTS, FINGERPRINTS)}
-    for name in (RUN_CONFIG, ENV_JSON, FINGERPRINTS):
+    for name in RUN_DIR_FILES:
         if not os.path.isfile(paths[name]):
             raise RunDirError(f"{run_dir} is not a run directory: {name} is missing")
     try:

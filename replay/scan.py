@@ -429,7 +429,7 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     start = first if start is None else start
     stop = end if stop is None else stop
     if start >= end or stop <= first:
-        raise StepRangeError(f"steps {start}:{stop} are outside the logged steps {first}:{end} of {run.run_dir}")
+        raise StepRangeError.outside(start, stop, first, end, run.run_dir)
     steps_fp = sorted(s for s in run.fingerprints if s < stop)
     steps_sig = sorted(s for s in (signals or {}) if s < stop)
     explaining = {}

@@ -45,7 +45,7 @@ def test_select_devices(spec, quarantine, want):
     [
         ("", (), 1, "empty"),
         ("3-1", (), 1, "range '3-1' is empty"),
-        ("0,x", (), 1, "bad device id 'x'"),
+        ("0,x", (), 1, "unknown name 'x'"),
         ("9", (), 1, "no device with id [9]; device ids are [0, 1, 2, 3, 4, 5, 6, 7]"),
         ("process:2", (), 1, "no process [2]; processes are [0, 1]"),
         ("suspect", (), 1, "no device is held suspect"),
@@ -263,7 +263,7 @@ def test_load_run(tmp_path):
     assert run.mesh_size == 4
     assert run.checkpoint_for(4) == 0 and run.checkpoint_for(5) == 5 and run.checkpoint_for(9) == 5
     run.check_range(3, 10)
-    with pytest.raises(runlog.StepRangeError, match="steps 3:11 are outside the logged steps 0:10"):
+    with pytest.raises(runlog.StepRangeError, match="steps 3:11 are partly outside the logged steps 0:10"):
         run.check_range(3, 11)
 
 
