@@ -1,6 +1,6 @@
 """Command line: train the reference MoE model and leave a run directory for replay.
 
-    python -m replay.reference.train --run runs/demo --config configs/runs/demo.yaml --steps 40
+    python -m replay.reference.train --run build/demo/run --config configs/runs/demo.yaml --steps 30
 
 ``--steps`` is the step to stop at (total): after a kill, the same command resumes from
 the last complete checkpoint and finishes the same run. Thin over
