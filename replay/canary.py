@@ -50,10 +50,13 @@ class CanarySpec:
     batch_sha256: str
     version: int = CANARY_VERSION
     program: Optional[str] = None  # None: the one-device program (replay canary); "mesh:..." the periodic one
+    seq_len: Optional[int] = None  # None: whole rows; else the first seq_len slots of each row
 
     @property
     def name(self) -> str:
         base = f"step{self.step}-rows{self.rows}-{self.weights.replace(':', '')}"
+        if self.seq_len is not None:
+            base += f"-seq{self.seq_len}"
         return base if self.program is None else f"{base}-{self.program.replace(':', '')}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -61,6 +64,8 @@ class CanarySpec:
              "weights": self.weights, "batch_sha256": self.batch_sha256}
         if self.program is not None:  # absent for the one-device canary: its golden keys are unchanged
             d["program"] = self.program
+        if self.seq_len is not None:
+            d["seq_len"] = self.seq_len
         return d
 
 
@@ -265,6 +270,7 @@ def run_canary(
     checkpoint: Optional[int] = None,
     step: Optional[int] = None,
     rows: Optional[int] = None,
+    seq_len: Optional[int] = None,
     golden_path: Optional[str] = "default",
     reset_golden: bool = False,
     fault: Optional[FaultSpec] = None,
@@ -279,8 +285,11 @@ def run_canary(
       repeats: runs per device, >= 1.
       checkpoint: weights from this checkpoint step; None: the trainer's init from the run
         config's ``canary.seed``.
-      step, rows: the canary batch: the first ``rows`` rows of the global batch of ``step``
-        (default: the run config's ``canary.step`` and the whole global batch).
+      step, rows, seq_len: the canary batch: the first ``rows`` rows of the global batch of
+        ``step``, each cut to its first ``seq_len`` slots (a valid packed prefix: segment ids and
+        positions are cut with the tokens). Defaults: the run config's ``canary.step``,
+        ``canary.rows`` and ``canary.seq_len`` (``Setup.canary_*``; the whole global batch and
+        whole rows where the setup gives none). ``seq_len`` >= 2, at most the row length.
       golden_path: golden table file; "default": ``<run>/canary/golden.json``; None: in memory only.
       reset_golden: ignore and overwrite this environment's golden value.
       fault: a drill: flips a bit in ``fault.device_id``'s gradient.
@@ -295,9 +304,11 @@ def run_canary(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     run, setup = session.run, session.setup
     step = setup.canary_step if step is None else step
-    rows = setup.global_batch if rows is None else rows
+    if rows is None:
+        rows = min(setup.canary_rows or setup.global_batch, setup.global_batch)
     if not 1 <= rows <= setup.global_batch:
         raise ValueError(f"canary rows must be in [1, {setup.global_batch}], got {rows}")
+    seq_len = setup.canary_seq_len if seq_len is None else seq_len
     if step < 0:
         raise ValueError(f"canary step must be >= 0, got {step}")
     chosen = dv.select_devices(device_spec, session.device_infos(), run.held_suspect, minimum=1)
@@ -306,7 +317,12 @@ def run_canary(
         read_golden(path)  # a corrupt golden file is reported before any device work
     home = session.home_assignment()
     host = session.numpy_batch(step, home)
-    batch = {k: v[:rows] for k, v in host.items()}
+    row_len = int(next(iter(host.values())).shape[1])
+    if seq_len is not None and not 2 <= seq_len <= row_len:
+        raise ValueError(f"canary seq_len must be in [2, {row_len}] (the row length), got {seq_len}")
+    if seq_len == row_len:
+        seq_len = None  # whole rows: the same canary as without a cut
+    batch = {k: v[:rows, :seq_len] for k, v in host.items()}
     if checkpoint is not None:
         if checkpoint not in run.checkpoints:
             from replay.runlog import MissingCheckpointError
@@ -317,7 +333,7 @@ def run_canary(
     else:
         state = session.init_state(home, setup.canary_seed)
         weights = f"init:{setup.canary_seed}"
-    spec = CanarySpec(step=step, rows=rows, weights=weights, batch_sha256=batch_sha256(batch))
+    spec = CanarySpec(step=step, rows=rows, weights=weights, batch_sha256=batch_sha256(batch), seq_len=seq_len)
     env_key = environment_key(spec, run.env)
     if progress is not None:
         advance = progress(len(chosen) * repeats)

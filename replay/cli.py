@@ -196,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--repeats", type=int, default=2, help="runs per device; all must give the same fingerprints")
     c.add_argument("--checkpoint", type=int, help="weights from this checkpoint step (default: seeded init)")
     c.add_argument("--step", type=int, help="canary batch: rows of this step (default: run config canary.step or 0)")
-    c.add_argument("--rows", type=int, help="canary batch rows (default: one device's share of the global batch)")
+    c.add_argument("--rows", type=int, help="canary batch rows (default: the run config's canary.rows)")
+    c.add_argument("--seq-len", type=int, help="keep the first N slots of each row, a valid packed prefix "
+                                                "(default: the run config's canary.seq_len; whole rows when unset)")
     c.add_argument("--golden", metavar="FILE", help="golden values file (default <run>/canary/golden.json)")
     c.add_argument("--reset-golden", action="store_true", help="re-create this environment's golden value")
 
@@ -328,10 +330,12 @@ def _cmd_canary(args, console) -> int:
     session = engine.Session(run)
     if args.rows is not None and not 1 <= args.rows <= session.setup.global_batch:
         raise _Usage(f"--rows must be in [1, {session.setup.global_batch}] (the run's global batch), got {args.rows}")
+    if args.seq_len is not None and args.seq_len < 2:
+        raise _Usage(f"--seq-len must be >= 2, got {args.seq_len}")
     factory, stack = _progress(args, "canary", unit="run")
     try:
         rep = canary.run_canary(session, device_spec=args.devices, repeats=args.repeats, checkpoint=args.checkpoint,
-                                step=args.step, rows=args.rows, golden_path=args.golden or "default",
+                                step=args.step, rows=args.rows, seq_len=args.seq_len, golden_path=args.golden or "default",
                                 reset_golden=args.reset_golden, progress=factory)
     except BaseException:
         _close(stack, ok=False)

@@ -78,6 +78,10 @@ class RunSetup:
       global_batch: rows per step.
       mixture, dataset: the mixture config path and the packed dataset folder.
       canary_step, canary_seed: the canary batch's step and the seed of the canary weights.
+      canary_rows, canary_seq_len: the default canary batch of ``replay canary``: its first
+        ``canary_rows`` rows (None: the whole global batch), each cut to its first
+        ``canary_seq_len`` slots (None: whole rows), the run config's ``canary.rows`` and
+        ``canary.seq_len``.
     """
 
     trainer: Any
@@ -91,6 +95,8 @@ class RunSetup:
     dataset: Optional[str] = None
     canary_step: int = 0
     canary_seed: int = 0
+    canary_rows: Optional[int] = None
+    canary_seq_len: Optional[int] = None
 
     @property
     def mesh_size(self) -> int:
@@ -160,7 +166,8 @@ def default_setup(run: RunLog) -> RunSetup:
 
     return RunSetup(trainer=trainer, axis_names=axis_names, shape=shape, run_device_ids=run_ids,
                     make_loader=make_loader, seed=cfg.seed, global_batch=cfg.global_batch, mixture=cfg.mixture,
-                    dataset=cfg.dataset, canary_step=cfg.canary.step, canary_seed=cfg.canary.seed)
+                    dataset=cfg.dataset, canary_step=cfg.canary.step, canary_seed=cfg.canary.seed,
+                    canary_rows=cfg.canary.rows, canary_seq_len=cfg.canary.seq_len)
 
 
 # ----------------------------------------------------------------------------- session

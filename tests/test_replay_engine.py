@@ -174,7 +174,9 @@ def test_canary_golden_created_then_matched_and_odd_device_named(session, tmp_pa
     golden = str(tmp_path / "golden.json")
     first = canary.run_canary(session, device_spec="all", repeats=2, golden_path=golden)
     assert first.decision.verdict is Verdict.ACQUITTED and first.decision.golden_status == "created"
-    assert first.spec.step == 1 and first.spec.weights == "init:7" and first.spec.rows == 8
+    # the setup's canary_rows/canary_seq_len (the run config's canary.rows, .seq_len): 1 row, whole
+    assert first.spec.step == 1 and first.spec.weights == "init:7" and first.spec.rows == 1
+    assert first.spec.seq_len is None and first.spec.name == "step1-rows1-init7"
     table = json.load(open(golden))
     assert list(table) == [first.env_key] and table[first.env_key]["signature"] == first.decision.reference
     second = canary.run_canary(session, device_spec="all", repeats=2, golden_path=golden)
@@ -187,6 +189,21 @@ def test_canary_golden_created_then_matched_and_odd_device_named(session, tmp_pa
     json.dump(table, open(golden, "w"))
     changed = canary.run_canary(session, device_spec="0,1", repeats=1, golden_path=golden)
     assert changed.decision.verdict is Verdict.AMBIGUOUS and changed.decision.golden_status == "mismatch-all"
+
+
+def test_canary_batch_is_a_packed_prefix_of_the_step_batch(session, tmp_path):
+    """rows and seq_len cut the step's batch (every key alike); whole rows are the uncut canary."""
+    host = session.numpy_batch(1, session.home_assignment())
+    row_len = host["inputs"].shape[1]
+    golden = str(tmp_path / "golden.json")
+    cut = canary.run_canary(session, device_spec="0", repeats=1, rows=2, seq_len=6, golden_path=golden)
+    assert cut.spec.rows == 2 and cut.spec.seq_len == 6 and cut.spec.name == "step1-rows2-init7-seq6"
+    assert cut.spec.batch_sha256 == canary.batch_sha256({k: v[:2, :6] for k, v in host.items()})
+    whole = canary.run_canary(session, device_spec="0", repeats=1, rows=2, seq_len=row_len, golden_path=None)
+    assert whole.spec.seq_len is None and whole.spec.batch_sha256 == canary.batch_sha256(
+        {k: v[:2] for k, v in host.items()})
+    with pytest.raises(ValueError, match=rf"canary seq_len must be in \[2, {row_len}\] \(the row length\), got 1"):
+        canary.run_canary(session, device_spec="0", repeats=1, seq_len=1, golden_path=None)
 
 
 def test_inspect_lists_documents_of_each_row(session):
