@@ -66,3 +66,20 @@ def test_bad_step_count_is_refused_before_any_work(monkeypatch, capsys):
     monkeypatch.setenv("DEMO_STEPS", "5")
     assert demo.main() == 2
     assert "DEMO_STEPS must be an integer above 10" in capsys.readouterr().err
+
+
+def test_readme_commands_skipped_as_the_demos_own_are_the_demos_stages():
+    """The README's replay and canary commands are not rerun by scripts/check_docs.py because the
+    demo ran them just before: that holds only while they are the demo's commands, word for word."""
+    import shlex
+
+    spec = importlib.util.spec_from_file_location("check_docs", REPO / "scripts" / "check_docs.py")
+    check = importlib.util.module_from_spec(spec)
+    sys.modules["check_docs"] = check
+    spec.loader.exec_module(check)
+    demo = _demo()
+    stages = {s.name: list(s.argv) for s in demo.stages("build/demo", "python", "replay", 30, 10)}
+    readme = [c for c in check.commands_of(REPO / "README.md") if c.skip and "the demo's own" in c.skip]
+    assert [shlex.split(c.text, comments=True) for c in readme] == [stages["replay"], stages["canary"]]
+    walk = [c for c in check.commands_of(REPO / "docs" / "replay.md") if c.skip and "the demo's own" in c.skip]
+    assert shlex.split(walk[0].text, comments=True) == stages["replay"]  # command 1 of the triage walk-through
