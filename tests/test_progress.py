@@ -101,7 +101,7 @@ def test_counted_progress_as_replay_uses_it():
 def test_disabled_progress_keeps_only_the_closing_line():
     clock, out = Clock(), io.StringIO()
     with step_progress("canary", 0, 3, unit="run", counted=True, stream=out, enabled=False, clock=clock) as shown:
-        for n in range(3):
+        for _ in range(3):
             clock.t += 1.0
             shown.advance()
     assert out.getvalue() == "canary: 3 runs done in 3.0 s (1.0 runs/s)\n"
