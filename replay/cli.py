@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", title="commands", metavar="{range,canary,inspect,scan,drill}",
                                 parser_class=_Parser)
 
-    r = sub.add_parser("range", help="rerun steps and diff them with the log (the default)",
+    r = sub.add_parser("range", prog="replay range", help="rerun steps and diff them with the log (the default)",
                        description="Restore the newest checkpoint at or before A (read-only), rebuild the "
                                    "batches with the loader (phases and skipped windows followed), replay steps "
                                    "checkpoint..B-1 on two independent placements of the chosen devices and "
@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tolerance", type=float, metavar="RTOL",
                    help="compare loss and gradient norm within RTOL only (weaker evidence: can acquit, never convict)")
 
-    c = sub.add_parser("canary", help="run the fixed canary batch on each device",
+    c = sub.add_parser("canary", prog="replay canary", help="run the fixed canary batch on each device",
                        description="Forward and backward of a fixed, versioned canary batch with fixed weights on "
                                    "each chosen device, --repeats times; all must be bit-identical and equal to "
                                    "the golden value of this environment (created from the majority when absent). "
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--golden", metavar="FILE", help="golden values file (default <run>/canary/golden.json)")
     c.add_argument("--reset-golden", action="store_true", help="re-create this environment's golden value")
 
-    i = sub.add_parser("inspect", help="list the documents of each row of any steps",
+    i = sub.add_parser("inspect", prog="replay inspect", help="list the documents of each row of any steps",
                        description="For each step and row: source, document key, chunk and token span; a "
                                    "per-source summary; the shards and records touched. Needs no device work "
                                    "(no --devices): a batch is a pure function of the step, so any step can be "
@@ -215,9 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode each document's tokens with the dataset's tokenizer (normalized text: below)")
     i.add_argument("--json", metavar="OUT",
                    help="write the full report (every row and document, with its token_ids) as JSON here")
-    i.add_argument("--max-rows", type=int, default=200, help="documents shown in the table (the JSON has all)")
+    i.add_argument("--max-rows", type=int, default=200, help="documents shown in the table (default 200; the JSON has all)")
 
-    sc = sub.add_parser("scan", help="screen a run from its logs alone, rank suspects",
+    sc = sub.add_parser("scan", prog="replay scan", help="screen a run from its logs alone, rank suspects",
                         description="From the run's logs alone (signals.jsonl, canary.jsonl, fingerprints.jsonl, "
                                     "events.jsonl; no device work): replica gradient-norm drift and spikes (robust "
                                     "log-ratios against the cross-replica median), canary mismatches, NaN/Inf per "
@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--json", metavar="OUT", help="write the full report as JSON here")
     sc.add_argument("--plot", metavar="OUT.png", help="write the per-step signals with the suspects marked")
 
-    d = sub.add_parser("drill", help="inject a bit flip, check replay and canary catch it",
+    d = sub.add_parser("drill", prog="replay drill", help="inject a bit flip, check replay and canary catch it",
                        description="Flip one bit (chosen, or random from --seed) in one device's local gradient "
                                    "at one step of a replay of the run, then check that range replay convicts "
                                    "that device at that step and that the canary names it. Exit 0 when caught, "

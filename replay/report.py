@@ -110,7 +110,7 @@ def render_range(report: Mapping[str, Any], console: Optional[Console] = None, m
         if dis.get("suspects"):
             line += f"; suspect device(s) (on both sides): {dis['suspects']}"
         console.print(line)
-    console.print(_verdict_panel(report))
+    console.print(_verdict_panel(report), soft_wrap=False)  # a panel wraps its lines inside its border
 
 
 def render_canary(report: Mapping[str, Any], console: Optional[Console] = None) -> None:
@@ -130,7 +130,7 @@ def render_canary(report: Mapping[str, Any], console: Optional[Console] = None) 
     console.print(table)
     verdict = report["verdict"]
     console.print(Panel(f"[{_VERDICT_STYLE[verdict]}]{verdict.upper()}[/] (exit code {report['exit_code']}): "
-                        f"{report['explanation']}", title="canary verdict"))
+                        f"{report['explanation']}", title="canary verdict"), soft_wrap=False)
 
 
 def render_inspect(report: Mapping[str, Any], console: Optional[Console] = None, max_rows: int = 200) -> None:
@@ -150,10 +150,15 @@ def render_inspect(report: Mapping[str, Any], console: Optional[Console] = None,
             cells = [str(r["step"]), str(r["position"]), r["source"], d["key"], str(d["chunk"]),
                      f"{d['span'][0]}:{d['span'][1]}", r["shard"], str(r["record_in_shard"])]
             if with_text:
-                cells.append(repr(d.get("text", ""))[:80])
+                text = repr(d.get("text", ""))  # a repr: newlines and control characters stay visible
+                cells.append(text if len(text) <= 80 else text[:79] + "…")
             table.add_row(*cells)
             n += 1
     console.print(table)
+    total = sum(len(r["documents"]) for r in report["rows"])
+    if total > n:
+        console.print(f"showing the first {n} of {total} documents: --max-rows {total} shows all, "
+                      "--json OUT writes every document with its token ids")
     summary = Table(title="per source")
     for col in ("source", "rows", "documents", "tokens", "padding"):
         summary.add_column(col, justify="right")
@@ -267,7 +272,7 @@ def render_scan(report: Mapping[str, Any], console: Optional[Console] = None) ->
         lines = [f"[bold green]CLEAN[/] (exit code {report['exit_code']}): no check found anything"
                  + ("; some checks were not available (above)"
                     if any(c["status"] == "not available" for c in report["checks"].values()) else "")]
-    console.print(Panel("\n".join(lines), title="scan"))
+    console.print(Panel("\n".join(lines), title="scan"), soft_wrap=False)
     if report["suspects"] and report.get("suggested_replay"):  # outside the panel: a command is never broken
         console.print(f"next: {escape(report['suggested_replay'])}")
 
@@ -313,12 +318,14 @@ def plot_scan(scan: Any, path: str) -> None:
     if loss:
         ax.plot(loss["steps"], loss["loss"], color="black", linewidth=1)
     ax.set_ylabel("loss")
+    ax.set_title("loss (the loss-spike check)", fontsize=9)
     health = scan.checks.get("router", {})
     for ax, key, label in ((axes[2], "dropped", "dropped fraction"),
-                           (axes[3], "share_ratio", "worst expert share vs uniform (x)")):
+                           (axes[3], "share_ratio", "worst expert vs uniform (x, either way)")):
         if rout:
             for i in range(rout[key].shape[1]):
-                line, = ax.plot(rout["steps"], rout[key][:, i], linewidth=0.8,
+                line, = ax.plot(rout["steps"], rout[key][:, i], linewidth=0.8 if key == "share_ratio" else 1.4,
+                                linestyle="-" if key == "share_ratio" else ("-", "--", "-.", ":")[i % 4],
                                 label=f"layer {i}" + (" (each step)" if key == "share_ratio" else ""))
                 if key == "share_ratio" and rout.get("window", 1) > 1:
                     ax.plot(rout["steps"], rout["share_ratio_window"][:, i], color=line.get_color(), linewidth=2.2,
@@ -332,10 +339,14 @@ def plot_scan(scan: Any, path: str) -> None:
     limits = getattr(scan, "limits", None) or {}
     if "max_dropped_fraction" in limits:
         axes[2].axhline(limits["max_dropped_fraction"], color="red", linestyle=":", label="limit")
-        axes[3].axhline(limits["max_share_ratio"], color="red", linestyle=":")
+        axes[3].axhline(limits["max_share_ratio"], color="red", linestyle=":", label="limit")
         for ax in axes[2:4]:
-            ax.axvline(limits["warmup_steps"], color="grey", linestyle=":", linewidth=1)
-    axes[2].set_title(f"router health ({health.get('status', 'n/a')})", fontsize=9)
+            ax.axvline(limits["warmup_steps"], color="grey", linestyle=":", linewidth=1, label="end of warm-up")
+            if rout:
+                ax.legend(fontsize=7)
+    axes[2].set_title(f"router health ({health.get('status', 'n/a')}): dropped fraction per layer", fontsize=9)
+    axes[3].set_title("expert shares: max(share x E, 1 / (min share x E)); thin: each step, thick: the judged "
+                      "window", fontsize=9)
     ax = axes[4]
     if load:
         ax.plot(load["steps"], np.asarray(load["wait"]) * 1e3, label="loader wait")
@@ -343,9 +354,10 @@ def plot_scan(scan: Any, path: str) -> None:
         ax.set_yscale("log")
         ax.legend(fontsize=7)
     ax.set_ylabel("ms")
+    ax.set_title("loader wait against step time (the loader-stall check)", fontsize=9)
     ax.set_xlabel("step")
     verdict = "SUSPECTS: " + ", ".join(s.subject for s in scan.suspects[:4]) if scan.suspects else "CLEAN"
-    fig.suptitle(f"replay scan of {os.path.basename(os.path.abspath(scan.run_dir))}: {verdict}", fontsize=11)
+    fig.suptitle(f"replay scan of {scan.run_dir}: {verdict}", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.98))
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)

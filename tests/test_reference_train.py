@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -452,7 +453,23 @@ def test_rerun_of_a_finished_run_prints_no_library_noise(tiny, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "replay.reference.train", "--run", str(run_dir), "--config", path,
                            "--steps", str(STEPS)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == (f"nothing to do: run already at step {STEPS}\n"
+    assert proc.stdout == (f"nothing to do: run already at step {STEPS} (--steps is the step to stop at: "
+                           f"--steps {STEPS + 10} trains 10 more)\n"
                            f"loss, gradient norm and router drops per step: {run_dir / 'train.png'}\n")
     assert "read only" not in proc.stderr and "absl" not in proc.stderr
     assert proc.stderr == ""
+
+
+def test_config_typos_get_the_nearest_key_and_a_missing_dataset_says_where_its_path_came_from(tmp_path, capsys):
+    base = {"name": "x", "mixture": "m.yaml", "dataset": "d", "global_batch": 8, "mesh": {"data": 4, "expert": 2}}
+    with pytest.raises(runm.RunConfigError, match=re.escape(
+            "unknown keys ['checkpoint_evry'] (did you mean 'checkpoint_every' for 'checkpoint_evry'?)")):
+        runm.run_config_from_dict({**base, "checkpoint_evry": 3})
+    with pytest.raises(ValueError, match=re.escape("model: unknown keys ['d_modle'] (did you mean 'd_model' for 'd_modle'?)")):
+        runm.run_config_from_dict({**base, "model": {"d_modle": 3}})
+    copied = tmp_path / "copy.yaml"
+    copied.write_text((REPO / "configs" / "runs" / "demo.yaml").read_text())
+    assert train_main(["--run", str(tmp_path / "run"), "--config", str(copied), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {os.path.normpath(str(tmp_path / '../../build/demo/dataset'))}/manifest.json: no manifest")
+    assert f"(the run config {copied}'s 'dataset:' is resolved against that file's folder: in a copied config" in err

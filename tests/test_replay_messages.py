@@ -287,3 +287,33 @@ def test_console_width_policy():
     with console.capture() as cap:
         console.print("[red]x[/] " + "/path/" * 60)
     assert cap.get().count("\n") == 1
+
+
+def test_panels_wrap_inside_their_border_when_piped():
+    """A verdict's explanation is longer than the piped width: it wraps inside the panel, whole."""
+    from replay import report
+
+    console = report.make_console()
+    tail = "run 'replay inspect' on the steps of interest"
+    explanation = "the replay reproduces the log: " + "word " * 40 + tail
+    with console.capture() as cap:
+        report.render_range({"verdict": "acquitted", "exit_code": 0, "explanation": explanation,
+                             "steps": {"start": 3, "stop": 4}, "replays": []}, console)
+    text = cap.get()
+    assert all(len(line) <= report.PIPED_WIDTH for line in text.splitlines())
+    inside = " ".join(line.strip("│ ") for line in text.splitlines() if line.startswith("│"))
+    assert _flat(explanation) in _flat(inside)
+
+
+def test_inspect_table_says_when_it_shows_only_the_first_documents(run_dir, capsys):
+    assert cli.main(["inspect", "--run", run_dir, "--steps", "3:5", "--max-rows", "2"]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"showing the first 2 of (\d+) documents: --max-rows (\d+) shows all, --json OUT writes every "
+                  r"document with its token ids", out)
+    assert m and m.group(1) == m.group(2) and int(m.group(1)) > 2
+
+
+@pytest.mark.parametrize("command", ["range", "canary", "inspect", "scan", "drill"])
+def test_each_commands_usage_line_is_its_own(command, monkeypatch, capsys):
+    out = _help([command, "--help"], monkeypatch, capsys)
+    assert out.startswith(f"usage: replay {command} [-h]")

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +58,17 @@ BATCH_KEYS = (
     "targets_position",
 )
 _MASK_VALUE = -1e30
+
+
+
+def did_you_mean(unknown: Sequence[str], allowed) -> str:
+    """`` (did you mean 'a' for 'b'?)`` for the unknown keys that are near an allowed one, else ``""``."""
+    import difflib
+
+    pairs = [(k, m[0]) for k in unknown if (m := difflib.get_close_matches(str(k), sorted(allowed), n=1))]
+    if not pairs:
+        return ""
+    return " (did you mean " + ", ".join(f"{m!r} for {k!r}" for k, m in pairs) + "?)"
 
 
 class ModelConfigError(ValueError):
@@ -140,7 +151,7 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ModelConfigError(f"model: unknown keys {unknown}; allowed: {sorted(known)}")
+            raise ModelConfigError(f"model: unknown keys {unknown}{did_you_mean(unknown, known)}; allowed: {sorted(known)}")
         return cls(**dict(d))
 
     def capacity(self, seq_len: int) -> int:

@@ -49,6 +49,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TextIO
 
 import yaml
 
+from replay.reference.model import did_you_mean
+
 from replay import protocol as proto
 from replay.reference.model import ModelConfig
 from replay.reference.trainer import OptimizerConfig
@@ -152,7 +154,7 @@ def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConf
         raise RunConfigError(f"run config must be a mapping, got {type(raw).__name__}")
     unknown = sorted(set(raw) - _KEYS)
     if unknown:
-        raise RunConfigError(f"unknown keys {unknown}; allowed: {sorted(_KEYS)}")
+        raise RunConfigError(f"unknown keys {unknown}{did_you_mean(unknown, _KEYS)}; allowed: {sorted(_KEYS)}")
     missing = [k for k in _REQUIRED if k not in raw]
     if missing:
         raise RunConfigError(f"missing keys {missing}")
@@ -185,11 +187,13 @@ def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConf
     loader = dict(raw.get("loader", {}) or {})
     bad = sorted(set(loader) - {"workers", "prefetch"})
     if bad:
-        raise RunConfigError(f"loader: unknown keys {bad}; allowed: ['prefetch', 'workers']")
+        raise RunConfigError(f"loader: unknown keys {bad}{did_you_mean(bad, {'prefetch', 'workers'})}; "
+                             "allowed: ['prefetch', 'workers']")
     canary_raw = dict(raw.get("canary", {}) or {})
     bad = sorted(set(canary_raw) - {"step", "seed", "rows", "seq_len"})
     if bad:
-        raise RunConfigError(f"canary: unknown keys {bad}; allowed: ['rows', 'seed', 'seq_len', 'step']")
+        raise RunConfigError(f"canary: unknown keys {bad}{did_you_mean(bad, {'rows', 'seed', 'seq_len', 'step'})}; "
+                             "allowed: ['rows', 'seed', 'seq_len', 'step']")
     canary_seq = canary_raw.get("seq_len")
     if canary_seq is not None:
         canary_seq = _int(canary_seq, "canary.seq_len", 2)

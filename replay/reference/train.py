@@ -32,7 +32,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = load_run_config(args.config)
         summary = train(args.run, cfg, args.steps)
     except (RunConfigError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}{_dataset_hint(e, args.config)}", file=sys.stderr)
         if argv is None:  # the command: a process of its own
             from replay.reference import checkpoint
 
@@ -52,10 +52,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         first, last = min(losses), max(losses)
         print(f"trained steps {summary['start']}..{summary['end'] - 1}: loss {losses[first]:.4f} -> {losses[last]:.4f}")
     else:
-        print(f"nothing to do: run already at step {summary['start']}")
+        print(f"nothing to do: run already at step {summary['start']} (--steps is the step to stop at: "
+              f"--steps {summary['start'] + 10} trains 10 more)")
     if summary.get("plot"):
         print(f"loss, gradient norm and router drops per step: {summary['plot']}")
     return 0
+
+
+def _dataset_hint(e: Exception, config: str) -> str:
+    """For a missing dataset: where the path came from (``dataset:`` of the run config, resolved
+    against the config file's folder, so a copied config points elsewhere)."""
+    from loader.dataset import DatasetError
+
+    if not isinstance(e, DatasetError):
+        return ""
+    return (f" (the run config {config}'s 'dataset:' is resolved against that file's folder: in a copied "
+            f"config, make it absolute or relative to the copy; pack the dataset first if it was never built)")
 
 
 def os_error_message(e: OSError, run: str, config: str, steps: int) -> str:

@@ -54,6 +54,7 @@ from replay.reference.model import (
     BATCH_KEYS,
     ModelConfig,
     count_target_tokens,
+    did_you_mean,
     init_params,
     local_loss,
     router_bias_update,
@@ -110,7 +111,7 @@ class OptimizerConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise TrainerConfigError(f"optimizer: unknown keys {unknown}; allowed: {sorted(known)}")
+            raise TrainerConfigError(f"optimizer: unknown keys {unknown}{did_you_mean(unknown, known)}; allowed: {sorted(known)}")
         return cls(**dict(d))
 
     def build(self) -> optax.GradientTransformation:
