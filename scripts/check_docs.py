@@ -18,6 +18,8 @@ which a reader of the rendered page does not see::
     <!-- check: skip 2,3: .ci/run runs the tests itself -->     commands 2 and 3 of the block
     <!-- check: exit 3 -->                                     every command must exit 3
     <!-- check: timeout 900 -->                                seconds a command may take (default 600)
+    <!-- check: continue -->                                   a python block that goes on from the one before
+                                                               it in the file: run as one script with it
 
 Skipped commands are listed with their reason; nothing is skipped silently. A command that
 holds a ``<placeholder>`` is a failure unless its block is skipped: every command must run as
@@ -64,7 +66,7 @@ class Command:
 
 
 def _parse_directive(text: str, where: str) -> dict:
-    """``skip[ N,M]: reason`` | ``exit N`` | ``timeout S``, several joined by ``;``."""
+    """``skip[ N,M]: reason`` | ``exit N`` | ``timeout S`` | ``continue``, several joined by ``;``."""
     out: dict = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         m = re.fullmatch(r"skip(?:\s+([\d,\s]+))?\s*:\s*(.+)", part)
@@ -76,12 +78,15 @@ def _parse_directive(text: str, where: str) -> dict:
         if m:
             out["exit"] = int(m.group(1))
             continue
+        if part == "continue":
+            out["continue"] = True
+            continue
         m = re.fullmatch(r"timeout\s+(\d+)", part)
         if m:
             out["timeout"] = int(m.group(1))
             continue
         raise DocsCheckError(f"{where}: unknown check directive {part!r}; expected 'skip[ N,M]: reason', "
-                             f"'exit N' or 'timeout S' (see scripts/check_docs.py)")
+                             f"'exit N', 'timeout S' or 'continue' (see scripts/check_docs.py)")
     return out
 
 
@@ -116,6 +121,7 @@ def commands_of(path: pathlib.Path, root: pathlib.Path = REPO) -> list[Command]:
     rel = str(path.relative_to(root))
     lines = path.read_text(encoding="utf-8").splitlines()
     out: list[Command] = []
+    last_python = None  # the text of this file's previous python block, as run (continuations included)
     i = 0
     while i < len(lines):
         m = FENCE.match(lines[i])
@@ -123,6 +129,7 @@ def commands_of(path: pathlib.Path, root: pathlib.Path = REPO) -> list[Command]:
             i += 1
             continue
         lang = LANGS.get(m.group(1).lower())
+        fence = i + 1  # 1-based line of the opening fence
         prev = lines[i - 1] if i > 0 else ""
         d = DIRECTIVE.match(prev)
         directive = _parse_directive(d.group(1), f"{rel}:{i}") if d else {}
@@ -137,7 +144,13 @@ def commands_of(path: pathlib.Path, root: pathlib.Path = REPO) -> list[Command]:
         if lang is None:
             continue
         if lang == "python":
-            cmds = [(body[0][0] if body else i, "\n".join(t for _, t in body))]
+            text = "\n".join(t for _, t in body)
+            if directive.get("continue"):
+                if last_python is None:
+                    raise DocsCheckError(f"{rel}:{fence}: 'continue' but no python block before it in this file")
+                text = last_python + "\n\n" + text
+            last_python = text
+            cmds = [(body[0][0] if body else i, text)]
         else:
             cmds = _bash_commands(body)
         skip_nums, skip_reason = directive.get("skip", (None, None))

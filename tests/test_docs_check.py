@@ -106,3 +106,15 @@ def test_placeholder_fails_the_check(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "holds a placeholder '<name>'" in out
     assert "docs check: 1 failed of 1 commands" in out
+
+
+def test_continue_runs_a_python_block_with_the_ones_before_it(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("```python\na = 1\n```\n\ntext\n\n<!-- check: continue -->\n```python\nb = a + 1\n```\n\n"
+                    "<!-- check: continue -->\n```python\nassert b == 2\n```\n\n```python\nc = 3\n```\n")
+    got = [c.text for c in check_docs.commands_of(page, tmp_path)]
+    assert got == ["a = 1", "a = 1\n\nb = a + 1", "a = 1\n\nb = a + 1\n\nassert b == 2", "c = 3"]
+    first = tmp_path / "q.md"
+    first.write_text("<!-- check: continue -->\n```python\nx = 1\n```\n")
+    with pytest.raises(check_docs.DocsCheckError, match=r"q.md:2: 'continue' but no python block before it"):
+        check_docs.commands_of(first, tmp_path)
