@@ -1,6 +1,6 @@
 """Benchmark: the packing pipeline against plain SentencePiece encoding and a plain script, same run.
 
-    python benchmarks/pack.py                    # 200 MB of text (about 3 minutes on 2 cores)
+    python benchmarks/pack.py                    # 200 MB of text (about 4 minutes on 2 cores)
     python benchmarks/pack.py --size-mb 1000     # 1 GB
     python benchmarks/pack.py --quick            # 20 MB, under a minute (a smoke test, not a figure)
     python benchmarks/pack.py --tokenizer build/demo/tokenizer.model   # the demo's 8,000 pieces
@@ -38,6 +38,10 @@ on stdout):
   against 1 worker in multi_processing mode too (both then start worker processes);
   ``worker_speedup_2_threads``: 2 workers in ``multi_threading`` mode (one process;
   SentencePiece releases the GIL while it encodes);
+  ``worker_speedup_after_startup``: the same with each run's fixed cost taken off (the wall
+  seconds of the same command on a 20 KB input: ``startup_wall_seconds`` for 1 worker,
+  ``startup_wall_seconds_2_workers`` for 2, which also start the worker processes): the
+  speed-up of the part of the run that grows with the input;
   ``byte_identical_1_vs_2_workers``: every shard, dead-letter file and the manifest of the
   1-worker, 2-process and 2-thread runs equal.
 * ``peak_rss_mb``: peak RSS of the 1-worker run; ``ram_bytes_per_token``: (peak RSS at the
@@ -50,7 +54,9 @@ on stdout):
 * ``fill``, ``bytes_per_token_ratio`` (shard bytes on disk / (tokens x token width)),
   ``docs_split``, ``load_average`` (1-minute, before and after).
 
-Timings are best of ``--repeats`` (interleaved: the machine may be shared). Take a lock
+Timings are best of ``--repeats`` (3; interleaved: the machine may be shared); the ratios of each
+repeat on its own are printed too (``worker_speedup_each_repeat``,
+``speed_ratio_vs_plain_script_each_repeat``): their spread is the benchmark's noise. Take a lock
 around it on a shared machine: ``flock /tmp/bench.lock python benchmarks/pack.py``.
 """
 
@@ -293,7 +299,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="20 MB, one repeat: a smoke test, not a figure")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--shards", type=int, default=4, help="shards_per_source of the benchmark config")
-    parser.add_argument("--repeats", type=int, default=None, help="best of N timings (default 2, quick 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="best of N timings (default 3, quick 1)")
     parser.add_argument("--keep", default=None, help="keep the corpora and datasets in this folder")
     parser.add_argument("--paragraphs", action="store_true",
                         help="short documents: one paragraph each (280 characters on average)")
@@ -302,7 +308,7 @@ def main(argv=None) -> int:
                              "build/demo/tokenizer.model (8,000 pieces, after python -m dataprep.demo)")
     args = parser.parse_args(argv)
     mb = args.size_mb or (20.0 if args.quick else 200.0)
-    repeats = args.repeats or (1 if args.quick else 2)
+    repeats = args.repeats or (1 if args.quick else 3)
     load_before = os.getloadavg()[0]
     tmp = tempfile.TemporaryDirectory(prefix="pack-bench-")
     work = pathlib.Path(args.keep or tmp.name)
@@ -323,21 +329,25 @@ def main(argv=None) -> int:
     tiny = _config(work / "mix-tiny.yaml", work / "corpus-tiny", model, sha, args.seq_len, 1)
 
     startup = min((measure(_pack(tiny, work / "ds-tiny")) for _ in range(repeats)), key=lambda r: r["cpu"])
+    startup2 = min((measure(_pack(tiny, work / "ds-tiny2", 2, "multi_processing")) for _ in range(repeats)),
+                   key=lambda r: r["wall"])
     with_report = min((measure(_pack(tiny, work / "ds-tiny", report=True)) for _ in range(repeats)),
                       key=lambda r: r["cpu"])
     small_run = measure(_pack(small, work / "ds-small"))
     one = two = plain = None
     enc_cpu = list_cpu = float("inf")
+    each = []  # per interleaved repeat: (1-worker wall, 1-worker CPU, 2-worker wall, plain CPU)
     for _ in range(repeats):  # interleaved, best of N: the machine may be shared
-        r = measure(_pack(big, work / "ds-1"))
-        one = r if one is None or r["wall"] < one["wall"] else one
-        one["cpu"] = min(one["cpu"], r["cpu"])
-        r = measure(_pack(big, work / "ds-2", 2, "multi_processing"))
-        two = r if two is None or r["wall"] < two["wall"] else two
-        r = measure([sys.executable, "benchmarks/plain_pack.py", "--inputs", str(work / "corpus/*.jsonl"),
-                     "--model", str(model), "--out", str(work / "plain"), "--seq-len", str(args.seq_len),
-                     "--processes", "1"])
-        plain = r if plain is None or r["cpu"] < plain["cpu"] else plain
+        r1 = measure(_pack(big, work / "ds-1"))
+        one = r1 if one is None or r1["wall"] < one["wall"] else one
+        one["cpu"] = min(one["cpu"], r1["cpu"])
+        r2 = measure(_pack(big, work / "ds-2", 2, "multi_processing"))
+        two = r2 if two is None or r2["wall"] < two["wall"] else two
+        r3 = measure([sys.executable, "benchmarks/plain_pack.py", "--inputs", str(work / "corpus/*.jsonl"),
+                      "--model", str(model), "--out", str(work / "plain"), "--seq-len", str(args.seq_len),
+                      "--processes", "1"])
+        plain = r3 if plain is None or r3["cpu"] < plain["cpu"] else plain
+        each.append((r1["wall"], r1["cpu"], r2["wall"], r3["cpu"], json.loads(r3["stdout"])["tokens"]))
         enc_tokens, c = plain_encode(str(model), texts, numpy=True)
         enc_cpu = min(enc_cpu, c)
     list_tokens, list_cpu = plain_encode(str(model), texts, numpy=False)
@@ -390,6 +400,8 @@ def main(argv=None) -> int:
         "worker_cpu_seconds_2_workers": [round(c, 2) for c in two["children_cpu_seconds"]],
         "startup_cpu_seconds": round(startup["cpu"], 2),
         "startup_wall_seconds": round(startup["wall"], 2),
+        "startup_wall_seconds_2_workers": round(startup2["wall"], 2),
+        "worker_speedup_after_startup": round((one["wall"] - startup["wall"]) / (two["wall"] - startup2["wall"]), 3),
         "report_cpu_seconds": round(with_report["cpu"] - startup["cpu"], 2),
         "pipeline_tokens_per_s_per_core": round(pipe_rate),
         "pipeline_tokens_per_s_per_core_after_startup": round(tokens / (one["cpu"] - startup["cpu"])),
@@ -407,6 +419,8 @@ def main(argv=None) -> int:
         "plain_script_peak_rss_mb": round(plain["peak_rss_mb"], 1),
         "speed_ratio_vs_plain_script": round(pipe_rate / plain_rate, 4),
         "worker_speedup": round(one["wall"] / two["wall"], 3),
+        "worker_speedup_each_repeat": [round(w1 / w2, 3) for w1, _, w2, _, _ in each],
+        "speed_ratio_vs_plain_script_each_repeat": [round((tokens / c1) / (pt / cp), 4) for _, c1, _, cp, pt in each],
         "worker_speedup_vs_1_process": round(one_proc["wall"] / two["wall"], 3),
         "worker_speedup_2_threads": round(one["wall"] / threads["wall"], 3),
         "pipeline_seconds_2_threads": round(threads["wall"], 2),

@@ -15,11 +15,13 @@ within ``replay.drill.DRIFT_TOLERANCE`` steps).
 
 Prints ONE JSON object:
   clean: runs, runs with any suspect, runs with a device suspect, replica-steps scored, the false-alarm
-    rate per run and per replica-step (upper 95% bound when none);
+    rate per run and per replica-step (upper 95% bound when none), max_abs_z: the largest robust
+    score of any clean replica-step (the tail the spike threshold ``spike_z`` must clear);
   sweep: per (kind, magnitude) the drills caught; floor: the smallest relative error (scale
     drifts) caught in every drill of the sweep at it and at every larger magnitude;
   drift: 20 drills with random device, start step and magnitude in [floor, 2 * floor], how many
-    named the right device (and onset errors);
+    named the right device (and onset errors; other_replicas_max_abs_z: the largest score of the
+    replicas without the fault);
   flip, canary: drills caught;
   the noise: the median robust sigma of the replicas' log-ratios (the floor scales with it:
     roughly with one over the square root of the tokens a replica sees per step);
@@ -39,6 +41,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+import numpy as np
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
@@ -106,7 +110,12 @@ class Drills:
                                  faults=faults, canary_fault=canary_fault)
         rep = scan_run(load_run(out))
         d = rep.to_dict()
-        res = {"scan": d, "first": first, "canary_s": summary["canary_seconds"][1:],
+        ser = rep.series.get("replicas") or {}
+        z = np.abs(np.asarray(ser.get("z", np.zeros((0, 0))), float))
+        faulty = [i for i, devs in enumerate(ser.get("devices", [])) if scenario is not None and fault["device"] in devs]
+        z_clean = np.delete(z, faulty, axis=1) if z.size else z
+        res = {"scan": d, "first": first,
+               "max_abs_z_clean": float(np.nanmax(z_clean)) if np.isfinite(z_clean).any() else None, "canary_s": summary["canary_seconds"][1:],
                "sigma": float(statistics.median([s for s in rep.series["replicas"]["sigma"] if math.isfinite(s)]))
                if rep.series.get("replicas") else None,
                "judged": _judged(d), "step_s": d["figures"].get("median_step_s")}
@@ -137,6 +146,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     quick = args.quick
+    from replay.screening import ScreeningConfig
+
     rng = random.Random(args.seed)
     root = tempfile.mkdtemp(prefix="screening-bench-")
     t_start = time.perf_counter()
@@ -155,6 +166,8 @@ def main(argv=None) -> dict:
                      "replica_steps_scored": judged, "device_alarms": alarms,
                      "false_alarm_rate_per_replica_step_upper95": (3 / judged) if alarms == 0 and judged else
                      alarms / max(judged, 1),
+                     "max_abs_z": max((r["max_abs_z_clean"] for r in clean if r["max_abs_z_clean"] is not None),
+                                      default=None),
                      "suspects_seen": sorted({s["subject"] + ":" + s["evidence"][0]["check"]
                                               for r in clean for s in r["scan"]["suspects"]})}
 
@@ -187,6 +200,7 @@ def main(argv=None) -> dict:
             m = round(rng.uniform(lo, 2 * lo), 3)
             r = drift(4000 + i, m)
             drills.append({"magnitude": m, "device": r["device"], "caught": r["caught"], "named": r["named"],
+                           "max_abs_z_other_replicas": r["max_abs_z_clean"],
                            "first": r["first"], "onset_error": _onset_error(r)})
         flips = [dr.run(5000 + i, "flip", device=rng.choice(dr.ids), start=rng.randrange(20, 100))
                  for i in range(2 if quick else 5)]
@@ -205,7 +219,10 @@ def main(argv=None) -> dict:
             "drift_drills": {"count": n_drift, "caught": sum(d["caught"] for d in drills),
                              "magnitude_range": [lo, 2 * lo], "onset_error_steps": onset,
                              "onset_error_max_abs": max((abs(x) for x in onset), default=None),
+                             "other_replicas_max_abs_z": max((d["max_abs_z_other_replicas"] for d in drills
+                                                              if d["max_abs_z_other_replicas"] is not None), default=None),
                              "missed": [d for d in drills if not d["caught"]]},
+            "spike_z": ScreeningConfig().spike_z,
             "flip_drills": {"count": len(flips), "caught": sum(r["caught"] for r in flips),
                             "missed": [{"first": r["first"], "named": r["named"]} for r in flips if not r["caught"]]},
             "canary_drills": {"count": len(canaries), "caught": sum(r["caught"] for r in canaries),

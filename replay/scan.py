@@ -298,7 +298,8 @@ def _replicas(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig):
     if res.judged == 0:
         spike_st = drift_st = {"status": "not available",
                                "detail": f"too few steps ({T}) for a baseline of {cfg.min_history}"}
-    series = {"steps": steps, "replicas": rid_of, "log_ratio": sc.log_ratios(np.where(present, n, np.nan)),
+    series = {"steps": steps, "replicas": rid_of, "devices": [list(devs[r]) for r in rid_of],
+              "log_ratio": sc.log_ratios(np.where(present, n, np.nan)),
               "z": res.z, "sigma": res.sigma}
     return spike_st, drift_st, found, series
 

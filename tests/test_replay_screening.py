@@ -118,6 +118,19 @@ def test_a_spike_and_a_non_finite_norm_are_one_step_findings():
     assert res.drifts == ()
 
 
+def test_a_step_of_unusual_rows_is_not_a_spike_but_a_flipped_exponent_is():
+    """The spike threshold clears the heavy tail of clean scores: a replica whose norm is 8x the
+    others' for one step (a row of rare tokens; z about 21 at sigma 0.1, the size seen on clean
+    drill runs) is not a finding, a norm 1000x the others' is."""
+    n = _clean(5)
+    n[70, 3] *= 8.0 ** 2  # norm_sq: the norm 8x
+    n[90, 6] *= 1000.0 ** 2
+    res = sc.screen_replicas(n)
+    assert 15 < res.z[70, 3] < CFG.spike_z
+    assert [(s.index, s.replica) for s in res.spikes] == [(90, 6)]
+    assert res.drifts == ()
+
+
 def test_a_logged_nan_is_a_finding_but_a_gap_is_not():
     n = _clean(4)
     present = np.ones(n.shape, bool)
