@@ -118,3 +118,17 @@ def test_continue_runs_a_python_block_with_the_ones_before_it(tmp_path):
     first.write_text("<!-- check: continue -->\n```python\nx = 1\n```\n")
     with pytest.raises(check_docs.DocsCheckError, match=r"q.md:2: 'continue' but no python block before it"):
         check_docs.commands_of(first, tmp_path)
+
+
+def test_docs_commands_skipped_as_the_readmes_are_word_for_word_the_readmes():
+    import shlex
+
+    def words(text):
+        return tuple(shlex.split(text, comments=True))  # trailing comments aside
+
+    readme = {words(c.text) for c in check_docs.commands_of(REPO / "README.md", REPO) if c.lang == "bash"}
+    skipped = [c for c in check_docs.commands_of(REPO / "docs" / "dataprep.md", REPO)
+               if c.skip and c.skip.startswith("word for word the README's")]
+    assert len(skipped) == 2
+    for c in skipped:
+        assert words(c.text) in readme, c.text
