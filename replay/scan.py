@@ -291,7 +291,9 @@ def _replicas(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig):
             f"replica {rid_of[a.replica]}'s gradient norm {'rose' if a.direction > 0 else 'fell'} against the "
             f"other replicas from step {onset} (alarm at step {alarm}; shift {a.shift:+.1f} sigma, about "
             f"{rel:+.1%} in norm)")))
-    judged = f"{res.judged} replica-steps scored ({R} replicas, {T} steps; robust sigma of the log-ratio " \
+    judged = f"{res.judged} replica-steps scored ({R} replicas, {T} steps; scoring starts once the replicas " \
+             f"have more than min_history {cfg.min_history} accepted steps of their own history; robust sigma " \
+             f"of the log-ratio " \
              f"{np.nanmedian(res.sigma) if np.isfinite(res.sigma).any() else float('nan'):.3g})"
     spike_st = {"status": "found" if any(e.check == "norm_spike" for _, e in found) else "clear", "detail": judged}
     drift_st = {"status": "found" if any(e.check == "norm_drift" for _, e in found) else "clear", "detail": judged}
