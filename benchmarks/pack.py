@@ -336,7 +336,7 @@ def main(argv=None) -> int:
     small_run = measure(_pack(small, work / "ds-small"))
     one = two = plain = None
     enc_cpu = list_cpu = float("inf")
-    each = []  # per interleaved repeat: (1-worker wall, 1-worker CPU, 2-worker wall, plain CPU)
+    each = []  # per interleaved repeat: (1-worker wall, 1-worker CPU, 2-worker wall, plain CPU, plain tokens)
     for _ in range(repeats):  # interleaved, best of N: the machine may be shared
         r1 = measure(_pack(big, work / "ds-1"))
         one = r1 if one is None or r1["wall"] < one["wall"] else one

@@ -114,10 +114,9 @@ class Drills:
         z = np.abs(np.asarray(ser.get("z", np.zeros((0, 0))), float))
         faulty = [i for i, devs in enumerate(ser.get("devices", [])) if scenario is not None and fault["device"] in devs]
         z_clean = np.delete(z, faulty, axis=1) if z.size else z
-        res = {"scan": d, "first": first,
-               "max_abs_z_clean": float(np.nanmax(z_clean)) if np.isfinite(z_clean).any() else None, "canary_s": summary["canary_seconds"][1:],
-               "sigma": float(statistics.median([s for s in rep.series["replicas"]["sigma"] if math.isfinite(s)]))
-               if rep.series.get("replicas") else None,
+        res = {"scan": d, "first": first, "canary_s": summary["canary_seconds"][1:],
+               "max_abs_z_clean": float(np.nanmax(z_clean)) if np.isfinite(z_clean).any() else None,
+               "sigma": float(statistics.median([s for s in ser["sigma"] if math.isfinite(s)])) if ser else None,
                "judged": _judged(d), "step_s": d["figures"].get("median_step_s")}
         if scenario is not None:
             tol = drill.DRIFT_TOLERANCE if scenario == "drift" else 0

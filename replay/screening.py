@@ -132,7 +132,8 @@ class ScreeningConfig:
       spike_z: |z| above this at one step is a spike, > 0. The default sits well above the tail of
         clean replicas' scores, which is heavy: one row of rare tokens can lift a replica's norm
         several times over the others' for a step (``benchmarks/screening.py`` reports the largest
-        clean score it saw, ``clean.max_abs_z``: 22.8 once in 120-step runs of 2 rows a replica).
+        score of replicas without a fault: 14.2 in its clean runs, ``clean.max_abs_z``, and 22.8
+        in its drift drills, ``drift_drills.other_replicas_max_abs_z``; 2 rows a replica).
         A finite one-step excursion below it cannot be told from such a row by the logs alone; the
         canary and a range replay are the tests for those. A flipped high exponent bit gives a
         non-finite or an enormous norm, a spike at any threshold.

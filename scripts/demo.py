@@ -147,8 +147,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     replay = str(REPO / ".venv" / "bin" / "replay")
     env = dict(os.environ)
     env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    # JAX's persistent compilation cache: the replay, canary and drill commands compile the programs
-    # training compiled (same HLO, options and versions: the same executable), so they load them
+    # JAX's persistent compilation cache: a command run again (replay, canary, drill) loads the
+    # programs it compiled before instead of compiling them again (docs/replay.md)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / "build" / "jax-cache"))
     timings: list[tuple[str, str, float]] = []
     if os.environ.get("DEMO_SETUP_S"):
