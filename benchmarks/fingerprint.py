@@ -17,7 +17,7 @@ Prints ONE JSON object:
   ``overhead`` on a loaded machine (it leaves out the fault injector's one-element in-place
   update and the uint32 ``psum``).
 * ``fingerprint_vs_reduction_ratio``: the time to fingerprint a step's gradients (every
-  leaf of one device's real local gradient, ``replay.fingerprint.fingerprint`` with its
+  leaf of one device's real local gradient, ``replay.run.fingerprint.fingerprint`` with its
   NaN/Inf counts, one jit program) divided by the time of one fused reduction over the same
   gradients (``sum(jnp.sum(jnp.square(g)))`` over the leaves, one jit program: the floor for
   a pass that must read every element), on one device, the two interleaved, median of the
@@ -72,7 +72,7 @@ def reduction_ratios(trainer, state, batch, device) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from replay import fingerprint as fpm
+    from replay.run import fingerprint as fpm
 
     grads, _, _ = trainer.local_gradients(state, batch, device)
     leaves = jax.tree_util.tree_leaves(grads)

@@ -9,7 +9,7 @@ Prints ONE JSON object:
                       the first step and the final checkpoint save are excluded; the loop's own
                       loader prefetch, fingerprint logging and any checkpoint inside the window
                       are included.
-                      replay: ``replay.engine.Session.run_steps`` over the same k steps c+1..c+k
+                      replay: ``replay.verify.engine.Session.run_steps`` over the same k steps c+1..c+k
                       from the state after step c on the run's own mesh: batches rebuilt with ``batch_at``, train
                       step, and the comparison with the logged fingerprints of every step.
                       Both sides use one trainer whose step is already compiled, so compile time
@@ -47,7 +47,8 @@ import yaml
 
 from contract.config import load_mixture
 from loader import testing as lt
-from replay import engine, runlog
+from replay.verify import engine
+from replay.run import runlog
 from replay.reference import run as ref_run
 from replay.reference.trainer import ReferenceTrainer, make_mesh
 

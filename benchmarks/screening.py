@@ -8,7 +8,7 @@ Every run is a real short training run of the reference trainer (``replay.refere
 on a synthetic packed dataset, 8 CPU devices (mesh data 4 x expert 2: 8 replicas), the tiny model
 of ``replay.reference.testing`` made drop-free (capacity factor = E/R) and balanced (aux loss,
 loss-free bias); a fault is injected through the trainer's traced fault inputs
-(``replay.protocol.DriftSpec`` / ``FaultSpec``), and ``replay scan`` (``replay.scan.scan_run``)
+(``replay.run.protocol.DriftSpec`` / ``FaultSpec``), and ``replay scan`` (``replay.screen.scan.scan_run``)
 judges the run directory from its logs alone (``replay.drill.judge_scan``: exactly the faulty
 device named, with evidence of the scenario's kind, from the right first step; a drift's onset
 within ``replay.drill.DRIFT_TOLERANCE`` steps).
@@ -87,8 +87,8 @@ class Drills:
         """One run (clean when ``scenario`` is None); returns its scan report (dict) and timings."""
         from replay import drill
         from replay.reference import run as runm
-        from replay.runlog import load_run
-        from replay.scan import scan_run
+        from replay.run.runlog import load_run
+        from replay.screen.scan import scan_run
 
         self.n += 1
         out = os.path.join(self.root, f"run{self.n}")
@@ -145,7 +145,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     quick = args.quick
-    from replay.screening import ScreeningConfig
+    from replay.screen.screening import ScreeningConfig
 
     rng = random.Random(args.seed)
     root = tempfile.mkdtemp(prefix="screening-bench-")

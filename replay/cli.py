@@ -1,6 +1,6 @@
-"""The ``replay`` command: a thin layer over ``replay.engine``, ``replay.canary``, ``replay.forensics``
+"""The ``replay`` command: a thin layer over ``replay.verify.engine``, ``replay.verify.canary``, ``replay.screen.forensics``
 and ``replay.drill``. Every decision is made by those library functions; this module parses
-arguments, prints, writes files and maps outcomes to exit codes (``replay.verdict.ExitCode``).
+arguments, prints, writes files and maps outcomes to exit codes (``replay.verify.verdict.ExitCode``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import traceback
 from typing import Optional, Sequence
 
-from replay.verdict import ExitCode
+from replay.run.codes import ExitCode
 
 DEVICE_SPEC_HELP = """\
 device spec (--devices):
@@ -265,8 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _progress(args, label, unit="step"):
     """A ``total -> advance`` factory (what ``replay_range`` and ``run_canary`` take) of counted
-    ``replay.progress`` progress on stderr, and the list that :func:`_close` closes."""
-    from replay.progress import StepProgress
+    ``replay.run.progress`` progress on stderr, and the list that :func:`_close` closes."""
+    from replay.run.progress import StepProgress
 
     stack = []
 
@@ -285,8 +285,9 @@ def _close(stack, ok=True):
 
 
 def _cmd_range(args, console) -> int:
-    from replay import engine, report
-    from replay.runlog import load_run, parse_steps
+    from replay.verify import engine
+    from replay import report
+    from replay.run.runlog import load_run, parse_steps
 
     start, stop = parse_steps(args.steps)
     for name in ("repeats", "placements"):
@@ -318,8 +319,10 @@ def _cmd_range(args, console) -> int:
 
 
 def _cmd_canary(args, console) -> int:
-    from replay import canary, engine, report
-    from replay.runlog import load_run
+    from replay.verify import canary
+    from replay.verify import engine
+    from replay import report
+    from replay.run.runlog import load_run
 
     if args.repeats < 1:
         raise _Usage(f"--repeats must be >= 1, got {args.repeats}")
@@ -349,8 +352,10 @@ def _cmd_canary(args, console) -> int:
 
 
 def _cmd_inspect(args, console) -> int:
-    from replay import engine, forensics, report
-    from replay.runlog import load_run, parse_steps
+    from replay.verify import engine
+    from replay.screen import forensics
+    from replay import report
+    from replay.run.runlog import load_run, parse_steps
 
     start, stop = parse_steps(args.steps)
     run = load_run(args.run)
@@ -370,8 +375,9 @@ def _cmd_inspect(args, console) -> int:
 
 
 def _cmd_scan(args, console) -> int:
-    from replay import report, scan
-    from replay.runlog import load_run, parse_steps
+    from replay import report
+    from replay.screen import scan
+    from replay.run.runlog import load_run, parse_steps
 
     start, stop = parse_steps(args.steps) if args.steps else (None, None)
     run = load_run(args.run)
@@ -393,8 +399,8 @@ def _cmd_scan(args, console) -> int:
 
 
 def _cmd_drill(args, console) -> int:
-    from replay import engine
-    from replay.runlog import load_run
+    from replay.verify import engine
+    from replay.run.runlog import load_run
 
     if args.count < 1:
         raise _Usage(f"--count must be >= 1, got {args.count}")
@@ -404,7 +410,7 @@ def _cmd_drill(args, console) -> int:
     _check_outputs(run.run_dir, json=args.json, to_disk=args.to_disk)
     session = engine.Session(run)
     rng = random.Random(args.seed)
-    from replay.progress import step_progress
+    from replay.run.progress import step_progress
 
     with step_progress("drill" + (f" {args.scenario}" if args.scenario else ""), 0, args.count, unit="drill",
                        counted=True, enabled=not args.no_progress) as shown:
@@ -414,7 +420,8 @@ def _cmd_drill(args, console) -> int:
 
 
 def _flip_drills(args, console, session, rng, shown) -> int:
-    from replay import drill, report
+    from replay import drill
+    from replay import report
 
     results = []
     for n in range(args.count):
@@ -440,7 +447,8 @@ def _flip_drills(args, console, session, rng, shown) -> int:
 def _scenario_drills(args, console, session, rng, shown) -> int:
     import tempfile
 
-    from replay import drill, report
+    from replay import drill
+    from replay import report
 
     if args.magnitude <= 0 or args.flips < 1:
         raise _Usage(f"--magnitude must be > 0 and --flips >= 1, got {args.magnitude} and {args.flips}")
@@ -475,11 +483,11 @@ def _check_outputs(run_dir: str, **paths: Optional[str]) -> None:
     run's own files (its config, env record, logs, quarantine file or checkpoints): replay reads a
     run directory and never writes into it, but for its documented outputs (canary/golden.json,
     and suspects.json from scan)."""
-    from replay.devices import QUARANTINE_NAME
-    from replay.runlog import CHECKPOINTS, ENV_JSON, EVENTS, FINGERPRINTS, RUN_CONFIG
+    from replay.run.devices import QUARANTINE_NAME
+    from replay.run.runlog import CHECKPOINTS, ENV_JSON, EVENTS, FINGERPRINTS, RUN_CONFIG
 
     run = os.path.realpath(run_dir)
-    from replay.protocol import CANARY_NAME, SIGNALS_NAME, SUSPECTS_NAME
+    from replay.run.protocol import CANARY_NAME, SIGNALS_NAME, SUSPECTS_NAME
 
     protected = {os.path.join(run, n) for n in (RUN_CONFIG, ENV_JSON, EVENTS, FINGERPRINTS, QUARANTINE_NAME,
                                                  SIGNALS_NAME, CANARY_NAME, SUSPECTS_NAME)}
@@ -502,14 +510,14 @@ def _check_outputs(run_dir: str, **paths: Optional[str]) -> None:
 
 
 def _pin_determinism_flags(run_dir: Optional[str]) -> list[str]:
-    """Adds to ``XLA_FLAGS`` the determinism flags (``replay.env.DETERMINISM_XLA_FLAGS``) that the run
+    """Adds to ``XLA_FLAGS`` the determinism flags (``replay.run.env.DETERMINISM_XLA_FLAGS``) that the run
     recorded in its env.json and this process lacks (the training command pins them), so that a replay
     compiles as the run did and is not refused as drift; returns those added. Only while JAX's backend
     is not initialized (afterwards they would be recorded without taking effect); a run directory that
     cannot be read is left to ``load_run`` to report."""
     import json
 
-    from replay.env import DETERMINISM_XLA_FLAGS
+    from replay.run.env import DETERMINISM_XLA_FLAGS
 
     if not run_dir:
         return []
@@ -571,19 +579,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``replay`` console script; returns the exit code (``ExitCode``).
 
     The run directory is ``--run``, else ``$REPLAY_RUN``, else the current folder when it is a run
-    directory (``replay.runlog.resolve_run_dir``); when not ``--run``, one line on stderr says which
+    directory (``replay.run.runlog.resolve_run_dir``); when not ``--run``, one line on stderr says which
     (``run: DIR (from REPLAY_RUN)``). Messages go to stderr, never wrapped (``report.make_console``).
     """
     from rich.markup import escape
 
     from contract.config import ConfigError
-    from replay.compare import PairingError
-    from replay.devices import DeviceSpecError, parse_spec
+    from replay.verify.compare import PairingError
+    from replay.run.devices import DeviceSpecError, parse_spec
     from replay.drill import DrillError
-    from replay.engine import EnvDriftError
-    from replay.forensics import TokenizerUnavailableError
+    from replay.verify.engine import EnvDriftError
+    from replay.screen.forensics import TokenizerUnavailableError
     from replay.report import make_console
-    from replay.runlog import RunDirError, RunNotGivenError, StepRangeError, StepsSpecError, resolve_run_dir
+    from replay.run.runlog import RunDirError, RunNotGivenError, StepRangeError, StepsSpecError, resolve_run_dir
 
     if argv is None:  # the console script: a whole process of its own
         code = main(sys.argv[1:])

@@ -40,8 +40,8 @@ import random
 import shutil
 from typing import Any, Optional, Sequence
 
-from replay.protocol import FaultSpec
-from replay.verdict import Verdict
+from replay.run.protocol import FaultSpec
+from replay.run.codes import Verdict
 
 
 class DrillError(ValueError):
@@ -161,9 +161,9 @@ def write_drilled_run(session: Any, fault: FaultSpec, out_dir: str) -> str:
     Raises:
       FileExistsError: ``out_dir`` exists.
     """
-    from replay.protocol import CHECKPOINTS_DIR
+    from replay.run.protocol import CHECKPOINTS_DIR
     from replay.reference import checkpoint as ckpt
-    from replay.runlog import ENV_JSON, EVENTS, FINGERPRINTS, RUN_CONFIG
+    from replay.run.runlog import ENV_JSON, EVENTS, FINGERPRINTS, RUN_CONFIG
 
     run = session.run
     c = run.checkpoint_for(fault.step)
@@ -199,9 +199,9 @@ def run_drill(session: Any, fault: FaultSpec, *, device_spec: str = "all", repla
       to_disk: write the faulty short run to this new folder and replay it from there (else the
         drilled log stays in memory).
     """
-    from replay.canary import run_canary
-    from replay.engine import Session, replay_range
-    from replay.runlog import load_run
+    from replay.verify.canary import run_canary
+    from replay.verify.engine import Session, replay_range
+    from replay.run.runlog import load_run
 
     if to_disk is not None:
         target = Session(load_run(write_drilled_run(session, fault, to_disk)), session.setup)
@@ -301,7 +301,7 @@ def scenario_faults(scenario: str, *, device: int, start: int, stop: int, magnit
     Raises:
       DrillError: an unknown scenario, or ``stop - start`` too short for it.
     """
-    from replay.protocol import DriftSpec
+    from replay.run.protocol import DriftSpec
 
     rng = rng or random.Random(0)
     if scenario not in SCENARIOS:
@@ -333,12 +333,12 @@ def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Rando
     judges it (:func:`judge_scan`).
 
     Args:
-      session: a ``replay.engine.Session`` of a reference-trainer run.
+      session: a ``replay.verify.engine.Session`` of a reference-trainer run.
       out_dir: a new folder for the drilled run.
       device: the faulty device (default: random among the run's).
       start: the fault's first step (default: random after the middle checkpoint, leaving at
         least a quarter of the run after it).
-      magnitude, kind: a drift's relative error and kind (``replay.protocol.DriftSpec``).
+      magnitude, kind: a drift's relative error and kind (``replay.run.protocol.DriftSpec``).
       flips, bit: the flip scenario's number of flips and bit.
       canary_every: the drilled run's canary period (default: the run's, or 5 if it has none;
         the canary scenario needs one).
@@ -347,10 +347,10 @@ def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Rando
       DrillError: the run is too short, or ``device``/``start`` are out of range.
       FileExistsError: ``out_dir`` exists and is not empty.
     """
-    from replay.protocol import CHECKPOINTS_DIR
+    from replay.run.protocol import CHECKPOINTS_DIR
     from replay.reference import run as ref_run
-    from replay.runlog import ENV_JSON, EVENTS, RUN_CONFIG, load_run
-    from replay.scan import scan_run
+    from replay.run.runlog import ENV_JSON, EVENTS, RUN_CONFIG, load_run
+    from replay.screen.scan import scan_run
 
     run, setup = session.run, session.setup
     first, end = run.logged_steps

@@ -7,7 +7,6 @@ rendered or plotted again. No JAX.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Mapping, Optional
 
@@ -15,6 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
+
+from replay.run.writer import write_json  # noqa: F401  (reports are written with report.write_json)
 
 _VERDICT_STYLE = {"convicted": "bold red", "acquitted": "bold green", "ambiguous": "bold yellow"}
 PIPED_WIDTH = 160  # columns of a table when the output is a pipe or a file (which have no width)
@@ -31,17 +32,6 @@ def make_console(stderr: bool = False) -> Console:
     if not console.is_terminal:
         console.width = PIPED_WIDTH
     return console
-
-
-def write_json(report: Mapping[str, Any], path: str) -> None:
-    """Writes ``report`` as indented, key-sorted JSON (through a temporary name, then renamed)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def _verdict_panel(report: Mapping[str, Any]) -> Panel:
@@ -278,7 +268,7 @@ def render_scan(report: Mapping[str, Any], console: Optional[Console] = None) ->
 
 
 def plot_scan(scan: Any, path: str) -> None:
-    """Writes a PNG of a ``replay.scan.ScanReport`` (it needs the per-step series, which the JSON
+    """Writes a PNG of a ``replay.screen.scan.ScanReport`` (it needs the per-step series, which the JSON
     report leaves out): the replicas' log-ratio to the cross-replica median norm (suspect devices
     drawn thick, a drift's onset marked, canary mismatches as red crosses), the loss, each layer's
     dropped fraction and its worst expert share against the router-health limits, and the loader

@@ -37,7 +37,7 @@ def shared_dir() -> pathlib.Path:
 @pytest.fixture(autouse=True)
 def _restore_xla_flags():
     """Puts ``XLA_FLAGS`` back after each test: the training command, called in-process, pins the
-    determinism flags into ``os.environ`` (replay.env.pin_determinism_flags), which would leak into
+    determinism flags into ``os.environ`` (replay.run.env.pin_determinism_flags), which would leak into
     the run a later test records and make its replays refuse an environment drift that depends
     on the order the tests ran in (as under ``pytest -n 2``)."""
     before = os.environ.get("XLA_FLAGS")

@@ -1,4 +1,4 @@
-"""Gradient fingerprints (replay.fingerprint) and the environment record (replay.env)."""
+"""Gradient fingerprints (replay.run.fingerprint) and the environment record (replay.run.env)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from replay import env as envm
-from replay import fingerprint as fpm
+from replay.run import env as envm
+from replay.run import fingerprint as fpm
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 BITS = {"float32": 32, "bfloat16": 16}
@@ -327,7 +327,7 @@ def test_version_mismatch_says_which_versions_and_what_to_do():
     assert f"this code computes version {fpm.FINGERPRINT_VERSION}" in old
     assert "Replay this run with the toolkit release that trained it, a release from before fingerprint versions" in old
     newer = fpm.version_mismatch({"versions": {"fingerprint": 3}})
-    assert "version 3 of the formula" in newer and "a release whose replay/fingerprint.py has FINGERPRINT_VERSION = 3" \
+    assert "version 3 of the formula" in newer and "a release whose replay/run/fingerprint.py has FINGERPRINT_VERSION = 3" \
         in newer and "absent" not in newer
     assert fpm.version_mismatch({}) is not None and fpm.version_mismatch({"versions": [1]}) is not None
 
@@ -340,8 +340,8 @@ def test_replay_refuses_a_run_logged_with_another_fingerprint_version(tmp_path, 
     env record, and the shared trained run stays out of this module."""
     import types
 
-    from replay import engine
-    from replay.runlog import RunDirError
+    from replay.verify import engine
+    from replay.run.runlog import RunDirError
 
     versions = {"jax": jax.__version__} if recorded is None else {"fingerprint": recorded}
     run = types.SimpleNamespace(env={"versions": versions}, run_dir=str(tmp_path))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from replay import protocol as proto
+from replay.run import protocol as proto
 from replay.reference import checkpoint as ckpt
 from replay.reference import run as runm
 from replay.reference.testing import write_tiny_run
@@ -87,7 +87,7 @@ def test_checkpoint_holds_loader_state_and_restores(tiny):
 
 def test_canary_batch_is_the_batch_of_its_step(tiny):
     folder, path, cfg, trainer, mesh, run_a, _ = tiny
-    from replay import fingerprint as fpm
+    from replay.run import fingerprint as fpm
 
     batch = runm.canary_batch(cfg, mesh)
     assert fpm.fingerprint_hex(fpm.fingerprint_np(batch["inputs"])) == proto.read_fingerprints(str(run_a))[0].batch_hash
@@ -333,7 +333,7 @@ def test_every_run_config_field_is_documented_and_the_demo_config_comments_each(
 
     from replay.reference.model import ModelConfig
     from replay.reference.trainer import OptimizerConfig
-    from replay.screening import RouterHealth
+    from replay.screen.screening import RouterHealth
 
     doc = (REPO / "docs" / "trainer.md").read_text()
     table = doc[doc.index("## Run config"):doc.index("## Determinism")]

@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from replay import fingerprint as fpm
-from replay.protocol import DriftSpec, FaultSpec, StepFingerprints, StepSignals, Trainer
+from replay.run import fingerprint as fpm
+from replay.run.protocol import DriftSpec, FaultSpec, StepFingerprints, StepSignals, Trainer
 from replay.reference import checkpoint as ckpt
 from replay.reference.testing import random_batch, tiny_model_config
 from replay.reference.trainer import (

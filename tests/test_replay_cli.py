@@ -15,7 +15,7 @@ import pytest
 from test_replay_support import STEPS
 
 from replay import cli
-from replay.verdict import ExitCode
+from replay.run.codes import ExitCode
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["range", "--help"], ["canary", "--help"], ["drill", "--help"]])

@@ -13,9 +13,16 @@ import jax
 import pytest
 from test_replay_support import STEPS
 
-from replay import canary, compare, drill, engine, forensics, runlog
-from replay.protocol import FaultSpec
-from replay.verdict import Cause, Evidence, Verdict
+from replay.run.canary import batch_sha256
+from replay.verify import canary
+from replay.verify import compare
+from replay import drill
+from replay.verify import engine
+from replay.screen import forensics
+from replay.run import runlog
+from replay.run.protocol import FaultSpec
+from replay.run.codes import Verdict
+from replay.verify.verdict import Cause, Evidence
 
 
 @pytest.fixture(scope="module")
@@ -198,9 +205,9 @@ def test_canary_batch_is_a_packed_prefix_of_the_step_batch(session, tmp_path):
     golden = str(tmp_path / "golden.json")
     cut = canary.run_canary(session, device_spec="0", repeats=1, rows=2, seq_len=6, golden_path=golden)
     assert cut.spec.rows == 2 and cut.spec.seq_len == 6 and cut.spec.name == "step1-rows2-init7-seq6"
-    assert cut.spec.batch_sha256 == canary.batch_sha256({k: v[:2, :6] for k, v in host.items()})
+    assert cut.spec.batch_sha256 == batch_sha256({k: v[:2, :6] for k, v in host.items()})
     whole = canary.run_canary(session, device_spec="0", repeats=1, rows=2, seq_len=row_len, golden_path=None)
-    assert whole.spec.seq_len is None and whole.spec.batch_sha256 == canary.batch_sha256(
+    assert whole.spec.seq_len is None and whole.spec.batch_sha256 == batch_sha256(
         {k: v[:2] for k, v in host.items()})
     with pytest.raises(ValueError, match=rf"canary seq_len must be in \[2, {row_len}\] \(the row length\), got 1"):
         canary.run_canary(session, device_spec="0", repeats=1, seq_len=1, golden_path=None)

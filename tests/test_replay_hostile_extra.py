@@ -17,8 +17,15 @@ import threading
 import pytest
 from test_replay_support import STEPS
 
-from replay import canary, cli, devices, drill, engine, env, runlog
-from replay.verdict import ExitCode
+from replay.run.canary import read_golden, update_golden
+from replay.verify import canary
+from replay import cli
+from replay.run import devices
+from replay import drill
+from replay.verify import engine
+from replay.run import env
+from replay.run import runlog
+from replay.run.codes import ExitCode
 
 
 def _snapshot(folder):
@@ -262,25 +269,25 @@ def test_golden_updates_are_atomic_and_keep_concurrent_entries(tmp_path):
 
     def add(i):
         barrier.wait()
-        canary.update_golden(path, f"key{i}", {"signature": f"s{i}"}, reset=False)
+        update_golden(path, f"key{i}", {"signature": f"s{i}"}, reset=False)
 
     threads = [threading.Thread(target=add, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert canary.read_golden(path) == {f"key{i}": {"signature": f"s{i}"} for i in range(8)}
+    assert read_golden(path) == {f"key{i}": {"signature": f"s{i}"} for i in range(8)}
     assert oct(os.stat(path).st_mode & 0o777) == oct(0o644)
     assert sorted(os.listdir(tmp_path / "canary")) == [".golden.json.lock", "golden.json"]
     _write(path, "{torn")
     with pytest.raises(runlog.RunDirError, match="pass --reset-golden"):
-        canary.update_golden(path, "k", {"signature": "s"}, reset=False)
-    canary.update_golden(path, "k", {"signature": "s"}, reset=True)
-    assert canary.read_golden(path) == {"k": {"signature": "s"}}
+        update_golden(path, "k", {"signature": "s"}, reset=False)
+    update_golden(path, "k", {"signature": "s"}, reset=True)
+    assert read_golden(path) == {"k": {"signature": "s"}}
 
 
 def test_drill_canary_always_includes_the_faulty_device(replay_session, monkeypatch):
-    from replay.protocol import FaultSpec
+    from replay.run.protocol import FaultSpec
 
     seen = {}
 
@@ -404,7 +411,7 @@ def test_canary_verdict_survives_an_unwritable_golden_file(run_copy, tmp_path, m
     def denied(path, table):
         raise PermissionError(13, "Permission denied", path)
 
-    monkeypatch.setattr(canary, "write_golden", denied)
+    monkeypatch.setattr("replay.run.canary.write_golden", denied)
     out = tmp_path / "c.json"
     assert cli.main(["canary", "--run", run_copy, "--devices", "0", "--repeats", "1", "--json", str(out)]) == 0
     rep = json.loads(out.read_text())

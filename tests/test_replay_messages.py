@@ -17,9 +17,9 @@ import pytest
 from test_replay_support import STEPS
 
 from replay import cli
-from replay.devices import DeviceSpecError, parse_spec
-from replay.runlog import RunNotGivenError, StepRangeError, resolve_run_dir
-from replay.verdict import ExitCode
+from replay.run.devices import DeviceSpecError, parse_spec
+from replay.run.runlog import RunNotGivenError, StepRangeError, resolve_run_dir
+from replay.run.codes import ExitCode
 
 NO_RUN = "no run directory: pass --run DIR, set REPLAY_RUN=DIR, or run replay from inside a run directory"
 

@@ -10,9 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replay import compare, devices, report, runlog, verdict
-from replay.protocol import StepFingerprints
-from replay.verdict import Cause, Divergence, DivergenceKind, Evidence, ExitCode, ReplayOutcome, Verdict
+from replay.verify import compare
+from replay.run import devices
+from replay import report
+from replay.run import runlog
+from replay.verify import verdict
+from replay.run.protocol import StepFingerprints
+from replay.run.codes import ExitCode, Verdict
+from replay.verify.verdict import Cause, Divergence, DivergenceKind, Evidence, ReplayOutcome
 
 DEVS = [devices.DeviceInfo(i, process_index=i // 4) for i in range(8)]
 LEAVES = ("['w1']", "['w2']")
@@ -328,7 +333,7 @@ def test_plot_and_json(tmp_path):
 
 
 def dev(i, *sigs):
-    from replay.canary import DeviceResult
+    from replay.run.canary import DeviceResult
 
     return DeviceResult(i, tuple(sigs), {})
 
@@ -348,7 +353,7 @@ def dev(i, *sigs):
     ],
 )
 def test_decide_canary(results, golden, want, odd, status):
-    from replay.canary import decide_canary
+    from replay.run.canary import decide_canary
 
     d = decide_canary(results, golden)
     assert (d.verdict, d.odd_devices, d.golden_status) == (want, odd, status)

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import yaml
 
-from replay import protocol as proto
-from replay import scan as scan_mod
+from replay.run import protocol as proto
+from replay.screen import scan as scan_mod
 from replay.cli import main
-from replay.devices import DeviceInfo, select_devices
-from replay.runlog import load_run
-from replay.verdict import ExitCode
+from replay.run.devices import DeviceInfo, select_devices
+from replay.run.runlog import load_run
+from replay.run.codes import ExitCode
 
 LEAF = "['w']"
 
@@ -220,7 +220,7 @@ def test_scan_of_the_shared_killed_and_resumed_run(run_dir):
 @pytest.fixture(scope="module")
 def drill_run(tmp_path_factory):
     """A 40-step run of the tiny model on 8 devices with a periodic canary, checkpoints every 20."""
-    from replay import engine
+    from replay.verify import engine
     from replay.reference import run as runm
     from replay.reference.testing import write_tiny_run
 
@@ -255,7 +255,7 @@ def test_screening_drills_name_the_device_and_first_step(drill_run, tmp_path, sc
 def test_drill_command_runs_a_scenario(drill_run, tmp_path, capsys, monkeypatch):
     import dataclasses
 
-    from replay import engine
+    from replay.verify import engine
 
     monkeypatch.setattr(engine, "default_setup", lambda run: dataclasses.replace(drill_run.setup))
     out = str(tmp_path / "drills")

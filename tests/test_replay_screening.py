@@ -1,4 +1,4 @@
-"""The screening statistics of `replay scan` (replay.screening): pure NumPy, tables and hypothesis."""
+"""The screening statistics of `replay scan` (replay.screen.screening): pure NumPy, tables and hypothesis."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replay import screening as sc
+from replay.screen import screening as sc
 
 CFG = sc.ScreeningConfig()
 

@@ -85,8 +85,9 @@ def replay_made(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def replay_session(replay_made):
-    """A ``replay.engine.Session`` on the run, reusing the training's trainer (and compiled steps)."""
-    from replay import engine, runlog
+    """A ``replay.verify.engine.Session`` on the run, reusing the training's trainer (and compiled steps)."""
+    from replay.verify import engine
+    from replay.run import runlog
 
     run_dir, trainer = replay_made
     run = runlog.load_run(run_dir)
@@ -99,7 +100,7 @@ def replay_session(replay_made):
 def run_dir(replay_session, monkeypatch):
     """The shared run's directory, with ``engine.default_setup`` handing out the session's set-up
     (its compiled trainer), so CLI calls in tests do not recompile."""
-    from replay import engine
+    from replay.verify import engine
 
     setup = replay_session.setup
     monkeypatch.setattr(engine, "default_setup", lambda run: dataclasses.replace(setup))

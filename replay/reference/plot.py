@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from replay import protocol as proto
+from replay.run import protocol as proto
 
 TRAIN_PNG = "train.png"
 
@@ -31,7 +31,7 @@ def training_series(run_dir: str) -> dict[str, list]:
       steps ascending (each logged step once); empty lists when nothing is logged yet.
 
     Raises:
-      OSError, ValueError: signals.jsonl is unreadable or malformed (``replay.protocol.read_signals``).
+      OSError, ValueError: signals.jsonl is unreadable or malformed (``replay.run.protocol.read_signals``).
     """
     signals = proto.read_signals(run_dir) if os.path.exists(os.path.join(run_dir, proto.SIGNALS_NAME)) else {}
     steps = sorted(signals)
@@ -53,7 +53,7 @@ def plot_training(run_dir: str, path: Optional[str] = None, title: Optional[str]
     fraction (assignments past expert capacity / all assignments, in [0, 1]).
 
     Args:
-      run_dir: a run directory (``replay.protocol`` layout).
+      run_dir: a run directory (``replay.run.protocol`` layout).
       path: the PNG to write (default ``<run_dir>/train.png``); written under a temporary name,
         then renamed, so a reader never sees half a file.
       title: the figure's title (default: the run's name from ``run_config.yaml`` and its folder).

@@ -22,11 +22,11 @@ Run config (YAML; relative paths are resolved against the config file's folder):
     canary_every: 10                       # periodic canary every N steps on every device (0: off)
     canary_action: warn                    # on a canary mismatch: warn (event, warning) or stop
     router_health: {max_dropped_fraction: 0.01, max_share_ratio: 3.0, warmup_steps: 10}
-    screening: {}                          # replay.screening.ScreeningConfig overrides (replay scan)
+    screening: {}                          # replay.screen.screening.ScreeningConfig overrides (replay scan)
 
 The full reference table of the fields is in docs/trainer.md ("Run config").
 
-The loop (:func:`train`) writes the run directory of ``replay.protocol``; killed at any
+The loop (:func:`train`) writes the run directory of ``replay.run.protocol``; killed at any
 point and started again with the same arguments it resumes from the last complete
 checkpoint, drops fingerprint, signal and canary lines from that step on, and continues: the
 resulting ``fingerprints.jsonl`` equals an uninterrupted run's. Each step it appends the step's
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import json
 import os
 import sys
@@ -49,12 +48,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TextIO
 
 import yaml
 
-from replay.reference.model import did_you_mean
-
-from replay import protocol as proto
-from replay.reference.model import ModelConfig
+from replay.reference.model import ModelConfig, did_you_mean
 from replay.reference.trainer import OptimizerConfig
-from replay.screening import RouterHealth, ScreeningConfig
+from replay.run import protocol as proto
+from replay.run.writer import RunDir
+from replay.screen.screening import RouterHealth, ScreeningConfig
 
 _KEYS = {
     "name", "mixture", "dataset", "global_batch", "seed", "mesh", "model", "optimizer", "checkpoint_every",
@@ -260,80 +258,6 @@ def load_run_config(path: str) -> RunConfig:
 # ----------------------------------------------------------------------------- run directory
 
 
-class RunDir:
-    """The files of one run directory (``replay.protocol`` layout); appends are flushed per line."""
-
-    def __init__(self, path: str):
-        self.path = os.path.abspath(path)
-        os.makedirs(self.path, exist_ok=True)
-
-    def file(self, name: str) -> str:
-        return os.path.join(self.path, name)
-
-    @property
-    def checkpoints(self) -> str:
-        return self.file(proto.CHECKPOINTS_DIR)
-
-    def event(self, event: str, step: int, **fields: Any) -> dict[str, Any]:
-        rec = {"event": event, "step": int(step), **fields,
-               "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        with open(self.file(proto.EVENTS_NAME), "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec, sort_keys=True) + "\n")
-        return rec
-
-    def drop_torn_event(self) -> bool:
-        """Drops a torn last line of events.jsonl (a kill mid-write), so that the next event starts
-        on a line of its own; returns whether one was dropped."""
-        path = self.file(proto.EVENTS_NAME)
-        if not os.path.exists(path):
-            return False
-        with open(path, "rb+") as f:
-            data = f.read()
-            if not data or data.endswith(b"\n"):
-                return False
-            f.truncate(data.rfind(b"\n") + 1)
-        return True
-
-    def truncate_fingerprints(self, before_step: int) -> int:
-        """Keeps only lines of fingerprints.jsonl with ``step < before_step``; returns lines dropped."""
-        return self.truncate_log(proto.FINGERPRINTS_NAME, before_step)
-
-    def truncate_log(self, name: str, before_step: int) -> int:
-        """Keeps only lines of the step log ``name`` with ``step < before_step`` (atomic rewrite; a
-        torn line is dropped); returns lines dropped."""
-        path = self.file(name)
-        if not os.path.exists(path):
-            return 0
-        keep, dropped = [], 0
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                try:
-                    step = json.loads(line)["step"]
-                except (ValueError, KeyError):  # a line torn by a kill
-                    dropped += 1
-                    continue
-                if step < before_step:
-                    keep.append(line if line.endswith("\n") else line + "\n")
-                else:
-                    dropped += 1
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(keep)
-        os.replace(tmp, path)
-        return dropped
-
-    def append_fingerprints(self, fp: proto.StepFingerprints) -> None:
-        proto.append_line(self.file(proto.FINGERPRINTS_NAME), fp.to_json())
-
-    def append_signals(self, signals: proto.StepSignals) -> None:
-        proto.append_line(self.file(proto.SIGNALS_NAME), signals.to_json())
-
-    def append_canary(self, record: proto.CanaryRecord) -> None:
-        proto.append_line(self.file(proto.CANARY_NAME), record.to_json())
-
-
 def _write_config(path: str, cfg: Mapping[str, Any]) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -441,17 +365,17 @@ class PeriodicCanary:
     """The periodic canary of a training run (``canary_every``): the fixed canary batch (the first
     ``canary.rows`` rows of the batch of ``canary.step``) and fixed weights (a fresh init from
     ``canary.seed``) through forward and backward on every device of the run at once
-    (``ReferenceTrainer.canary_fingerprints``), judged by ``replay.canary.decide_canary`` against
+    (``ReferenceTrainer.canary_fingerprints``), judged by ``replay.run.canary.decide_canary`` against
     the golden value of this environment in ``<run>/canary/golden.json`` (created from the majority
     of the devices by the first canary of the environment).
 
-    Each run appends one :class:`replay.protocol.CanaryRecord` per device to ``canary.jsonl``; a
+    Each run appends one :class:`replay.run.protocol.CanaryRecord` per device to ``canary.jsonl``; a
     device that disagrees is a ``canary_mismatch`` event (naming it) and a
     :class:`CanaryMismatchWarning`.
     """
 
     def __init__(self, cfg: RunConfig, trainer, mesh, rd: "RunDir", env: Mapping[str, Any]):
-        from replay import canary as cn
+        from replay.run import canary as cn
 
         host = canary_batch(cfg, mesh)
         self.batch = {k: v[: cfg.canary.rows, : cfg.canary.seq_len] for k, v in host.items()}
@@ -471,8 +395,8 @@ class PeriodicCanary:
         import time
         import warnings
 
-        from replay import canary as cn
-        from replay.verdict import Verdict
+        from replay.run import canary as cn
+        from replay.run.codes import Verdict
 
         t0 = time.perf_counter()
         fps = self.trainer.canary_fingerprints(self.params, self.batch, fault)
@@ -525,7 +449,7 @@ def train(
       trainer, mesh: a prepared :class:`ReferenceTrainer` and its mesh (tests reuse the
         compiled step); default from ``cfg``.
       log: warnings of the loop (a canary mismatch; default: stderr).
-      progress: the stream of the step progress (``replay.progress``: a Rich bar on a terminal, a
+      progress: the stream of the step progress (``replay.run.progress``: a Rich bar on a terminal, a
         line every ``$REPLAY_PROGRESS_EVERY`` s otherwise, with step, steps/s, tokens/s, step time,
         loss and ETA; and a closing ``train: steps A:B done in ...`` line); default stderr.
       plot: write ``<run_dir>/train.png`` (``replay.reference.plot.plot_training``: the whole run,
@@ -547,8 +471,8 @@ def train(
     """
     import time
 
-    from replay.env import compare_environment, record_environment
-    from replay.progress import line_interval, step_progress
+    from replay.run.env import compare_environment, record_environment
+    from replay.run.progress import line_interval, step_progress
     from replay.reference import checkpoint as ckpt
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
@@ -579,7 +503,7 @@ def train(
         if os.path.exists(env_path):
             with open(env_path, encoding="utf-8") as f:
                 recorded = json.load(f)
-        from replay.fingerprint import FINGERPRINT_VERSION, version_mismatch
+        from replay.run.fingerprint import FINGERPRINT_VERSION, version_mismatch
 
         if recorded and version_mismatch(recorded) is not None:
             got = (recorded.get("versions") or {}).get("fingerprint", 1)

@@ -17,7 +17,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from replay.env import pin_determinism_flags
+from replay.run.env import pin_determinism_flags
 from replay.reference.run import RunConfigError, load_run_config, train
 
 

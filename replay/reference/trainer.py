@@ -1,4 +1,4 @@
-"""The reference trainer: a sharded, fingerprinted train step implementing ``replay.protocol.Trainer``.
+"""The reference trainer: a sharded, fingerprinted train step implementing ``replay.run.protocol.Trainer``.
 
 Mesh and sharding
 -----------------
@@ -40,8 +40,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from replay import fingerprint as fpm
-from replay.protocol import (
+from replay.run import fingerprint as fpm
+from replay.run.protocol import (
     CHECKPOINTS_DIR,
     DriftSpec,
     FaultSpec,
@@ -174,7 +174,7 @@ def _leaf_bits(dtype) -> int:
 
 
 class ReferenceTrainer:
-    """The reference MoE trainer; implements :class:`replay.protocol.Trainer`.
+    """The reference MoE trainer; implements :class:`replay.run.protocol.Trainer`.
 
     Args:
       model: model sizes.
@@ -182,7 +182,7 @@ class ReferenceTrainer:
       fingerprints: compute fingerprints in the step (``False``: the plain step, for the
         overhead benchmark and the no-interference test; ``StepFingerprints`` then carry
         only loss, gradient-norm bits and the batch hash).
-      signals: compute the screening signals (:class:`replay.protocol.StepSignals`: per-device
+      signals: compute the screening signals (:class:`replay.run.protocol.StepSignals`: per-device
         and per-replica gradient norms before the reduction, non-finite counts per leaf and
         device, per-layer router health) in the step; default: as ``fingerprints``, so that
         ``fingerprints=False`` is the plain step with none of the instrumentation.

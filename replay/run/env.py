@@ -66,7 +66,7 @@ def record_environment(mesh: Any = None) -> dict[str, Any]:
 
     Returns:
       dict with ``versions`` (python, jax, jaxlib, numpy, optax, orbax-checkpoint, grain,
-      ml_dtypes, and ``fingerprint``: replay.fingerprint.FINGERPRINT_VERSION), ``env``
+      ml_dtypes, and ``fingerprint``: replay.run.fingerprint.FINGERPRINT_VERSION), ``env``
       (:data:`RELEVANT_ENV_VARS` that are set), ``jax_config``
       (:data:`RELEVANT_JAX_FLAGS`), ``backend`` (platform, device kind, device count, local
       device count, process index and count, platform version), ``mesh`` (axis names, shape,
@@ -75,7 +75,7 @@ def record_environment(mesh: Any = None) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    from replay.fingerprint import FINGERPRINT_VERSION
+    from replay.run.fingerprint import FINGERPRINT_VERSION
 
     devices = jax.devices()
     backend = jax.extend.backend.get_backend() if hasattr(jax, "extend") else None

@@ -336,7 +336,7 @@ class CanaryRecord:
       device: ``jax.Device.id``.
       signature: sha256 of the device's ``{leaf: fingerprint}`` of the canary gradient.
       status: ``"ok"``, ``"differs_from_golden"``, ``"differs_from_majority"`` or
-        ``"no_majority"`` (``replay.canary.decide_canary``).
+        ``"no_majority"`` (``replay.run.canary.decide_canary``).
       golden: ``"matched"``, ``"created"`` (this canary made the golden value) or another
         ``CanaryDecision.golden_status``.
       canary: the canary's name (its batch, rows and weights).

@@ -15,7 +15,7 @@ versions, XLA flags, JAX config, platform and device kind), in ``<run>/canary/go
 ``--golden FILE``. When no golden value exists yet it is created from the majority of the
 devices (more than half must agree) and the odd devices out are named.
 
-Verdicts (``replay.verdict.Verdict``): ACQUITTED when every device matches; CONVICTED naming the
+Verdicts (``replay.run.codes.Verdict``): ACQUITTED when every device matches; CONVICTED naming the
 devices that differ from the golden value or disagree with their own repeats (while others
 match); AMBIGUOUS when no majority exists or every device differs from the golden value (an
 environment or software change, not a device: re-create it with ``--reset-golden``).
@@ -32,9 +32,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from replay import devices as dv
-from replay.protocol import FaultSpec
-from replay.verdict import Verdict
+from replay.run.codes import Verdict
 
 CANARY_VERSION = 1
 GOLDEN_DEFAULT = os.path.join("canary", "golden.json")
@@ -167,10 +165,10 @@ def read_golden(path: Optional[str]) -> dict[str, Any]:
     """The golden table ``{environment key: {"signature": ..., ...}}`` of ``path`` ({} when absent).
 
     Raises:
-      replay.runlog.RunDirError: the file is unreadable, not JSON, or not such a table (a
+      replay.run.runlog.RunDirError: the file is unreadable, not JSON, or not such a table (a
         corrupt golden value must never be taken for a verdict).
     """
-    from replay.runlog import RunDirError
+    from replay.run.runlog import RunDirError
 
     if path is None or not os.path.exists(path):
         return {}
@@ -227,137 +225,3 @@ def update_golden(path: str, key: str, entry: Mapping[str, Any], reset: bool = F
             write_golden(path, table)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-@dataclasses.dataclass
-class CanaryReport:
-    spec: CanarySpec
-    env_key: str
-    devices: list[DeviceResult]
-    decision: CanaryDecision
-    golden_path: Optional[str]
-    repeats: int
-
-    @property
-    def exit_code(self) -> int:
-        return int(self.decision.verdict.exit_code)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = self.decision
-        return {
-            "kind": "canary",
-            "canary": self.spec.to_dict(),
-            "environment_key": self.env_key,
-            "golden": {"status": d.golden_status, "path": self.golden_path, "signature": d.reference},
-            "repeats": self.repeats,
-            "devices": [
-                {"id": r.id, "signature": r.signatures[0], "signatures": list(r.signatures),
-                 "repeats_agree": r.repeats_agree, "status": d.statuses[r.id]}
-                for r in self.devices
-            ],
-            "verdict": d.verdict.value,
-            "exit_code": self.exit_code,
-            "odd_devices": list(d.odd_devices),
-            "explanation": d.explanation,
-        }
-
-
-def run_canary(
-    session: Any,
-    *,
-    device_spec: str = "all",
-    repeats: int = 2,
-    checkpoint: Optional[int] = None,
-    step: Optional[int] = None,
-    rows: Optional[int] = None,
-    seq_len: Optional[int] = None,
-    golden_path: Optional[str] = "default",
-    reset_golden: bool = False,
-    fault: Optional[FaultSpec] = None,
-    advance=lambda n=1: None,
-    progress=None,
-) -> CanaryReport:
-    """Runs the canary on each chosen device ``repeats`` times and judges it (module docstring).
-
-    Args:
-      session: a ``replay.engine.Session``.
-      device_spec: see ``replay.devices`` (any number of devices >= 1).
-      repeats: runs per device, >= 1.
-      checkpoint: weights from this checkpoint step; None: the trainer's init from the run
-        config's ``canary.seed``.
-      step, rows, seq_len: the canary batch: the first ``rows`` rows of the global batch of
-        ``step``, each cut to its first ``seq_len`` slots (a valid packed prefix: segment ids and
-        positions are cut with the tokens). Defaults: the run config's ``canary.step``,
-        ``canary.rows`` and ``canary.seq_len`` (``Setup.canary_*``; the whole global batch and
-        whole rows where the setup gives none). ``seq_len`` >= 2, at most the row length.
-      golden_path: golden table file; "default": ``<run>/canary/golden.json``; None: in memory only.
-      reset_golden: ignore and overwrite this environment's golden value.
-      fault: a drill: flips a bit in ``fault.device_id``'s gradient.
-      advance: called with 1 after each canary run (one device, one repeat).
-      progress: a ``total -> advance`` factory (``replay.progress.StepProgress.advance``), called
-        once with the number of runs (devices x repeats) when they are known; replaces ``advance``.
-
-    Raises:
-      replay.devices.DeviceSpecError; replay.runlog.RunDirError (no such checkpoint); ValueError.
-    """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    run, setup = session.run, session.setup
-    step = setup.canary_step if step is None else step
-    if rows is None:
-        rows = min(setup.canary_rows or setup.global_batch, setup.global_batch)
-    if not 1 <= rows <= setup.global_batch:
-        raise ValueError(f"canary rows must be in [1, {setup.global_batch}], got {rows}")
-    seq_len = setup.canary_seq_len if seq_len is None else seq_len
-    if step < 0:
-        raise ValueError(f"canary step must be >= 0, got {step}")
-    chosen = dv.select_devices(device_spec, session.device_infos(), run.held_suspect, minimum=1)
-    path = os.path.join(run.run_dir, GOLDEN_DEFAULT) if golden_path == "default" else golden_path
-    if not reset_golden:
-        read_golden(path)  # a corrupt golden file is reported before any device work
-    home = session.home_assignment()
-    host = session.numpy_batch(step, home)
-    row_len = int(next(iter(host.values())).shape[1])
-    if seq_len is not None and not 2 <= seq_len <= row_len:
-        raise ValueError(f"canary seq_len must be in [2, {row_len}] (the row length), got {seq_len}")
-    if seq_len == row_len:
-        seq_len = None  # whole rows: the same canary as without a cut
-    batch = {k: v[:rows, :seq_len] for k, v in host.items()}
-    if checkpoint is not None:
-        if checkpoint not in run.checkpoints:
-            from replay.runlog import MissingCheckpointError
-
-            raise MissingCheckpointError(f"no checkpoint {checkpoint}; checkpoints: {run.checkpoints or 'none'}")
-        state = session.restore(checkpoint, home)
-        weights = f"checkpoint:{checkpoint}"
-    else:
-        state = session.init_state(home, setup.canary_seed)
-        weights = f"init:{setup.canary_seed}"
-    spec = CanarySpec(step=step, rows=rows, weights=weights, batch_sha256=batch_sha256(batch), seq_len=seq_len)
-    env_key = environment_key(spec, run.env)
-    if progress is not None:
-        advance = progress(len(chosen) * repeats)
-    results = []
-    for d in chosen:
-        dev = session.jax_devices[d.id]
-        sigs, fps = [], {}
-        for _ in range(repeats):
-            fps = setup.trainer.single_device_fingerprints(state, batch, dev, fault)
-            sigs.append(fingerprints_signature(fps))
-            advance(1)
-        results.append(DeviceResult(d.id, tuple(sigs), dict(fps)))
-    if reset_golden:
-        golden = None
-    else:
-        golden = (read_golden(path).get(env_key) or {}).get("signature")
-    decision = decide_canary(results, golden)
-    if path is not None and decision.golden_status == "created" and fault is None:
-        try:
-            update_golden(path, env_key, {"signature": decision.reference, "canary": spec.to_dict(),
-                                           "created_from": f"majority of {len(results)} device(s)"}, reset_golden)
-        except OSError as e:  # e.g. a read-only run directory: the verdict stands, the golden value is not kept
-            decision = dataclasses.replace(
-                decision, golden_status="created-not-saved",
-                explanation=f"{decision.explanation} (the golden value could not be saved to {path}: "
-                            f"{e.strerror or e}; pass --golden FILE)")
-    return CanaryReport(spec, env_key, results, decision, path, repeats)

@@ -14,7 +14,7 @@ The rules (issue 5, "Verdicts")::
     anything else (one replay only, every shard
       differs, only a tolerance comparison, ...)       -> AMBIGUOUS
 
-Exit codes (``replay`` command): see :class:`ExitCode`.
+Exit codes (``replay`` command): see :class:`replay.run.codes.ExitCode`.
 """
 
 from __future__ import annotations
@@ -23,32 +23,7 @@ import dataclasses
 import enum
 from typing import Optional, Sequence
 
-
-class ExitCode(enum.IntEnum):
-    """Process exit codes of the ``replay`` command."""
-
-    ACQUITTED = 0  # the log was reproduced (or the difference is in the data): no device to blame
-    INTERNAL = 1  # an unexpected error (a bug): traceback printed
-    USAGE = 2  # bad command line: unknown option, malformed --steps / --devices, too few devices
-    CONVICTED = 3  # a device of the original run is convicted of silent data corruption
-    AMBIGUOUS = 4  # no verdict either way: replays disagree, or the evidence is too weak
-    RUN_ERROR = 5  # the run directory or its data is unusable: missing, no checkpoint, range not logged
-    ENV_DRIFT = 6  # the environment differs from the run's and a bit-exact claim was asked for
-    DRILL_NOT_CAUGHT = 7  # a drill's injected fault was not convicted (range) or not named (canary)
-    SUSPECTS = 8  # replay scan: the logs name suspects (devices, replicas, router layers, the loader, the run)
-    CLEAN = 0  # replay scan: every available check is clear (an alias of ACQUITTED: exit code 0)
-
-
-class Verdict(enum.Enum):
-    """The outcome of a replay; ``exit_code`` is what the ``replay`` command exits with."""
-
-    CONVICTED = "convicted"
-    ACQUITTED = "acquitted"
-    AMBIGUOUS = "ambiguous"
-
-    @property
-    def exit_code(self) -> ExitCode:
-        return ExitCode[self.name]
+from replay.run.codes import Verdict
 
 
 class Cause(str, enum.Enum):

@@ -1,6 +1,6 @@
 """The replay engine: an opened run (:class:`Session`) and range replay (:func:`replay_range`).
 
-Canary, inspect and drill build on the session in ``replay.canary``, ``replay.forensics`` and
+Canary, inspect and drill build on the session in ``replay.verify.canary``, ``replay.screen.forensics`` and
 ``replay.drill``. The command line (``replay.cli``) is a thin layer over these library
 functions; tests call them directly.
 
@@ -17,7 +17,7 @@ Range replay (issue 5, points 2 to 4)::
             diff = compare_step(log[step], fp)     bit-exact / per-shard / tolerance
             a divergence ends the checkpoint segment: the replay jumps to the next
             checkpoint in the range (the rest of the segment is contaminated)
-    decide(outcomes) -> verdict (replay.verdict)
+    decide(outcomes) -> verdict (replay.verify.verdict)
 
 Honesty about "independent devices": on one host of 8 CPU devices the devices share the same
 physical CPU, so two device sets are independent only as XLA devices. What the engine
@@ -36,11 +36,13 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
-from replay import compare as cmp
-from replay import devices as dv
-from replay.protocol import FaultSpec, StepFingerprints
-from replay.runlog import RunDirError, RunLog, missing_steps
-from replay.verdict import Decision, Evidence, ReplayOutcome, Verdict, decide
+from replay.verify import compare as cmp
+from replay.run import devices as dv
+from replay.run.protocol import FaultSpec, StepFingerprints
+from replay.run.runlog import RunDirError, RunLog, missing_steps
+from replay.run.codes import Verdict
+from replay.run.setup import RunSetup
+from replay.verify.verdict import Decision, Evidence, ReplayOutcome, decide
 
 PREFETCH_MIN_STEPS = 8  # stretches this long read batches through the loader's prefetch
 
@@ -62,45 +64,6 @@ class EnvDriftError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- run set-up
-
-
-@dataclasses.dataclass
-class RunSetup:
-    """How to rebuild a run's trainer, mesh and loader (read from its run config once).
-
-    Attributes:
-      trainer: an object implementing ``replay.protocol.Trainer``.
-      axis_names: the run's mesh axes; shape: their sizes.
-      run_device_ids: device ids of the run's mesh, row-major.
-      make_loader: ``mesh -> loader`` (``loader.build(...)`` with the run's mixture, dataset,
-        global batch, seed, data axes and skip windows).
-      seed: the run's seed.
-      global_batch: rows per step.
-      mixture, dataset: the mixture config path and the packed dataset folder.
-      canary_step, canary_seed: the canary batch's step and the seed of the canary weights.
-      canary_rows, canary_seq_len: the default canary batch of ``replay canary``: its first
-        ``canary_rows`` rows (None: the whole global batch), each cut to its first
-        ``canary_seq_len`` slots (None: whole rows), the run config's ``canary.rows`` and
-        ``canary.seq_len``.
-    """
-
-    trainer: Any
-    axis_names: tuple[str, ...]
-    shape: tuple[int, ...]
-    run_device_ids: tuple[int, ...]
-    make_loader: Callable[[Any], Any]
-    seed: int
-    global_batch: int
-    mixture: Any = None
-    dataset: Optional[str] = None
-    canary_step: int = 0
-    canary_seed: int = 0
-    canary_rows: Optional[int] = None
-    canary_seq_len: Optional[int] = None
-
-    @property
-    def mesh_size(self) -> int:
-        return int(np.prod(self.shape))
 
 
 def skip_windows(run: RunLog) -> list[tuple[int, int]]:
@@ -368,12 +331,12 @@ class Session:
 
 
 def environment_differences(run: RunLog, mesh: Any) -> list[str]:
-    """Differences that decide bits between the run's env.json and this process (replay.env).
+    """Differences that decide bits between the run's env.json and this process (replay.run.env).
 
     The mesh's device ids are left out (replaying on other devices is the point; the mesh
     shape and axis names still count), and informational notes are dropped.
     """
-    from replay import env as envmod
+    from replay.run import env as envmod
 
     current = envmod.record_environment(mesh)
     diffs = envmod.compare_environment(run.env, current)
@@ -532,7 +495,7 @@ def replay_range(
     Args:
       session: the opened run.
       start, stop: the half-open step range (must be logged).
-      device_spec: see ``replay.devices``; must leave at least the run's mesh size.
+      device_spec: see ``replay.run.devices``; must leave at least the run's mesh size.
       repeats: how many times each independent assignment replays (flaky hardware is often
         inconsistent), >= 1.
       tolerance: relative tolerance: compare loss and norm only (weaker evidence).
@@ -544,14 +507,14 @@ def replay_range(
         the parameters that differ from the replay's (``differing_elements``).
 
     Raises:
-      replay.runlog.StepRangeError, MissingCheckpointError: the range is not logged / has no
+      replay.run.runlog.StepRangeError, MissingCheckpointError: the range is not logged / has no
         checkpoint at or before it.
-      replay.devices.DeviceSpecError: a bad spec or too few devices.
+      replay.run.devices.DeviceSpecError: a bad spec or too few devices.
       EnvDriftError: environment drift without ``allow_env_drift`` or ``tolerance``.
       RunDirError: the run logged another fingerprint formula (``versions.fingerprint``).
       ValueError: ``repeats`` or ``replays`` < 1.
     """
-    from replay.fingerprint import version_mismatch
+    from replay.run.fingerprint import version_mismatch
 
     if repeats < 1 or replays < 1:
         raise ValueError(f"repeats and replays must be >= 1, got {repeats} and {replays}")

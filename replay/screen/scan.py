@@ -1,10 +1,10 @@
 """``replay scan``: screen a run from its logs alone (no recompute) and rank the suspects.
 
-Reads the run directory (``replay.runlog.load_run``: run config, env, events, fingerprints) and
-the screening logs ``signals.jsonl`` and ``canary.jsonl`` (``replay.protocol``), runs the checks
+Reads the run directory (``replay.run.runlog.load_run``: run config, env, events, fingerprints) and
+the screening logs ``signals.jsonl`` and ``canary.jsonl`` (``replay.run.protocol``), runs the checks
 below, and returns a :class:`ScanReport`: every check's status (``found``, ``clear`` or ``not
 available`` with the reason: a missing signal is never "clear"), the ranked suspects, and the
-range replay to run next. Statistics live in ``replay.screening`` (pure); this module gathers the
+range replay to run next. Statistics live in ``replay.screen.screening`` (pure); this module gathers the
 numbers and words the findings::
 
     check         signal                                   suspect
@@ -37,9 +37,9 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from replay import protocol as proto
-from replay import screening as sc
-from replay.runlog import RunDirError, RunLog
+from replay.run import protocol as proto
+from replay.screen import screening as sc
+from replay.run.runlog import RunDirError, RunLog
 
 CHECKS = ("canary", "nonfinite", "norm_spike", "norm_drift", "router", "loss_spike", "loader_stall")
 DEVICE_CHECKS = ("canary", "nonfinite", "norm_spike", "norm_drift")
@@ -116,7 +116,7 @@ class ScanReport:
 
     @property
     def exit_code(self) -> int:
-        from replay.verdict import ExitCode
+        from replay.run.codes import ExitCode
 
         return int(ExitCode.SUSPECTS if self.suspects else ExitCode.CLEAN)
 
@@ -424,7 +424,7 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
       RunDirError: a screening log is malformed, or the run config's thresholds are invalid.
       StepRangeError: ``[start, stop)`` holds no logged step.
     """
-    from replay.runlog import StepRangeError
+    from replay.run.runlog import StepRangeError
 
     health, cfg = _run_thresholds(run)
     signals, canary = read_screening_logs(run.run_dir)
@@ -516,7 +516,7 @@ def suggest_replay(run: RunLog, report: ScanReport) -> Optional[str]:
 
 def write_suspects(report: ScanReport) -> str:
     """Writes ``<run>/suspects.json`` (atomically) and returns its path."""
-    from replay.report import write_json
+    from replay.run.writer import write_json
 
     path = os.path.join(report.run_dir, proto.SUSPECTS_NAME)
     write_json(report.to_dict(), path)

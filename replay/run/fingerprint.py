@@ -83,7 +83,7 @@ import jax.numpy as jnp
 import numpy as np
 
 FINGERPRINT_VERSION = 2
-"""The formula's version, recorded as ``versions.fingerprint`` in a run's env.json (replay.env)."""
+"""The formula's version, recorded as ``versions.fingerprint`` in a run's env.json (replay.run.env)."""
 
 # (K, M1, M2, B, M3): odd multipliers K, M1, M2, M3; B arbitrary (module docstring).
 MIX_CONSTANTS: tuple[int, int, int, int, int] = (0x9E3779B1, 0x7FEB352D, 0x846CA68B, 0x7F4A7C15, 0xC2B2AE3D)
@@ -103,7 +103,7 @@ def version_mismatch(env: Mapping[str, Any]) -> Optional[str]:
     """Why fingerprints logged under the environment record ``env`` cannot be compared here.
 
     Args:
-      env: a run's environment record (env.json, :func:`replay.env.record_environment`);
+      env: a run's environment record (env.json, :func:`replay.run.env.record_environment`);
         ``versions.fingerprint`` absent means version 1 (runs logged before versioning).
 
     Returns:
@@ -115,8 +115,8 @@ def version_mismatch(env: Mapping[str, Any]) -> Optional[str]:
     recorded = versions.get("fingerprint", 1)
     if recorded == FINGERPRINT_VERSION:
         return None
-    release = ("from before fingerprint versions (its replay/fingerprint.py has no FINGERPRINT_VERSION)"
-               if recorded == 1 else f"whose replay/fingerprint.py has FINGERPRINT_VERSION = {recorded!r}")
+    release = ("from before fingerprint versions (its replay/run/fingerprint.py has no FINGERPRINT_VERSION)"
+               if recorded == 1 else f"whose replay/run/fingerprint.py has FINGERPRINT_VERSION = {recorded!r}")
     return (f"the run logged fingerprints with version {recorded!r} of the formula (env.json versions.fingerprint"
             f"{'' if 'fingerprint' in versions else ' absent: logged before fingerprints were versioned'}), this "
             f"code computes version {FINGERPRINT_VERSION}: every leaf would differ whatever the hardware did. "

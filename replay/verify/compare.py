@@ -1,6 +1,6 @@
 """Comparing logged and replayed step fingerprints. Pure: no JAX, no I/O.
 
-Three comparison modes (:class:`replay.verdict.Evidence`), strongest first:
+Three comparison modes (:class:`replay.verify.verdict.Evidence`), strongest first:
 
 * **bit-exact**: the replay ran on the run's mesh shape with the same devices in the same
   order. Every field compares bit for bit: batch hash, loss and gradient-norm bits, the
@@ -19,7 +19,7 @@ patterns, so NaN payloads compare exactly; the per-leaf NaN and Inf counts are c
 the fingerprints.
 
 A step's outcome is a :class:`StepDiff`; :func:`first_divergence` turns a replay's diffs into
-the :class:`replay.verdict.Divergence` that :func:`replay.verdict.decide` consumes.
+the :class:`replay.verify.verdict.Divergence` that :func:`replay.verify.verdict.decide` consumes.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import math
 import struct
 from typing import Any, Mapping, Optional, Sequence
 
-from replay.protocol import StepFingerprints
-from replay.verdict import Divergence, DivergenceKind, Evidence
+from replay.run.protocol import StepFingerprints
+from replay.verify.verdict import Divergence, DivergenceKind, Evidence
 
 
 class PairingError(ValueError):

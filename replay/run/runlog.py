@@ -1,4 +1,4 @@
-"""Reading a run directory (layout in ``replay.protocol``). I/O only: no JAX, no decisions.
+"""Reading a run directory (layout in ``replay.run.protocol``). I/O only: no JAX, no decisions.
 
 :func:`load_run` reads everything replay needs, once, and checks it, so that a broken run
 directory is reported before any device work starts::
@@ -13,7 +13,7 @@ directory is reported before any device work starts::
     quarantine.txt       -> RunLog.quarantine (device ids)
     suspects.json        -> RunLog.suspects (device ids named by `replay scan`)
 
-The screening logs (signals.jsonl, canary.jsonl) are read by ``replay.scan`` only.
+The screening logs (signals.jsonl, canary.jsonl) are read by ``replay.screen.scan`` only.
 
 Step ranges are half-open, ``A:B`` meaning steps ``A, A+1, ..., B-1`` (like Python slices);
 ``A`` alone is the one step ``A``.
@@ -29,8 +29,8 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
-from replay.devices import QUARANTINE_NAME, DeviceSpecError, read_quarantine
-from replay.protocol import StepFingerprints
+from replay.run.devices import QUARANTINE_NAME, DeviceSpecError, read_quarantine
+from replay.run.protocol import StepFingerprints
 
 RUN_CONFIG = "run_config.yaml"
 ENV_JSON = "env.json"

@@ -1,0 +1,5 @@
+"""Range replay, comparison with the log, verdicts, and the canary on chosen devices.
+
+Reads what a training run wrote (``replay.run``) and rebuilds its steps through the run's
+``RunSetup``; imports only the ground room.
+"""
