@@ -594,9 +594,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from replay.run.runlog import RunDirError, RunNotGivenError, StepRangeError, StepsSpecError, resolve_run_dir
 
     if argv is None:  # the console script: a whole process of its own
+        from replay.run.quiet import exit_quietly_after_failed_restore
+
         code = main(sys.argv[1:])
-        if "replay.reference.checkpoint" in sys.modules:
-            sys.modules["replay.reference.checkpoint"].exit_quietly_after_failed_restore(code)
+        exit_quietly_after_failed_restore(code)
         return code
     typed = list(argv)
     argv = list(argv)

@@ -162,7 +162,6 @@ def write_drilled_run(session: Any, fault: FaultSpec, out_dir: str) -> str:
       FileExistsError: ``out_dir`` exists.
     """
     from replay.run.protocol import CHECKPOINTS_DIR
-    from replay.reference import checkpoint as ckpt
     from replay.run.runlog import ENV_JSON, EVENTS, FINGERPRINTS, RUN_CONFIG
 
     run = session.run
@@ -179,13 +178,10 @@ def write_drilled_run(session: Any, fault: FaultSpec, out_dir: str) -> str:
             f.write(run.fingerprints[step].to_json() + "\n")
         for fp in fps:
             f.write(fp.to_json() + "\n")
-    _, loader_state = session.setup.trainer.restore(run.run_dir, c, session.mesh(home))
-    mngr = ckpt.manager(os.path.join(out_dir, CHECKPOINTS_DIR))
-    try:
-        ckpt.save(mngr, fault.step + 1, kept[fault.step], {**dict(loader_state), "next_step": fault.step + 1})
-        mngr.wait_until_finished()
-    finally:
-        mngr.close()
+    trainer = session.setup.trainer
+    if callable(getattr(trainer, "save", None)):  # optional: the state after the step, for differing_elements
+        _, loader_state = trainer.restore(run.run_dir, c, session.mesh(home))
+        trainer.save(out_dir, fault.step + 1, kept[fault.step], {**dict(loader_state), "next_step": fault.step + 1})
     with open(os.path.join(out_dir, EVENTS), "a", encoding="utf-8") as f:
         f.write(json.dumps({"event": "drill", "step": fault.step, **dataclasses.asdict(fault)}, sort_keys=True) + "\n")
     return out_dir
@@ -347,8 +343,7 @@ def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Rando
       DrillError: the run is too short, or ``device``/``start`` are out of range.
       FileExistsError: ``out_dir`` exists and is not empty.
     """
-    from replay.run.protocol import CHECKPOINTS_DIR
-    from replay.reference import run as ref_run
+    from replay.run import protocol as proto
     from replay.run.runlog import ENV_JSON, EVENTS, RUN_CONFIG, load_run
     from replay.screen.scan import scan_run
 
@@ -369,29 +364,26 @@ def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Rando
         start = rng.randrange(c, latest) if latest > c else c
     if not c <= start < end:
         raise DrillError(f"--step {start}: must be in [{c}, {end}) (after checkpoint {c}, before the run's end)")
-    cfg = ref_run.run_config_from_dict(run.config, run.run_dir)
-    period = canary_every if canary_every is not None else (cfg.canary_every or 5)
-    cfg = dataclasses.replace(cfg, canary_every=period if scenario == "canary" or cfg.canary_every else 0)
+    period = canary_every if canary_every is not None else (setup.canary_every or 5)
+    period = period if scenario == "canary" or setup.canary_every else 0
     trainer = setup.trainer
     faults, canary_fault, first_step = scenario_faults(
         scenario, device=device, start=start, stop=end, magnitude=magnitude, kind=kind, flips=flips, bit=bit,
         leaf_paths=trainer.leaf_paths, leaf_sizes=trainer.leaf_sizes, rng=rng)
     if scenario == "canary":
-        first_step = -(-start // cfg.canary_every) * cfg.canary_every
+        first_step = -(-start // period) * period
         if first_step >= end:
-            raise DrillError(f"no canary runs between step {start} and the run's end {end} (canary_every "
-                             f"{cfg.canary_every})")
+            raise DrillError(f"no canary runs between step {start} and the run's end {end} (canary_every {period})")
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f"{out_dir} exists and is not empty")
     os.makedirs(out_dir, exist_ok=True)
-    for name in (ENV_JSON, EVENTS, "fingerprints.jsonl", "signals.jsonl", "canary.jsonl"):
-        if os.path.exists(os.path.join(run.run_dir, name)):
-            shutil.copy(os.path.join(run.run_dir, name), out_dir)
-    shutil.copytree(os.path.join(run.run_dir, CHECKPOINTS_DIR, str(c)), os.path.join(out_dir, CHECKPOINTS_DIR, str(c)))
-    import yaml
-
-    with open(os.path.join(out_dir, RUN_CONFIG), "w", encoding="utf-8") as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    logs = [path for name in (proto.FINGERPRINTS_NAME, proto.SIGNALS_NAME, proto.CANARY_NAME)
+            for _, path in proto.log_files(run.run_dir, name)]
+    for path in [os.path.join(run.run_dir, n) for n in (RUN_CONFIG, ENV_JSON, EVENTS)] + logs:
+        if os.path.exists(path):
+            shutil.copy(path, out_dir)
+    shutil.copytree(os.path.join(run.run_dir, proto.CHECKPOINTS_DIR, str(c)),
+                    os.path.join(out_dir, proto.CHECKPOINTS_DIR, str(c)))
     as_dicts = [dataclasses.asdict(f) | {"type": type(f).__name__}
                 for f in ([] if faults is None else faults if isinstance(faults, list) else [faults])]
     if canary_fault is not None:
@@ -400,13 +392,58 @@ def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Rando
         f.write(json.dumps({"event": "drill", "step": start, "scenario": scenario, "device": device,
                             "faults": as_dicts}, sort_keys=True) + "\n")
     mesh = session.mesh(session.home_assignment())
-    import warnings
-
-    with warnings.catch_warnings():  # the drill's own canary mismatches are its point, not news
-        warnings.simplefilter("ignore", ref_run.CanaryMismatchWarning)
-        ref_run.train(out_dir, cfg, end, trainer=trainer, mesh=mesh, log=log or (lambda s: None), faults=faults,
-                      canary_fault=canary_fault)
+    if setup.retrain is not None:  # the trainer's own training loop
+        setup.retrain(out_dir, end, trainer=trainer, mesh=mesh, faults=faults, canary_fault=canary_fault,
+                      canary_every=period, log=log)
+    else:
+        retrain_through_protocol(session, out_dir, c, end, faults=faults, canary_fault=canary_fault,
+                                 canary_every=period)
     scan = scan_run(load_run(out_dir)).to_dict()
     return ScenarioReport(scenario=scenario, device=device, first_step=first_step, faults=as_dicts,
                           run_dir=out_dir, scan=scan, named=top_device_suspect(scan),
                           tolerance=DRIFT_TOLERANCE if scenario == "drift" else 0)
+
+
+def retrain_through_protocol(session: Any, out_dir: str, checkpoint: int, stop: int, *, faults: Any = None,
+                             canary_fault: Optional[FaultSpec] = None, canary_every: int = 0) -> None:
+    """Retrains the run copied into ``out_dir`` from ``checkpoint`` to ``stop`` through the trainer protocol
+    alone (any trainer): the run's checkpoint restored, its batches rebuilt, ``train_step`` with the
+    drill's ``faults``, each step's fingerprints and signals written through ``replay.run.writer``; every
+    ``canary_every`` steps the canary (the run's canary batch and weights, ``single_device_fingerprints``
+    on each device of the run's mesh, ``canary_fault`` from its step on), one record per device."""
+    from replay.run import canary as cn
+    from replay.run import distributed
+    from replay.run.protocol import CanaryRecord
+
+    setup, trainer = session.setup, session.setup.trainer
+    home = session.home_assignment()
+    rd = session.run_dir_writer(out_dir, home)
+    for name in ("fingerprints.jsonl", "signals.jsonl", "canary.jsonl"):
+        rd.truncate_log(name, checkpoint)
+    rd.event("restore", checkpoint, checkpoint=checkpoint, drill=True)
+    state = session.restore(checkpoint, home)
+    canary = None
+    if canary_every:
+        batch = session.canary_batch()
+        canary = (session.init_state(home, setup.canary_seed), batch, cn.batch_sha256(batch))
+    for step, batch in session.batches(checkpoint, stop, home):
+        if canary is not None and step % canary_every == 0:
+            hit = canary_fault if canary_fault is not None and step >= canary_fault.step else None
+            mine = {d: cn.fingerprints_signature(trainer.single_device_fingerprints(canary[0], canary[1],
+                                                                                    session.jax_devices[d], hit))
+                    for d in home if session.is_local(d)}
+            every = {int(d): sig for part in distributed.gather_json({str(k): v for k, v in mine.items()})
+                     for d, sig in part.items()}
+            results = [cn.DeviceResult(d, (every[d],), {}) for d in home]
+            decision = cn.decide_canary(results, None)
+            for r in results:
+                rd.append_canary(CanaryRecord(step=step, device=r.id, signature=r.signatures[0],
+                                              status=decision.statuses[r.id], golden=decision.golden_status,
+                                              canary=f"drill:{canary[2][:12]}", seconds=0.0))
+            if decision.odd_devices:
+                rd.event("canary_mismatch", step, devices=list(decision.odd_devices), verdict=decision.verdict.value)
+        state, fp = trainer.train_step(state, batch, step, faults)
+        rd.append_fingerprints(fp)
+        if fp.signals is not None:
+            rd.append_signals(fp.signals)
+    rd.event("end", stop)

@@ -5,7 +5,22 @@
 ``--steps`` is the step to stop at (total): after a kill, the same command resumes from
 the last complete checkpoint and finishes the same run. Thin over
 :func:`replay.reference.run.train`. Exit codes: 0 done, 2 a config, data or file error, 3 stopped
-by a canary mismatch (``canary_action: stop``).
+by a canary mismatch (``canary_action: stop``), 4 another process of the run died (this one
+stopped too: restart them all with the same commands; they resume from the last checkpoint).
+
+Several processes (``jax.distributed``; on CPU with gloo collectives), one run directory: every
+process runs the same command with JAX's process settings (``replay.run.distributed``)::
+
+    python -m replay.reference.train --run RUN --config run.yaml --steps 30 \
+        --coordinator-address 127.0.0.1:1234 --num-processes 2 --process-id 0 &
+    python -m replay.reference.train --run RUN --config run.yaml --steps 30 \
+        --coordinator-address 127.0.0.1:1234 --num-processes 2 --process-id 1
+
+or none of them inside a cluster JAX detects (Slurm, Open MPI, multi-host Cloud TPU, Kubernetes,
+``JAX_COORDINATOR_ADDRESS``). With several processes each one runs its training in a worker child
+and watches it: when another process dies, JAX's coordination service stops the worker (after the
+``--heartbeat-timeout``, default 10 s, or at once when process 0 died) and the command ends with one
+clear error and exit code 4.
 
 Progress goes to stderr (a Rich bar on a terminal; a line every ``$REPLAY_PROGRESS_EVERY`` seconds,
 default 10, otherwise); the summary and the path of ``<run>/train.png`` go to stdout.
@@ -17,6 +32,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from replay.run import distributed
 from replay.run.env import pin_determinism_flags
 from replay.reference.run import RunConfigError, load_run_config, train
 
@@ -26,12 +42,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--run", required=True, help="run directory (created; resumed when it holds checkpoints)")
     parser.add_argument("--config", required=True, help="run config YAML (configs/runs/<name>.yaml)")
     parser.add_argument("--steps", required=True, type=int, help="train until this global step (exclusive)")
+    distributed.add_arguments(parser)
     args = parser.parse_args(argv)
     pin_determinism_flags()  # before JAX starts its backend; recorded in env.json
     try:
+        dargs = distributed.from_args(args)
+    except distributed.DistributedConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if dargs is not None and dargs.num_processes != 1 and argv is None and not distributed.supervised():
+        # One of several processes: run as a watched worker, so that the death of another process ends
+        # this one with a clear error (replay.run.distributed.supervise).
+        return distributed.supervise([sys.executable, "-m", "replay.reference.train", *sys.argv[1:]],
+                                     what_next=lambda: _restart_hint(args, dargs),
+                                     heartbeat_timeout_s=dargs.heartbeat_timeout_s)
+    try:
+        if dargs is not None:
+            distributed.initialize(dargs)
         cfg = load_run_config(args.config)
         summary = train(args.run, cfg, args.steps)
-    except (RunConfigError, FileNotFoundError, ValueError) as e:
+    except (RunConfigError, FileNotFoundError, ValueError, distributed.DistributedConfigError) as e:
         print(f"error: {e}{_dataset_hint(e, args.config)}", file=sys.stderr)
         if argv is None:  # the command: a process of its own
             from replay.reference import checkpoint
@@ -57,6 +87,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if summary.get("plot"):
         print(f"loss, gradient norm and router drops per step: {summary['plot']}")
     return 0
+
+
+def _restart_hint(args, dargs) -> str:
+    """What to do after a process of the run died: restart them all; from which checkpoint."""
+    import os
+
+    folder = os.path.join(args.run, "checkpoints")
+    done = sorted(int(n) for n in (os.listdir(folder) if os.path.isdir(folder) else []) if n.isdigit())
+    where = f"checkpoint {done[-1]}, the last committed one in {folder}" if done else "step 0 (no checkpoint yet)"
+    n = dargs.num_processes or "all"
+    return (f"Restart all {n} processes of the run with the same commands (this one: python -m "
+            f"replay.reference.train {' '.join(sys.argv[1:]) if sys.argv[1:] else '...'}): they resume from {where}.")
 
 
 def _dataset_hint(e: Exception, config: str) -> str:

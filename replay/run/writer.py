@@ -1,43 +1,98 @@
-"""Writing a run directory (the layout of :mod:`replay.run.protocol`): appends flushed line by line,
-whole files through a temporary name.
+"""Writing a run directory (the layout of :mod:`replay.run.protocol`), from one process or many.
+
+Two layers:
+
+* :class:`RunWriter`, the public writer any trainer adds to its loop (about ten lines: docs/trainer.md,
+  "Your own trainer"): the run config with its ``trainer:`` factory, the environment record, each
+  step's fingerprints and screening signals, and the events.
+* :class:`RunDir`, the files underneath (the reference trainer's loop uses it directly).
+
+Many processes, one directory (DESIGN.md, "The run directory"). Who writes what::
+
+    run_config.yaml, env.json, events.jsonl       process 0 (the primary) only: events are written once
+    fingerprints.jsonl, signals.jsonl             process 0: each step's global record (loss, gradient
+                                                  norm, batch hash, reduced leaves, every device's mesh
+                                                  coordinates, router figures, timings) and its own
+                                                  devices' per-device entries
+    fingerprints.p00001.jsonl, signals.p00001...  process p >= 1: its own devices' per-device entries
+    canary.jsonl, canary.p00001.jsonl, ...        each process its own devices' canary records
+    checkpoints/<step>/                           Orbax: every process its shards, process 0 the
+                                                  metadata, the commit (a rename) last
+
+Every file has one writer, so no two processes ever append to the same file. A torn write is
+avoided by construction: the ``*.jsonl`` files are append-only, a line is written whole and flushed
+(a process killed mid-write leaves at most a torn *last* line, which every reader skips), and the
+whole files (run_config.yaml, env.json, a truncated log) are written to a temporary name and renamed
+over the old one (``os.replace``, atomic on POSIX). A step is logged once every process's line for it
+is there: the readers merge the files by step (``replay.run.protocol.read_fingerprints``,
+``replay.run.runlog.load_run``), and a step a process did not log is set aside as malformed, naming
+that process's file, never compared. A single-process run writes the same files as before, without
+``.pNNNNN`` shards.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
-from typing import Any, Mapping
+import re
+from typing import Any, Iterable, Mapping, Optional
 
 from replay.run import protocol as proto
 
 
 class RunDir:
-    """The files of one run directory (``replay.run.protocol`` layout); appends are flushed per line."""
+    """The files of one run directory (``replay.run.protocol`` layout), as one process of the run writes them.
 
-    def __init__(self, path: str):
+    Args:
+      path: the run directory (created).
+      process_index, process_count: this process and the run's processes (``jax.process_index()``,
+        ``jax.process_count()``); defaults: one process.
+      local_devices: global ids of this process's devices in the mesh; their per-device entries go to
+        this process's files (the primary's to the main files). None: every device's entries go to
+        this process's files (one process, or a trainer whose records hold only its own devices).
+    """
+
+    def __init__(self, path: str, *, process_index: int = 0, process_count: int = 1,
+                 local_devices: Optional[Iterable[int]] = None):
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index {process_index} must be in [0, process_count={process_count})")
         self.path = os.path.abspath(path)
+        self.process_index, self.process_count = int(process_index), int(process_count)
+        self.local_devices = None if local_devices is None else frozenset(int(d) for d in local_devices)
         os.makedirs(self.path, exist_ok=True)
+
+    @property
+    def primary(self) -> bool:
+        """Whether this process writes the run's single files (config, env record, events, global records)."""
+        return self.process_index == 0
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
+
+    def own_file(self, name: str) -> str:
+        """This process's file of the step log ``name``: the main file for the primary, ``<stem>.pNNNNN.jsonl``
+        for process N >= 1 (``replay.run.protocol.shard_name``)."""
+        return self.file(name if self.primary else proto.shard_name(name, self.process_index))
 
     @property
     def checkpoints(self) -> str:
         return self.file(proto.CHECKPOINTS_DIR)
 
     def event(self, event: str, step: int, **fields: Any) -> dict[str, Any]:
+        """Appends one event to events.jsonl (process 0 only: events are written once) and returns it."""
         rec = {"event": event, "step": int(step), **fields,
                "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        with open(self.file(proto.EVENTS_NAME), "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec, sort_keys=True) + "\n")
+        if self.primary:
+            proto.append_line(self.file(proto.EVENTS_NAME), json.dumps(rec, sort_keys=True))
         return rec
 
     def drop_torn_event(self) -> bool:
         """Drops a torn last line of events.jsonl (a kill mid-write), so that the next event starts
-        on a line of its own; returns whether one was dropped."""
+        on a line of its own; returns whether one was dropped (process 0 only)."""
         path = self.file(proto.EVENTS_NAME)
-        if not os.path.exists(path):
+        if not self.primary or not os.path.exists(path):
             return False
         with open(path, "rb+") as f:
             data = f.read()
@@ -47,13 +102,13 @@ class RunDir:
         return True
 
     def truncate_fingerprints(self, before_step: int) -> int:
-        """Keeps only lines of fingerprints.jsonl with ``step < before_step``; returns lines dropped."""
+        """Keeps only lines of this process's fingerprints file with ``step < before_step``; returns lines dropped."""
         return self.truncate_log(proto.FINGERPRINTS_NAME, before_step)
 
     def truncate_log(self, name: str, before_step: int) -> int:
-        """Keeps only lines of the step log ``name`` with ``step < before_step`` (atomic rewrite; a
-        torn line is dropped); returns lines dropped."""
-        path = self.file(name)
+        """Keeps only lines of this process's file of the step log ``name`` with ``step < before_step``
+        (atomic rewrite; a torn line is dropped); returns lines dropped."""
+        path = self.own_file(name)
         if not os.path.exists(path):
             return 0
         keep, dropped = [], 0
@@ -63,27 +118,64 @@ class RunDir:
                     continue
                 try:
                     step = json.loads(line)["step"]
-                except (ValueError, KeyError):  # a line torn by a kill
+                except (ValueError, KeyError, TypeError):  # a line torn by a kill
                     dropped += 1
                     continue
                 if step < before_step:
                     keep.append(line if line.endswith("\n") else line + "\n")
                 else:
                     dropped += 1
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(keep)
-        os.replace(tmp, path)
+        _atomic_write(path, "".join(keep))
         return dropped
 
+    def _own(self, devices: Iterable[int]) -> list[int]:
+        return [int(d) for d in devices if self.local_devices is None or int(d) in self.local_devices]
+
     def append_fingerprints(self, fp: proto.StepFingerprints) -> None:
-        proto.append_line(self.file(proto.FINGERPRINTS_NAME), fp.to_json())
+        """Appends the step's fingerprints: the primary the global record with its own devices' entries,
+        another process its own devices' entries (:meth:`RunDir` docstring)."""
+        own = self._own(fp.devices)
+        if self.primary:
+            rec = fp if self.local_devices is None else dataclasses.replace(fp, devices={d: fp.devices[d] for d in own})
+            proto.append_line(self.file(proto.FINGERPRINTS_NAME), rec.to_json())
+        else:
+            proto.append_line(self.own_file(proto.FINGERPRINTS_NAME), json.dumps(
+                {"step": int(fp.step), "process": self.process_index,
+                 "devices": {str(d): {k: int(v) for k, v in fp.devices[d].items()} for d in own}}, sort_keys=True))
 
     def append_signals(self, signals: proto.StepSignals) -> None:
-        proto.append_line(self.file(proto.SIGNALS_NAME), signals.to_json())
+        """Appends the step's screening signals, split like the fingerprints (a replica goes with its first device)."""
+        own = set(self._own(signals.devices))
+        replicas = tuple(r for r in signals.replicas if self.local_devices is None or r.devices[0] in self.local_devices)
+        if self.primary:
+            rec = signals if self.local_devices is None else dataclasses.replace(
+                signals, devices={d: v for d, v in signals.devices.items() if d in own}, replicas=replicas)
+            proto.append_line(self.file(proto.SIGNALS_NAME), rec.to_json())
+        else:
+            full = dataclasses.replace(signals, devices={d: v for d, v in signals.devices.items() if d in own},
+                                       replicas=replicas).to_dict()
+            proto.append_line(self.own_file(proto.SIGNALS_NAME), json.dumps(
+                {"step": full["step"], "process": self.process_index, "devices": full["devices"],
+                 "replicas": full["replicas"]}, sort_keys=True))
 
     def append_canary(self, record: proto.CanaryRecord) -> None:
-        proto.append_line(self.file(proto.CANARY_NAME), record.to_json())
+        """Appends one device's canary record, when the device is this process's."""
+        if self._own([record.device]):
+            proto.append_line(self.own_file(proto.CANARY_NAME), record.to_json())
+
+    def write_whole(self, name: str, text: str) -> None:
+        """Writes the run file ``name`` whole, through a temporary name (process 0 only)."""
+        if self.primary:
+            _atomic_write(self.file(name), text)
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def write_json(report: Mapping[str, Any], path: str) -> None:
@@ -95,3 +187,112 @@ def write_json(report: Mapping[str, Any], path: str) -> None:
         json.dump(report, f, indent=2, sort_keys=True)
         f.write("\n")
     os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- the public writer
+
+
+class RunConfigMismatchError(ValueError):
+    """The run directory was started with another config; the message names the differing keys."""
+
+
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+class RunWriter:
+    """The run directory of any trainer, written from its training loop (every process calls every
+    method, in the same order; process 0 writes the run's single files).
+
+    Usage (docs/trainer.md, "Your own trainer")::
+
+        log = RunWriter(run_dir, config=cfg, trainer="mypackage.replay_setup:make_setup", mesh=mesh)
+        start = log.start(checkpoint)          # None: a fresh run (step 0); else resumed from that checkpoint
+        for step in range(start, steps):
+            state, fp = train_step(state, batch, step)   # fp: replay.run.protocol.StepFingerprints
+            log.log_step(fp, step_time_s=..., loader_wait_s=...)
+            if saved: log.event("checkpoint", step + 1)    # once the checkpoint has committed
+        log.end(steps)
+
+    Args:
+      run_dir: the run directory (created).
+      config: the run config (a JSON/YAML-able mapping); written to ``run_config.yaml`` with
+        ``trainer:`` set, or, when the directory holds one already (a resume), checked against it.
+      trainer: the factory replay rebuilds the run with, ``"package.module:function"``
+        (``replay.run.setup``).
+      mesh: the run's ``jax.sharding.Mesh`` (recorded in env.json: axes, shape, device order, every
+        device's process, local index and host).
+
+    Raises:
+      ValueError: ``trainer`` is not a factory name, or ``config`` sets another ``trainer``.
+      RunConfigMismatchError: the directory was started with another config.
+    """
+
+    def __init__(self, run_dir: str, *, config: Mapping[str, Any], trainer: str, mesh: Any):
+        import jax
+        import yaml
+
+        from replay.run.env import record_environment
+
+        if not isinstance(trainer, str) or not _FACTORY.match(trainer):
+            raise ValueError(f"trainer: expected 'package.module:function', got {trainer!r}")
+        if config.get("trainer", trainer) != trainer:
+            raise ValueError(f"config sets trainer {config['trainer']!r}, the writer was given {trainer!r}")
+        self.config = {**dict(config), "trainer": trainer}
+        me = jax.process_index()
+        local = [int(d.id) for d in mesh.devices.reshape(-1) if d.process_index == me]
+        self.dir = RunDir(run_dir, process_index=me, process_count=jax.process_count(), local_devices=local)
+        self.env = record_environment(mesh)  # a collective the first time (host names): every process calls it
+        path = self.dir.file(proto.RUN_CONFIG_NAME)
+        text = yaml.safe_dump(self.config, sort_keys=True)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                old = yaml.safe_load(f) or {}
+            new = yaml.safe_load(text)
+            diffs = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+            if diffs:
+                raise RunConfigMismatchError(
+                    f"run directory {self.dir.path} was started with another config (differs in {diffs}); use a "
+                    f"new run directory")
+        else:
+            self.dir.write_whole(proto.RUN_CONFIG_NAME, text)
+
+    def start(self, checkpoint: Optional[int]) -> int:
+        """Begins (``checkpoint`` None: step 0, a fresh env.json and a ``start`` event) or resumes from
+        ``checkpoint`` (drops this process's step-log lines of steps ``>= checkpoint``, a ``restore``
+        event listing what differs from the recorded environment). Returns the first step to train."""
+        from replay.run.env import compare_environment
+
+        self.dir.drop_torn_event()
+        logs = (proto.FINGERPRINTS_NAME, proto.SIGNALS_NAME, proto.CANARY_NAME)
+        if checkpoint is None:
+            for name in logs:
+                self.dir.truncate_log(name, 0)
+            self.dir.write_whole(proto.ENV_NAME, json.dumps(self.env, indent=1, sort_keys=True))
+            self.dir.event("start", 0, processes=self.dir.process_count)
+            return 0
+        recorded = {}
+        if os.path.exists(self.dir.file(proto.ENV_NAME)):
+            with open(self.dir.file(proto.ENV_NAME), encoding="utf-8") as f:
+                recorded = json.load(f)
+        dropped = sum(self.dir.truncate_log(name, checkpoint) for name in logs)
+        self.dir.event("restore", checkpoint, checkpoint=checkpoint, dropped_lines=dropped,
+                       env_differences=compare_environment(recorded, self.env))
+        return int(checkpoint)
+
+    def log_step(self, fp: proto.StepFingerprints, *, step_time_s: Optional[float] = None,
+                 loader_wait_s: Optional[float] = None, loader_occupancy: Optional[int] = None) -> None:
+        """Appends the step's fingerprints and, when ``fp.signals`` holds them, its screening signals with
+        the loop's timings (seconds; the loader's buffer occupancy)."""
+        self.dir.append_fingerprints(fp)
+        if fp.signals is not None:
+            self.dir.append_signals(dataclasses.replace(
+                fp.signals, step_time_s=step_time_s, loader_wait_s=loader_wait_s, loader_occupancy=loader_occupancy))
+
+    def event(self, name: str, step: int, **fields: Any) -> dict[str, Any]:
+        """Appends an event (``checkpoint`` once a checkpoint has committed, ``phase_change``,
+        ``skipped_window``, ...); written once, by process 0."""
+        return self.dir.event(name, step, **fields)
+
+    def end(self, step: int) -> None:
+        """The ``end`` event: training stopped at ``step``."""
+        self.dir.event("end", step)
