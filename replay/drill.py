@@ -65,6 +65,7 @@ class DrillReport:
             "kind": "drill",
             "fault": dataclasses.asdict(self.fault),
             "caught": self.caught,
+            "device": next(iter(self.range_report.convicted), None) if self.convicted_ok else None,
             "range_convicted_right_device_and_step": self.convicted_ok,
             "canary_named_device": self.canary_ok,
             "range": self.range_report.to_dict(),
@@ -136,18 +137,50 @@ def random_fault(session: Any, rng: random.Random, step: Optional[int] = None, d
     return FaultSpec(step=step, device_id=device, leaf=leaf, element=element, bit=bit)
 
 
+def on_home(session: Any, fault: FaultSpec) -> FaultSpec:
+    """``fault`` moved to the replay job's device at the faulty run device's mesh position on the home
+    placement (``Session.home_assignment``): the same fault when the job has the run's devices; on a
+    job of another shape (a 2 x 4 run replayed by 1 x 8 devices) the device that stands in for it."""
+    ids = list(session.setup.run_device_ids)
+    home = session.home_assignment()
+    if fault.device_id in home or fault.device_id not in ids:
+        return fault
+    return dataclasses.replace(fault, device_id=home[ids.index(fault.device_id)])
+
+
 def drilled_log(session: Any, fault: FaultSpec, extra_steps: int = 0) -> dict[int, Any]:
     """The run's log with steps ``fault.step .. fault.step + extra_steps`` recomputed with the fault
-    injected, from the checkpoint before it, on the run's own mesh."""
+    injected, from the checkpoint before it, on the run's own mesh shape (the home placement; every
+    process of it computes them, the others receive them), relabelled with the run's device ids."""
+    from replay.run import distributed
+    from replay.run.protocol import StepFingerprints
+
     run = session.run
     ckpt = run.checkpoint_for(fault.step)
     stop = min(fault.step + 1 + extra_steps, run.logged_steps[1])
-    fps, _, _ = session.run_steps(session.home_assignment(), ckpt, stop, fault=fault)
+    home = session.home_assignment()
+    fps = None
+    if session.participates(home):
+        fps, _, _ = session.run_steps(home, ckpt, stop, fault=on_home(session, fault))
+    if session.process_count > 1:
+        parts = distributed.gather_json(None if fps is None else [fp.to_dict() for fp in fps])
+        fps = [StepFingerprints.from_dict(x) for x in next(p for p in parts if p is not None)]
+    ids = list(session.setup.run_device_ids)
+    to_run = {h: r for h, r in zip(home, ids)} if ids else {}
     log = dict(run.fingerprints)
     for fp in fps:
         if fp.step >= fault.step:
-            log[fp.step] = fp
+            log[fp.step] = relabel(fp, to_run)
     return log
+
+
+def relabel(fp: Any, mapping: dict[int, int]) -> Any:
+    """``fp`` with its device ids renamed by ``mapping`` (ids it lacks stay): what the run would have
+    logged for the same mesh positions."""
+    if not mapping or all(mapping.get(d, d) == d for d in fp.devices):
+        return fp
+    return dataclasses.replace(fp, devices={mapping.get(d, d): v for d, v in fp.devices.items()},
+                               device_coords={mapping.get(d, d): c for d, c in fp.device_coords.items()})
 
 
 def write_drilled_run(session: Any, fault: FaultSpec, out_dir: str) -> str:
@@ -211,10 +244,12 @@ def run_drill(session: Any, fault: FaultSpec, *, device_spec: str = "all", repla
           and rep.decision.step == fault.step)
     can, can_ok = None, None
     if canary:
-        # The faulty device must be among the canary's devices, whatever the spec chose for replay.
-        can = run_canary(session, device_spec=f"{device_spec}+{fault.device_id}", repeats=canary_repeats,
-                         golden_path=None, fault=dataclasses.replace(fault, step=0))
-        can_ok = can.decision.verdict is Verdict.CONVICTED and can.decision.odd_devices == (fault.device_id,)
+        # The faulty device (or, on a job of another shape, the one at its mesh position) must be among
+        # the canary's devices, whatever the spec chose for replay.
+        chip = on_home(session, fault)
+        can = run_canary(session, device_spec=f"{device_spec}+{chip.device_id}", repeats=canary_repeats,
+                         golden_path=None, fault=dataclasses.replace(chip, step=0))
+        can_ok = can.decision.verdict is Verdict.CONVICTED and can.decision.odd_devices == (chip.device_id,)
     return DrillReport(fault, rep, can, ok, can_ok)
 
 
@@ -343,6 +378,7 @@ def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Rando
       DrillError: the run is too short, or ``device``/``start`` are out of range.
       FileExistsError: ``out_dir`` exists and is not empty.
     """
+    from replay.run import distributed
     from replay.run import protocol as proto
     from replay.run.runlog import ENV_JSON, EVENTS, RUN_CONFIG, load_run
     from replay.screen.scan import scan_run
@@ -374,30 +410,39 @@ def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Rando
         first_step = -(-start // period) * period
         if first_step >= end:
             raise DrillError(f"no canary runs between step {start} and the run's end {end} (canary_every {period})")
+    home = session.home_assignment()
+    if session.process_count > 1 and not all(session.participates([d for d in home if
+                                                                   session.jax_devices[d].process_index == p])
+                                              for p in range(session.process_count)):
+        raise DrillError("a screening drill retrains the run on its own mesh shape, which must span every process "
+                         "of the replay here: run it as one process (without the process flags)")
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f"{out_dir} exists and is not empty")
-    os.makedirs(out_dir, exist_ok=True)
-    logs = [path for name in (proto.FINGERPRINTS_NAME, proto.SIGNALS_NAME, proto.CANARY_NAME)
-            for _, path in proto.log_files(run.run_dir, name)]
-    for path in [os.path.join(run.run_dir, n) for n in (RUN_CONFIG, ENV_JSON, EVENTS)] + logs:
-        if os.path.exists(path):
-            shutil.copy(path, out_dir)
-    shutil.copytree(os.path.join(run.run_dir, proto.CHECKPOINTS_DIR, str(c)),
-                    os.path.join(out_dir, proto.CHECKPOINTS_DIR, str(c)))
     as_dicts = [dataclasses.asdict(f) | {"type": type(f).__name__}
                 for f in ([] if faults is None else faults if isinstance(faults, list) else [faults])]
     if canary_fault is not None:
         as_dicts.append(dataclasses.asdict(canary_fault) | {"type": "canary FaultSpec"})
-    with open(os.path.join(out_dir, EVENTS), "a", encoding="utf-8") as f:
-        f.write(json.dumps({"event": "drill", "step": start, "scenario": scenario, "device": device,
-                            "faults": as_dicts}, sort_keys=True) + "\n")
-    mesh = session.mesh(session.home_assignment())
+    if session.process_index == 0:  # process 0 copies the run up to checkpoint c; the others wait for it
+        os.makedirs(out_dir, exist_ok=True)
+        logs = [path for name in (proto.FINGERPRINTS_NAME, proto.SIGNALS_NAME, proto.CANARY_NAME)
+                for _, path in proto.log_files(run.run_dir, name)]
+        for path in [os.path.join(run.run_dir, n) for n in (RUN_CONFIG, ENV_JSON, EVENTS)] + logs:
+            if os.path.exists(path):
+                shutil.copy(path, out_dir)
+        shutil.copytree(os.path.join(run.run_dir, proto.CHECKPOINTS_DIR, str(c)),
+                        os.path.join(out_dir, proto.CHECKPOINTS_DIR, str(c)))
+        with open(os.path.join(out_dir, EVENTS), "a", encoding="utf-8") as f:
+            f.write(json.dumps({"event": "drill", "step": start, "scenario": scenario, "device": device,
+                                "faults": as_dicts}, sort_keys=True) + "\n")
+    distributed.sync("replay-drill-copied")
+    mesh = session.mesh(home)
     if setup.retrain is not None:  # the trainer's own training loop
         setup.retrain(out_dir, end, trainer=trainer, mesh=mesh, faults=faults, canary_fault=canary_fault,
                       canary_every=period, log=log)
     else:
         retrain_through_protocol(session, out_dir, c, end, faults=faults, canary_fault=canary_fault,
                                  canary_every=period)
+    distributed.sync("replay-drill-retrained")
     scan = scan_run(load_run(out_dir)).to_dict()
     return ScenarioReport(scenario=scenario, device=device, first_step=first_step, faults=as_dicts,
                           run_dir=out_dir, scan=scan, named=top_device_suspect(scan),

@@ -38,7 +38,10 @@ def _verdict_panel(report: Mapping[str, Any]) -> Panel:
     verdict = report["verdict"]
     lines = [(f"[{_VERDICT_STYLE[verdict]}]{verdict.upper()}[/] (exit code {report['exit_code']}): "
               f"{report['explanation']}")]
-    if report.get("convicted_devices"):
+    if report.get("convicted"):
+        for dev in report["convicted"]:
+            lines.append(f"convicted: {dev['label']} at step {report['first_divergent_step']}")
+    elif report.get("convicted_devices"):
         lines.append(f"convicted device(s): {report['convicted_devices']} at step {report['first_divergent_step']}")
     if report.get("leaves"):
         lines.append(f"leaves: {', '.join(report['leaves'][:6])}" + (" ..." if len(report["leaves"]) > 6 else ""))
@@ -51,7 +54,36 @@ def _verdict_panel(report: Mapping[str, Any]) -> Panel:
         q = report.get("quarantine") or []
         lines.append(f"devices: {report['device_spec']!r} -> {report['devices']}; "
                      + (f"quarantined (left out of 'good'): {q}" if q else "no device quarantined"))
+    lines += segment_lines(report)
     return Panel("\n".join(lines), title="verdict")
+
+
+def segment_lines(report: Mapping[str, Any]) -> list[str]:
+    """What a range replay replayed: the onset it started from, the segments per round, those left out."""
+    segs = report.get("segments") or []
+    if not segs:
+        return []
+    out = []
+    onset = report.get("targeted")
+    if onset:
+        where = (f"{onset['step']}" if not onset.get("uncertain")
+                 else f"{onset['step']} (uncertain: steps {onset['range'][0]}..{onset['range'][1]})")
+        out.append(f"onset: step {where}, from {onset['source']}")
+    rounds: dict[int, list[str]] = {}
+    for s in segs:
+        if s["replayed"]:
+            rounds.setdefault(s["round"], []).append(f"{s['start']}:{s['stop']}")
+    for r in sorted(rounds):
+        out.append(f"segments replayed{f' in round {r + 1}' if len(rounds) > 1 or onset else ''}: "
+                   f"{', '.join(rounds[r])}")
+    left = report.get("unreplayed_segments") or []
+    if left:
+        out.append(f"not replayed (stopped at the conviction): {', '.join(f'{a}:{b}' for a, b in left)}; "
+                   f"--exhaustive replays them")
+    per = (report.get("timing") or {}).get("steps_replayed_per_placement") or {}
+    if per:
+        out.append("steps replayed per placement: " + ", ".join(f"{k}: {v}" for k, v in sorted(per.items())))
+    return out
 
 
 def render_environment(env: Mapping[str, Any], console: Console) -> None:
@@ -75,8 +107,12 @@ def render_range(report: Mapping[str, Any], console: Optional[Console] = None, m
                         f"from checkpoint(s) {report.get('checkpoints')}")
     table.add_column("step", justify="right")
     table.add_column("loss (logged)", justify="right")
+    where = {tuple(p["devices"]): p for p in report.get("placements") or []}
     for r in replays:
-        table.add_column(f"replay {r['index']} on {r['assignment']}")
+        p = where.get(tuple(r["assignment"]))
+        procs = f" (process{'es' if p and len(p['processes']) > 1 else ''} {','.join(map(str, p['processes']))})" \
+            if p and p.get("processes") else ""
+        table.add_column(f"replay {r['index']} on {r['assignment']}{procs}")
     rows: dict[int, list[str]] = {}
     losses: dict[int, str] = {}
     for col, r in enumerate(replays):
@@ -116,11 +152,12 @@ def render_canary(report: Mapping[str, Any], console: Optional[Console] = None) 
         style = "green" if d["status"] == "ok" else "red"
         runs = len(d.get("signatures") or [d["signature"]])
         agree = f"{d['repeats_agree']} ({runs} runs)" if runs > 1 else "n/a (1 run)"
-        table.add_row(str(d["id"]), d["signature"][:16], agree, f"[{style}]{d['status']}[/]")
+        table.add_row(d.get("label") or str(d["id"]), d["signature"][:16], agree, f"[{style}]{d['status']}[/]")
     console.print(table)
     verdict = report["verdict"]
+    odd = "".join(f"\nodd device: {o['label']}" for o in report.get("odd") or [])
     console.print(Panel(f"[{_VERDICT_STYLE[verdict]}]{verdict.upper()}[/] (exit code {report['exit_code']}): "
-                        f"{report['explanation']}", title="canary verdict"), soft_wrap=False)
+                        f"{report['explanation']}{odd}", title="canary verdict"), soft_wrap=False)
 
 
 def render_inspect(report: Mapping[str, Any], console: Optional[Console] = None, max_rows: int = 200) -> None:
