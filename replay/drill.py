@@ -308,13 +308,21 @@ def top_device_suspect(scan: dict[str, Any]) -> Optional[dict[str, Any]]:
 def judge_scan(scan: dict[str, Any], scenario: str, device: int, first_step: int, tolerance: int = 0) -> bool:
     """True when the scan names exactly ``device`` among the device suspects, with evidence of the
     scenario's kind (drift: ``norm_drift``; flip: ``norm_spike`` or ``nonfinite``; canary:
-    ``canary``) whose first step is within ``tolerance`` of ``first_step``."""
+    ``canary``) whose first step is within ``tolerance`` of ``first_step`` or, for a drift, whose
+    onset is marked uncertain with a range that holds ``first_step``."""
     if scan.get("suspect_devices") != [device]:
         return False
+
+    def right(e) -> bool:
+        if abs(e["first_step"] - first_step) <= tolerance:
+            return True
+        lo_hi = e.get("onset_range")
+        return scenario == "drift" and bool(e.get("onset_uncertain")) and lo_hi is not None \
+            and lo_hi[0] <= first_step <= lo_hi[1]
+
     for s in scan.get("suspects", []):
         if s["kind"] in ("device", "replica") and s["devices"] == [device]:
-            return any(e["check"] in EXPECTED_CHECK[scenario] and abs(e["first_step"] - first_step) <= tolerance
-                       for e in s["evidence"])
+            return any(e["check"] in EXPECTED_CHECK[scenario] and right(e) for e in s["evidence"])
     return False
 
 
