@@ -2,7 +2,7 @@
 
 It shows (and the tests prove) that a user's own trainer plugs into every ``replay`` command: it
 imports nothing of ``replay.reference``, only the ground room's kit (``replay.run``) and the loader.
-What it adds for replay, the lines marked ``# replay`` (docs/trainer.md, "Your own trainer", shows
+What it adds for replay, the lines whose comment says so (docs/trainer.md, "Your own trainer", shows
 them as a user pastes them):
 
 * in the step, inside its ``shard_map``: the drill's faults, the per-device fingerprints and signals
@@ -33,9 +33,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from replay.run import fingerprint as fpm
-from replay.run import probe  # replay
+from replay.run import probe, writer  # replay
 from replay.run.setup import RunSetup, mesh_record
-from replay.run.writer import RunWriter  # replay
 
 KEYS = ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position", "targets_position")
 FACTORY = "dense_trainer:make_setup"
@@ -191,7 +190,7 @@ class DenseTrainer:
             batch = {k: batch[k] for k in KEYS}
             total = jnp.sum(batch["targets_segmentation"] != 0).astype(jnp.float32)
             grads, loss, out = sharded(state["params"], batch, total, flip, drift)
-            norm = optax.global_norm(grads)
+            norm = optax.tree.norm(grads)
             updates, opt = self.opt.update(grads, state["opt"], state["params"])
             out.update(loss=loss, grad_norm=norm, batch=fpm.fingerprint(batch["inputs"]))  # replay (batch hash)
             return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, out
@@ -204,7 +203,8 @@ class DenseTrainer:
     def train_step(self, state: dict, batch: Mapping[str, Any], step: int, fault: Any = None):
         mesh = jax.tree_util.tree_leaves(state["params"])[0].sharding.mesh
         ids = [int(d.id) for d in mesh.devices.reshape(-1)]
-        flip, drift = probe.fault_inputs(fault, step, self.leaf_paths, self.leaf_sizes, self.leaf_dtypes, ids)
+        flip, drift = probe.fault_inputs(fault, step, self.leaf_paths, self.leaf_sizes,  # replay
+                                         self.leaf_dtypes, ids)
         state, out = self._step_fn(mesh)(state, batch, flip, drift)
         out = jax.device_get(out)
         return state, probe.step_fingerprints(step, out, mesh, self.leaf_paths, loss=out["loss"],  # replay
@@ -268,7 +268,7 @@ def train(run_dir: str, config: Mapping[str, Any], steps: int, *, faults: Any = 
     data = loader.build(mixture=cfg.mixture, dataset=cfg.dataset, global_batch=cfg.global_batch, mesh=mesh,
                         seed=cfg.seed, data_axes=tuple(mesh.axis_names))
     latest = latest_checkpoint(run_dir)
-    log = RunWriter(run_dir, config=config, trainer=FACTORY, mesh=mesh)  # replay
+    log = writer.RunWriter(run_dir, config=config, trainer=FACTORY, mesh=mesh)  # replay
     start = log.start(latest)  # replay
     if latest is None:
         state = trainer.init_state(mesh, cfg.seed)

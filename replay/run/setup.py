@@ -151,7 +151,8 @@ def load_factory(name: Any, where: str = "run_config.yaml") -> Callable[[Any], A
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         missing = e.name or module_name
-        head = (f"module {module_name!r} is not importable" if missing == module_name
+        ours = missing == module_name or module_name.startswith(missing + ".")  # the module or its package
+        head = (f"module {module_name!r} is not importable" if ours
                 else f"importing module {module_name!r} failed: it imports {missing!r}, which is not installed")
         raise TrainerFactoryError(
             f"{where}: trainer: {name}: {head} from this Python ({sys.executable}); install the package that "
