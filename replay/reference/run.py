@@ -339,7 +339,15 @@ def run_devices(axes: Mapping[str, int]) -> list:
     need = math.prod(sizes)
     if need > len(devices):
         raise RunConfigError(f"mesh: {dict(axes)} needs {need} devices, {len(devices)} available")
-    return devices[:need]
+    chosen = devices[:need]
+    idle = sorted({d.process_index for d in devices} - {d.process_index for d in chosen})
+    if idle:  # a process without a device in the mesh would have no part in the run
+        raise RunConfigError(
+            f"mesh: {dict(axes)} takes the {need} lowest device ids, all on process(es) "
+            f"{sorted({d.process_index for d in chosen})}: process(es) {idle} would have no device in it; use all "
+            f"{len(devices)} devices of the {len({d.process_index for d in devices})} processes (a size of -1), or "
+            f"start each process with fewer devices (XLA_FLAGS=--xla_force_host_platform_device_count on CPU)")
+    return chosen
 
 
 def make_trainer(cfg: RunConfig, *, fingerprints: bool = True):
