@@ -134,7 +134,8 @@ def render_range(report: Mapping[str, Any], console: Optional[Console] = None, m
         line = (f"[yellow]replays {dis.get('replay_a')} and {dis.get('replay_b')} disagree[/] at step {dis['step']}, "
                 f"mesh position(s) {dis['positions']}: devices {dis['devices_a']} vs {dis['devices_b']}")
         if dis.get("suspects"):
-            line += f"; suspect device(s) (on both sides): {dis['suspects']}"
+            named = "; ".join(n["label"] for n in dis.get("suspects_named") or []) or dis["suspects"]
+            line += f"; suspect device(s) (on both sides): {named}"
         console.print(line)
     console.print(_verdict_panel(report), soft_wrap=False)  # a panel wraps its lines inside its border
 
@@ -288,7 +289,8 @@ def render_scan(report: Mapping[str, Any], console: Optional[Console] = None) ->
             table.add_column(col, overflow="fold")
         for s in report["suspects"]:
             ev = "\n".join(escape(f"[{e['check']}] {e['detail']}") for e in s["evidence"])
-            table.add_row(str(s["rank"]), s["subject"], str(s["first_step"]), f"{s['strength']:.2f}", ev)
+            who = "\n".join(n["label"] for n in s.get("named") or []) or s["subject"]
+            table.add_row(str(s["rank"]), who, str(s["first_step"]), f"{s['strength']:.2f}", ev)
         console.print(table)
     for e in report.get("explained", []):
         console.print(f"loss spike at step {e['step']} coincides with a logged {e['explained_by']} (not a suspect)")

@@ -301,3 +301,45 @@ def test_process_settings_name_what_is_missing():
         "The following tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks")
     assert distributed.lost_peers("... Socket closed ...").startswith("the coordinator (process 0)")
     assert dataclasses.replace(got, heartbeat_timeout_s=3).heartbeat_timeout_s == 3
+
+
+# ----------------------------------------------------------------------------- rooms
+
+
+def _replay_imports(path):
+    import ast
+
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("replay"):
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("replay"))
+    return out
+
+
+@pytest.mark.parametrize("room,allowed", [
+    ("run", ("replay.run",)),
+    ("verify", ("replay.run", "replay.verify")),
+    ("screen", ("replay.run", "replay.verify", "replay.screen")),
+])
+def test_lower_rooms_never_import_higher_ones_nor_a_trainer(room, allowed):
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "replay", room)
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            bad = sorted(m for m in _replay_imports(os.path.join(folder, name))
+                         if not any(m == a or m.startswith(a + ".") for a in allowed) and m != "replay")
+            assert not bad, f"replay/{room}/{name} imports {bad}"
+
+
+def test_only_the_reference_trainer_imports_itself():
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "replay")
+    for folder, _, names in os.walk(root):
+        if os.path.basename(folder) == "reference":
+            continue
+        for name in names:
+            if name.endswith(".py"):
+                mods = _replay_imports(os.path.join(folder, name))
+                assert not [m for m in mods if m.startswith("replay.reference")], os.path.join(folder, name)

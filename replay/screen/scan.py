@@ -37,6 +37,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from replay.run import devices as dv
 from replay.run import protocol as proto
 from replay.screen import screening as sc
 from replay.run.runlog import RunDirError, RunLog
@@ -99,6 +100,7 @@ class Suspect:
     first_step: int
     strength: float
     evidence: tuple[Evidence, ...]
+    named: tuple[dict, ...] = ()  # its devices as an operator finds them (replay.run.devices.name_devices)
 
     def rank_key(self) -> tuple:
         best = min(CHECKS.index(e.check) for e in self.evidence)
@@ -107,7 +109,7 @@ class Suspect:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "subject": self.subject, "devices": list(self.devices),
                 "first_step": self.first_step, "strength": _num(self.strength),
-                "evidence": [e.to_dict() for e in self.evidence]}
+                "evidence": [e.to_dict() for e in self.evidence], "named": list(self.named)}
 
 
 def _num(v: float) -> Any:
@@ -509,10 +511,13 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     for _, layer, ev in layer_found:
         grouped.setdefault(("layer", f"layer {layer}"), []).append(ev)
         devices_of[("layer", f"layer {layer}")] = ()
+    table = dv.device_table(run.env)
+    coords = {int(k): dict(v) for k, v in (run.mesh.get("device_coords") or {}).items()}
     suspects = []
     for (kind, subject), evs in grouped.items():
         evs = sorted(evs, key=lambda e: (CHECKS.index(e.check), -e.strength))
         suspects.append(Suspect(kind=kind, subject=subject, devices=devices_of[(kind, subject)],
+                                named=tuple(dv.name_devices(devices_of[(kind, subject)], table, coords)),
                                 first_step=min(e.first_step for e in evs), strength=max(e.strength for e in evs),
                                 evidence=tuple(evs)))
     suspects.sort(key=Suspect.rank_key)

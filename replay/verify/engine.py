@@ -737,7 +737,8 @@ def replay_range(
     for other in runs[1:]:
         disagreement = cmp.disagreement(runs[0].fingerprints, other.fingerprints, runs[0].coords(), other.coords())
         if disagreement:
-            disagreement.update(replay_a=runs[0].index, replay_b=other.index)
+            disagreement.update(replay_a=runs[0].index, replay_b=other.index,
+                                suspects_named=dv.name_devices(disagreement["suspects"], session.device_table()))
             break
     differing = None
     if full_comparison and decision.step is not None and (decision.step + 1) in run.checkpoints:
