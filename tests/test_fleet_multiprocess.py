@@ -38,9 +38,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+CACHE = {}
+
+
 def _env(devices: int) -> dict:
+    # JAX's persistent compilation cache: a process of the same shape loads what an earlier one compiled
+    # (the same program, the same bits) instead of compiling it again
     return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-                PYTHONPATH=os.pathsep.join([os.path.dirname(WORKER), os.environ.get("PYTHONPATH", "")]))
+                PYTHONPATH=os.pathsep.join([os.path.dirname(WORKER), os.environ.get("PYTHONPATH", "")]),
+                JAX_COMPILATION_CACHE_DIR=CACHE["dir"], JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 
 def _flags(port: int, n: int, i: int) -> list:
@@ -90,6 +96,7 @@ def fleet(tmp_path_factory):
     from replay.reference.testing import write_tiny_run
 
     root = tmp_path_factory.mktemp("fleet")
+    CACHE["dir"] = str(root / "jax-cache")
     cfg = write_tiny_run(str(root / "cfg"), seq_len=16, global_batch=8, checkpoint_every=2, model=MODEL,
                          mesh={"data": 4, "expert": 2})
     r1, r2 = str(root / "r1"), str(root / "r2")
@@ -103,7 +110,8 @@ def fleet(tmp_path_factory):
         assert code == 0, err[-3000:]
         # B: 2 x 4, process 1 killed once 3 steps are logged (each process its own watched command)
         port = free_port()
-        cmd = [sys.executable, "-m", "replay.reference.train", "--run", r2, "--config", cfg, "--steps", str(STEPS)]
+        cmd = [sys.executable, "-m", "replay.reference.train", "--run", r2, "--config", cfg, "--steps", str(STEPS),
+               "--heartbeat-timeout", "4"]
         ps = [procs.start([*cmd, *_flags(port, 2, i)], _env(4)) for i in range(2)]
         log = os.path.join(r2, "fingerprints.jsonl")
         t0 = time.monotonic()
@@ -148,6 +156,7 @@ def test_a_killed_process_stops_the_other_with_a_clear_error(fleet):
     assert kill["code"] == 4, kill["stderr"][-3000:]
     last = kill["stderr"].strip().splitlines()[-1]
     assert last.startswith("error: process 1 stopped sending heartbeats") or "coordinator" in last, last
+    assert "heartbeat timeout 4 s" in last
     assert "Restart all 2 processes of the run with the same commands" in last and "resume from checkpoint" in last
     assert "Check failure stack trace" not in kill["stderr"]  # the abort's C++ trace is not passed on
     assert 0 < kill["logged_before"] < STEPS

@@ -80,7 +80,8 @@ def test_every_command_works_on_the_second_trainers_run(dense_run, cached_factor
     assert cli.main(["canary", "--run", run_dir, "--repeats", "1", "--no-progress", "--devices", "0-3"]) == 0
     assert cli.main(["scan", "--run", run_dir]) == ExitCode.CLEAN
     assert cli.main(["inspect", "--run", run_dir, "--steps", "3"]) == 0
-    assert cli.main(["drill", "--run", run_dir, "--step", "6", "--device", "2", "--devices", "0-7", "--no-progress",
+    # two rotated placements on devices 0-3, whose canary programs the canary above compiled
+    assert cli.main(["drill", "--run", run_dir, "--step", "6", "--device", "2", "--devices", "0-3", "--no-progress",
                      "--json", str(tmp_path / "d.json")]) == 0
     drill = json.loads((tmp_path / "d.json").read_text())["drills"][0]
     assert drill["caught"] and drill["range"]["convicted_devices"] == [2] and drill["canary"]["odd_devices"] == [2]
