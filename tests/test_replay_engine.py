@@ -306,7 +306,8 @@ def test_persistently_faulty_replay_device_is_named_as_suspect(session):
     console = Console(record=True, width=200)
     report.render_range(rep.to_dict(), console)
     text = console.export_text()
-    assert "suspect device(s) (on both sides): [2]" in text and "AMBIGUOUS (exit code 4)" in text
+    assert "suspect device(s) (on both sides): device 2 (host " in text and "AMBIGUOUS (exit code 4)" in text
+    assert rep.disagreement["suspects_named"][0]["local_device"] == 2
 
 
 def test_repeats_rerun_each_placement(session):

@@ -8,12 +8,15 @@ internals: it builds one from the run config, restores a checkpoint read-only, a
 The run directory a training run leaves (DESIGN.md, "The run directory")::
 
     <run>/
-      run_config.yaml       # the run config as used (model, mixture, dataset, global batch, seed, mesh, ...)
+      run_config.yaml       # the run config as used (model, mixture, dataset, global batch, seed, mesh, ...,
+                            # trainer: the factory replay rebuilds the run with, replay.run.setup)
       env.json              # environment record (see replay.reference / env module)
       events.jsonl          # one JSON object a line: {"event": ..., "step": ..., ...}
       fingerprints.jsonl    # one StepFingerprints.to_json() a line, appended every step
       signals.jsonl         # one StepSignals.to_json() a line, appended every step (screening)
       canary.jsonl          # one CanaryRecord a line per device, every canary_every steps (optional)
+      *.pNNNNN.jsonl        # a run of several processes: process N >= 1's own devices' entries of the
+                            # step logs above (replay.run.writer: who writes what; the readers merge)
       checkpoints/<step>/   # Orbax checkpoints: params, optimizer state, loader state
       quarantine.txt        # optional: device ids (one a line, '#' comments) held suspect
       suspects.json         # written by `replay scan`: its report, with "suspect_devices"

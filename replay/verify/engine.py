@@ -7,17 +7,21 @@ functions; tests call them directly.
 Range replay (issue 5, points 2 to 4)::
 
     run dir --load_run--> RunLog (config, env, events, fingerprints, checkpoints, quarantine)
-    device spec --select_devices--> good devices --independent_assignments--> meshes M_1, M_2
-    for each mesh M_i (and each repeat):
-        c   = newest checkpoint <= start           restored read-only (Orbax) onto M_i
-        for step in c .. stop-1:                   steps before the range are checked too
-            batch = loader batch of step           rebuilt on M_i (batch_at, or the prefetching
+    run config's trainer: --make_setup--> RunSetup (trainer, mesh, loader: the run's factory)
+    device spec --select_devices--> good devices --independent_assignments--> placements M_1, M_2
+    c .. stop-1 --plan.segments--> checkpoint segments; --plan.rounds--> the onset's first
+    for each round:
+        for each lane of placements (threads; in each process, the placements holding its devices):
+          for each repeat, placement M_i of the lane, segment [s, e) of the round:
+            state = checkpoint s                   restored read-only (Orbax) onto M_i
+            for step in s .. e-1:                  steps before the range are checked too
+                batch = loader batch of step       rebuilt on M_i (batch_at, or the prefetching
                                                    iterate for long stretches), skip windows followed
-            state, fp = trainer.train_step(state, batch, step)
-            diff = compare_step(log[step], fp)     bit-exact / per-shard / tolerance
-            a divergence ends the checkpoint segment: the replay jumps to the next
-            checkpoint in the range (the rest of the segment is contaminated)
-    decide(outcomes) -> verdict (replay.verify.verdict)
+                state, fp = trainer.train_step(state, batch, step)
+                diff = compare_step(log[step], fp) bit-exact / per-shard / tolerance
+                a divergence ends the segment (the rest of it is contaminated)
+        gather the round's fingerprints across processes; decide(outcomes) -> verdict
+        a conviction after a targeted first round ends the replay (unless exhaustive)
 
 Honesty about "independent devices": on one host of 8 CPU devices the devices share the same
 physical CPU, so two device sets are independent only as XLA devices. What the engine
