@@ -61,8 +61,13 @@ class EnvDriftError(RuntimeError):
 
     def __init__(self, differences: Sequence[str]):
         self.differences = list(differences)
+        hint = ""
+        if any(d.startswith("backend.collectives") for d in self.differences):
+            hint = ("\nthe collectives sum an all-reduce in their own order, so they decide the bits: replay a run that "
+                    "reduced in-process as one process without jax.distributed, and a run that reduced with gloo "
+                    "under jax.distributed (one process or several)")
         super().__init__(
-            "the environment differs from the run's env.json:\n  " + "\n  ".join(self.differences)
+            "the environment differs from the run's env.json:\n  " + "\n  ".join(self.differences) + hint
             + "\nrefusing a bit-exact claim; pass --allow-env-drift to replay anyway (the report lists the "
             "differences), or --tolerance RTOL for a weaker comparison"
         )
