@@ -343,3 +343,8 @@ def test_only_the_reference_trainer_imports_itself():
             if name.endswith(".py"):
                 mods = _replay_imports(os.path.join(folder, name))
                 assert not [m for m in mods if m.startswith("replay.reference")], os.path.join(folder, name)
+
+
+def test_a_cluster_beats_the_coordinator_address_alone():
+    environ = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "SLURM_JOB_ID": "7", "SLURM_NTASKS": "2"}
+    assert distributed.cluster_in_environment(environ) == "slurm"

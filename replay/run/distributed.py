@@ -127,8 +127,6 @@ def cluster_in_environment(environ: Optional[Mapping[str, str]] = None) -> Optio
         except ValueError:
             return 1
 
-    if env.get("JAX_COORDINATOR_ADDRESS"):
-        return "JAX_COORDINATOR_ADDRESS"
     if "SLURM_JOB_ID" in env and count("SLURM_NTASKS") > 1:
         return "slurm"
     if "OMPI_MCA_orte_hnp_uri" in env and count("OMPI_COMM_WORLD_SIZE") > 1:
@@ -138,6 +136,8 @@ def cluster_in_environment(environ: Optional[Mapping[str, str]] = None) -> Optio
         return "cloud-tpu"
     if env.get("JOB_COMPLETION_INDEX") is not None and env.get("KUBERNETES_SERVICE_HOST"):
         return "kubernetes"
+    if env.get("JAX_COORDINATOR_ADDRESS"):  # the address alone: the process count and id come from the flags
+        return "JAX_COORDINATOR_ADDRESS"
     return None
 
 
