@@ -40,6 +40,12 @@ def _verdict_panel(report: Mapping[str, Any]) -> Panel:
               f"{report['explanation']}")]
     if report.get("convicted_devices"):
         lines.append(f"convicted device(s): {report['convicted_devices']} at step {report['first_divergent_step']}")
+    site = report.get("first_divergent_site")
+    if site:
+        lines.append(f"first divergent buffer: {site['label']}" + (f" (layer {site['layer']})" if site.get("layer")
+                     is not None and site.get("collective") is None else "")
+                     + (f"; devices that differ at the step: {report.get('reached_devices')}"
+                        if report.get("reached_devices") else ""))
     if report.get("leaves"):
         lines.append(f"leaves: {', '.join(report['leaves'][:6])}" + (" ..." if len(report["leaves"]) > 6 else ""))
     if report.get("differing_elements"):
