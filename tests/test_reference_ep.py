@@ -2,8 +2,8 @@
 still name the one faulty device when the all-to-alls spread its error (issue 18).
 
 One module-scoped run: the tiny model with 4 experts on a ``{data: 2, expert: 4}`` mesh of the 8 CPU
-devices (one expert per device), drop-free capacity, 40 steps, checkpoints every 10, a canary
-every 5 steps.
+devices (one expert per device), drop-free capacity, balanced (aux loss, loss-free bias), 40 steps
+(killed after step 24 and resumed from checkpoint 20), checkpoints every 10, a canary every 5 steps.
 """
 
 import dataclasses
@@ -23,7 +23,7 @@ from replay.run.protocol import FaultSpec, read_fingerprints, read_signals, send
 from replay.verify import compare
 
 EP_MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "head_dim": 8, "n_experts": 4, "top_k": 2, "d_ff": 32,
-            "capacity_factor": 2.0, "dispatch": "all_to_all"}
+            "capacity_factor": 2.0, "aux_loss_weight": 0.1, "router_bias_rate": 0.02, "dispatch": "all_to_all"}
 MESH = {"data": 2, "expert": 4}
 
 
@@ -164,11 +164,15 @@ def ep_run(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("ep_run")
     path = write_tiny_run(str(folder), seq_len=32, global_batch=16, rows={"a": 300, "b": 150}, checkpoint_every=10,
-                          phases=(), mesh=MESH, model=EP_MODEL, extra={"canary_every": 5})
+                          phases=(), mesh=MESH, model=EP_MODEL,
+                          extra={"canary_every": 5, "router_health": {"window_steps": 10}})
     cfg = runm.load_run_config(path)
     trainer, mesh, _ = runm.make_trainer(cfg)
     run_dir = str(folder / "run")
-    runm.train(run_dir, cfg, 25, trainer=trainer, mesh=mesh, log=lambda s: None, plot=False)  # killed after 24,
+    runm.train(run_dir, cfg, 25, trainer=trainer, mesh=mesh, log=lambda s: None, plot=False)
+    import shutil
+
+    shutil.rmtree(os.path.join(run_dir, "checkpoints", "25"))  # killed before checkpoint 25 committed:
     runm.train(run_dir, cfg, 40, trainer=trainer, mesh=mesh, log=lambda s: None, plot=False)  # resumed from 20
     run = load_run(run_dir)
     session = engine.Session(run, dataclasses.replace(engine.default_setup(run), trainer=trainer))

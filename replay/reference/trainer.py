@@ -204,8 +204,12 @@ class ReferenceTrainer:
         only loss, gradient-norm bits and the batch hash).
       signals: compute the screening signals (:class:`replay.run.protocol.StepSignals`: per-device
         and per-replica gradient norms before the reduction, non-finite counts per leaf and
-        device, per-layer router health) in the step; default: as ``fingerprints``, so that
+        device, per-layer router health and, under expert parallelism, the tokens each expert
+        device received) in the step; default: as ``fingerprints``, so that
         ``fingerprints=False`` is the plain step with none of the instrumentation.
+      sends: under expert parallelism, fingerprint what each device sends at each all-to-all
+        (``StepFingerprints.sends``, what localizes a fault through the exchanges); default: as
+        ``fingerprints`` (``False`` only to measure their cost: ``benchmarks/fingerprint.py --ep``).
 
     The train state is a dict ``{"params": ..., "opt_state": ..., "router_bias": float32 [L, E]}``
     of global ``jax.Array`` (``router_bias``: the loss-free balancing bias, zeros unless
@@ -213,12 +217,15 @@ class ReferenceTrainer:
     """
 
     def __init__(self, model: ModelConfig, optimizer: OptimizerConfig = OptimizerConfig(), *, fingerprints: bool = True,
-                 signals: Optional[bool] = None):
+                 signals: Optional[bool] = None, sends: Optional[bool] = None):
         self.model = model
         self.optimizer_config = optimizer
         self.optimizer = optimizer.build()
         self.fingerprints = fingerprints
         self.signals = fingerprints if signals is None else bool(signals)
+        self.sends = fingerprints if sends is None else bool(sends)
+        if self.sends and not fingerprints:
+            raise TrainerConfigError("sends: fingerprinting the all-to-all sends needs fingerprints=True")
         abstract = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
         self.leaf_paths = leaf_paths(abstract)
         flat = jax.tree_util.tree_leaves(abstract)
@@ -461,7 +468,7 @@ class ReferenceTrainer:
         return lin
 
     def _step_fn(self, mesh: Mesh, global_batch: int, keep_local: bool = False):
-        key = ("step", mesh, global_batch, self.fingerprints, self.signals, keep_local)
+        key = ("step", mesh, global_batch, self.fingerprints, self.signals, self.sends, keep_local)
         if key in self._compiled:
             return self._compiled[key]
         axes = tuple(mesh.axis_names)
@@ -481,7 +488,7 @@ class ReferenceTrainer:
         others = tuple(a for a in axes if a != "expert")
         n_others = int(np.prod([mesh.shape[a] for a in others]))
         shard_rows = cfg.n_experts // ep.size if ep is not None else 0
-        take_sends = with_fp and ep is not None
+        take_sends = with_fp and self.sends and ep is not None
         n_layers = cfg.n_layers
 
         def others_index():
