@@ -36,7 +36,9 @@ run (gradient fingerprints and screening signals) but no send fingerprints, and 
 (also each device's fingerprint of what it sends at each all-to-all, forward and backward, and
 the tokens each expert device received). ``ep.added_overhead`` = median over rounds of (full /
 without sends) - 1: what expert parallelism's logging adds; ``ep.overhead`` = full / plain - 1:
-all of the logging. ``ep.log_bytes_per_step_per_device``: how much the run log grows per step and
+all of the logging. ``ep.added_overhead_serial_bound``: one device's send fingerprints of a step timed
+apart (``sends_fingerprint_s_per_device``) times the devices, over the fastest step without them
+(as ``overhead_serial_bound`` above; steadier on a loaded machine). ``ep.log_bytes_per_step_per_device``: how much the run log grows per step and
 device, measured on the step's own JSON lines (``fingerprints.jsonl``: the send fingerprints;
 ``signals.jsonl``: the expert load), and the whole lines' size for scale.
 
@@ -251,6 +253,8 @@ def expert_parallel(args) -> dict:
     def ratio(a, b):
         return round(statistics.median(x / y for x, y in zip(times[a], times[b])) - 1.0, 4)
 
+    per_site = _send_elements(model, mesh, args.global_batch, seq_len) // (4 * model.n_layers)
+    sends_alone = _sends_alone_s(per_site, 4 * model.n_layers, jax.devices()[0])
     _, fp = variants["full"].train_step(state, batches[0], 0)
     lean = dataclasses.replace(fp, send_sites=(), sends={})
     sig = fp.signals
@@ -262,6 +266,10 @@ def expert_parallel(args) -> dict:
             "added_overhead": ratio("full", "no_sends"),
             "overhead": ratio("full", "plain"),
             "overhead_without_sends": ratio("no_sends", "plain"),
+            # the send fingerprints of a step timed apart, as if the devices ran them one after another
+            # on one core, over the fastest step without them: steadier than added_overhead under load
+            "added_overhead_serial_bound": round(mesh.size * sends_alone / min(times["no_sends"]), 5),
+            "sends_fingerprint_s_per_device": round(sends_alone, 6),
             "step_s": {k: round(statistics.median(v), 5) for k, v in times.items()},
             "min_step_s": {k: round(min(v), 5) for k, v in times.items()},
             "log_bytes_per_step_per_device": {
@@ -284,6 +292,27 @@ def expert_parallel(args) -> dict:
     }
     print(json.dumps(result))
     return result
+
+
+def _sends_alone_s(elements: int, sites: int, device, reps: int = 20) -> float:
+    """Median seconds of one device's send fingerprints of a step (``sites`` buffers of ``elements``
+    normal float32 values, one jit program, as the step computes them: lanes only, no counts)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from replay.run import fingerprint as fpm
+
+    rng = np.random.default_rng(0)
+    bufs = [jax.device_put(rng.standard_normal(elements).astype(np.float32), device) for _ in range(sites)]
+    fn = jax.jit(lambda bs: jnp.stack([fpm.fingerprint(b, counts=False)[:2] for b in bs]))
+    jax.block_until_ready(fn(bufs))
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(bufs))
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
 
 
 def _send_elements(model, mesh, global_batch: int, seq_len: int) -> int:

@@ -25,7 +25,8 @@ dropped), checkpoints every 4 steps. Then, on that run (``replay.drill``):
   ``replay scan`` of the drilled run must name that device alone (replica-norm screening under
   expert parallelism).
 
-Prints ONE JSON object with those counts, the failures' details, and the wall time.
+Prints ONE JSON object with those counts, the failures' details, and the wall time; progress (a line
+every few seconds, a Rich bar on a terminal) goes to stderr.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def main(argv=None) -> dict:
 
     from replay import drill
     from replay.run.codes import Verdict
+    from replay.run.progress import step_progress
     from replay.verify import engine
 
     t_start = time.perf_counter()
@@ -113,7 +115,11 @@ def main(argv=None) -> dict:
         kinds = {}
         for where in KINDS:
             t0 = time.perf_counter()
-            rows = [one_drill(session, rng, where) for _ in range(args.count)]
+            rows = []
+            with step_progress(f"drills {where}", 0, args.count, unit="drill", counted=True) as shown:
+                for n in range(args.count):
+                    rows.append(one_drill(session, rng, where))
+                    shown.update(n + 1)
             count = collections.Counter(r["outcome"] for r in rows)
             kinds[where] = {
                 "drills": len(rows), "convicted_alone": count["convicted_alone"], "masked": count["masked"],
@@ -129,10 +135,12 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         first, stop = session.run.logged_steps
         clean_rows = []
-        for _ in range(n_clean):
-            s = rng.randrange(first, stop)
-            rep = engine.replay_range(session, s, s + 1, device_spec="all", full_comparison=False)
-            clean_rows.append({"step": s, "verdict": rep.verdict.value, "devices": list(rep.decision.devices)})
+        with step_progress("clean replays", 0, n_clean, unit="replay", counted=True) as shown:
+            for n in range(n_clean):
+                s = rng.randrange(first, stop)
+                rep = engine.replay_range(session, s, s + 1, device_spec="all", full_comparison=False)
+                clean_rows.append({"step": s, "verdict": rep.verdict.value, "devices": list(rep.decision.devices)})
+                shown.update(n + 1)
         clean = {"replays": n_clean, "convicted": sum(r["verdict"] == Verdict.CONVICTED.value for r in clean_rows),
                  "acquitted": sum(r["verdict"] == Verdict.ACQUITTED.value for r in clean_rows),
                  "other": [r for r in clean_rows if r["verdict"] != Verdict.ACQUITTED.value],
