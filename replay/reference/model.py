@@ -28,6 +28,14 @@ Architecture, per layer (pre-norm)::
   depend, even in the last bit, on which slots other tokens took. Because the group is the row, a row's result
   does not depend on which other rows share its device: the same batch gives the same
   per-row values on 1 or 8 devices.
+* **Dispatch** (``ModelConfig.dispatch``): ``gather``: every device runs every expert on its
+  own rows' slots ``[B, E, C, D]``. ``all_to_all`` (expert parallelism, inside ``shard_map``
+  over the mesh's ``expert`` axis of ``X`` devices, each holding ``E / X`` experts): the slots
+  go to their experts' devices by ``jax.lax.all_to_all`` as ``[X, E/X, B, C, D]`` (part ``x``
+  to the ``x``-th device), the experts run on what they received, and a second all-to-all
+  brings the outputs back; routing, capacity and combine are the same, so the two agree up to
+  float32 rounding. The exchanges are ``custom_vjp`` functions whose backward pass (itself an
+  all-to-all of the cotangent) can fingerprint what the device sends (:class:`Hooks`).
 * **Losses** (Switch Transformer eqs. 4-6; ST-MoE, Zoph et al. 2022, eq. 5 for z-loss):
   cross entropy over targets with ``targets_segmentation != 0``;
   load balancing ``E * sum_e f_e * P_e`` per row and layer (``f_e``: share of the row's

@@ -6,9 +6,16 @@ A ``jax.sharding.Mesh`` with axes ``("data", "expert")`` (:func:`make_mesh`; dev
 order, data-major). The global batch ``[B, S]`` is split over both axes
 (``PartitionSpec(("data", "expert"))``): every device computes the forward and backward
 pass of its own ``B / n_devices`` rows. Expert weights (``w_in``, ``w_out``) and their AdamW
-moments are *stored* split over the ``expert`` axis (first dimension, when ``E`` divides);
-the step gathers them for compute (jit inserts the all-gather), so the per-device gradient
-is a full-size local contribution that can be fingerprinted before the reduction.
+moments are *stored* split over the ``expert`` axis (first dimension, when ``E`` divides).
+With ``model.dispatch == "gather"`` the step gathers them for compute (jit inserts the
+all-gather), so the per-device gradient is a full-size local contribution that can be
+fingerprinted before the reduction. With ``"all_to_all"`` (expert parallelism) they enter
+``shard_map`` split (``PartitionSpec("expert")``) and are never gathered: each device's tokens
+reach their experts' devices by ``lax.all_to_all`` and come back by a second one
+(``replay.reference.model``); a device's local gradient is then the whole gradient of the
+replicated weights from its rows and its own experts' shard, the shard is reduced over the
+other axes only, and each device also fingerprints what it sends at each all-to-all, forward
+and backward (``StepFingerprints.sends``; docs/trainer.md, "Expert parallelism").
 
 One step (``jax.jit`` with explicit in/out shardings; the per-device part in
 ``jax.shard_map`` so that each device's local gradient is visible)::
@@ -21,8 +28,10 @@ One step (``jax.jit`` with explicit in/out shardings; the per-device part in
         fp_leaf  = psum_d fingerprint(row block d of g)          # blocks add up mod 2^32
     grad_norm = ||g||_2 ; AdamW update (optax)
 
-The fault is a traced ``int32[5]`` input ``[enabled, device_id, leaf_index, element, bit]``,
-so a drill never recompiles. Fingerprints only read gradients: the update is bit-identical
+The fault is a traced ``int32[7]`` input ``[enabled, device_id, leaf_index, element, bit, site,
+layer]`` (:meth:`ReferenceTrainer.fault_array`; ``site`` may also plant the flip inside the
+computation: an expert output, an expert weight's gradient, an attention output), so a drill
+never recompiles. Fingerprints only read gradients: the update is bit-identical
 with and without them (tested).
 """
 

@@ -372,7 +372,9 @@ class ReplicaNorm:
     A *replica* is the set of devices that together compute one contribution, over their own
     rows of the global batch, before the data-parallel reduction. In the reference trainer the
     batch is split over every mesh axis and expert weights are gathered for compute, so each
-    device is a replica of its own; in a trainer with tensor or pipeline parallelism a replica
+    device is a replica of its own (under expert parallelism too: a device's contribution is then
+    the gradient of the replicated weights from its rows and its own experts' shard, and screening
+    compares those per device); in a trainer with tensor or pipeline parallelism a replica
     spans devices that each hold a disjoint shard of it, and its ``norm_sq`` is the sum of
     theirs.
 
