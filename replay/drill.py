@@ -81,7 +81,7 @@ class DrillReport:
             "fault": dataclasses.asdict(self.fault),
             "caught": self.caught,
             "range_convicted_right_device_and_step": self.convicted_ok,
-            "first_divergent_site": self.range_report.decision.site,
+            "first_divergent_site": getattr(self.range_report.decision, "site", None),
             "expected_site": expected_site(self.fault) if self.site_ok is not None else None,
             "site_as_planted": self.site_ok,
             "canary_named_device": self.canary_ok,
@@ -311,8 +311,9 @@ def run_drill(session: Any, fault: FaultSpec, *, device_spec: str = "all", repla
     ok = (rep.verdict is Verdict.CONVICTED and rep.decision.devices == (fault.device_id,)
           and rep.decision.step == fault.step)
     site_ok = None
-    if rep.decision.site is not None:
-        site_ok = rep.decision.site == expected_site(fault)
+    site = getattr(rep.decision, "site", None)
+    if site is not None:
+        site_ok = site == expected_site(fault)
         if site_ok and fault.where in ("local_gradient", "expert_backward"):
             site_ok = _site_leaves(rep) == (fault.leaf,)
     can, can_ok = None, None

@@ -62,11 +62,11 @@ def _all_gather_shapes(trainer, mesh, state, batch):
 
 
 def test_expert_weights_and_moments_are_never_gathered(pair):
-    tg, ta, mesh, sg, sa, batch = pair
+    _, ta, mesh, _, sa, batch = pair
     expert_shapes = {tuple(x.shape) for p, x in zip(ta.leaf_paths, jax.tree_util.tree_leaves(sa["params"]))
                      if p.endswith("['w_in']") or p.endswith("['w_out']")}
-    assert expert_shapes & _all_gather_shapes(tg, mesh, sg, batch)  # gather dispatch: gathered for the step
-    assert not expert_shapes & _all_gather_shapes(ta, mesh, sa, batch)  # all-to-all: never
+    gathered = _all_gather_shapes(ta, mesh, sa, batch)
+    assert gathered and not expert_shapes & gathered  # the step's all-gathers: fingerprints and scalars only
     new, _ = ta.train_step(sa, batch, 0)
     for tree in (new["params"], new["opt_state"]):
         for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -82,6 +82,16 @@ def test_two_runs_and_a_fresh_compile_are_bit_identical(pair):
     _, c = ReferenceTrainer(ta.model).train_step(sa, batch, 3)
     assert a.bits_equal(b) and a.bits_equal(c) and a.sends == c.sends and len(a.sends[0]) == 8
     assert len(set(a.sends[0])) == 8  # every site's buffer has its own fingerprint
+
+
+def test_fingerprints_and_send_fingerprints_do_not_change_the_update(pair):
+    _, ta, mesh, _, sa, batch = pair
+    plain = ReferenceTrainer(ta.model, fingerprints=False)
+    a, _ = ta.train_step(sa, batch, 2)
+    b, fp = plain.train_step(sa, batch, 2)
+    assert not fp.sends and fp.signals is None
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint32), np.asarray(y).view(np.uint32))
 
 
 def test_signals_reconcile_and_count_the_tokens_each_expert_device_received(pair):

@@ -103,6 +103,14 @@ class FaultSpec:
     where: str = "local_gradient"
     layer: Optional[int] = None
 
+    def __repr__(self) -> str:
+        """The dataclass form, leaving out ``where`` and ``layer`` at their defaults (a local-gradient
+        flip reads as it always has)."""
+        extra = "" if self.where == "local_gradient" and self.layer is None else \
+            f", where={self.where!r}" + (f", layer={self.layer!r}" if self.layer is not None else "")
+        return (f"FaultSpec(step={self.step!r}, device_id={self.device_id!r}, leaf={self.leaf!r}, "
+                f"element={self.element!r}, bit={self.bit!r}{extra})")
+
     def __post_init__(self):
         if self.where not in FAULT_SITES:
             raise ValueError(f"FaultSpec.where: must be one of {list(FAULT_SITES)}, got {self.where!r}")
