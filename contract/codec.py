@@ -1,7 +1,7 @@
 """The packed-row record codec: one ArrayRecord record is one packed row.
 
 Written by ``dataprep`` and read by ``loader`` and ``replay``; this module is the only
-place that knows the byte layout (DESIGN.md, "The dataset contract"). It imports neither
+place that knows the byte layout (docs/design.md, "The dataset contract"). It imports neither
 Beam nor JAX.
 
 Layout of format version 1 (all integers little-endian)::

@@ -1,7 +1,7 @@
 """Stable hashing and document keys shared by every part of the toolkit.
 
 Every pseudo-random choice in the toolkit is seeded from these functions, never from
-Python's salted ``hash()``, set order, time or an unseeded RNG (DESIGN.md, "Determinism
+Python's salted ``hash()``, set order, time or an unseeded RNG (docs/design.md, "Determinism
 rules"). The hash is ``hashlib.blake2b`` over an unambiguous encoding of the parts, so the
 value is the same on every machine, Python version and process.
 """

@@ -132,3 +132,34 @@ def test_docs_commands_skipped_as_the_readmes_are_word_for_word_the_readmes():
     assert len(skipped) == 2
     for c in skipped:
         assert words(c.text) in readme, c.text
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    import re
+
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_and_docs_links_resolve_inside_the_repository():
+    """Every relative link of README.md and docs/*.md names a file of the repository (and a heading of it),
+    and no page sends a user outside the clone (`../shared/DESIGN.md` is not in a fresh clone)."""
+    import re
+
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    assert REPO / "docs" / "design.md" in pages
+    checked = 0
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        assert "DESIGN.md" not in text, f"{page.name} cites DESIGN.md, which a clone does not have: docs/design.md"
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
+            assert path.is_file() and REPO in path.parents, f"{page.name}: link {target} names no file of the clone"
+            if anchor and path.suffix == ".md":
+                headings = {_anchor(h) for h in re.findall(r"^#+ (.+)$", path.read_text(encoding="utf-8"), re.M)}
+                assert anchor in headings, f"{page.name}: link {target}: no such heading in {path.name}"
+            checked += 1
+    assert checked >= 20

@@ -1,6 +1,6 @@
 """Data forensics (``replay inspect``): which documents were in the batches of a step range.
 
-A batch is a pure function of the step (DESIGN.md), so this is a lookup, with no pass over
+A batch is a pure function of the step (docs/design.md), so this is a lookup, with no pass over
 earlier data: the loader says where each row of a step comes from (``rows_at``: phase, source,
 epoch, shuffled record, shard, record in shard) and reads the stored rows (``read_rows``: tokens,
 segment lengths, document keys, chunk indices). For each row this lists its documents::
