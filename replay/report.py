@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
+from replay.run.progress import loss_text
 from replay.run.writer import write_json  # noqa: F401  (reports are written with report.write_json)
 
 _VERDICT_STYLE = {"convicted": "bold red", "acquitted": "bold green", "ambiguous": "bold yellow"}
@@ -84,7 +85,7 @@ def render_range(report: Mapping[str, Any], console: Optional[Console] = None, m
             cell = "[green]match[/]" if s["ok"] else (
                 f"[red]{s['kind']}[/]" + (f" dev {[int(k) for k in s['devices']]}" if s["devices"] else ""))
             rows.setdefault(s["step"], [""] * len(replays))[col] = cell
-            losses[s["step"]] = f"{s['loss']['logged']}"
+            losses[s["step"]] = loss_text(s["loss"]["logged"])  # a float, or "nan"/"inf" (JSON)
     steps = sorted(rows)
     shown = steps if len(steps) <= max_rows else [
         s for s in steps if any("match" not in c for c in rows[s])][:max_rows] or steps[:max_rows]

@@ -394,14 +394,21 @@ def test_progress_lines_and_train_png_cover_a_resumed_run(tiny, tmp_path, monkey
     assert s1["plot"] == str(run_dir / "train.png") and training_series(str(run_dir))["steps"] == [0, 1, 2]
     s2 = runm.train(str(run_dir), cfg, 5, trainer=trainer, mesh=mesh, log=lambda s: None, progress=second)
     lines = first.getvalue().splitlines()
+    # said before the first step, so that no wait is silent (the cache's words only with JAX_COMPILATION_CACHE_DIR)
+    assert lines[0] == f"train: new run in {run_dir}: initializing the parameters (seed {cfg.seed}) and saving checkpoint 0"
+    assert re.fullmatch(r"train: step 0 of 0:3: compiling the train step( \(or loading from JAX's compilation cache\))?: "
+                        r"the first step takes longer, the steps after it run at speed", lines[1]), lines[1]
+    lines = lines[2:]
     assert len(lines) == 4
-    assert re.fullmatch(r"train: step 0 of 0:3 \(33%\), step [0-9.]+ s, loss [0-9]+\.[0-9]{4}, dropped [01]\.[0-9]{4}",
-                        lines[0]), lines[0]
+    assert re.fullmatch(r"train: step 0 of 0:3 \(33%\), step [0-9.]+ s \(compiling included\), loss [0-9]+\.[0-9]{4}, "
+                        r"dropped [01]\.[0-9]{4}", lines[0]), lines[0]
     assert re.fullmatch(PROGRESS_LINE.format(step=1, a=0, b=3, pct="67%") + r", ETA [0-9.]+ s", lines[1]), lines[1]
     assert re.fullmatch(PROGRESS_LINE.format(step=2, a=0, b=3, pct="100%"), lines[2]), lines[2]
     assert re.fullmatch(r"train: steps 0:3 done in [0-9.]+ s \([0-9.]+ (k )?steps/s, [0-9.,]+ (k )?tokens/s\)",
                         lines[3]), lines[3]
     lines = second.getvalue().splitlines()
+    assert lines[0] == f"train: resuming {run_dir} from checkpoint 3"
+    lines = lines[2:]
     assert [x.split(",")[0] for x in lines] == ["train: step 3 of 3:5 (50%)", "train: step 4 of 3:5 (100%)",
                                                 lines[2].split(",")[0]]
     assert lines[2].startswith("train: steps 3:5 done in ")
