@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--run", metavar="DIR", help=RUN_HELP + " (its run config names the dataset)")
     i.add_argument("--steps", metavar="A:B", required=True, help="A:B (half-open) or A")
     i.add_argument("--text", action="store_true",
-                   help="decode each document's tokens with the dataset's tokenizer (normalized text: below)")
+                   help="decode each document's tokens with the dataset's tokenizer (normalized text: below); the "
+                        "table shows the start of each, --json OUT the whole text")
     i.add_argument("--json", metavar="OUT",
                    help="write the full report (every row and document, with its token_ids) as JSON here")
     i.add_argument("--max-rows", type=int, default=200, help="documents shown in the table (default 200; the JSON has all)")

@@ -124,44 +124,89 @@ def render_canary(report: Mapping[str, Any], console: Optional[Console] = None) 
                         f"{report['explanation']}", title="canary verdict"), soft_wrap=False)
 
 
+INSPECT_TEXT_CHARS = 80  # characters of a document's text (its repr) shown in the inspect table
+
+
+def _whole_cells_width(columns: list[list[str]], shrinkable: int = 0) -> int:
+    """Columns a Rich table (default box, padding 1) needs for these cells unbroken, plus
+    ``shrinkable`` columns' minimum widths (the text column)."""
+    from rich.cells import cell_len
+
+    return sum(max(map(cell_len, col)) + 3 for col in columns) + 1 + shrinkable
+
+
+def _print_whole(console: Console, renderable: Any, width: int) -> None:
+    """Prints ``renderable`` laid out ``width`` columns wide, wider than the console when need be
+    (``Console.print(width=)`` never exceeds the console's width), lines never cropped."""
+    from rich.segment import Segments
+
+    if width <= console.width:
+        console.print(renderable)
+        return
+    console.print(Segments(console.render(renderable, console.options.update_width(width))), crop=False)
+
+
 def render_inspect(report: Mapping[str, Any], console: Optional[Console] = None, max_rows: int = 200) -> None:
-    """Prints an inspect report: documents per step and row, a per-source summary, shards touched."""
+    """Prints an inspect report: documents per step and row, a per-source summary, shards touched.
+
+    Keys and paths are never broken or cut, on a terminal or in a pipe: their columns do not wrap,
+    and a table wider than the console is printed at its own width (a terminal folds such lines
+    where it likes, a pipe or ``less -S`` keeps each whole). Only the text column (``--text``, the
+    first ``INSPECT_TEXT_CHARS`` characters of each document's repr) is cut, with ``…``; a line
+    under the table says how to see the whole text (``--json OUT``).
+    """
     console = console or make_console()
-    table = Table(title=f"documents in steps {report['steps']['start']}:{report['steps']['stop']}")
-    for col in ("step", "row", "source", "document key", "chunk", "span", "shard", "record"):
-        table.add_column(col, overflow="fold")
+    heads = ("step", "row", "source", "document key", "chunk", "span", "shard", "record")
     with_text = any("text" in d for r in report["rows"] for d in r["documents"])
-    if with_text:
-        table.add_column("text")
-    n = 0
+    rows, texts, cut = [], [], False
     for r in report["rows"]:
         for d in r["documents"]:
-            if n >= max_rows:
+            if len(rows) >= max_rows:
                 break
-            cells = [str(r["step"]), str(r["position"]), r["source"], d["key"], str(d["chunk"]),
-                     f"{d['span'][0]}:{d['span'][1]}", r["shard"], str(r["record_in_shard"])]
+            rows.append([str(r["step"]), str(r["position"]), r["source"], d["key"], str(d["chunk"]),
+                         f"{d['span'][0]}:{d['span'][1]}", r["shard"], str(r["record_in_shard"])])
             if with_text:
                 text = repr(d.get("text", ""))  # a repr: newlines and control characters stay visible
-                cells.append(text if len(text) <= 80 else text[:79] + "…")
-            table.add_row(*cells)
-            n += 1
-    console.print(table)
+                cut = cut or len(text) > INSPECT_TEXT_CHARS
+                texts.append(text if len(text) <= INSPECT_TEXT_CHARS else text[:INSPECT_TEXT_CHARS - 1] + "…")
+    columns = [[h, *(row[i] for row in rows)] for i, h in enumerate(heads)]
+    text_min = 24 + 3 if with_text else 0
+    need = _whole_cells_width(columns, text_min)
+    width = max(console.width, need)
+    table = Table(title=f"documents in steps {report['steps']['start']}:{report['steps']['stop']}")
+    for h in heads:
+        table.add_column(h, no_wrap=True, justify="right" if h in ("step", "row", "chunk", "record") else "left")
+    if with_text:  # the rest of the width, at most the text's: cut with "…", never wrapped
+        room = min(max(width - need + text_min - 3, 24), max((len(x) for x in texts), default=4))
+        table.add_column("text", no_wrap=True, overflow="ellipsis", width=max(room, 4))
+    for n, row in enumerate(rows):
+        table.add_row(*row, *([texts[n]] if with_text else []))
+    _print_whole(console, table, width)
     total = sum(len(r["documents"]) for r in report["rows"])
-    if total > n:
-        console.print(f"showing the first {n} of {total} documents: --max-rows {total} shows all, "
+    if total > len(rows):
+        console.print(f"showing the first {len(rows)} of {total} documents: --max-rows {total} shows all, "
                       "--json OUT writes every document with its token ids")
+    if with_text and (cut or any(len(x) > room for x in texts)):
+        console.print("text: the start of each document (its repr, cut with …); --json OUT writes each whole, "
+                      "with its token ids")
+    if console.is_terminal and need > console.width:
+        console.print(f"(the table is {need} columns wide and this terminal {console.width}: keys and paths are "
+                      "whole; pipe through 'less -S' to see it unfolded)")
     summary = Table(title="per source")
     for col in ("source", "rows", "documents", "tokens", "padding"):
-        summary.add_column(col, justify="right")
+        summary.add_column(col, justify="right", no_wrap=True)
     for name, s in sorted(report["sources"].items()):
         summary.add_row(name, str(s["rows"]), str(s["documents"]), str(s["tokens"]), str(s["padding"]))
     console.print(summary)
     shards = Table(title="shards and records touched")
-    shards.add_column("shard")
+    shards.add_column("shard", no_wrap=True)
     shards.add_column("records")
-    for path, recs in sorted(report["shards"].items()):
+    paths = sorted(report["shards"])
+    for path in paths:
+        recs = report["shards"][path]
         shards.add_row(path, ", ".join(map(str, recs[:20])) + (" ..." if len(recs) > 20 else ""))
-    console.print(shards)
+    need = _whole_cells_width([["shard", *paths]], 12 + 3)
+    _print_whole(console, shards, need)
 
 
 def plot_range(report: Mapping[str, Any], path: str) -> None:

@@ -217,3 +217,58 @@ def test_replay_table_prints_losses_at_four_decimals():
     report.render_range(rep, console)
     rows = [line for line in buf.getvalue().splitlines() if line.startswith("│") and line.split("│")[1].strip().isdigit()]
     assert [line.split("│")[2].strip() for line in rows] == ["5.0869", "nan"]
+
+
+# ----------------------------------------------------------------------------- inspect
+
+
+def _inspect_report(text=True, rows=3):
+    out = []
+    for i in range(rows):
+        docs = [{"key": f"web/crawl-2024/web-documents-00{i}.parquet:{j}", "chunk": 0, "span": [10 * j, 10 * j + 10],
+                 **({"text": "Lorem ipsum dolor sit amet\n" * 5} if text else {})} for j in range(2)]
+        out.append({"step": 27, "position": i, "source": "web-documents", "documents": docs,
+                    "shard": f"web-documents/data-0000{i}-of-00004.array_record", "record_in_shard": 1234 + i})
+    return {"steps": {"start": 27, "stop": 28}, "rows": out,
+            "sources": {"web-documents": {"rows": rows, "documents": 2 * rows, "tokens": 100, "padding": 3}},
+            "shards": {r["shard"]: [r["record_in_shard"]] for r in out}}
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("width, terminal", [(60, True), (100, True), (160, False), (80, False)])
+@pytest.mark.parametrize("text", [True, False])
+def test_inspect_never_breaks_a_key_or_a_path(width, terminal, text):
+    from replay import report
+
+    rep = _inspect_report(text=text)
+    console, buf = _console(width=width, terminal=terminal)
+    report.render_inspect(rep, console)
+    lines = buf.getvalue().splitlines()
+    for r in rep["rows"]:
+        assert any(r["shard"] in line for line in lines)
+        for d in r["documents"]:  # whole, on one line, with the row's shard on the same line
+            assert any(d["key"] in line and r["shard"] in line for line in lines), (d["key"], buf.getvalue())
+    hint = "text: the start of each document (its repr, cut with …); --json OUT writes each whole, with its token ids"
+    assert (hint in lines) == text
+    wide = [line for line in lines if line.startswith("(the table is")]
+    assert bool(wide) == (terminal and width < 150)
+    if wide:
+        assert wide[0].endswith(f"columns wide and this terminal {width}: keys and paths are whole; pipe through "
+                                "'less -S' to see it unfolded)")
+
+
+def test_inspect_text_column_uses_the_room_left_and_is_cut_with_an_ellipsis():
+    from replay import report
+
+    console, buf = _console(width=260, terminal=False)
+    report.render_inspect(_inspect_report(), console)
+    row = next(line for line in buf.getvalue().splitlines() if "parquet:0" in line)
+    cell = row.split("│")[-2].strip()
+    assert cell.endswith("…") and cell.startswith("'Lorem ipsum dolor sit amet\\nLorem")
+    assert len(cell) == report.INSPECT_TEXT_CHARS  # the cap: 260 columns leave more room
+    console, buf = _console(width=220, terminal=False)
+    report.render_inspect(_inspect_report(), console)
+    row = next(line for line in buf.getvalue().splitlines() if "parquet:0" in line)
+    assert len(row) == 220 and len(row.split("│")[-2].strip()) == 68  # the room left: 220 - 149 - 3 columns
