@@ -302,10 +302,10 @@ def _cmd_range(args, console) -> int:
     run.check_range(start, stop)
     ckpt = run.checkpoint_for(start)
     session = engine.Session(run)
-    times = f" x {args.repeats} repeats" if args.repeats > 1 else ""
+    n, times = stop - ckpt, f" x {args.repeats} repeats" if args.repeats > 1 else ""
     factory, stack = _progress(args, f"replay {start}:{stop}",
-                               breakdown=f"{stop - ckpt} steps from checkpoint {ckpt} x {args.placements} "
-                                         f"placement{'s' if args.placements > 1 else ''}{times}",
+                               breakdown=f"{n} step{'s' if n > 1 else ''} from checkpoint {ckpt} x "
+                                         f"{args.placements} placement{'s' if args.placements > 1 else ''}{times}",
                                first=f"restoring checkpoint {ckpt} and compiling the step: the first step takes "
                                      "longer")
     try:
