@@ -355,6 +355,23 @@ def _ms_label(v: float, _pos=None) -> str:
     return f"{v / 1e3:g} s" if v >= 1e3 else f"{v:g} ms"
 
 
+def _log_ticks(ax, label) -> None:
+    """Labelled ticks on a log axis: 1, 10, 100 ... over a wide range; 1, 2, 5, 10, 20 ... when the
+    range spans under two decades (else a panel may show a single label); no minor labels."""
+    import math
+
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.figure.canvas.draw_idle()
+    lo, hi = ax.get_ylim()
+    if lo > 0 and hi / lo < 100:
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    elif lo > 0 and math.log10(hi / lo) > 6:
+        ax.yaxis.set_major_locator(LogLocator(base=10, numticks=8))
+    ax.yaxis.set_major_formatter(FuncFormatter(label))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
 def _scan_marks(run_dir: str, start: int, stop: int) -> list[tuple[int, str]]:
     """``(step, event)`` of the phase changes, skipped windows and restores inside ``[start, stop)``
     (events.jsonl; none when it cannot be read: the marks are informational)."""
@@ -406,7 +423,7 @@ def scan_figure(scan: Any):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 
     from replay.reference.plot import say_if_all_zero
 
@@ -487,10 +504,9 @@ def scan_figure(scan: Any):
     axes[2].set_ylim(0, top)
     if rout:
         axes[3].set_yscale("log")
-        axes[3].yaxis.set_major_formatter(FuncFormatter(_times_label))
-        axes[3].yaxis.set_minor_formatter(NullFormatter())
-        if "max_share_ratio" in limits:
+        if "max_share_ratio" in limits:  # first: it may make room above the lines for its box
             _explain_unjudged(axes[3], rout, limits, health.get("status", "n/a"))
+        _log_ticks(axes[3], _times_label)
     axes[2].set_title(f"router health ({health.get('status', 'n/a')}): dropped fraction per layer", fontsize=9)
     axes[3].set_title("expert shares: max(share x E, 1 / (min share x E)), x uniform; thin: each step, thick: the "
                       "judged window", fontsize=9)
@@ -499,11 +515,11 @@ def scan_figure(scan: Any):
         ax.plot(load["steps"], np.asarray(load["wait"]) * 1e3, label="loader wait")
         ax.plot(load["steps"], np.asarray(load["step_time"]) * 1e3, label="step time", alpha=0.6)
         ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(FuncFormatter(_ms_label))
-        ax.yaxis.set_minor_formatter(NullFormatter())
+        _log_ticks(ax, _ms_label)
     ax.set_ylabel("time per step")
     ax.set_title("loader wait against step time (the loader-stall check)", fontsize=9)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     seen = set()
     for step, event in _scan_marks(scan.run_dir, *scan.steps):
         colour, style, label = _MARKED_EVENTS[event]

@@ -142,8 +142,8 @@ def test_training_into_a_new_folder_names_the_nearest_run(tmp_path, monkeypatch)
     _fake_run(tmp_path / "build" / "demo" / "run")
     monkeypatch.chdir(tmp_path)
     assert _new_run_note("build/demo/rnu", existed=False, seed=0) == (
-        "new run directory build/demo/rnu (the nearest existing run directory is build/demo/run: --run "
-        "build/demo/run to train on in it): initializing the parameters (seed 0) and saving checkpoint 0")
+        "new run directory build/demo/rnu (it did not exist; the nearest existing run directory is build/demo/run, "
+        "in case --run meant it): initializing the parameters (seed 0) and saving checkpoint 0")
     assert _new_run_note("build/demo/rnu", existed=True, seed=3) == (
         "new run in build/demo/rnu: initializing the parameters (seed 3) and saving checkpoint 0")
 

@@ -656,8 +656,8 @@ def _new_run_note(run_dir: str, existed: bool, seed: int) -> str:
     from replay.run.runlog import nearest_run_dir
 
     near = None if existed else nearest_run_dir(run_dir)
-    where = (f"new run directory {run_dir} (the nearest existing run directory is {near}: --run {near} to train "
-             f"on in it)" if near else f"new run in {run_dir}")
+    where = (f"new run directory {run_dir} (it did not exist; the nearest existing run directory is {near}, in "
+             "case --run meant it)" if near else f"new run in {run_dir}")
     return f"{where}: initializing the parameters (seed {seed}) and saving checkpoint 0"
 
 
