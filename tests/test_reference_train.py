@@ -464,7 +464,7 @@ def test_rerun_of_a_finished_run_prints_no_library_noise(tiny, tmp_path):
                            f"--steps {STEPS + 10} trains 10 more)\n"
                            f"loss, gradient norm and router drops per step: {run_dir / 'train.png'}\n")
     assert "read only" not in proc.stderr and "absl" not in proc.stderr
-    assert proc.stderr == ""
+    assert proc.stderr == f"train: run config {cfg.name}: starting JAX, building the mesh and the model\n"  # ours only
 
 
 def test_config_typos_get_the_nearest_key_and_a_missing_dataset_says_where_its_path_came_from(tmp_path, capsys):
@@ -477,7 +477,9 @@ def test_config_typos_get_the_nearest_key_and_a_missing_dataset_says_where_its_p
     copied = tmp_path / "copy.yaml"
     copied.write_text((REPO / "configs" / "runs" / "demo.yaml").read_text())
     assert train_main(["--run", str(tmp_path / "run"), "--config", str(copied), "--steps", "2"]) == 2
-    err = capsys.readouterr().err
+    said, _, err = capsys.readouterr().err.partition("\nerror: ")
+    assert said == "train: run config demo: starting JAX, building the mesh and the model"  # what it was doing
+    err = "error: " + err
     assert err.startswith(f"error: {os.path.normpath(str(tmp_path / '../../build/demo/dataset'))}/manifest.json: no manifest")
     assert f"(the run config {copied}'s 'dataset:' is resolved against that file's folder: in a copied config" in err
 

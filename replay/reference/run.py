@@ -517,7 +517,8 @@ def train(
                 f"(env.json versions.fingerprint) and this code computes version {FINGERPRINT_VERSION}, so one log "
                 "would mix two formulas that replay cannot compare; finish this run with the toolkit release that "
                 "started it, or train on in a new run directory")
-        say(f"resuming {run_dir} from checkpoint {latest}")
+        if latest < steps:  # else nothing to do: said at the end
+            say(f"resuming {run_dir} from checkpoint {latest}")
         try:
             state, loader_state = trainer.restore(rd.path, latest, mesh)
         except Exception as e:  # noqa: BLE001 - Orbax/TensorStore report a damaged checkpoint many ways
