@@ -98,6 +98,9 @@ def plot_training(run_dir: str, path: Optional[str] = None, title: Optional[str]
     drop_ax.set_title("router: assignments dropped past expert capacity, per MoE layer", fontsize=9)
     drop_ax.set_ylim(bottom=0)
     drop_ax.set_xlabel("training step")
+    from matplotlib.ticker import MaxNLocator
+
+    drop_ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps, never 2.5
     for ax in axes:
         ax.grid(alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()
