@@ -468,7 +468,7 @@ class PackAndWriteShard(beam.DoFn):
         keys = group.keys
         ntok = group.nbytes // width
         record, chunk, start, length = packing.chunk_columns(keys, ntok, seq_len)
-        rows = packing.best_fit_decreasing(length.tolist(), seq_len, self._max_segments)
+        rows = packing.pack_rows(length.tolist(), seq_len, self._max_segments)
 
         def records():
             """Encoded rows, their tokens gathered ``window_tokens`` at a time (bounded memory)."""
