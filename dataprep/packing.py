@@ -106,6 +106,20 @@ def split_into_chunks(key: str, tokens: np.ndarray, seq_len: int) -> list[Chunk]
     return [Chunk(key, c, tokens[start : start + seq_len]) for c, start in enumerate(range(0, n, seq_len))]
 
 
+def chunk_lengths(num_tokens: Iterable[int], seq_len: int) -> list[int]:
+    """Lengths of the chunks of documents of ``num_tokens`` tokens each, in decreasing order.
+
+    The lengths :func:`chunk_columns` gives, without keys (for tests and benchmarks): a
+    document of ``n`` tokens gives ``n // seq_len`` chunks of ``seq_len`` and one of
+    ``n % seq_len`` when that is not 0.
+    """
+    out: list[int] = []
+    for n in num_tokens:
+        full, rest = divmod(int(n), seq_len)
+        out += [seq_len] * full + ([rest] if rest else [])
+    return sorted(out, reverse=True)
+
+
 def bucket_of(seed: int, source: str, key: str, num_buckets: int) -> int:
     """Returns the bucket (output shard) of a document, in ``[0, num_buckets)``.
 

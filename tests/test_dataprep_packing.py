@@ -245,7 +245,7 @@ def test_each_spreading_packing_alone_keeps_both_limits(raw, seq_len, max_segmen
 def test_short_documents_fill_rows_at_seq_len_8192():
     """Heavy-tailed lengths, median 30 tokens (the shape of a corpus of paragraphs): best fit
     decreasing leaves rows of tiny items at the cap; pack_rows reaches the lower bound. Pinned counts: a change to the packing changes them."""
-    lengths = testing.heavy_tailed_lengths(20_000, 30, 1.6, seed=0, seq_len=8192)
+    lengths = packing.chunk_lengths(testing.heavy_tailed_token_counts(20_000, 30, 1.6, seed=0), 8192)
     tokens = sum(lengths)
     assert (len(lengths), tokens) == (20_004, 2_157_764)
     bfd = packing.best_fit_decreasing(lengths, 8192, 256)
