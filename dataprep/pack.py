@@ -441,6 +441,8 @@ def build_manifest(config: MixtureConfig, pre: preflight.Preflight, stats: list[
             tokens_in=tokens_in[n],
             tokens_packed=sum(d["tokens"] for d in infos),
             docs_split=sum(d["docs_split"] for d in infos),
+            duplicates_dropped=sum(d.get("duplicates_dropped", 0) for d in infos),
+            tokens_dropped=sum(d.get("tokens_dropped", 0) for d in infos),
         )
         sources[n] = SourceEntry(entries, ledger)
     vocab = int(pre.tokenizer_info["vocab_size"])
@@ -455,7 +457,44 @@ def build_manifest(config: MixtureConfig, pre: preflight.Preflight, stats: list[
         token_dtype=token_dtype_for_vocab(vocab).name,
         sources=sources,
         tools=tool_versions(),
+        duplicates=duplicates_report(config, stats),
     )
+
+
+def duplicates_report(config: MixtureConfig, stats: list[list]) -> Optional[dict]:
+    """The manifest's ``duplicates`` entry from the stats of ``FindDuplicates`` (None with ``dedup: off``).
+
+    ``by_source[s]``: documents of ``s`` whose normalized text an earlier document has (the
+    first by source order in the config, then file and line), their tokens, and ``of``: how
+    many of them have that earlier copy in each source (``s`` itself: within the source).
+    ``examples``: the :data:`pipeline.DUPLICATE_EXAMPLES` groups of the smallest text hashes.
+    """
+    from contract.config import DedupMode
+    from dataprep import dedup
+
+    if config.dedup is DedupMode.OFF:
+        return None
+    by_source = {n: {"documents": 0, "tokens": 0, "of": {}} for n in config.source_names}
+    examples = []
+    for s in stats:
+        if s[0] == "duplicates":
+            _, source, kept, docs, tokens = s
+            entry = by_source[source]
+            entry["documents"] += docs
+            entry["tokens"] += tokens
+            entry["of"][kept] = entry["of"].get(kept, 0) + docs
+        elif s[0] == "duplicate_example":
+            examples.append({"hash": s[1], "copies": s[2], "keys": list(s[3])})
+    for entry in by_source.values():
+        entry["of"] = dict(sorted(entry["of"].items()))
+    return {
+        "mode": config.dedup.value,
+        "normalization": dedup.NORMALIZATION,
+        "documents": sum(e["documents"] for e in by_source.values()),
+        "tokens": sum(e["tokens"] for e in by_source.values()),
+        "by_source": by_source,
+        "examples": sorted(examples, key=lambda e: e["hash"])[: pipeline.DUPLICATE_EXAMPLES],
+    }
 
 
 def num_shards(config: MixtureConfig, pre: preflight.Preflight, source: str) -> int:
@@ -465,12 +504,16 @@ def num_shards(config: MixtureConfig, pre: preflight.Preflight, source: str) -> 
 
 
 def rejected_examples(stats: list[list]) -> dict[tuple[str, str], tuple[str, str]]:
-    """``(source, reason) -> (key, detail)`` of the first dead letter (by key) of each reason."""
+    """``(source, reason) -> (key, detail)`` of the first dead letter of each reason, by its
+    position in the input (file, then line or row: ``contract.hashing.key_position``), not by
+    the string order of keys (which puts line 10 before line 2)."""
+    from contract.hashing import key_position
+
     out: dict[tuple[str, str], tuple[str, str]] = {}
     for s in stats:
         if s[0] == "rejected_example":
             _, source, reason, key, detail = s
-            if (source, reason) not in out or key < out[source, reason][0]:
+            if (source, reason) not in out or key_position(key) < key_position(out[source, reason][0]):
                 out[source, reason] = (key, detail)
     return out
 
@@ -489,9 +532,11 @@ def _loss_reasons(name: str, led: Ledger, examples: Mapping[tuple[str, str], tup
                                  if (name, reason) in examples and examples[name, reason][1] else "")
         for reason, count in top
     )
+    dropped = led.duplicates_dropped
     return (
         f": read {led.read:,}, packed {led.packed:,}, rejected {rejected:,}"
-        + (f": {reasons}" if reasons else " (the files hold no documents)")
+        + (f", dropped as duplicates of earlier documents {dropped:,} (dedup: exact)" if dropped else "")
+        + (f": {reasons}" if reasons else "" if dropped else " (the files hold no documents)")
         + (f"; dead letters in {fsutil.join(output, ERRORS_DIR, name + '-*.jsonl')}" if rejected else "")
     )
 
@@ -539,12 +584,14 @@ def losses(
 
 
 def _loss_message(problems: list[str], limit: float) -> str:
+    accept = (f"; to accept the loss, raise max_rejected_fraction in the config (now {limit:g})" if limit < 1
+              else " (max_rejected_fraction is already 1: a source that packs no row cannot be accepted, since "
+                   "a loader could not draw from it)")
     return (
         "a source lost too much, manifest.json not written:\n  "
         + "\n  ".join(problems)
         + "\nnext: fix the input or the source's format/text_field and rerun; to train without the "
-        "source, set its weight to 0 in every phase; to accept the loss, raise max_rejected_fraction "
-        f"in the config (now {limit:g})"
+        "source, set its weight to 0 in every phase" + accept
     )
 
 

@@ -459,8 +459,8 @@ def test_source_that_packs_nothing_but_has_weight_fails_without_a_manifest(small
         "invalid_json 1 (first: bad/bad.jsonl:1: Expecting value: line 1 column 1 (char 0)); "
         f"dead letters in {out}/errors/bad-*.jsonl\n"
         "next: fix the input or the source's format/text_field and rerun; to train without the source, "
-        "set its weight to 0 in every phase; to accept the loss, raise max_rejected_fraction in the "
-        "config (now 1)\n"
+        "set its weight to 0 in every phase (max_rejected_fraction is already 1: a source that packs no row "
+        "cannot be accepted, since a loader could not draw from it)\n"
         f"report: {out}/report.png\n"
     )
     assert not (out / "manifest.json").exists() and (out / "report.png").exists()

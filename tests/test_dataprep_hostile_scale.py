@@ -141,7 +141,7 @@ def test_parquet_is_read_in_bounded_batches_not_whole_row_groups(tmp_path, monke
     monkeypatch.setattr(pq.ParquetFile, "iter_batches", iter_batches)
     src = SourceConfig(name="s", paths=(str(tmp_path),), root=str(tmp_path), format=SourceFormat.PARQUET)
     items = list(readers.read_file(src, str(tmp_path / "a.parquet")))
-    assert items == [readers.Document(f"s/a.parquet:{i}", t) for i, t in enumerate(texts)]
+    assert items == [readers.Document(f"s/a.parquet:{i}", t, str(i)) for i, t in enumerate(texts)]  # ids: column "id"
     assert sum(seen) == 2500 and max(seen) <= readers.PARQUET_BATCH_ROWS
 
 
