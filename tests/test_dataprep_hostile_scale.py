@@ -302,7 +302,8 @@ def test_killed_runs_leftovers_are_removed_and_the_rerun_matches(small, tmp_path
     err = capsys.readouterr().err
     assert err == (
         "warning: source 'later' (weight 0 in every phase) rejected 100% of its documents, over "
-        "max_rejected_fraction 0.5: read 1, packed 0, rejected 1: empty_after_tokenization 1; dead letters in "
+        "max_rejected_fraction 0.5: read 1, packed 0, rejected 1: empty_after_tokenization 1 (first: "
+        "later/empty.txt:0: no token: the text is empty); dead letters in "
         f"{out}/errors/later-*.jsonl; fix its input before a mixture gives it weight\n"
     ) * 2
 
