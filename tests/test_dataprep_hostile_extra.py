@@ -715,3 +715,22 @@ def test_blank_line_blocks_are_read_in_bounded_pieces(tmp_path, monkeypatch):
 
     blocks = list(readers.split_blank_lines(io.BufferedReader(io.BytesIO(b"abcdefgh   \nnext\n\nz")), piece=8))
     assert blocks == [b"abcdefgh   \nnext", b"z"]
+
+
+def test_first_dead_letter_is_first_by_position_in_the_file(tmp_path, tok):
+    # Was: the first by key order: line 10 ("a/a.jsonl:10" < "a/a.jsonl:2"), not line 2.
+    lines = ['{"text": "good document"}'] * 12
+    lines[1], lines[9] = "not json at line 2", "not json at line 10"
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in/a.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = _write_config(tmp_path, tok[0], [{"name": "a", "paths": ["in/a.jsonl"], "format": "jsonl"}],
+                        max_rejected_fraction=0.1, shards_per_source=1)
+    out = tmp_path / "ds"
+    with pytest.raises(pack.DataLossError) as e:
+        pack.run(["--config", str(cfg), "--output", str(out), "--no-report"], print_summary=False)
+    assert str(e.value).splitlines()[1] == (
+        "  source 'a' rejected 17% of its documents, over max_rejected_fraction 0.1: read 12, packed 10, "
+        "rejected 2: invalid_json 2 (first: a/a.jsonl:2: Expecting value: line 1 column 1 (char 0)); "
+        f"dead letters in {out}/errors/a-*.jsonl")
+    letters = [json.loads(x)["key"] for x in (out / "errors/a-00000-of-00001.jsonl").read_text().splitlines()]
+    assert letters == ["a/a.jsonl:2", "a/a.jsonl:10"]  # the dead-letter file is in input order too
