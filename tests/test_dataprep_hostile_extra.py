@@ -119,10 +119,11 @@ def test_explicit_folder_path_is_a_config_error(tmp_path, tok):
     # Was: accepted; the folder was then "read" and reported as an unreadable file.
     (tmp_path / "in/d.jsonl").mkdir(parents=True)
     cfg = load_mixture(str(_write_config(tmp_path, tok[0], [{"name": "a", "paths": ["in/d.jsonl"], "format": "jsonl"}])))
-    with pytest.raises(ConfigError, match=r"^sources\[0\]\.paths\[0\]: '.*/in/d.jsonl' is a folder"):
+    with pytest.raises(ConfigError, match=r"^.*/mix\.yaml: sources\[0\]\.paths\[0\]: '.*/in/d.jsonl' is a folder"):
         preflight.match_inputs(cfg)
     cfg = load_mixture(str(_write_config(tmp_path, tok[0], [{"name": "a", "paths": ["in/*"], "format": "jsonl"}])))
-    with pytest.raises(ConfigError, match=r"^sources\[0\]\.paths\[0\]: '.*/in/\*' matches no file$"):
+    # the message names the config file as well as the field
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/mix\.yaml: sources\[0\]\.paths\[0\]: '.*/in/\*' matches no file$"):
         preflight.match_inputs(cfg)
 
 
@@ -345,7 +346,7 @@ def test_same_file_through_a_symlink_in_two_sources_is_a_config_error(tmp_path, 
         )
     )
     with pytest.raises(
-        ConfigError, match=r"^sources\[1\]\.paths: .*/in/b/y\.jsonl is also an input of source 'a' \(as .*/in/a/x\.jsonl\)"
+        ConfigError, match=r"^.*/mix\.yaml: sources\[1\]\.paths: .*/in/b/y\.jsonl is also an input of source 'a' \(as .*/in/a/x\.jsonl\)"
     ):
         preflight.match_inputs(cfg)
 

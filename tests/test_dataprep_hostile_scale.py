@@ -63,11 +63,14 @@ def test_glob_follows_a_link_to_a_folder_and_not_a_link_back_up(tmp_path, tok):
 
 
 def _listing_error(tmp_path, tok, pattern="in/*.jsonl"):
-    """The ConfigError message of listing a one-source config over ``pattern``."""
-    cfg = load_mixture(str(_config(tmp_path, tok[0], [{"name": "a", "paths": [pattern], "format": "jsonl"}])))
+    """The ConfigError message of listing a one-source config over ``pattern``, less the config
+    file's path in front (checked here)."""
+    path = str(_config(tmp_path, tok[0], [{"name": "a", "paths": [pattern], "format": "jsonl"}]))
+    cfg = load_mixture(path)
     with pytest.raises(ConfigError) as e:
         preflight.match_inputs(cfg)
-    return str(e.value)
+    assert str(e.value).startswith(f"{path}: ")
+    return str(e.value)[len(path) + 2:]
 
 
 def test_dangling_link_matched_by_a_glob_is_a_config_error(tmp_path, tok):

@@ -123,7 +123,7 @@ def test_bucket_over_the_budget_is_refused_before_any_work(corpus, tmp_path, cap
     out = tmp_path / "ds"
     assert pack.main(["--config", str(cfg), "--output", str(out), "--max-shard-tokens", "20000"]) == pack.EXIT_CONFIG
     err = capsys.readouterr().err
-    assert err.startswith("error: shards_per_source: sources[0] 'docs': ")
+    assert err.startswith(f"error: {cfg}: shards_per_source: sources[0] 'docs': ")
     assert "a shard in 1 shards, over the bucket budget of 20,000 (--max-shard-tokens); set shards_per_source " \
            "to at least " in err
     assert not out.exists()  # nothing was started
