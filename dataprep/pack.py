@@ -60,6 +60,15 @@ from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions,
 
 from contract.codec import FORMAT_VERSION, token_dtype_for_vocab  # noqa: E402
 from contract.config import ConfigError, MixtureConfig, load_mixture  # noqa: E402
+from contract.plan import (  # noqa: E402
+    DEFAULT_MAX_EPOCHS,
+    PlanError,
+    SourceEpochs,
+    describe,
+    epoch_lengths,
+    source_epochs,
+    steps_for_tokens,
+)
 from contract.manifest import (  # noqa: E402
     ERRORS_DIR,
     MANIFEST_NAME,
@@ -230,6 +239,9 @@ class PackResult:
         write`` where the runner lets them be told apart, else ``pipeline``; ``manifest``,
         ``report``, ``total``).
       report: where ``report.png`` was written, or None (``--no-report``).
+      epochs: per source, the epochs of the planned run (``--train-steps`` or
+        ``--train-tokens`` with ``--global-batch``), ``contract.plan.SourceEpochs``; empty
+        without a plan.
     """
 
     output: str
@@ -237,6 +249,7 @@ class PackResult:
     metrics: Mapping[str, int]
     timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
     report: Optional[str] = None
+    epochs: tuple[SourceEpochs, ...] = ()
 
 
 def tool_versions() -> dict[str, str]:
@@ -374,7 +387,60 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, list[
         help="seconds between progress lines when stderr is not a terminal (default 10)",
     )
     parser.add_argument("--no-report", action="store_true", help=f"do not draw <output>/{REPORT_NAME}")
+    plan = parser.add_argument_group(
+        "the planned run", "how many epochs of each source a run sees, printed after packing; a source over "
+        "--max-epochs gets a warning")
+    plan.add_argument("--train-steps", type=int, default=None, metavar="STEPS", help="planned training steps")
+    plan.add_argument("--train-tokens", type=int, default=None, metavar="TOKENS",
+                      help="planned training tokens (instead of --train-steps)")
+    plan.add_argument("--global-batch", type=int, default=None, metavar="ROWS", help="rows per step")
+    plan.add_argument("--max-epochs", type=float, default=DEFAULT_MAX_EPOCHS, metavar="EPOCHS",
+                      help=f"warn above this many epochs of a source (default {DEFAULT_MAX_EPOCHS:g})")
     return parser.parse_known_args(list(argv) if argv is not None else None)
+
+
+def planned_steps(args: argparse.Namespace, config: MixtureConfig) -> Optional[int]:
+    """The planned run's steps from ``--train-steps`` or ``--train-tokens``, or None without a plan.
+
+    Raises:
+      ConfigError: a plan without ``--global-batch`` (or a batch without a plan), both steps
+        and tokens, or a value below 1 (checked before any work).
+    """
+    given = [name for name, v in (("--train-steps", args.train_steps), ("--train-tokens", args.train_tokens))
+             if v is not None]
+    if len(given) == 2:
+        raise ConfigError("--train-steps and --train-tokens: give one of them, not both")
+    if not given and args.global_batch is None:
+        if not args.max_epochs > 0:
+            raise ConfigError(f"--max-epochs: must be > 0, got {args.max_epochs}")
+        return None
+    if not given or args.global_batch is None:
+        raise ConfigError("--global-batch goes with --train-steps or --train-tokens: give both, to see how many "
+                          "epochs of each source the planned run sees")
+    if not args.max_epochs > 0:
+        raise ConfigError(f"--max-epochs: must be > 0, got {args.max_epochs}")
+    try:
+        if args.train_tokens is not None:
+            return steps_for_tokens(args.train_tokens, args.global_batch, config.seq_len)
+        for name, value in (("--train-steps", args.train_steps), ("--global-batch", args.global_batch)):
+            if value < 1:
+                raise PlanError(f"{name}: must be an integer >= 1, got {value}")
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
+    return args.train_steps
+
+
+def epochs_of_run(config: MixtureConfig, manifest: Manifest, steps: Optional[int], global_batch: Optional[int],
+                  max_epochs: float) -> tuple[list[SourceEpochs], list[str], list[str]]:
+    """``(epochs, lines, warnings)`` of the planned run over the packed rows (``contract.plan``);
+    without a plan, no epochs and the lines say how long an epoch of each source lasts."""
+    phases = [(p.from_step, p.weights) for p in config.phases]
+    records = {n: manifest.sources[n].records for n in config.source_names}
+    if steps is None:
+        return [], epoch_lengths(phases, records), []
+    items = source_epochs(phases, records, steps, global_batch)
+    lines, warnings = describe(items, steps, global_batch, max_epochs)
+    return items, lines, warnings
 
 
 def pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
@@ -394,8 +460,8 @@ def pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
     if unknown:
         raise ConfigError(
             f"unknown argument(s) {unknown}: neither this command's (--config, --output, --overwrite, "
-            "--quiet, --spill, --max-shard-tokens, --progress-every, --no-report) nor a Beam pipeline option; "
-            "see --help"
+            "--quiet, --spill, --max-shard-tokens, --progress-every, --no-report, --train-steps, --train-tokens, "
+            "--global-batch, --max-epochs, --dry-run) nor a Beam pipeline option; see --help"
         )
     std = options.view_as(StandardOptions)
     if not std.runner:
@@ -739,6 +805,7 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
     if not args.progress_every > 0:
         raise ConfigError(f"--progress-every: must be > 0 seconds, got {args.progress_every}")
     config = load_mixture(args.config)
+    steps = planned_steps(args, config)
     pre = preflight.preflight(config, args.max_shard_tokens)
     if not args.output.strip():
         raise ConfigError("--output: must name a folder, got an empty string")  # "" would be "/"
@@ -760,7 +827,7 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
     lock = lock_output(output)
     state: dict[str, bool] = {}
     try:
-        return _run_locked(args, config, pre, output, options, p, base, t0, print_summary, state)
+        return _run_locked(args, config, pre, output, options, p, base, t0, print_summary, state, steps)
     except KeyboardInterrupt:
         raise Interrupted(output, state.get("committed", False)) from None
     finally:
@@ -768,7 +835,7 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
             os.close(lock)
 
 
-def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, state) -> PackResult:
+def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, state, steps) -> PackResult:
     """:func:`run` once every check has passed and the output is locked; ``state["committed"]``
     is set once manifest.json is written."""
     quiet = args.quiet
@@ -854,6 +921,13 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, 
     _say(quiet, f"pack: manifest written in {progress.duration(timings['manifest'])}: {manifest_path}")
     for warning in warnings:
         _say(False, "warning: " + warning)
+    epochs, lines, epoch_warnings = epochs_of_run(config, manifest, steps, args.global_batch, args.max_epochs)
+    head = (f"pack: epochs of each source in the planned run ({steps:,} steps of {args.global_batch:,} rows):"
+            if steps is not None else
+            "pack: epochs (pass --train-steps or --train-tokens with --global-batch for those of a planned run):")
+    _say(quiet, "\n  ".join([head, *lines]))
+    for warning in epoch_warnings:
+        _say(False, "warning: " + warning)
     if not args.no_report:
         t3 = time.time()
         report_path = _write_report(manifest, config, stats, output, quiet)
@@ -863,7 +937,8 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, 
     timings["total"] = time.time() - t0
     _say(quiet, "pack: done in " + progress.duration(timings["total"]) + " (" + ", ".join(
         f"{k} {progress.duration(v)}" for k, v in timings.items() if k != "total") + ")")
-    out = PackResult(output=output, manifest=manifest, metrics=metrics, timings=timings, report=report_path)
+    out = PackResult(output=output, manifest=manifest, metrics=metrics, timings=timings, report=report_path,
+                     epochs=tuple(epochs))
     if print_summary and not quiet:
         from dataprep import summary
 

@@ -1,5 +1,6 @@
-"""Exact duplicates (dataprep.dedup, FindDuplicates, dedup: report | exact) and document ids
-carried from the input to the packed rows and the loader."""
+"""What a user's own corpus needs (issue 22): exact duplicates (dataprep.dedup, FindDuplicates,
+dedup: report | exact), document ids carried from the input to the packed rows and the loader,
+and the epochs of each source in a planned run, at pack time and from the loader."""
 
 import json
 import pathlib
@@ -227,3 +228,74 @@ def test_the_loader_answers_with_the_users_ids(twins, tmp_path):
                 else:
                     assert doc_id == ""
     assert any(k.startswith("web/") for k in seen)
+
+
+def test_pack_prints_the_epochs_of_a_planned_run_and_warns(twins, tmp_path, capsys):
+    d, _, _ = twins
+    out = tmp_path / "ds"
+    result = pack.run(["--config", str(d / "report.yaml"), "--output", str(out), "--no-report",
+                       "--train-steps", "100", "--global-batch", "8"], print_summary=False)
+    records = {n: e.records for n, e in result.manifest.sources.items()}
+    err = capsys.readouterr().err
+    # 100 steps x 8 rows x weight 0.5 = 400 rows of each source; an epoch every records / 4 steps
+    lines = [f"{n}: {records[n]:,} rows, {400 / records[n]:,.2f} epochs in 100 steps of 8 rows (an epoch every "
+             f"{records[n] / 4:,.1f} steps at its highest weight)" for n in ("web", "mirror")]
+    assert "pack: epochs of each source in the planned run (100 steps of 8 rows):\n  " + "\n  ".join(lines) in err
+    assert [e.epochs for e in result.epochs] == [400 / records["web"], 400 / records["mirror"]]
+    warnings = [ln for ln in err.splitlines() if ln.startswith("warning: ")]
+    assert warnings == [
+        f"warning: source {n!r} repeats {400 / records[n]:,.1f} times in the planned 100 steps (an epoch every "
+        f"{records[n] / 4:,.1f} steps), over 4 epochs, beyond which repeated data helps less and less "
+        "(Muennighoff et al. 2023); lower its weight, add documents to it, or plan fewer steps"
+        for n in ("web", "mirror") if 400 / records[n] > 4]
+    assert warnings  # the mirror's few rows repeat
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--global-batch", "8"], "error: --global-batch goes with --train-steps or --train-tokens: give both, to see "
+                              "how many epochs of each source the planned run sees\n"),
+    (["--train-steps", "5", "--train-tokens", "9", "--global-batch", "8"],
+     "error: --train-steps and --train-tokens: give one of them, not both\n"),
+    (["--train-tokens", "0", "--global-batch", "8"], "error: --train-tokens: must be an integer >= 1, got 0\n"),
+    (["--train-steps", "10", "--global-batch", "8", "--max-epochs", "0"], "error: --max-epochs: must be > 0, got 0.0\n"),
+])
+def test_a_bad_plan_exits_2_before_any_work(twins, tmp_path, capsys, args, message):
+    d, _, _ = twins
+    assert pack.main(["--config", str(d / "report.yaml"), "--output", str(tmp_path / "ds"), *args]) == 2
+    assert capsys.readouterr().err == message
+    assert not (tmp_path / "ds").exists()
+
+
+def test_the_loader_counts_the_epochs_exactly_and_warns(twins, tmp_path, caplog):
+    import logging
+
+    import loader
+
+    d, _, _ = twins
+    out = tmp_path / "ds"
+    m = pack.run(["--config", str(d / "report.yaml"), "--output", str(out), "--no-report"],
+                 print_summary=False).manifest
+    records = {n: e.records for n, e in m.sources.items()}
+    with caplog.at_level(logging.INFO, logger="loader"):
+        data = loader.build(str(d / "report.yaml"), str(out), global_batch=8, planned_steps=100)
+    got = {e.source: e for e in data.epochs(100)}
+    # weights 1/2 and 1/2: the interleave alternates, so exactly 400 rows each
+    assert {n: e.rows for n, e in got.items()} == {"web": 400.0, "mirror": 400.0}
+    assert {n: e.epochs for n, e in got.items()} == {n: 400 / records[n] for n in records}
+    # the same as rows_at over the steps, source by source
+    drawn = {"web": 0, "mirror": 0}
+    for step in range(100):
+        for ref in data.rows_at(step):
+            drawn[ref.source] += 1
+    assert drawn == {"web": 400, "mirror": 400}
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [f"source {n!r} repeats {400 / records[n]:,.1f} times in the planned 100 steps (an epoch "
+                      f"every {records[n] / 4:,.1f} steps), over 4 epochs, beyond which repeated data helps less "
+                      "and less (Muennighoff et al. 2023); lower its weight, add documents to it, or plan fewer steps"
+                      for n in ("web", "mirror") if 400 / records[n] > 4]
+    assert any(r.getMessage().startswith("epochs: web: ") for r in caplog.records)
+    # with a skip window, the skipped data steps are not drawn
+    skipping = loader.build(str(d / "report.yaml"), str(out), global_batch=8, skip_windows=[(10, 19)])
+    assert sum(e.rows for e in skipping.epochs(100)) == 800
+    assert {e.source: e.rows for e in skipping.epochs(100)} == {
+        n: float(sum(1 for s in range(100) for r in skipping.rows_at(s) if r.source == n)) for n in records}
