@@ -78,7 +78,7 @@ from contract.manifest import (  # noqa: E402
     SourceEntry,
     shard_name,
 )
-from dataprep import fsutil, pipeline, preflight, progress, sizing, staging  # noqa: E402
+from dataprep import dryrun, fsutil, pipeline, preflight, progress, sizing, staging  # noqa: E402
 
 DEFAULT_RUNNER = "FnApiRunner"
 EXIT_PIPELINE = 1
@@ -297,6 +297,11 @@ A local --output is locked for the run: a second pack into it exits 2 at once. O
 stores (gs://) there is no lock: run one pack per output at a time. Inputs must not change
 while a pack runs (a file whose size differs from its listing fails the run).
 
+Dataflow dry run (--dry-run): the job is built with Beam's DataflowRunner and checked without a
+cloud: options, translation, every DoFn unpickled again, key coders, the --setup_file sdist,
+paths the workers cannot reach; prints what would be staged and how many workers the sizing
+suggests; exit 0 when every check passed, else 2.
+
 exit status: 0 done; 1 the pipeline failed (no manifest.json written; the last line says
 what to do); 2 bad config, arguments, output or --temp_location folder, or another pack is
 writing to --output (checked before any work); 3 the ledger does not reconcile (no
@@ -396,6 +401,14 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, list[
     plan.add_argument("--global-batch", type=int, default=None, metavar="ROWS", help="rows per step")
     plan.add_argument("--max-epochs", type=float, default=DEFAULT_MAX_EPOCHS, metavar="EPOCHS",
                       help=f"warn above this many epochs of a source (default {DEFAULT_MAX_EPOCHS:g})")
+    dry = parser.add_argument_group(
+        "Dataflow dry run", "build the Dataflow job (--runner DataflowRunner and its options) and check it "
+        "without submitting anything or reaching a cloud (dataprep/dryrun.py); needs apache-beam[gcp]")
+    dry.add_argument("--dry-run", action="store_true", help="build and check the job; write nothing to --output")
+    dry.add_argument("--dry-run-venv", action="store_true",
+                     help="--dry-run, and install the staged sdist into a fresh venv, as a worker would (minutes)")
+    dry.add_argument("--dry-run-dir", default=dryrun.DEFAULT_FOLDER, metavar="FOLDER",
+                     help=f"where the staged files and dataflow_job.json go (default {dryrun.DEFAULT_FOLDER})")
     return parser.parse_known_args(list(argv) if argv is not None else None)
 
 
@@ -649,16 +662,21 @@ def losses(
     return problems, warnings
 
 
-def _loss_message(problems: list[str], limit: float) -> str:
+def _loss_message(problems: list[str], limit: float, all_duplicates: Sequence[str] = ()) -> str:
+    """The message of a run that lost too much; ``all_duplicates``: sources that packed nothing
+    because every document they read duplicates an earlier one (``dedup: exact``)."""
     accept = (f"; to accept the loss, raise max_rejected_fraction in the config (now {limit:g})" if limit < 1
               else " (max_rejected_fraction is already 1: a source that packs no row cannot be accepted, since "
                    "a loader could not draw from it)")
-    return (
-        "a source lost too much, manifest.json not written:\n  "
-        + "\n  ".join(problems)
-        + "\nnext: fix the input or the source's format/text_field and rerun; to train without the "
-        "source, set its weight to 0 in every phase" + accept
-    )
+    head = "a source lost too much, manifest.json not written:\n  " + "\n  ".join(problems)
+    if all_duplicates and len(all_duplicates) == len(problems):
+        return (head + f"\nnext: every document of {', '.join(map(repr, all_duplicates))} duplicates one of a source "
+                "listed before it (dedup: exact keeps the first copy): remove the source from the mixture or set its "
+                "weight to 0 in every phase, or set dedup: report to pack the copies")
+    dups = (f"\n(every document of {', '.join(map(repr, all_duplicates))} duplicates one of a source listed before "
+            "it: dedup: exact keeps the first copy)") if all_duplicates else ""
+    return (head + dups + "\nnext: fix the input or the source's format/text_field and rerun; to train without the "
+            "source, set its weight to 0 in every phase" + accept)
 
 
 def remove_stale_spills(output: str, base: Optional[str]) -> None:
@@ -801,24 +819,9 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
       Interrupted: Ctrl-C or SIGTERM (a ``KeyboardInterrupt`` saying whether it came after the commit).
     """
     t0 = time.time()
-    args, beam_args = parse_args(argv)
-    if not args.progress_every > 0:
-        raise ConfigError(f"--progress-every: must be > 0 seconds, got {args.progress_every}")
-    config = load_mixture(args.config)
-    steps = planned_steps(args, config)
-    pre = preflight.preflight(config, args.max_shard_tokens)
-    if not args.output.strip():
-        raise ConfigError("--output: must name a folder, got an empty string")  # "" would be "/"
-    output = args.output.rstrip("/") or "/"
-    if fsutil.has_glob(output):  # Beam's FileSystems.match, used on the output, cannot quote them
-        raise ConfigError(f"--output {output}: must not contain the glob characters *, ? or [")
-    check_output_location(output)
-    check_inputs_outside_output(pre.files, output)
-    options = pipeline_options(beam_args)
-    try:
-        p = beam.Pipeline(options=options)  # checks the runner, before the output is touched
-    except ValueError as e:
-        raise ConfigError(f"Beam options: {e}") from None
+    args, config, steps, pre, output, options, p = _prepare(argv)
+    if args.dry_run or args.dry_run_venv:
+        raise ConfigError("--dry-run: call dataprep.pack.dry_run (the command does), which builds no dataset")
     base = spill_base(args.spill, options, output)
     if base is not None and base != fsutil.join(output, TMP_DIR):
         check_spill_outside_inputs(config, base)
@@ -833,6 +836,54 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
     finally:
         if lock is not None:
             os.close(lock)
+
+
+def _prepare(argv: Optional[Sequence[str]]):
+    """The checks every run makes before it touches anything: arguments, config, the file
+    checks of preflight, the output's form and Beam's options (Beam validates them when the
+    pipeline object is made). Returns ``(args, config, steps, pre, output, options, p)``.
+
+    Raises:
+      ConfigError: the first mistake.
+    """
+    args, beam_args = parse_args(argv)
+    if args.dry_run or args.dry_run_venv:
+        dryrun.require_gcp()  # before a gs:// path or Beam's own message about a runner it cannot load
+    if not args.progress_every > 0:
+        raise ConfigError(f"--progress-every: must be > 0 seconds, got {args.progress_every}")
+    config = load_mixture(args.config)
+    steps = planned_steps(args, config)
+    pre = preflight.preflight(config, args.max_shard_tokens)
+    if not args.output.strip():
+        raise ConfigError("--output: must name a folder, got an empty string")  # "" would be "/"
+    output = args.output.rstrip("/") or "/"
+    if fsutil.has_glob(output):  # Beam's FileSystems.match, used on the output, cannot quote them
+        raise ConfigError(f"--output {output}: must not contain the glob characters *, ? or [")
+    check_output_location(output)
+    check_inputs_outside_output(pre.files, output)
+    options = pipeline_options(beam_args)
+    if args.dry_run or args.dry_run_venv:
+        if is_local_runner(options):
+            raise ConfigError("--dry-run builds a Dataflow job: pass --runner DataflowRunner and its options "
+                              "(--project, --region, --temp_location gs://..., --setup_file ./pyproject.toml)")
+        dryrun.prepare_options(options)  # no cloud call from Beam's own option checks
+    try:
+        p = beam.Pipeline(options=options)  # checks the runner, before the output is touched
+    except ValueError as e:
+        raise ConfigError(f"Beam options: {e}") from None
+    return args, config, steps, pre, output, options, p
+
+
+def dry_run(argv: Optional[Sequence[str]] = None) -> dryrun.DryRunReport:
+    """``--dry-run``: every check of :func:`run`, then the Dataflow job built and checked
+    (``dataprep.dryrun.run_dry``); nothing is written to ``--output`` and nothing is submitted.
+
+    Raises:
+      ConfigError: as :func:`run`'s checks; apache-beam[gcp] missing; a runner other than
+        Dataflow.
+    """
+    args, config, _, pre, output, options, _ = _prepare(argv)
+    return dryrun.run_dry(config, pre, output, options, args.dry_run_dir, args.dry_run_venv)
 
 
 def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, state, steps) -> PackResult:
@@ -909,7 +960,9 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, 
     examples = rejected_examples(stats)
     lost, warnings = losses(config, manifest, examples, output)
     if lost:
-        message = _loss_message(lost, config.max_rejected_fraction)
+        copies = [n for n in config.source_names if manifest.sources[n].records == 0
+                  and manifest.sources[n].ledger.duplicates_dropped and not manifest.sources[n].ledger.packed]
+        message = _loss_message(lost, config.max_rejected_fraction, copies)
         if not args.no_report:
             report_path = _write_report(manifest, config, stats, output, quiet, failure=message)
         fsutil.delete(stats_path)
@@ -1051,6 +1104,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
+    args = list(argv) if argv is not None else sys.argv[1:]
+    if "--dry-run" in args or "--dry-run-venv" in args:
+        try:
+            report = dry_run(args)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_CONFIG
+        print(dryrun.main_lines(report), end="")
+        return EXIT_CONFIG if report.problems else 0
     try:
         run(argv)
     except Interrupted as e:
