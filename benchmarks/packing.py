@@ -2,6 +2,7 @@
 
     python benchmarks/packing.py            # about a minute on 2 cores
     python benchmarks/packing.py --quick    # a smoke test, not a figure (20,000 synthetic documents)
+    python benchmarks/packing.py --memory   # also the bytes a document of the packing and dedup steps
 
 Pure packing, no Beam pipeline: each corpus's documents are tokenized (EOS added, as the
 demo and shared configs do), cut into ``seq_len`` chunks (only documents longer than
@@ -36,6 +37,16 @@ Figures, per corpus (one JSON object on stdout): ``documents``, ``chunks``, ``to
 ``seconds_old``, ``seconds_new`` (best of ``--repeats``, CPU seconds of the packing alone)
 and ``time_ratio`` = new / old; ``same_rows`` (pack_rows returned best fit's rows). Plus
 ``load_average`` (1-minute, before and after).
+
+With ``--memory`` (this part imports the pipeline's DoFns, so Beam): what grows with the
+number of documents, the ``tracemalloc`` peak per document of one bucket of the synthetic
+documents (``--memory-docs``, 200,000; keys like ``web/part-00012.jsonl:123456``) in
+
+* ``pack_step_bytes_per_document``: ``PackAndWriteShard`` packing and writing the bucket
+  (keys, lengths, the chunk columns, the packings, a window of rows), beside the bucket's
+  staged segments (``segment_bytes_per_document``: the tokens, 2 bytes each, and the
+  record headers); ``..._with_ids``: the same with a 45-character id a document;
+* ``dedup_step_bytes_per_document``: ``FindDuplicates`` on the same documents' text hashes.
 """
 
 from __future__ import annotations
@@ -116,6 +127,52 @@ def measure(name: str, counts: list[int], seq_len: int, max_segments: int, repea
     }
 
 
+def _traced_peak(fn) -> int:
+    """Peak bytes ``tracemalloc`` saw while ``fn()`` ran, above what was allocated before."""
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    fn()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak - base
+
+
+def step_memory(docs: int, seq_len: int, cap: int) -> dict:
+    """Bytes a document of the packing and dedup steps on one bucket (module docstring)."""
+    import numpy as np
+
+    from dataprep import dedup, pipeline, staging
+
+    counts = testing.heavy_tailed_token_counts(docs, 30, 1.6, seed=0)
+    keys = [f"web/part-{i % 64:05d}.jsonl:{i + 1}" for i in range(docs)]
+    rng = np.random.default_rng(0)
+    out = {"documents": docs}
+    with tempfile.TemporaryDirectory(prefix="packing-memory-") as tmp:
+        for suffix, with_ids in (("", False), ("_with_ids", True)):
+            stager = staging.Stager(None, flush_bytes=1 << 62)
+            for i, n in enumerate(counts):
+                stager.add(("web", 0), keys[i], rng.integers(0, 30000, n).astype(np.uint16),
+                           f"https://example.org/articles/{i:08d}/index.html" if with_ids else "")
+            values = [v for _, v in stager.flush()]
+            step = pipeline.PackAndWriteShard(tmp, seq_len, cap, {"web": 1}, "uint16")
+            step.setup()
+            peak = _traced_peak(lambda step=step, values=values: step._pack("web", 0, staging.StagedGroup(values), set()))
+            out[f"pack_step_bytes_per_document{suffix}"] = round(peak / docs)
+            out[f"segment_bytes_per_document{suffix}"] = round(sum(len(v) for v in values) / docs)
+        stager = staging.Stager(None, flush_bytes=1 << 62)
+        for i, n in enumerate(counts):  # half the documents duplicate another
+            stager.add(0, keys[i], dedup.RECORD.pack(dedup.text_hash(str(i % (docs // 2))), 0, n))
+        values = [v for _, v in stager.flush()]
+        find = pipeline.FindDuplicates(["web"], 0, {"web": 1}, drop=False)
+        find.setup()
+        out["dedup_step_bytes_per_document"] = round(_traced_peak(lambda: list(find.process((0, values)))) / docs)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="20,000 synthetic documents, one repeat")
@@ -123,6 +180,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--max-segments", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=None, help="best of N timings (default 3, quick 1)")
+    parser.add_argument("--memory", action="store_true", help="also measure the bytes a document of the steps")
+    parser.add_argument("--memory-docs", type=int, default=200_000)
     args = parser.parse_args(argv)
     docs = args.docs or (20_000 if args.quick else 420_000)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -146,6 +205,8 @@ def main(argv=None) -> int:
         paragraphs = [p for t in texts for p in t.split("\n\n") if p.strip()]
         out["corpora"].append(measure("stdlib_paragraphs", token_counts(small, paragraphs), seq_len, cap, repeats))
         out["corpora"].append(measure("benchmark_corpus", token_counts(small, texts), seq_len, cap, repeats))
+    if args.memory:
+        out["memory"] = step_memory(args.memory_docs, seq_len, cap)
     out["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     print(json.dumps(out, indent=1))
     return 0

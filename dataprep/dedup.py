@@ -40,8 +40,10 @@ from contract.hashing import key_position
 
 DIGEST_BYTES = 16
 _PERSON = b"moe-dedup-v1"
-# One staged record of the dedup step: text hash, source index, tokens of the document.
+# One staged record of the dedup step: text hash, source index, tokens of the document;
+# RECORD_DTYPE reads many at once.
 RECORD = struct.Struct("<16sII")
+RECORD_DTYPE = np.dtype([("hash", "V16"), ("source", "<u4"), ("tokens", "<u4")])
 NORMALIZATION = "Unicode NFC, runs of whitespace made one space, leading and trailing whitespace dropped"
 
 
@@ -69,12 +71,12 @@ def dedup_bucket(digest: bytes, num_buckets: int) -> int:
     return int.from_bytes(digest[:8], "little") % num_buckets
 
 
-def groups(keys: Sequence[str], digests: Sequence[bytes], sources: Sequence[int]) -> list[list[int]]:
+def groups(keys: Sequence[str], digests: Sequence[bytes] | np.ndarray, sources: Sequence[int]) -> list[list[int]]:
     """The groups of documents that share a text hash, two or more members each.
 
     Args:
       keys: ``N`` document keys (distinct).
-      digests: ``N`` text hashes (:func:`text_hash`).
+      digests: ``N`` text hashes (:func:`text_hash`), as bytes or a ``V16`` array.
       sources: ``N`` source indices (position in the mixture config).
 
     Returns:
@@ -86,7 +88,10 @@ def groups(keys: Sequence[str], digests: Sequence[bytes], sources: Sequence[int]
     n = len(keys)
     if n < 2:
         return []
-    flat = np.frombuffer(b"".join(digests), np.dtype((np.void, DIGEST_BYTES)), n)
+    if isinstance(digests, np.ndarray):
+        flat = digests.view(np.dtype((np.void, DIGEST_BYTES)))
+    else:
+        flat = np.frombuffer(b"".join(digests), np.dtype((np.void, DIGEST_BYTES)), n)
     order = np.argsort(flat, kind="stable")
     ordered = flat[order]
     same = ordered[1:] == ordered[:-1]
@@ -98,5 +103,5 @@ def groups(keys: Sequence[str], digests: Sequence[bytes], sources: Sequence[int]
     for a, b in zip(starts.tolist(), ends.tolist()):
         if b - a > 1:
             members = order[a:b].tolist()
-            out.append(sorted(members, key=lambda i: (sources[i], key_position(keys[i]))))
+            out.append(sorted(members, key=lambda i: (int(sources[i]), key_position(keys[i]))))
     return out

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -206,13 +206,16 @@ def chunk_columns(
     return document[order], chunk[order], start[order], length[order]
 
 
-def best_fit_decreasing(lengths: Sequence[int], seq_len: int, max_segments: int) -> list[list[int]]:
+def best_fit_decreasing(lengths: Sequence[int], seq_len: int, max_segments: int,
+                        items: Optional[Sequence[int]] = None) -> list[list[int]]:
     """Assigns items to rows by best fit, in the order given (sort them decreasing first).
 
     Args:
       lengths: item lengths in tokens, each in ``[1, seq_len]``, in packing order.
       seq_len: row capacity in tokens.
       max_segments: at most this many items per row, >= 1.
+      items: ``list(range(len(lengths)))`` to share between packings (its int objects are
+        what the rows hold; :func:`pack_rows` passes one list to every packing it builds).
 
     Returns:
       Rows in the order they were opened, each the list of item indices it holds, in the
@@ -227,7 +230,7 @@ def best_fit_decreasing(lengths: Sequence[int], seq_len: int, max_segments: int)
     room: list[int] = []
     open_rows: list[tuple[int, int]] = []  # sorted (remaining room, row index)
     bisect_left, insort, pop = bisect.bisect_left, bisect.insort, open_rows.pop  # hot loop: local names
-    for i, n in enumerate(lengths):
+    for i, n in zip(items if items is not None else range(len(lengths)), lengths):
         if not 1 <= n <= seq_len:
             raise ValueError(f"item {i} has length {n}, not in [1, {seq_len}]")
         j = bisect_left(open_rows, (n, -1))
@@ -346,13 +349,14 @@ def small_threshold(lengths: Sequence[int], seq_len: int, max_segments: int, row
     return (lengths[0] + 1) if len(lengths) else 1
 
 
-def deal_first(lengths: Sequence[int], seq_len: int, max_segments: int, t: int, rows: int) -> list[list[int]]:
+def deal_first(lengths: Sequence[int], seq_len: int, max_segments: int, t: int, rows: int,
+               items: Optional[list[int]] = None) -> list[list[int]]:
     """Deals the items below ``t`` over ``rows`` new rows first, then best fit of the others.
 
     Good when small items carry most of the tokens. Returns rows as lists of item indices
-    (empty rows dropped), in the order they were opened.
+    (empty rows dropped), in the order they were opened. ``items``: as :func:`best_fit_decreasing`.
     """
-    n = len(lengths)
+    items = items if items is not None else list(range(len(lengths)))
     split = _first_below(lengths, t)  # items [split, n) are below t
     out: list[list[int]] = [[] for _ in range(rows)]
     room, slots = [seq_len] * rows, [max_segments] * rows
@@ -363,14 +367,15 @@ def deal_first(lengths: Sequence[int], seq_len: int, max_segments: int, t: int, 
         slots.append(max_segments)
         return len(out) - 1
 
-    left = _deal(lengths, range(n - 1, split - 1, -1), out, room, slots, range(rows))
-    _best_fit_into(lengths, range(split), out, room, slots, open_row)
+    left = _deal(lengths, reversed(items[split:]), out, room, slots, range(rows))
+    _best_fit_into(lengths, items[:split], out, room, slots, open_row)
     _best_fit_into(lengths, sorted(left), out, room, slots, open_row)
     return [row for row in out if row]
 
 
 def reserve_then_deal(
-    lengths: Sequence[int], seq_len: int, max_segments: int, t: int, share: int
+    lengths: Sequence[int], seq_len: int, max_segments: int, t: int, share: int,
+    items: Optional[list[int]] = None,
 ) -> tuple[list[list[int]], int]:
     """Best fit of the items of length ``t`` or more, each new row keeping room for small items.
 
@@ -382,8 +387,10 @@ def reserve_then_deal(
     Returns:
       ``(rows, kept)``: rows as lists of item indices in the order they were opened, and the
       tokens kept free in all (the caller raises ``share`` when they fall short).
+    ``items``: as :func:`best_fit_decreasing`.
     """
     n = len(lengths)
+    items = items if items is not None else list(range(n))
     split = _first_below(lengths, t)
     small_tokens = sum(lengths[split:])
     small_items = n - split
@@ -408,11 +415,11 @@ def reserve_then_deal(
             kept.append((r, keep, segs))
         return r
 
-    _best_fit_into(lengths, range(split), out, room, slots, reserving_row)
+    _best_fit_into(lengths, items[:split], out, room, slots, reserving_row)
     for r, keep, segs in kept:
         room[r] += keep
         slots[r] += segs
-    left = _deal(lengths, range(n - 1, split - 1, -1), out, room, slots, [r for r, _, _ in kept])
+    left = _deal(lengths, reversed(items[split:]), out, room, slots, [r for r, _, _ in kept])
     _best_fit_into(lengths, sorted(left), out, room, slots, plain_row)
     return out, sum(keep for _, keep, _ in kept)
 
@@ -451,14 +458,15 @@ def pack_rows(lengths: Sequence[int], seq_len: int, max_segments: int) -> list[l
     lengths = list(lengths)
     if any(a < b for a, b in zip(lengths, lengths[1:])):
         raise ValueError("lengths must be in decreasing order (chunk_columns gives that order)")
-    best = best_fit_decreasing(lengths, seq_len, max_segments)
+    items = list(range(len(lengths)))  # one int object an item, shared by every packing built
+    best = best_fit_decreasing(lengths, seq_len, max_segments, items)
     if not any(len(row) == max_segments and sum(lengths[i] for i in row) < seq_len for row in best):
         return best  # the cap did not bind
     floor = lower_bound(sum(lengths), len(lengths), seq_len, max_segments)
     if len(best) == floor:
         return best
     t = small_threshold(lengths, seq_len, max_segments, floor)
-    candidate = deal_first(lengths, seq_len, max_segments, t, floor)
+    candidate = deal_first(lengths, seq_len, max_segments, t, floor, items)
     if len(candidate) < len(best):
         best = candidate
     small_tokens = sum(x for x in lengths if x < t)
@@ -466,7 +474,7 @@ def pack_rows(lengths: Sequence[int], seq_len: int, max_segments: int) -> list[l
     for _ in range(RESERVE_ROUNDS):
         if not small_tokens or share >= seq_len or len(best) == floor:
             break
-        candidate, kept = reserve_then_deal(lengths, seq_len, max_segments, t, share)
+        candidate, kept = reserve_then_deal(lengths, seq_len, max_segments, t, share, items)
         if len(candidate) < len(best):
             best = candidate
         if not kept or kept >= small_tokens:

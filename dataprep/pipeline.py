@@ -484,14 +484,14 @@ class FindDuplicates(beam.DoFn):
         _, values = element
         group = staging.StagedGroup(values)
         keys = group.keys
-        records = [dedup.RECORD.unpack(bytes(r)) for r in group.gather_all()]
-        found = dedup.groups(keys, [r[0] for r in records], [r[1] for r in records])
+        records = np.frombuffer(group.payloads(), dedup.RECORD_DTYPE)  # no Python object a record
+        found = dedup.groups(keys, records["hash"], records["source"])
         pairs: dict[tuple[int, int], list[int]] = {}
         stager = staging.Stager(self._spill_dir) if self._drop else None
         for members in found:
-            kept = records[members[0]][1]
+            kept = int(records["source"][members[0]])
             for m in members[1:]:
-                _, src, tokens = records[m]
+                src, tokens = int(records["source"][m]), int(records["tokens"][m])
                 count = pairs.setdefault((src, kept), [0, 0])
                 count[0] += 1
                 count[1] += tokens
@@ -501,7 +501,7 @@ class FindDuplicates(beam.DoFn):
         for (src, kept), (docs, tokens) in sorted(pairs.items()):
             yield pvalue.TaggedOutput(STATS, ("duplicates", self._names[src], self._names[kept], docs, tokens))
         for members in found[:DUPLICATE_EXAMPLES]:
-            yield pvalue.TaggedOutput(STATS, ("duplicate_example", records[members[0]][0].hex(), len(members),
+            yield pvalue.TaggedOutput(STATS, ("duplicate_example", records["hash"][members[0]].tobytes().hex(), len(members),
                                               [keys[m] for m in members[:DUPLICATE_EXAMPLES]]))
         if stager is not None:
             for bucket, value in stager.flush():

@@ -196,6 +196,7 @@ class StagedGroup:
     def __init__(self, values: Iterable[Value]):
         self._inline: dict[int, memoryview] = {}
         self._paths: dict[int, str] = {}
+        self._bodies: list[tuple[int, int]] = []  # per segment: (where its payloads start, their bytes)
         keys: list[str] = []
         ids: Optional[list[str]] = None
         nbytes, segment, offset = [], [], []
@@ -214,6 +215,7 @@ class StagedGroup:
                     raise ValueError(f"spill file {path}: header at {seg_offset} is {header}, expected {header_size}")
                 self._paths[s] = path
                 base = seg_offset + header
+            self._bodies.append((base, int(lengths.sum())))
             if i is not None and ids is None:
                 ids = [""] * len(keys)
             if ids is not None:
@@ -262,6 +264,25 @@ class StagedGroup:
                         raise IOError(f"spill file {path}: read {len(data)} bytes at {at}, expected {n}")
                     out[i] = data
         return out
+
+    def payloads(self) -> bytes:
+        """Every record's payload, concatenated in delivery order (one bytes object: no object a record).
+
+        A segment's payloads lie back to back, so this is each segment's body in turn.
+        """
+        parts = []
+        for s, (base, size) in enumerate(self._bodies):
+            view = self._inline.get(s)
+            if view is not None:
+                parts.append(view[base : base + size])
+                continue
+            with FileSystems.open(self._paths[s], compression_type=CompressionTypes.UNCOMPRESSED) as f:
+                f.seek(base)
+                data = f.read(size)
+            if len(data) != size:
+                raise IOError(f"spill file {self._paths[s]}: read {len(data)} bytes at {base}, expected {size}")
+            parts.append(data)
+        return b"".join(parts)
 
     def gather_all(self) -> list:
         """The whole payload of every record, in delivery order."""
