@@ -90,8 +90,11 @@ def print_summary(result, console: Optional[Console] = None) -> None:
                   soft_wrap=True, highlight=False)
     if getattr(result, "report", None):
         console.print(f"report: {result.report}  (segment lengths, fill per shard, tokens against weights, "
-                      "documents split, rejections: look before training)", soft_wrap=True, highlight=False)
-    console.print("ledger: documents read = packed + rejected, tokens in = tokens packed: reconciled")
+                      "documents split and duplicated, rejections: look before training)", soft_wrap=True,
+                      highlight=False)
+    dropped = any(e.ledger.duplicates_dropped for e in result.manifest.sources.values())
+    console.print("ledger: documents read = packed + rejected" + (" + duplicates dropped" if dropped else "")
+                  + ", tokens in = tokens packed" + (" + tokens dropped" if dropped else "") + ": reconciled")
     if result.metrics:
         shown = ", ".join(f"{k}={v:,}" for k, v in result.metrics.items())
         console.print(f"beam counters: {shown}", soft_wrap=True, highlight=False)

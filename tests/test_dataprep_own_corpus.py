@@ -173,9 +173,19 @@ def test_duplicates_are_reported_and_all_packed(twins, tmp_path):
 
 
 def test_dedup_exact_drops_every_copy_but_the_first(twins, tmp_path):
+    import io
+
+    from rich.console import Console
+
     d, web, tokens = twins
     out = tmp_path / "ds"
-    pack.run(["--config", str(d / "exact.yaml"), "--output", str(out)], print_summary=False)
+    result = pack.run(["--config", str(d / "exact.yaml"), "--output", str(out)], print_summary=False)
+    text = io.StringIO()
+    summary.print_summary(result, Console(file=text, width=200))
+    assert "ledger: documents read = packed + rejected + duplicates dropped, tokens in = tokens packed + tokens " \
+           "dropped: reconciled" in text.getvalue()
+    assert list(summary.summary_table(result.manifest).columns[4].cells) == ["10 dropped (of web)", "1 dropped",
+                                                                              "11 dropped"]
     m, rows = _rows(out)
     assert m.problems() == []
     keys = {k for r in rows for k in r.doc_keys}
