@@ -156,14 +156,17 @@ def render_inspect(report: Mapping[str, Any], console: Optional[Console] = None,
     under the table says how to see the whole text (``--json OUT``).
     """
     console = console or make_console()
-    heads = ("step", "row", "source", "document key", "chunk", "span", "shard", "record")
+    with_ids = any("id" in d for r in report["rows"] for d in r["documents"])
+    heads = ("step", "row", "source", "document key", *(("document id",) if with_ids else ()), "chunk", "span",
+             "shard", "record")
     with_text = any("text" in d for r in report["rows"] for d in r["documents"])
     rows, texts, cut = [], [], False
     for r in report["rows"]:
         for d in r["documents"]:
             if len(rows) >= max_rows:
                 break
-            rows.append([str(r["step"]), str(r["position"]), r["source"], d["key"], str(d["chunk"]),
+            rows.append([str(r["step"]), str(r["position"]), r["source"], d["key"],
+                         *([d.get("id", "")] if with_ids else []), str(d["chunk"]),
                          f"{d['span'][0]}:{d['span'][1]}", r["shard"], str(r["record_in_shard"])])
             if with_text:
                 text = repr(d.get("text", ""))  # a repr: newlines and control characters stay visible
