@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -484,15 +485,18 @@ def train(
     import time
 
     from replay.run.env import compare_environment, record_environment
-    from replay.run.progress import line_interval, step_progress
+    from replay.run.progress import line_interval, note, step_progress
     from replay.reference import checkpoint as ckpt
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise RunConfigError(f"steps: must be an int >= 0, got {steps!r}")
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     line_interval()  # a bad $REPLAY_PROGRESS_EVERY is reported before any work
+    say = functools.partial(note, "train", stream=progress)  # no silent wait before the first step
     if trainer is None or mesh is None:
+        say(f"run config {cfg.name}: starting JAX, building the mesh and the model")
         trainer, mesh, _ = make_trainer(cfg)
+    existed = os.path.isdir(run_dir)
     rd = RunDir(run_dir)
     grown = _check_same_config(rd, cfg, write_grown=False)
     rd.drop_torn_event()
@@ -503,6 +507,7 @@ def train(
     latest = ckpt.latest_step(rd.checkpoints)
     loader_state = None
     if latest is None:
+        say(_new_run_note(run_dir, existed, cfg.seed))
         with open(env_path, "w", encoding="utf-8") as f:
             json.dump(env, f, indent=1, sort_keys=True)
         state = trainer.init_state(mesh, cfg.seed)
@@ -524,6 +529,8 @@ def train(
                 f"(env.json versions.fingerprint) and this code computes version {FINGERPRINT_VERSION}, so one log "
                 "would mix two formulas that replay cannot compare; finish this run with the toolkit release that "
                 "started it, or train on in a new run directory")
+        if latest < steps:  # else nothing to do: said at the end
+            say(f"resuming {run_dir} from checkpoint {latest}")
         try:
             state, loader_state = trainer.restore(rd.path, latest, mesh)
         except Exception as e:  # noqa: BLE001 - Orbax/TensorStore report a damaged checkpoint many ways
@@ -586,7 +593,8 @@ def train(
     bar = contextlib.ExitStack()
     try:
         if start < steps:
-            shown = bar.enter_context(step_progress("train", start, steps, stream=progress))
+            shown = bar.enter_context(step_progress("train", start, steps, stream=progress,
+                                                    first=_compiling_note(canary is not None and start % cfg.canary_every == 0)))
             served = int(data.metrics()["tokens_served"])
             for step, batch in data.iterate(start):
                 metrics = data.metrics()
@@ -653,6 +661,28 @@ def train(
         picture = plot_training(rd.path, title=f"training run {cfg.name} ({rd.path})")
     return {"start": start, "end": steps, "losses": losses, "stopped": stopped, "canary_seconds": canary_seconds,
             "plot": picture}
+
+
+def _new_run_note(run_dir: str, existed: bool, seed: int) -> str:
+    """The line a new run starts with; for a folder that was not there, the nearest existing run
+    directory (a typo in ``--run`` would otherwise start a new run from step 0 without a word)."""
+    from replay.run.runlog import nearest_run_dir
+
+    near = None if existed else nearest_run_dir(run_dir)
+    where = (f"new run directory {run_dir} (it did not exist; the nearest existing run directory is {near}, in "
+             "case --run meant it)" if near else f"new run in {run_dir}")
+    return f"{where}: initializing the parameters (seed {seed}) and saving checkpoint 0"
+
+
+def _compiling_note(canary: bool) -> str:
+    """What the first step of an invocation waits for: XLA compiling its programs (or loading them
+    from JAX's persistent compilation cache, when one is set)."""
+    import jax
+
+    cached = bool(getattr(jax.config, "jax_compilation_cache_dir", None))
+    what = "the train step" + (" and the periodic canary" if canary else "")
+    return (f"compiling {what}" + (" (or loading from JAX's compilation cache)" if cached else "")
+            + ": the first step takes longer, the steps after it run at speed")
 
 
 def canary_batch(cfg: RunConfig, mesh) -> dict[str, Any]:
