@@ -264,6 +264,10 @@ def test_expert_load_is_logged_and_judged_by_scan(ep_run, tmp_path):
     assert all(len(s.expert_load) == 2 and len(s.expert_load[0].received) == 8 for s in sig.values())
     rep = scan_run(session.run)
     assert rep.checks["expert_load"]["status"] == "clear" and "limit 2x" in rep.checks["expert_load"]["detail"]
+    from replay import report
+
+    fig = report.scan_figure(rep)  # the board's expert-load row, between the router's and the loader's
+    assert len(fig.axes) >= 6 and any(ax.get_title().startswith("expert load (clear)") for ax in fig.axes)
     worst = max(s.expert_load[0].max_over_mean for k, s in sig.items() if k >= 10)
     # the same logs against a limit under the layer's worst load: the layer is named, with its device
     low = str(tmp_path / "low")

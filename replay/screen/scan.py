@@ -371,7 +371,8 @@ def _expert_load(signals, steps, start, health: sc.RouterHealth):
                           "devices (model.dispatch is not all_to_all), or it predates them"}, [], {}
     layers = max(len(signals[s].expert_load) for s in steps)
     W, limit = int(health.window_steps), health.max_expert_load_ratio
-    series = {"steps": steps, "ratio": np.full((len(steps), layers), np.nan), "window": W}
+    series = {"steps": steps, "ratio": np.full((len(steps), layers), np.nan),
+              "each": np.full((len(steps), layers), np.nan), "window": W}
     out, worst_all = [], {}
     for i in range(layers):
         devs = sorted({d for s in steps if i < len(signals[s].expert_load) for d in signals[s].expert_load[i].received})
@@ -381,6 +382,7 @@ def _expert_load(signals, steps, start, health: sc.RouterHealth):
         for t, s in enumerate(steps):
             ratio, top = sc.expert_load_ratio(counts[max(0, t - W + 1):t + 1])
             series["ratio"][t, i] = ratio
+            series["each"][t, i] = sc.expert_load_ratio(counts[t:t + 1])[0]
             if s < health.warmup_steps:
                 continue
             if ratio > worst[0]:
