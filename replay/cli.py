@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("drill", prog="replay drill", help="inject a bit flip, check replay and canary catch it",
                        description="Flip one bit (chosen, or random from --seed) in one device's local gradient "
-                                   "at one step of a replay of the run, then check that range replay convicts "
+                                   "(or, with --where, inside its computation) at one step of a replay of the run, then check that range replay convicts "
                                    "that device at that step and that the canary names it. Exit 0 when caught, "
                                    f"{DRILL_NOT_CAUGHT} when not.",
                        epilog=DEVICE_SPEC_HELP + "\n" + DRILL_EXIT_HELP, formatter_class=fmt)
@@ -246,6 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--leaf", help="parameter leaf path, e.g. \"['layers'][0]['w_in']\"")
     d.add_argument("--element", type=int, help="flat index into the device's local shard of the leaf (default: random)")
     d.add_argument("--bit", type=int, help="0 = lowest mantissa bit")
+    d.add_argument("--where", choices=("local_gradient", "expert_forward", "expert_backward", "attention"),
+                   default="local_gradient",
+                   help="where the bit flips in the device's step: its finished local gradient (default), its "
+                        "experts' output in the forward pass, an expert weight's gradient in the backward pass, "
+                        "or an attention output; the last three spread to other devices through the "
+                        "all-to-alls of expert parallelism, and the verdict must still name this device alone "
+                        "and the buffer where the error first appeared")
+    d.add_argument("--layer", type=int, help="--where expert_forward/attention: the layer (default: random)")
     d.add_argument("--no-canary", action="store_true", help="check range replay only, not the canary")
     d.add_argument("--to-disk", metavar="DIR",
                    help="write each drill as a short faulty training run DIR/drill-N (fingerprints, a checkpoint "
@@ -432,14 +440,17 @@ def _flip_drills(args, console, session, rng, shown) -> int:
 
     results = []
     for n in range(args.count):
-        fault = drill.random_fault(session, rng, args.step, args.device, args.leaf, args.element, args.bit)
+        fault = drill.random_fault(session, rng, args.step, args.device, args.leaf, args.element, args.bit,
+                                   where=args.where, layer=args.layer)
         to_disk = None if not args.to_disk else os.path.join(args.to_disk, f"drill-{n}")
         res = drill.run_drill(session, fault, device_spec=args.devices, canary=not args.no_canary, to_disk=to_disk)
         results.append(res)
         mark = "[green]caught[/]" if res.caught else "[red]NOT caught[/]"
         console.print(f"drill {fault}: {mark} (range: {res.range_report.verdict.value} "
                       f"{list(res.range_report.decision.devices)} at step {res.range_report.decision.step}; "
-                      f"canary: {None if res.canary_report is None else list(res.canary_report.decision.odd_devices)})"
+                      f"canary: {None if res.canary_report is None else list(res.canary_report.decision.odd_devices)}"
+                      + (f"; first divergent buffer: {res.range_report.decision.site}"
+                         f"{'' if res.site_ok else ' (NOT where planted)'}" if res.site_ok is not None else "") + ")"
                       + (f"; differing elements after the step: {res.range_report.differing_elements}"
                          if res.range_report.differing_elements else ""))
         shown.update(n + 1)

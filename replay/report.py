@@ -41,6 +41,12 @@ def _verdict_panel(report: Mapping[str, Any]) -> Panel:
               f"{report['explanation']}")]
     if report.get("convicted_devices"):
         lines.append(f"convicted device(s): {report['convicted_devices']} at step {report['first_divergent_step']}")
+    site = report.get("first_divergent_site")
+    if site:
+        lines.append(f"first divergent buffer: {site['label']}" + (f" (layer {site['layer']})" if site.get("layer")
+                     is not None and site.get("collective") is None else "")
+                     + (f"; devices that differ at the step: {report.get('reached_devices')}"
+                        if report.get("reached_devices") else ""))
     if report.get("leaves"):
         lines.append(f"leaves: {', '.join(report['leaves'][:6])}" + (" ..." if len(report["leaves"]) > 6 else ""))
     if report.get("differing_elements"):
@@ -416,6 +422,9 @@ def scan_figure(scan: Any):
     - each layer's worst expert share (x uniform, log scale) against ``max_share_ratio``: thin lines
       single steps, thick the window that is judged; a box on the panel says which values are not
       judged when they pass the limit (single steps, warm-up);
+    - under expert parallelism, each layer's most loaded expert device over the mean of its devices
+      (thin: single steps, thick: the judged window) against ``max_expert_load_ratio``: the slowest
+      expert group (a sixth panel, only when the run logged the expert load);
     - the loader's wait against the step time (log scale, ms and s).
 
     Phase changes, skipped windows and restores (events.jsonl) are vertical lines on every panel.
@@ -433,7 +442,8 @@ def scan_figure(scan: Any):
     rep, rout, loss, load = (scan.series.get(k) or {} for k in ("replicas", "router", "loss", "loader"))
     limits = getattr(scan, "limits", None) or {}
     screening = limits.get("screening") or {}
-    fig, axes = plt.subplots(5, 1, figsize=(12, 14), sharex=True)
+    experts = scan.series.get("expert_load") or {}
+    fig, axes = plt.subplots(6 if experts else 5, 1, figsize=(12, 16.5 if experts else 14), sharex=True)
     suspects = set(scan.suspect_devices)
     ax = axes[0]
     if rep:
@@ -513,7 +523,9 @@ def scan_figure(scan: Any):
     axes[2].set_title(f"router health ({health.get('status', 'n/a')}): dropped fraction per layer", fontsize=9)
     axes[3].set_title("expert shares: max(share x E, 1 / (min share x E)), x uniform; thin: each step, thick: the "
                       "judged window", fontsize=9)
-    ax = axes[4]
+    if experts:
+        _plot_expert_load(axes[4], experts, limits, scan.checks.get("expert_load", {}).get("status", "n/a"))
+    ax = axes[-1]
     if load:
         ax.plot(load["steps"], np.asarray(load["wait"]) * 1e3, label="loader wait")
         ax.plot(load["steps"], np.asarray(load["step_time"]) * 1e3, label="step time", alpha=0.6)
@@ -540,6 +552,26 @@ def scan_figure(scan: Any):
     fig.suptitle(f"replay scan of {scan.run_dir}, steps {scan.steps[0]}:{scan.steps[1]}: {verdict}", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.98))
     return fig
+
+
+def _plot_expert_load(ax, series: Mapping[str, Any], limits: Mapping[str, Any], status: str) -> None:
+    """The scan's expert-load panel: per layer the most loaded expert device over the mean, for
+    each step (thin) and over the judged window (thick), with the limit and the end of warm-up."""
+    import numpy as np
+
+    steps = series["steps"]
+    each, judged = np.asarray(series["each"], float), np.asarray(series["ratio"], float)
+    for i in range(judged.shape[1]):
+        line, = ax.plot(steps, each[:, i], linewidth=0.8, label=f"layer {i} (each step)")
+        if series.get("window", 1) > 1:
+            ax.plot(steps, judged[:, i], color=line.get_color(), linewidth=2.2,
+                    label=f"layer {i} (over {series['window']} steps: judged)")
+    if "max_expert_load_ratio" in limits:
+        ax.axhline(limits["max_expert_load_ratio"], color="red", linestyle=":", label="limit")
+        ax.axvline(limits.get("warmup_steps", 0), color="grey", linestyle=":", linewidth=1, label="end of warm-up")
+    ax.set_ylabel("most loaded / mean")
+    ax.set_title(f"expert load ({status}): tokens the most loaded expert device received over the mean of the "
+                 "layer's devices (the slowest expert group)", fontsize=9)
 
 
 def _explain_unjudged(ax, rout: Mapping[str, Any], limits: Mapping[str, Any], status: str) -> None:

@@ -11,7 +11,8 @@ Run config (YAML; relative paths are resolved against the config file's folder):
                                            # sizes using fewer devices than there are take the
                                            # lowest ids (the rest stay free, e.g. for replay)
     model: {d_model: 64, n_layers: 2, ...} # replay.reference.model.ModelConfig fields;
-                                           # vocab_size defaults to the manifest's
+                                           # vocab_size defaults to the manifest's;
+                                           # dispatch: gather | all_to_all (expert parallelism)
     optimizer: {learning_rate: 3.0e-3, ...}  # replay.reference.trainer.OptimizerConfig
     checkpoint_every: 10                   # Orbax checkpoint every K steps (and at 0 and the end)
     skip_windows: [[100, 119]]             # inclusive training-step windows whose data is skipped
@@ -21,7 +22,8 @@ Run config (YAML; relative paths are resolved against the config file's folder):
                                            # canary weights = fresh init from this seed
     canary_every: 10                       # periodic canary every N steps on every device (0: off)
     canary_action: warn                    # on a canary mismatch: warn (event, warning) or stop
-    router_health: {max_dropped_fraction: 0.01, max_share_ratio: 3.0, warmup_steps: 10}
+    router_health: {max_dropped_fraction: 0.01, max_share_ratio: 3.0, warmup_steps: 10,
+                    max_expert_load_ratio: 2.0}
     screening: {}                          # replay.screen.screening.ScreeningConfig overrides (replay scan)
 
 The full reference table of the fields is in docs/trainer.md ("Run config").
@@ -201,7 +203,12 @@ def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConf
         raise RunConfigError(f"canary_action: must be one of {list(CANARY_ACTIONS)}, got {action!r}")
     model = dict(raw.get("model", {}) or {})
     try:
-        ModelConfig.from_dict({"vocab_size": 2, **model} if "vocab_size" not in model else model)
+        mc = ModelConfig.from_dict({"vocab_size": 2, **model} if "vocab_size" not in model else model)
+        experts_axis = dict(mesh)["expert"]
+        if mc.dispatch == "all_to_all" and experts_axis != -1 and mc.n_experts % experts_axis:
+            raise RunConfigError(f"model.dispatch all_to_all: model.n_experts {mc.n_experts} must divide by the mesh's "
+                                 f"expert axis size {experts_axis} (each device holds n_experts / expert experts); "
+                                 "change one of them, or use dispatch: gather")
         opt = OptimizerConfig.from_dict(dict(raw.get("optimizer", {}) or {}))
         health = RouterHealth.from_dict(raw.get("router_health"))
         screening = ScreeningConfig.from_dict(raw.get("screening"))
@@ -346,7 +353,12 @@ def make_trainer(cfg: RunConfig, *, fingerprints: bool = True):
     mesh = make_mesh(dict(cfg.mesh), run_devices(dict(cfg.mesh)))
     if cfg.global_batch % mesh.size:
         raise RunConfigError(f"global_batch: must be a multiple of the device count {mesh.size}, got {cfg.global_batch}")
-    return ReferenceTrainer(model, cfg.optimizer, fingerprints=fingerprints), mesh, vocab
+    trainer = ReferenceTrainer(model, cfg.optimizer, fingerprints=fingerprints)
+    try:
+        trainer.expert_parallel(mesh)  # dispatch all_to_all: the experts must split over the mesh's expert axis
+    except ValueError as e:
+        raise RunConfigError(str(e)) from None
+    return trainer, mesh, vocab
 
 
 def _phase_index(data, step: int) -> int:

@@ -55,17 +55,44 @@ import json
 from typing import Any, Mapping, Optional, Protocol, runtime_checkable
 
 
+FAULT_SITES = ("local_gradient", "expert_forward", "expert_backward", "attention")
+"""Where a :class:`FaultSpec` flips its bit, in one device's computation of one step:
+
+* ``local_gradient``: the device's finished local gradient contribution, after all communication
+  of the step and before the data-parallel reduction (``leaf``, ``element``: flat index into the
+  device's local shard of that leaf's gradient).
+* ``expert_forward``: the output of the device's experts in MoE layer ``layer``, in the forward
+  pass: under expert parallelism the buffer the device sends back at that layer's combine
+  all-to-all (``element``: flat index into it; the trainer documents its layout).
+* ``expert_backward``: the gradient of an expert weight (``leaf``: a layer's expert leaf, e.g.
+  ``['layers'][1]['w_in']``) where the backward pass computes it on the device, before any
+  reduction (``element``: flat index into the device's shard of that weight).
+* ``attention``: the output of the attention block of layer ``layer`` (before the residual add)
+  in the forward pass (``element``: flat index into the device's ``[rows, S, D]`` activation).
+
+The last three plant the error *inside* the computation, so that under expert parallelism it
+reaches other devices through the all-to-alls within the same step."""
+
+
 @dataclasses.dataclass(frozen=True)
 class FaultSpec:
-    """A simulated silent data corruption: flip one bit of one device's local gradient.
+    """A simulated silent data corruption: flip one bit in one device's computation of one step.
 
     Attributes:
       step: the global step at which the fault fires.
-      device_id: ``jax.Device.id`` of the device whose local gradient contribution (before
-        the data-parallel reduction) is corrupted.
-      leaf: leaf path (``jax.tree_util.keystr``) of the parameter whose gradient is hit.
-      element: flat index into that device's local shard of the gradient leaf.
+      device_id: ``jax.Device.id`` of the device whose computation is corrupted.
+      leaf: leaf path (``jax.tree_util.keystr``) of the parameter whose gradient is hit
+        (``local_gradient``, ``expert_backward``); ``""`` for an activation (``expert_forward``,
+        ``attention``).
+      element: flat index into the corrupted buffer on that device (see :data:`FAULT_SITES`).
       bit: bit position in the element's bit pattern (0 = lowest mantissa bit).
+      where: one of :data:`FAULT_SITES` (default ``local_gradient``, the drills' first kind).
+      layer: the MoE layer of an ``expert_forward`` or ``attention`` fault (0-based); None for the
+        others (an ``expert_backward`` fault's layer is its leaf's).
+
+    Raises:
+      ValueError: ``where`` is not a known site, or ``layer`` is missing (or given) where it must
+        be given (or not).
     """
 
     step: int
@@ -73,6 +100,26 @@ class FaultSpec:
     leaf: str
     element: int
     bit: int
+    where: str = "local_gradient"
+    layer: Optional[int] = None
+
+    def __repr__(self) -> str:
+        """The dataclass form, leaving out ``where`` and ``layer`` at their defaults (a local-gradient
+        flip reads as it always has)."""
+        extra = "" if self.where == "local_gradient" and self.layer is None else \
+            f", where={self.where!r}" + (f", layer={self.layer!r}" if self.layer is not None else "")
+        return (f"FaultSpec(step={self.step!r}, device_id={self.device_id!r}, leaf={self.leaf!r}, "
+                f"element={self.element!r}, bit={self.bit!r}{extra})")
+
+    def __post_init__(self):
+        if self.where not in FAULT_SITES:
+            raise ValueError(f"FaultSpec.where: must be one of {list(FAULT_SITES)}, got {self.where!r}")
+        needs_layer = self.where in ("expert_forward", "attention")
+        if needs_layer and (self.layer is None or int(self.layer) < 0):
+            raise ValueError(f"FaultSpec.layer: a {self.where} fault needs a layer >= 0, got {self.layer!r}")
+        if not needs_layer and self.layer is not None:
+            raise ValueError(f"FaultSpec.layer: only expert_forward and attention faults take a layer "
+                             f"(a {self.where} fault's is its leaf's), got {self.layer!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +156,56 @@ class DriftSpec:
         return self.start <= step and (self.stop is None or step < self.stop)
 
 
+SEND_COLLECTIVES = ("dispatch", "combine")
+SEND_DIRECTIONS = ("forward", "backward")
+
+
+def send_site(layer: int, collective: str, direction: str) -> str:
+    """The name of an all-to-all *send site*: ``"layer{layer}.{collective}.{direction}"``.
+
+    Under expert parallelism every MoE layer exchanges four buffers per step, each device sending
+    one to every device of its expert group (``StepFingerprints.sends`` fingerprints what each
+    device sent at each site):
+
+    * ``dispatch.forward``: a device sends its tokens' capacity slots to the devices of their experts;
+    * ``combine.forward``: a device sends its experts' outputs back to the tokens' devices;
+    * ``combine.backward``: a device sends the cotangent of the expert outputs it received (the
+      transpose of the combine) to the experts' devices;
+    * ``dispatch.backward``: a device sends the cotangent of the tokens it received (the transpose
+      of the dispatch) back to the tokens' devices.
+
+    Raises:
+      ValueError: a negative layer, or an unknown collective or direction.
+    """
+    if int(layer) < 0 or collective not in SEND_COLLECTIVES or direction not in SEND_DIRECTIONS:
+        raise ValueError(f"send site: layer >= 0, collective in {list(SEND_COLLECTIVES)} and direction in "
+                         f"{list(SEND_DIRECTIONS)}; got {layer!r}, {collective!r}, {direction!r}")
+    return f"layer{int(layer)}.{collective}.{direction}"
+
+
+def parse_send_site(name: str) -> tuple[int, str, str]:
+    """Inverse of :func:`send_site`: ``(layer, collective, direction)``.
+
+    Raises:
+      ValueError: ``name`` is not a send site's name.
+    """
+    parts = str(name).split(".")
+    if len(parts) == 3 and parts[0].startswith("layer") and parts[0][5:].isdigit():
+        layer, collective, direction = int(parts[0][5:]), parts[1], parts[2]
+        if collective in SEND_COLLECTIVES and direction in SEND_DIRECTIONS:
+            return layer, collective, direction
+    raise ValueError(f"not a send site name: {name!r} (expected 'layer<L>.<dispatch|combine>.<forward|backward>')")
+
+
+def send_sites_in_program_order(n_layers: int) -> tuple[str, ...]:
+    """The send sites of an ``n_layers`` MoE model in the order one step executes them: the forward
+    pass layer by layer (dispatch, then combine), then the backward pass from the last layer down
+    (the combine's transpose, then the dispatch's)."""
+    fwd = [send_site(i, c, "forward") for i in range(n_layers) for c in SEND_COLLECTIVES]
+    bwd = [send_site(i, c, "backward") for i in reversed(range(n_layers)) for c in reversed(SEND_COLLECTIVES)]
+    return tuple(fwd + bwd)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepFingerprints:
     """What one train step computed, in integers that compare bit for bit.
@@ -125,6 +222,13 @@ class StepFingerprints:
         z-loss), floats, for humans; never compared bit for bit.
       device_coords: per device id, its mesh coordinates ``{axis name: index}``, so that a
         replay on another device set can match shards by position (added; default empty).
+      send_sites: the all-to-all send sites of the step in program order (:func:`send_site`,
+        :func:`send_sites_in_program_order`); empty when the trainer exchanges nothing (gather
+        dispatch) or does not fingerprint its sends.
+      sends: per device id, aligned with ``send_sites``, the 64-bit fingerprint of the whole buffer
+        the device sent there (every destination's part). The first site, in program order, at
+        which a device's send differs from a replay's names the device that computed wrong: the
+        others' later differences follow from what it sent them (``replay.verify.localize``).
       signals: the step's screening signals (:class:`StepSignals`) when the trainer computes
         them; not part of ``fingerprints.jsonl`` (the training loop writes them, with its
         timings, to ``signals.jsonl``), never compared.
@@ -138,11 +242,14 @@ class StepFingerprints:
     devices: Mapping[int, Mapping[str, int]]
     router: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     device_coords: Mapping[int, Mapping[str, int]] = dataclasses.field(default_factory=dict)
+    send_sites: tuple[str, ...] = ()
+    sends: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     signals: Optional["StepSignals"] = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict; device ids become string keys (JSON objects key by str)."""
-        return {
+        """Plain JSON-ready dict; device ids become string keys (JSON objects key by str). The send
+        fields appear only when the step has send sites (a gather-dispatch line is unchanged)."""
+        out = {
             "step": int(self.step),
             "loss_bits": int(self.loss_bits),
             "grad_norm_bits": int(self.grad_norm_bits),
@@ -152,6 +259,10 @@ class StepFingerprints:
             "router": dict(self.router),
             "device_coords": {str(dev): {a: int(i) for a, i in c.items()} for dev, c in self.device_coords.items()},
         }
+        if self.send_sites:
+            out["send_sites"] = list(self.send_sites)
+            out["sends"] = {str(dev): [int(v) for v in fps] for dev, fps in self.sends.items()}
+        return out
 
     def to_json(self) -> str:
         """One line of ``fingerprints.jsonl`` (keys sorted, no newline)."""
@@ -173,6 +284,8 @@ class StepFingerprints:
             devices={int(dev): {k: int(v) for k, v in x.items()} for dev, x in d["devices"].items()},
             router=dict(d.get("router", {})),
             device_coords={int(dev): dict(c) for dev, c in d.get("device_coords", {}).items()},
+            send_sites=tuple(str(x) for x in d.get("send_sites", ())),
+            sends={int(dev): tuple(int(v) for v in fps) for dev, fps in (d.get("sends") or {}).items()},
         )
 
     @classmethod
@@ -227,13 +340,49 @@ class RouterLayerStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertLoad:
+    """How many tokens each expert device received in one MoE layer at one step (expert parallelism).
+
+    Attributes:
+      received: per device id, the capacity slots of the device's experts that the layer's dispatch
+        all-to-all filled with tokens, counted over every device of its expert group (assignments
+        kept after capacity; an int).
+      max_over_mean: ``max_d received[d] / mean_d received[d]`` over the layer's devices: 1 when the
+        load is even; the device with the most tokens is the layer's slowest expert group (its
+        expert matmuls are the longest once the exchange is ragged, and with capacity padding it
+        is the one that drops first); 0.0 when no token was routed.
+    """
+
+    received: Mapping[int, int]
+    max_over_mean: float
+
+    @classmethod
+    def from_counts(cls, received: Mapping[int, int]) -> "ExpertLoad":
+        """Computes ``max_over_mean`` from the counts."""
+        vals = [int(v) for v in received.values()]
+        mean = sum(vals) / len(vals) if vals else 0.0
+        return cls(received={int(d): int(v) for d, v in received.items()},
+                   max_over_mean=(max(vals) / mean) if mean > 0 else 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"received": {str(d): int(v) for d, v in self.received.items()}, "max_over_mean": self.max_over_mean}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ExpertLoad":
+        return cls(received={int(k): int(v) for k, v in d["received"].items()},
+                   max_over_mean=_float(d["max_over_mean"]))
+
+
+@dataclasses.dataclass(frozen=True)
 class ReplicaNorm:
     """One data-parallel replica's local gradient contribution at one step.
 
     A *replica* is the set of devices that together compute one contribution, over their own
     rows of the global batch, before the data-parallel reduction. In the reference trainer the
     batch is split over every mesh axis and expert weights are gathered for compute, so each
-    device is a replica of its own; in a trainer with tensor or pipeline parallelism a replica
+    device is a replica of its own (under expert parallelism too: a device's contribution is then
+    the gradient of the replicated weights from its rows and its own experts' shard, and screening
+    compares those per device); in a trainer with tensor or pipeline parallelism a replica
     spans devices that each hold a disjoint shard of it, and its ``norm_sq`` is the sum of
     theirs.
 
@@ -276,6 +425,8 @@ class StepSignals:
         contribution before the reduction, "nonfinite": {leaf path: NaN + Inf count}}`` (only
         leaves with a non-zero count are listed).
       router: per MoE layer, in layer order, :class:`RouterLayerStats`.
+      expert_load: per MoE layer, in layer order, :class:`ExpertLoad` (expert parallelism only;
+        empty when the experts are not on their own devices).
       step_time_s: wall seconds of the train step (dispatch to results on the host), or None.
       loader_wait_s: seconds the step waited for its batch (the loader's
         ``metrics()["wait_s_last_step"]``), or None; loader_occupancy: batches ready in the
@@ -288,6 +439,7 @@ class StepSignals:
     replicas: tuple[ReplicaNorm, ...] = ()
     devices: Mapping[int, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     router: tuple[RouterLayerStats, ...] = ()
+    expert_load: tuple[ExpertLoad, ...] = ()
     step_time_s: Optional[float] = None
     loader_wait_s: Optional[float] = None
     loader_occupancy: Optional[int] = None
@@ -301,6 +453,7 @@ class StepSignals:
             "devices": {str(d): {"norm_sq": v["norm_sq"], "nonfinite": dict(v.get("nonfinite", {}))}
                         for d, v in self.devices.items()},
             "router": [r.to_dict() for r in self.router],
+            **({"expert_load": [e.to_dict() for e in self.expert_load]} if self.expert_load else {}),
         }
 
     def to_json(self) -> str:
@@ -323,6 +476,7 @@ class StepSignals:
                               "nonfinite": {p: int(c) for p, c in (v.get("nonfinite") or {}).items()}}
                      for k, v in (d.get("devices") or {}).items()},
             router=tuple(RouterLayerStats.from_dict(r) for r in d.get("router", [])),
+            expert_load=tuple(ExpertLoad.from_dict(e) for e in d.get("expert_load") or []),
             loader_occupancy=None if occ is None else int(occ), **opt,
         )
 

@@ -17,6 +17,9 @@ numbers and words the findings::
     norm_drift    replica norms, robust CUSUM              the replica's devices, from the change's onset
     router        signals.jsonl router[layer]              the layer (dropped fraction or an expert's share
                   vs run config router_health               out of bounds after warm-up)
+    expert_load   signals.jsonl expert_load[layer]:        the layer, naming its most loaded expert device
+                  tokens each expert device received        (max / mean over the layer's devices above
+                  (expert parallelism)                      router_health.max_expert_load_ratio after warm-up)
     loss_spike    loss (fingerprints.jsonl loss bits)      the run (unless an event explains it: a phase
                                                             change, skip window or restore at that step)
     loader_stall  signals.jsonl loader_wait_s              the loader (a wait above stall_fraction of the
@@ -41,7 +44,7 @@ from replay.run import protocol as proto
 from replay.screen import screening as sc
 from replay.run.runlog import RunDirError, RunLog
 
-CHECKS = ("canary", "nonfinite", "norm_spike", "norm_drift", "router", "loss_spike", "loader_stall")
+CHECKS = ("canary", "nonfinite", "norm_spike", "norm_drift", "router", "expert_load", "loss_spike", "loader_stall")
 DEVICE_CHECKS = ("canary", "nonfinite", "norm_spike", "norm_drift")
 EXPLAINING_EVENTS = ("phase_change", "skipped_window", "skip_window_added", "restore", "start")
 STRENGTH_CAP = 1e6  # a non-finite score is reported as this
@@ -359,6 +362,46 @@ def _router(signals, steps, start, health: sc.RouterHealth):
     return {"status": "found" if out else "clear", "detail": detail}, out, series
 
 
+def _expert_load(signals, steps, start, health: sc.RouterHealth):
+    """Per MoE layer, the tokens each expert device received (``StepSignals.expert_load``), judged as the
+    most loaded device's share over the mean (``screening.expert_load_ratio``, over ``window_steps``)."""
+    if signals is None or not any(signals[s].expert_load for s in steps):
+        return {"status": "not available",
+                "detail": "no expert-load figures in signals.jsonl: the run's experts are not on their own "
+                          "devices (model.dispatch is not all_to_all), or it predates them"}, [], {}
+    layers = max(len(signals[s].expert_load) for s in steps)
+    W, limit = int(health.window_steps), health.max_expert_load_ratio
+    series = {"steps": steps, "ratio": np.full((len(steps), layers), np.nan),
+              "each": np.full((len(steps), layers), np.nan), "window": W}
+    out, worst_all = [], {}
+    for i in range(layers):
+        devs = sorted({d for s in steps if i < len(signals[s].expert_load) for d in signals[s].expert_load[i].received})
+        counts = np.array([[signals[s].expert_load[i].received.get(d, np.nan) if i < len(signals[s].expert_load)
+                            else np.nan for d in devs] for s in steps], np.float64)
+        bad, worst = [], (0.0, -1, -1)
+        for t, s in enumerate(steps):
+            ratio, top = sc.expert_load_ratio(counts[max(0, t - W + 1):t + 1])
+            series["ratio"][t, i] = ratio
+            series["each"][t, i] = sc.expert_load_ratio(counts[t:t + 1])[0]
+            if s < health.warmup_steps:
+                continue
+            if ratio > worst[0]:
+                worst = (ratio, devs[top] if top >= 0 else -1, s)
+            if ratio > limit:
+                bad.append(s)
+        worst_all[i] = worst
+        if bad and max(bad) >= start:
+            out.append((("layer", ()), i, _evidence(
+                "expert_load", min(bad), max(bad), worst[0] / limit,
+                f"layer {i}: the expert devices' load was out of bounds at {len(bad)} step(s) after warm-up (worst: "
+                f"device {worst[1]} received {worst[0]:.2f}x the mean of the layer's {len(devs)} expert devices at "
+                f"step {worst[2]}; limit {limit:g}x)")))
+    detail = "; ".join(f"layer {i}: worst {r:.2f}x the mean (device {d})" for i, (r, d, _) in sorted(worst_all.items()))
+    detail += f" (after {health.warmup_steps} warm-up steps; limit {limit:g}x" + \
+              (f", over {W}-step windows" if W > 1 else "") + ")"
+    return {"status": "found" if out else "clear", "detail": detail}, out, series
+
+
 def _loss(run: RunLog, steps, start, cfg: sc.ScreeningConfig, explaining: Mapping[int, str]):
     loss = np.array([np.uint32(run.fingerprints[s].loss_bits).view(np.float32) if s in run.fingerprints else np.nan
                      for s in steps], np.float64)
@@ -452,6 +495,8 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     checks["norm_spike"], checks["norm_drift"], dev, rep_series = _replicas(sig, steps_sig, start, cfg)
     findings += dev
     checks["router"], layer_found, router_series = _router(sig, steps_sig, start, health)
+    checks["expert_load"], load_found, load_series = _expert_load(sig, steps_sig, start, health)
+    layer_found += load_found
     checks["loss_spike"], loss_found, explained, loss_series = _loss(run, steps_fp, start, cfg, explaining)
     findings += loss_found
     checks["loader_stall"], loader_found, loader_series = _loader(sig, steps_sig, start, cfg, restarts)
@@ -476,7 +521,8 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     report = ScanReport(run_dir=run.run_dir, steps=(start, stop), checks=checks, suspects=suspects,
                         explained=explained, suggestion=None,
                         figures=_figures(sig, steps_sig, canary),
-                        series={"replicas": rep_series, "router": router_series, "loss": loss_series,
+                        series={"replicas": rep_series, "router": router_series, "expert_load": load_series,
+                                "loss": loss_series,
                                 "loader": loader_series, "canary": canary or []},
                         limits={**health.to_dict(), "screening": cfg.to_dict()})
     report.suggestion = suggest_replay(run, report)

@@ -42,6 +42,7 @@ from replay.run.protocol import FaultSpec, StepFingerprints
 from replay.run.runlog import RunDirError, RunLog, missing_steps
 from replay.run.codes import Verdict
 from replay.run.setup import RunSetup
+from replay.verify.localize import describe_site
 from replay.verify.verdict import Decision, Evidence, ReplayOutcome, decide
 
 PREFETCH_MIN_STEPS = 8  # stretches this long read batches through the loader's prefetch
@@ -421,6 +422,14 @@ class RangeReport:
     def exit_code(self) -> int:
         return int(self.decision.verdict.exit_code)
 
+    def _site_leaves(self) -> tuple[str, ...]:
+        """The localized leaves of the first divergence (a local-gradient site's layer comes from them)."""
+        for r in self.replays:
+            for diff in r.diffs:
+                if diff.step == self.decision.step and diff.localization is not None:
+                    return diff.localization.leaves
+        return ()
+
     def to_dict(self) -> dict[str, Any]:
         d = self.decision
         return {
@@ -448,6 +457,8 @@ class RangeReport:
             "explanation": d.explanation,
             "first_divergent_step": d.step,
             "convicted_devices": list(d.devices),
+            "first_divergent_site": describe_site(d.site, self._site_leaves()),
+            "reached_devices": list(d.reached),
             "leaves": list(d.leaves),
             "differing_elements": self.differing_elements,
             "independent_replays": d.independent_replays,

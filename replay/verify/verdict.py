@@ -63,14 +63,23 @@ class Divergence:
     Attributes:
       step: global step.
       kind: what differs.
-      devices: device ids of the original run whose contributions differ (sorted).
-      leaves: leaf paths whose fingerprints differ (reduced or on those devices; sorted).
+      devices: device ids of the original run the divergence points at (sorted): whose
+        contributions differ or, when the log has all-to-all send fingerprints, the producers of
+        the first divergent buffer in program order (``replay.verify.localize``).
+      leaves: leaf paths whose fingerprints differ (reduced or on any device; sorted).
+      site: the first divergent send site (``"layer1.combine.forward"``) or ``"local_gradient"``;
+        None when the log has no send fingerprints.
+      reached: every device that differs at the step (the producers' error spread to them).
+      site_label: ``site`` for humans (``"the combine all-to-all of layer 1 (forward pass)"``).
     """
 
     step: int
     kind: DivergenceKind
     devices: tuple[int, ...] = ()
     leaves: tuple[str, ...] = ()
+    site: Optional[str] = None
+    reached: tuple[int, ...] = ()
+    site_label: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +111,8 @@ class Decision:
       leaves: differing leaf paths at ``step``.
       independent_replays: how many replays ran on pairwise independent device assignments.
       explanation: one sentence for humans, with what to do next.
+      site: where the error first appeared at ``step`` (``Divergence.site``), or None.
+      reached: the devices that differ at ``step`` (``Divergence.reached``).
     """
 
     verdict: Verdict
@@ -112,6 +123,8 @@ class Decision:
     leaves: tuple[str, ...]
     independent_replays: int
     explanation: str
+    site: Optional[str] = None
+    reached: tuple[int, ...] = ()
 
 
 def count_independent(assignments: Sequence[Sequence[int]]) -> int:
@@ -146,7 +159,8 @@ def decide(outcomes: Sequence[ReplayOutcome], num_devices: int, *, suspected: Se
             verdict=verdict, cause=cause, evidence=evidence,
             step=None if div is None else div.step, devices=tuple(devices),
             leaves=() if div is None else div.leaves, independent_replays=independent,
-            explanation=explanation,
+            explanation=explanation, site=None if div is None else div.site,
+            reached=() if div is None else div.reached,
         )
 
     if len({o.signature for o in outcomes}) > 1:
@@ -185,10 +199,16 @@ def decide(outcomes: Sequence[ReplayOutcome], num_devices: int, *, suspected: Se
         )
     if div.kind is DivergenceKind.DEVICE and 0 < len(div.devices) < num_devices:
         if independent >= 2:
+            where = ""
+            if div.site is not None:
+                spread = [d for d in div.reached if d not in div.devices]
+                where = (f"; the error first appeared in what device(s) {list(div.devices)} computed at "
+                         f"{div.site_label or div.site}"
+                         + (f", and reached device(s) {spread} only through what they received" if spread else ""))
             return make(
                 Verdict.CONVICTED, Cause.DEVICE_FAULT,
                 f"step {div.step}: {independent} independent replays agree with each other and not with the "
-                f"log on device(s) {list(div.devices)}: convicted of silent data corruption",
+                f"log on device(s) {list(div.devices)}{where}: convicted of silent data corruption",
                 div, div.devices,
             )
         return make(
