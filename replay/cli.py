@@ -287,7 +287,7 @@ def _close(stack, ok=True):
 def _cmd_range(args, console) -> int:
     from replay.verify import engine
     from replay import report
-    from replay.run.runlog import load_run, parse_steps
+    from replay.run.runlog import parse_steps
 
     start, stop = parse_steps(args.steps)
     for name in ("repeats", "placements"):
@@ -295,7 +295,7 @@ def _cmd_range(args, console) -> int:
             raise _Usage(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.tolerance is not None and not 0 < args.tolerance < 1:
         raise _Usage(f"--tolerance must be in (0, 1), got {args.tolerance}")
-    run = load_run(args.run, args.quarantine)
+    run = _load(args.run, args.quarantine)
     _check_outputs(run.run_dir, json=args.json, plot=args.plot)
     run.check_range(start, stop)
     run.checkpoint_for(start)
@@ -322,13 +322,12 @@ def _cmd_canary(args, console) -> int:
     from replay.verify import canary
     from replay.verify import engine
     from replay import report
-    from replay.run.runlog import load_run
 
     if args.repeats < 1:
         raise _Usage(f"--repeats must be >= 1, got {args.repeats}")
     if args.step is not None and args.step < 0:
         raise _Usage(f"--step must be >= 0, got {args.step}")
-    run = load_run(args.run, args.quarantine)
+    run = _load(args.run, args.quarantine)
     _check_outputs(run.run_dir, json=args.json, golden=args.golden)
     session = engine.Session(run)
     if args.rows is not None and not 1 <= args.rows <= session.setup.global_batch:
@@ -355,10 +354,10 @@ def _cmd_inspect(args, console) -> int:
     from replay.verify import engine
     from replay.screen import forensics
     from replay import report
-    from replay.run.runlog import load_run, parse_steps
+    from replay.run.runlog import parse_steps
 
     start, stop = parse_steps(args.steps)
-    run = load_run(args.run)
+    run = _load(args.run)
     _check_outputs(run.run_dir, json=args.json)
     if stop - start > MAX_INSPECT_STEPS:
         raise _Usage(f"--steps {args.steps}: {stop - start} steps; inspect lists at most {MAX_INSPECT_STEPS} a call")
@@ -377,10 +376,10 @@ def _cmd_inspect(args, console) -> int:
 def _cmd_scan(args, console) -> int:
     from replay import report
     from replay.screen import scan
-    from replay.run.runlog import load_run, parse_steps
+    from replay.run.runlog import parse_steps
 
     start, stop = parse_steps(args.steps) if args.steps else (None, None)
-    run = load_run(args.run)
+    run = _load(args.run)
     _check_outputs(run.run_dir, json=args.json, plot=args.plot)
     rep = scan.scan_run(run, start, stop)
     out = rep.to_dict()
@@ -400,13 +399,12 @@ def _cmd_scan(args, console) -> int:
 
 def _cmd_drill(args, console) -> int:
     from replay.verify import engine
-    from replay.run.runlog import load_run
 
     if args.count < 1:
         raise _Usage(f"--count must be >= 1, got {args.count}")
     if args.to_disk and os.path.exists(args.to_disk) and (not os.path.isdir(args.to_disk) or os.listdir(args.to_disk)):
         raise _Usage(f"--to-disk {args.to_disk}: must be a new or empty folder")
-    run = load_run(args.run, args.quarantine)
+    run = _load(args.run, args.quarantine)
     _check_outputs(run.run_dir, json=args.json, to_disk=args.to_disk)
     session = engine.Session(run)
     rng = random.Random(args.seed)
@@ -476,6 +474,21 @@ def _scenario_drills(args, console, session, rng, shown) -> int:
 
 class _Usage(ValueError):
     pass
+
+
+def _load(run_dir: str, quarantine: Optional[str] = None):
+    """``replay.run.runlog.load_run``, then its notes on stderr (e.g. the mixture it rebuilds batches
+    with: the run's own copy when the file changed since), one line each."""
+    from rich.markup import escape
+
+    from replay.report import make_console
+    from replay.run.runlog import load_run
+
+    run = load_run(run_dir, quarantine)
+    err = make_console(stderr=True)
+    for note in run.notes:
+        err.print(f"[yellow]note:[/] {escape(note)}")
+    return run
 
 
 def _check_outputs(run_dir: str, **paths: Optional[str]) -> None:

@@ -153,6 +153,18 @@ def read_screening_logs(run_dir: str) -> tuple[Optional[dict[int, proto.StepSign
     return out[0], out[1]
 
 
+def lineage_screening_logs(run: RunLog) -> tuple[Optional[dict[int, proto.StepSignals]],
+                                                  Optional[list[proto.CanaryRecord]]]:
+    """:func:`read_screening_logs` cut to the run's lineage: no step at or past its end (steps past a
+    pending rewind are superseded: ``replay.run.lineage``), no canary after it."""
+    signals, canary = read_screening_logs(run.run_dir)
+    end = run.lineage.end if run.lineage is not None else None
+    if end is not None:
+        signals = None if signals is None else {s: v for s, v in signals.items() if s < end}
+        canary = None if canary is None else [c for c in canary if c.step <= end]
+    return signals, canary
+
+
 def _run_thresholds(run: RunLog) -> tuple[sc.RouterHealth, sc.ScreeningConfig]:
     try:
         return (sc.RouterHealth.from_dict(run.config.get("router_health")),
@@ -370,7 +382,7 @@ def _loss(run: RunLog, steps, start, cfg: sc.ScreeningConfig, explaining: Mappin
             continue
         why = explaining.get(s) or explaining.get(s - 1)
         rec = {"check": "loss_spike", "step": s, "loss": float(loss[i]), "z": _num(z)}
-        if why:
+        if why and math.isfinite(loss[i]):  # an event may explain a finite spike, never a NaN or Inf loss
             explained.append(dict(rec, explained_by=why))
         else:
             found.append(rec)
@@ -427,7 +439,7 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     from replay.run.runlog import StepRangeError
 
     health, cfg = _run_thresholds(run)
-    signals, canary = read_screening_logs(run.run_dir)
+    signals, canary = lineage_screening_logs(run)
     first, end = run.logged_steps
     start = first if start is None else start
     stop = end if stop is None else stop
@@ -436,7 +448,7 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     steps_fp = sorted(s for s in run.fingerprints if s < stop)
     steps_sig = sorted(s for s in (signals or {}) if s < stop)
     explaining = {}
-    for e in run.events:
+    for e in run.events:  # the lineage's events: a superseded attempt's restore explains nothing
         if e.get("event") in EXPLAINING_EVENTS and isinstance(e.get("step"), int):
             explaining.setdefault(int(e["step"]), e["event"])
     restarts = {int(e["step"]) for e in run.events if e.get("event") in ("start", "restore")
