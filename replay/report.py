@@ -247,11 +247,13 @@ def render_scan(report: Mapping[str, Any], console: Optional[Console] = None) ->
     console.print(checks)
     if report["suspects"]:
         table = Table(title="suspects (ranked)")
-        for col in ("rank", "suspect", "first step", "strength", "evidence"):
+        for col in ("rank", "suspect", "first step", "strength", "evidence", "next"):
             table.add_column(col, overflow="fold")
         for s in report["suspects"]:
             ev = "\n".join(escape(f"[{e['check']}] {e['detail']}") for e in s["evidence"])
-            table.add_row(str(s["rank"]), s["subject"], str(s["first_step"]), f"{s['strength']:.2f}", ev)
+            nxt = s.get("next") or {}
+            table.add_row(str(s["rank"]), s["subject"], str(s["first_step"]), f"{s['strength']:.2f}", ev,
+                          escape(nxt.get("sentence") or ""))
         console.print(table)
     for e in report.get("explained", []):
         console.print(f"loss spike at step {e['step']} coincides with a logged {e['explained_by']} (not a suspect)")
@@ -265,6 +267,10 @@ def render_scan(report: Mapping[str, Any], console: Optional[Console] = None) ->
     console.print(Panel("\n".join(lines), title="scan"), soft_wrap=False)
     if report["suspects"] and report.get("suggested_replay"):  # outside the panel: a command is never broken
         console.print(f"next: {escape(report['suggested_replay'])}")
+    for s in report["suspects"]:
+        cmd = (s.get("next") or {}).get("command")
+        if s["kind"] not in ("device", "replica") and cmd:
+            console.print(f"next for {escape(s['subject'])}: {escape(cmd)}")
 
 
 def plot_scan(scan: Any, path: str) -> None:
@@ -353,3 +359,177 @@ def plot_scan(scan: Any, path: str) -> None:
     os.makedirs(folder, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+_TRIAGE_STYLE = {"suspect": "bold red", "clear": "green", "not available": "yellow"}
+_CAUSE_TEXT = {"hardware": "HARDWARE", "restart": "RESTART OR DATA-ORDER FAULT", "data": "DATA",
+               "router": "ROUTER INSTABILITY", "optimization": "OPTIMIZATION EVENT"}
+
+
+def render_triage(report: Mapping[str, Any], console: Optional[Console] = None) -> None:
+    """Prints a triage report: one panel per check in the order run, then the conclusion panel and the
+    next command (outside the panel, whole)."""
+    console = console or make_console()
+    w = report["window"]
+    loss = report.get("loss")
+    j = report.get("judged_steps") or {"start": report["onset"], "stop": report["step"] + 1}
+    console.print(f"triage of step {report['step']} (onset {report['onset']}; steps {j['start']}..{j['stop'] - 1} judged "
+                  f"against the window {w['start']}..{j['start'] - 1}; "
+                  f"loss {'non-finite' if not report.get('loss_finite') else f'{loss:.4f}'})")
+    for line in report.get("lineage") or []:
+        console.print(f"lineage: {escape(line)}")
+    for n, (name, c) in enumerate(report["checks"].items(), 1):
+        style = _TRIAGE_STYLE.get(c["status"], "")
+        body = [escape(c["summary"])] + [f"  {escape(x)}" for x in c.get("lines", [])[:12]]
+        if len(c.get("lines", [])) > 12:
+            body.append(f"  ... {len(c['lines']) - 12} more line(s) in the JSON report")
+        if c.get("command") and c["status"] != "clear":
+            body.append(f"  to go further: {escape(c['command'])}")
+        console.print(Panel("\n".join(body), title=f"{n}. {name}: [{style}]{c['status'].upper()}[/]",
+                            title_align="left"), soft_wrap=False)
+    con = report["conclusion"]
+    style = "bold green" if con["cause"] == "optimization" else "bold red"
+    lines = [f"[{style}]{_CAUSE_TEXT[con['cause']]}[/] (exit code {con['exit_code']}, confidence "
+             f"{con['confidence']}): {escape(con['explanation'])}", f"advice: {escape(con['advice'])}"]
+    lines += [f"also: {escape(a)}" for a in con.get("also", [])]
+    console.print(Panel("\n".join(lines), title="conclusion", title_align="left"), soft_wrap=False)
+    if con.get("command"):
+        console.print(f"next: {escape(con['command'])}")
+
+
+def plot_triage(rep: Any, path: str) -> None:
+    """Writes the triage dashboard of a ``replay.screen.triage.TriageReport`` over its window: the loss
+    (onset shaded), the per-replica gradient-norm ratio, each layer's router entropy and dropped
+    fraction, an expert-share heatmap (layers x experts over steps), the canary timeline and the
+    loader wait; lineage events as vertical lines on every panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    sig = rep.series.get("signals") or {}
+    lo, hi = rep.window
+    steps = [s for s in range(lo, hi) if s in sig]
+    fig, axes = plt.subplots(7, 1, figsize=(11, 17), sharex=True)
+    events = [e for e in rep.series.get("events", []) if e.get("event") not in ("checkpoint", "end")]
+    colors = {"restore": "tab:green", "phase_change": "tab:purple", "skipped_window": "tab:gray",
+              "skip_window_added": "tab:gray", "canary_mismatch": "tab:red", "config_change": "tab:orange",
+              "rewind": "tab:brown", "start": "tab:green"}
+
+    def mark(ax):
+        for e in events:
+            ax.axvline(e["step"], color=colors.get(e["event"], "tab:blue"), linestyle="--", linewidth=1, alpha=0.8)
+        ax.axvspan(rep.judged[0] - 0.5, rep.judged[1] + 0.5, color="red", alpha=0.08)
+
+    ax = axes[0]
+    loss = rep.series.get("loss") or {}
+    xs = sorted(loss)
+    ax.plot(xs, [loss[s] for s in xs], color="black", linewidth=1)
+    bad = [s for s in xs if not np.isfinite(loss[s])]
+    if bad:
+        ax.plot(bad, [np.nanmax([v for v in loss.values() if np.isfinite(v)] or [0])] * len(bad), "rv",
+                label="non-finite loss")
+    for e in events:
+        ax.text(e["step"], 1.0, e["event"], rotation=90, va="top", ha="right", fontsize=7,
+                transform=ax.get_xaxis_transform(), color=colors.get(e["event"], "tab:blue"))
+    ax.set_ylabel("loss")
+    ax.set_title(f"loss; shaded: the steps judged against the window before them ({rep.judged[0]}..{rep.judged[1]}; "
+                 f"spike onset {rep.onset}); events as dashed lines", fontsize=9)
+    ax = axes[1]
+    scan = rep.series.get("scan")
+    series = (scan.series.get("replicas") if scan is not None else None) or {}
+    sus = set(rep.conclusion.subject.get("devices") or [])
+    if series:
+        for i, rid in enumerate(series["replicas"]):
+            thick = bool(set(series["devices"][i]) & sus)
+            ax.plot(series["steps"], series["log_ratio"][:, i], linewidth=2.2 if thick else 0.8,
+                    label=f"replica {rid} (devices {series['devices'][i]})" + (" suspect" if thick else ""))
+        ax.legend(fontsize=6, ncol=4)
+    else:
+        ax.text(0.5, 0.5, "per-replica norms not available", ha="center", transform=ax.transAxes)
+    ax.set_ylabel("log(norm / median)")
+    ax.set_title("per-replica gradient norm against the cross-replica median", fontsize=9)
+    layers = max((len(sig[s].router) for s in steps), default=0)
+    for ax, field, label in ((axes[2], "entropy", "router entropy (nats)"),
+                             (axes[3], "dropped_fraction", "dropped fraction")):
+        for i in range(layers):
+            ax.plot(steps, [sig[s].router[i].__getattribute__(field) if i < len(sig[s].router) else np.nan
+                            for s in steps], label=f"layer {i}")
+        if layers:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "router figures not available", ha="center", transform=ax.transAxes)
+        ax.set_ylabel(label)
+    axes[2].set_title("router entropy per layer (a collapse drops it)", fontsize=9)
+    axes[3].set_title("router dropped fraction per layer (assignments past expert capacity)", fontsize=9)
+    ax = axes[4]
+    if layers and steps:
+        rows, labels = [], []
+        for i in range(layers):
+            E = len(sig[steps[0]].router[i].expert_share)
+            for e_ in range(E):
+                rows.append([sig[s].router[i].expert_share[e_] * E if i < len(sig[s].router) else np.nan
+                             for s in steps])
+                labels.append(f"L{i} e{e_}")
+        im = ax.imshow(np.asarray(rows), aspect="auto", cmap="viridis", interpolation="nearest",
+                       extent=(steps[0] - 0.5, steps[-1] + 0.5, len(rows) - 0.5, -0.5))
+        ax.set_xlim(lo - 0.5, hi - 0.5)
+        ax.set_yticks(range(len(labels)), labels, fontsize=5 if len(labels) > 24 else 7)
+        fig.colorbar(im, ax=ax, fraction=0.02, pad=0.01, label="share x E (1: uniform)")
+    else:
+        ax.text(0.5, 0.5, "expert shares not available", ha="center", transform=ax.transAxes)
+    ax.set_title("expert share heatmap (each layer's experts; 1 = uniform)", fontsize=9)
+    ax = axes[5]
+    canary = [c for c in rep.series.get("canary", []) if lo <= c.step < hi]
+    if canary:
+        ok = [(c.step, c.device) for c in canary if c.status == "ok"]
+        badc = [(c.step, c.device) for c in canary if c.status != "ok"]
+        if ok:
+            ax.plot(*zip(*ok), "g.", label="agrees")
+        if badc:
+            ax.plot(*zip(*badc), "rx", markersize=9, label="mismatch")
+        ax.legend(fontsize=7)
+        ax.set_ylabel("device")
+    else:
+        ax.text(0.5, 0.5, "no canary in the window (canary_every 0?)", ha="center", transform=ax.transAxes)
+    ax.set_title("periodic canary per device", fontsize=9)
+    ax = axes[6]
+    waits = [(s, sig[s].loader_wait_s) for s in steps if sig[s].loader_wait_s is not None]
+    if waits:
+        ax.plot([w[0] for w in waits], [max(w[1], 1e-6) * 1e3 for w in waits], label="loader wait")
+        st = [(s, sig[s].step_time_s) for s in steps if sig[s].step_time_s is not None]
+        if st:
+            ax.plot([w[0] for w in st], [w[1] * 1e3 for w in st], alpha=0.6, label="step time")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "loader waits not available", ha="center", transform=ax.transAxes)
+    ax.set_ylabel("ms")
+    ax.set_title("loader wait against step time", fontsize=9)
+    ax.set_xlabel("step")
+    for ax in axes:
+        mark(ax)
+    con = rep.conclusion
+    fig.suptitle(f"replay triage of step {rep.step} in {rep.run_dir}\n{_CAUSE_TEXT[con.cause]} "
+                 f"({con.confidence}): {con.explanation[:140]}", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(path, dpi=85)
+    plt.close(fig)
+
+
+def render_triage_drills(res: Mapping[str, Any], console: Optional[Console] = None) -> None:
+    """Prints the table of ``replay drill --scenario`` triage drills: per scenario, expected, found and
+    correct over the seeds."""
+    console = console or make_console()
+    table = Table(title=f"triage drills: {res['correct']} of {res['total']} correct "
+                        f"({res.get('seconds', 0):.0f} s)")
+    for col in ("scenario", "expected", "found (per seed)", "correct"):
+        table.add_column(col, overflow="fold")
+    for name, sc in res["scenarios"].items():
+        found = "; ".join(f"seed {r['seed']}: {r['found_text']}" for r in sc["runs"])
+        style = "green" if sc["correct"] == sc["total"] else "red"
+        table.add_row(name, escape(sc["expected_text"]), escape(found), f"[{style}]{sc['correct']}/{sc['total']}[/]")
+    console.print(table)

@@ -73,6 +73,7 @@ class Suspect:
       first_step: the earliest step of its evidence.
       strength: its strongest evidence's strength (>= 1 means at or past that check's threshold).
       evidence: every finding about it, strongest kind first.
+      next: what to do about it, ``{"command": str or None, "sentence": str}`` (:func:`next_step`).
     """
 
     kind: str
@@ -81,6 +82,7 @@ class Suspect:
     first_step: int
     strength: float
     evidence: tuple[Evidence, ...]
+    next: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # {"command", "sentence"}: what to do next
 
     def rank_key(self) -> tuple:
         best = min(CHECKS.index(e.check) for e in self.evidence)
@@ -89,7 +91,7 @@ class Suspect:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "subject": self.subject, "devices": list(self.devices),
                 "first_step": self.first_step, "strength": _num(self.strength),
-                "evidence": [e.to_dict() for e in self.evidence]}
+                "evidence": [e.to_dict() for e in self.evidence], "next": dict(self.next)}
 
 
 def _num(v: float) -> Any:
@@ -485,6 +487,7 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
                                 first_step=min(e.first_step for e in evs), strength=max(e.strength for e in evs),
                                 evidence=tuple(evs)))
     suspects.sort(key=Suspect.rank_key)
+    suspects = [dataclasses.replace(x, next=next_step(run, x)) for x in suspects]
     report = ScanReport(run_dir=run.run_dir, steps=(start, stop), checks=checks, suspects=suspects,
                         explained=explained, suggestion=None,
                         figures=_figures(sig, steps_sig, canary),
@@ -511,6 +514,39 @@ def _figures(signals, steps, canary) -> dict[str, Any]:
     return out
 
 
+def next_step(run: RunLog, suspect: Suspect) -> dict[str, Any]:
+    """What to do about a suspect: ``{"command": a command or None, "sentence": what it is for}``.
+
+    A device or replica: the range replay of its checkpoint segment on good devices (a conviction
+    names the device). A router layer or a loss spike: ``replay triage`` at its last step (events,
+    replicas, data and router, in order). The loader: a sentence (the loader is fed too slowly).
+    """
+    import shlex
+
+    quoted = shlex.quote(run.run_dir)
+    last = max(e.last_step for e in suspect.evidence)
+    if suspect.kind in ("device", "replica"):
+        first, end = run.logged_steps
+        a = max(suspect.first_step, first)
+        later = [c for c in run.checkpoints if c > a]
+        b = max(min(later[0] if later else end, end), min(a + 1, end))
+        return {"command": f"replay --run {quoted} --steps {a}:{b} --devices good",
+                "sentence": f"replay the steps from {a} on good devices: a conviction names the device, step and "
+                            f"tensor; then quarantine {_device_names(suspect.devices)}"}
+    if suspect.kind == "layer":
+        return {"command": f"replay triage --run {quoted} --step {last}",
+                "sentence": f"{suspect.subject}'s routing is out of bounds from step {suspect.first_step}: triage "
+                            "tells router instability (lower the router's learning rate or restore its z-loss, and "
+                            "rewind) from a data or hardware cause"}
+    if suspect.kind == "loader":
+        return {"command": None,
+                "sentence": "the trainer waited for data: raise the loader's prefetch or workers, or look at the "
+                            "storage's read latency at those steps (the data is not wrong, only late)"}
+    return {"command": f"replay triage --run {quoted} --step {last}",
+            "sentence": f"walk the spike at step {last}: events, replicas, data and router, in order; with no "
+                        "cause found it prints the rewind and skip"}
+
+
 def suggest_replay(run: RunLog, report: ScanReport) -> Optional[str]:
     """The range replay to run for the top device suspect: from its first step to the end of that
     checkpoint segment (at most), on the good devices; None without a device suspect."""
@@ -533,3 +569,74 @@ def write_suspects(report: ScanReport) -> str:
     path = os.path.join(report.run_dir, proto.SUSPECTS_NAME)
     write_json(report.to_dict(), path)
     return path
+
+
+# ----------------------------------------------------------------------------- follow
+
+
+def suspect_key(s: Mapping[str, Any]) -> tuple:
+    """A suspect's identity across looks at a growing run (its subject and kinds of evidence)."""
+    return (s["kind"], s["subject"], tuple(sorted({e["check"] for e in s["evidence"]})))
+
+
+def follow(run_dir: str, *, on_new: Any, on_first: Any = None, interval: float = 2.0, timeout: Optional[float] = None,
+           on_look: Any = None, sleep: Any = None, clock: Any = None) -> dict[str, Any]:
+    """Watches a run directory as it grows (``replay scan --follow``): each time new steps have landed,
+    scans the lineage again and reports each suspect not seen before.
+
+    Args:
+      on_new: called with ``(suspect dict, report dict)`` for each new suspect.
+      on_first: called once, with the first suspect ever seen and the report (``--on-suspect``).
+      interval: seconds between looks; timeout: stop after this many seconds (None: when the run ends).
+      on_look: called with ``(report dict or None, steps scored)`` after each look that scanned.
+      sleep, clock: ``time.sleep`` and ``time.monotonic`` (tests pass their own).
+
+    Returns:
+      ``{"looks", "steps", "suspects" (every suspect seen, in order), "ended" (the run logged its end),
+      "report" (the last scan's dict or None)}``.
+
+    The run has ended when the lineage's current attempt logged ``end`` or ``stopped`` at or after
+    its last step; a directory that is not a run yet (no step logged) is waited for.
+    """
+    import time
+
+    from replay.run.runlog import load_run
+
+    sleep = sleep or time.sleep
+    clock = clock or time.monotonic
+    t0 = clock()
+    seen: dict[tuple, dict[str, Any]] = {}
+    last_steps, looks, last, ended, first_done = -1, 0, None, False, False
+    while True:
+        looks += 1
+        try:
+            run = load_run(run_dir)
+        except RunDirError:
+            run = None
+        if run is not None:
+            steps = len(run.fingerprints)
+            if steps != last_steps:
+                last_steps = steps
+                last = scan_run(run).to_dict()
+                for sus in last["suspects"]:
+                    key = suspect_key(sus)
+                    if key in seen:
+                        continue
+                    seen[key] = sus
+                    on_new(sus, last)
+                    if on_first is not None and not first_done:
+                        first_done = True
+                        on_first(sus, last)
+                if on_look is not None:
+                    on_look(last, steps)
+            cur = run.lineage.current if run.lineage else None
+            ends = [e for e in run.events if e.get("event") in ("end", "stopped")
+                    and (cur is None or e.get("attempt") in (None, cur.id))]
+            ended = bool(ends) and max(int(e["step"]) for e in ends) >= run.logged_steps[1] - 1
+            if ended:
+                break
+        if timeout is not None and clock() - t0 >= timeout:
+            break
+        sleep(interval)
+    return {"looks": looks, "steps": max(last_steps, 0), "suspects": list(seen.values()), "ended": ended,
+            "report": last}
