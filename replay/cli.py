@@ -131,6 +131,14 @@ exit codes:
   5  run directory or data error
 """
 
+GOODPUT_EXIT_HELP = """\
+exit codes:
+  0  the report was made (every part of the wall time accounted; parts the log cannot tell are
+     reported as unknown)
+  2  usage error (bad option, --peak-flops not a finite number > 0)
+  5  run directory or data error (unknown run, malformed log, no attempt to account for)
+"""
+
 MAX_INSPECT_STEPS = 10_000
 
 DRILL_NOT_CAUGHT = int(ExitCode.DRILL_NOT_CAUGHT)
@@ -151,7 +159,7 @@ def _positive_float(text: str) -> float:
 RUN_HELP = ("the training run directory (run_config.yaml, env.json, fingerprints.jsonl, ...); default: "
             "$REPLAY_RUN, else the current folder if it is a run directory")
 
-COMMANDS = ("range", "canary", "inspect", "scan", "triage", "skip", "drill")
+COMMANDS = ("range", "canary", "inspect", "scan", "triage", "skip", "goodput", "drill")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -193,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _TopParser(
         prog="replay",
         usage="replay [range] [--run DIR] --steps A:B [--devices SPEC] [range options]\n"
-              "       replay {canary,inspect,scan,triage,skip,drill} [--run DIR] [options]   "
+              "       replay {canary,inspect,scan,triage,skip,goodput,drill} [--run DIR] [options]   "
               "(replay COMMAND --help)",
         description="Triage a training run: rerun step ranges and canary batches on chosen devices, diff\n"
                     "gradient fingerprints against the run's log and give a silent-data-corruption verdict;\n"
@@ -204,10 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "  replay scan --run DIR [--steps A:B]             screen the logs alone, rank suspects\n"
                     "  replay triage --run DIR --step S                walk a loss spike: events, replicas, data, router\n"
                     "  replay skip --run DIR --steps A:B --reason R    rewind before a spike and skip its data window\n"
+                    "  replay goodput --run DIR                        where the run's time and tokens went\n"
                     "  replay drill --run DIR                          inject a fault, prove it is caught\n\n"
                     "--run DIR may be left out: $REPLAY_RUN, else the current folder if it is a run directory.",
         epilog=DEVICE_SPEC_HELP + "\n" + VERDICT_HELP, formatter_class=fmt)
-    sub = parser.add_subparsers(dest="command", title="commands", metavar="{range,canary,inspect,scan,triage,skip,drill}",
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="{range,canary,inspect,scan,triage,skip,goodput,drill}",
                                 parser_class=_Parser)
 
     r = sub.add_parser("range", prog="replay range", help="rerun steps and diff them with the log (the default)",
@@ -313,6 +322,21 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--reason", required=True, help="why (recorded in the events)")
     k.add_argument("--checkpoint", type=int, metavar="C", help="the checkpoint to rewind to (default: newest <= A)")
     k.add_argument("--json", metavar="OUT", help="write what was recorded as JSON here")
+
+    g = sub.add_parser("goodput", prog="replay goodput", help="where the run's wall time and tokens went",
+                       description="From the run directory alone: the wall time from the first launch to the last "
+                                   "record split into productive step time of the lineage, start-up, compilation, "
+                                   "checkpoint save stalls and restores, work lost to crashes, rewound work, steps "
+                                   "trained on later-skipped data, loader waits, the canary, gaps between attempts, "
+                                   "the loop's other host time and what the log cannot tell (unknown); the parts "
+                                   "add up exactly. Tokens split the same way and reconcile with the loader's "
+                                   "step -> rows arithmetic. MFU per step from the trainer's logged FLOPs.",
+                       epilog=GOODPUT_EXIT_HELP, formatter_class=fmt)
+    g.add_argument("--run", metavar="DIR", help=RUN_HELP)
+    g.add_argument("--json", metavar="OUT", help="write the full report as JSON here")
+    g.add_argument("--plot", metavar="OUT.png", help="write the waterfall and goodput over time")
+    g.add_argument("--peak-flops", type=_positive_float, metavar="F",
+                   help="peak FLOP/s of one device for MFU (default: a table of known device kinds)")
 
     d = sub.add_parser("drill", prog="replay drill", help="inject a bit flip, check replay and canary catch it",
                        description="Flip one bit (chosen, or random from --seed) in one device's local gradient "
@@ -593,6 +617,23 @@ def _cmd_skip(args, console) -> int:
     return int(ExitCode.ACQUITTED)
 
 
+def _cmd_goodput(args, console) -> int:
+    from replay import report
+    from replay.screen import goodput
+
+    run = _load(args.run)
+    _check_outputs(run.run_dir, json=args.json, plot=args.plot)
+    rep = goodput.account(run, peak_flops=args.peak_flops)
+    out = rep.to_dict()
+    report.render_goodput(out, console)
+    if args.json:
+        report.write_json(out, args.json)
+    if args.plot:
+        report.plot_goodput(rep, args.plot)
+        console.print(f"waterfall and goodput over time: {args.plot}")
+    return int(ExitCode.ACQUITTED)
+
+
 def _cmd_drill(args, console) -> int:
     from replay.verify import engine
 
@@ -867,7 +908,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on read-only restores are not news
     handlers = {"range": _cmd_range, "canary": _cmd_canary, "inspect": _cmd_inspect, "scan": _cmd_scan,
-                "triage": _cmd_triage, "skip": _cmd_skip,
+                "triage": _cmd_triage, "skip": _cmd_skip, "goodput": _cmd_goodput,
                 "drill": _cmd_drill}
 
     def fail(kind: str, message: str, code: ExitCode) -> int:

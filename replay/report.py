@@ -21,6 +21,15 @@ _VERDICT_STYLE = {"convicted": "bold red", "acquitted": "bold green", "ambiguous
 PIPED_WIDTH = 160  # columns of a table when the output is a pipe or a file (which have no width)
 
 
+def _save(fig: Any, path: str, dpi: int) -> None:
+    """Writes a matplotlib figure to ``path`` (its folder made) and closes it."""
+    import matplotlib.pyplot as plt
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def make_console(stderr: bool = False) -> Console:
     """The console of every message and report of the ``replay`` command: one width policy.
 
@@ -226,10 +235,7 @@ def plot_range(report: Mapping[str, Any], path: str) -> None:
         title += f", device(s) {report['convicted_devices']}"
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path, dpi=100)
 
 
 _CHECK_STYLE = {"found": "bold red", "clear": "green", "not available": "yellow"}
@@ -355,10 +361,7 @@ def plot_scan(scan: Any, path: str) -> None:
     verdict = "SUSPECTS: " + ", ".join(s.subject for s in scan.suspects[:4]) if scan.suspects else "CLEAN"
     fig.suptitle(f"replay scan of {scan.run_dir}: {verdict}", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.98))
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    _save(fig, path, dpi=90)
 
 
 _TRIAGE_STYLE = {"suspect": "bold red", "clear": "green", "not available": "yellow"}
@@ -514,10 +517,7 @@ def plot_triage(rep: Any, path: str) -> None:
     fig.suptitle(f"replay triage of step {rep.step} in {rep.run_dir}\n{_CAUSE_TEXT[con.cause]} "
                  f"({con.confidence}): {con.explanation[:140]}", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fig.savefig(path, dpi=85)
-    plt.close(fig)
+    _save(fig, path, dpi=85)
 
 
 def render_triage_drills(res: Mapping[str, Any], console: Optional[Console] = None) -> None:
@@ -533,3 +533,122 @@ def render_triage_drills(res: Mapping[str, Any], console: Optional[Console] = No
         style = "green" if sc["correct"] == sc["total"] else "red"
         table.add_row(name, escape(sc["expected_text"]), escape(found), f"[{style}]{sc['correct']}/{sc['total']}[/]")
     console.print(table)
+
+
+def _dur(s: float) -> str:
+    return f"{s:.3f} s" if abs(s) < 120 else f"{s / 60:.1f} min" if abs(s) < 7200 else f"{s / 3600:.2f} h"
+
+
+def render_goodput(report: Mapping[str, Any], console: Optional[Console] = None) -> None:
+    """Prints a goodput report: the time table (every part, seconds, share of the wall time and
+    ml-goodput-measurement's kind), the step and token ledger, MFU, and the headline line last."""
+    console = console or make_console()
+    wall = report["wall_s"]
+    table = Table(title=f"where the wall time went ({_dur(wall)}, first launch to last record)")
+    for col, j in (("part", "left"), ("time", "right"), ("share", "right"), ("ml-goodput-measurement", "left")):
+        table.add_column(col, justify=j)
+    for name, p in report["time"].items():
+        if not p["us"] and name not in ("productive", "unknown"):
+            continue
+        style = "bold green" if name == "productive" else ("yellow" if name == "unknown" else "")
+        share = "" if p["share"] is None else f"{p['share']:.1%}"
+        table.add_row(f"[{style}]{escape(p['what'])}[/]" if style else escape(p["what"]), _dur(p["s"]), share,
+                      p["ml_goodput_measurement"])
+    table.caption = ("the parts add up to the wall time exactly" if report["time_adds_up"] else
+                     "THE PARTS DO NOT ADD UP (a bug: please report)")
+    console.print(table)
+    ledger = Table(title="steps and tokens trained (tokens: global batch x seq_len slots)")
+    for col in ("part", "steps", "tokens", "non-padding tokens"):
+        ledger.add_column(col, justify="left" if col == "part" else "right")
+    names = {"productive": "the lineage (kept)", "lost": "lost to crashes (redone after a resume)",
+             "rewound": "rewound (rollback or rewind)", "skipped_window": "trained on data later skipped",
+             "skipped_data": "data skipped by the lineage (never trained)"}
+    for k, label in names.items():
+        tok = report["tokens"].get(k)
+        npad = report["nonpad_tokens"].get(k)
+        ledger.add_row(label, str(report["steps"].get(k, 0)), "unknown" if tok is None else f"{tok:,}",
+                       "unknown" if npad is None else f"{npad:,}")
+    rec = report["reconcile"]
+    ledger.caption = (f"reconciles with the loader's arithmetic: {rec['data_steps_add_up']} "
+                      f"(data steps {rec['lineage_data_steps'][0]}:{rec['lineage_data_steps'][1]} = lineage + "
+                      "skipped data); trained steps by attempt: "
+                      f"{rec['trained_steps_by_attempt']} = {rec['trained_steps']}")
+    console.print(ledger)
+    for line in report.get("unknown") or []:
+        console.print(f"[yellow]unknown:[/] {escape(line)}")
+    mfu = report["mfu"]
+    if mfu.get("status") == "ok":
+        console.print(f"MFU (median of the lineage's steps): {mfu['median']:.2%} ({mfu['devices']} x "
+                      f"{mfu['device_kind']} at {mfu['peak_flops']:.3g} FLOP/s, {mfu['flops_per_step']:.3g} model "
+                      "FLOPs a step)" + (f"; {mfu['note']}" if mfu.get("note") else ""))
+    else:
+        console.print(f"MFU: {escape(mfu.get('status', 'not available'))}")
+    y = report["young"]
+    if y.get("status") == "ok":
+        console.print(f"Young's checkpoint interval sqrt(2 x {y['checkpoint_cost_s']:.3f} s x MTBF {_dur(y['mtbf_s'])}) "
+                      f"= {_dur(y['optimal_interval_s'])}" + (f"; this run checkpoints every {_dur(y['interval_s'])}"
+                                                               if y.get("interval_s") else ""))
+    else:
+        console.print(f"Young's checkpoint interval: {escape(y.get('status', 'not available'))}")
+    from replay.screen.goodput import headline
+
+    headline = f"[bold]{escape(headline(report))}[/]"
+    console.print(Panel(headline, title="goodput"), soft_wrap=False)
+
+
+def plot_goodput(rep: Any, path: str) -> None:
+    """Writes a ``replay.screen.goodput.GoodputReport``'s picture: the waterfall (100% of the wall time,
+    each part that is not productive taken off in turn, to the net goodput) and goodput over time
+    (productive time so far over elapsed time) with restores and rewinds as vertical lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from replay.screen.goodput import PART_TEXT, PARTS
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 9.5))
+    wall = rep.wall_us or 1
+    level = 100.0
+    labels, bottoms, heights, colors = ["wall time"], [0.0], [100.0], ["#4c72b0"]
+    for p in PARTS:
+        if p == "productive" or not rep.time_us[p]:
+            continue
+        share = 100.0 * rep.time_us[p] / wall
+        level -= share
+        labels.append(PART_TEXT[p].split(":")[0].split(" (")[0])
+        bottoms.append(level)
+        heights.append(share)
+        colors.append("#c44e52" if p not in ("unknown",) else "#cccccc")
+    labels.append("goodput")
+    bottoms.append(0.0)
+    heights.append(100.0 * rep.time_us["productive"] / wall)
+    colors.append("#55a868")
+    xs = range(len(labels))
+    ax1.bar(xs, heights, bottom=bottoms, color=colors)
+    for x, b, h in zip(xs, bottoms, heights):
+        ax1.text(x, b + h + 0.8, f"{h:.1f}%", ha="center", fontsize=8)
+    ax1.set_xticks(list(xs), labels, rotation=30, ha="right", fontsize=8)
+    ax1.set_ylabel("% of the wall time")
+    ax1.set_ylim(0, 108)
+    ax1.set_title(f"waterfall: 100% of {rep.wall_us / 1e6:.1f} s, each badput part taken off, to the goodput "
+                  f"{100 * rep.goodput:.1f}%" if rep.wall_us else "no wall time recorded", fontsize=10)
+    if rep.timeline:
+        t = [x for x, _ in rep.timeline]
+        g = [100.0 * p / x if x > 0 else 0.0 for x, p in rep.timeline]
+        ax2.plot(t, g, color="#55a868", linewidth=1.5, label="goodput so far (productive / elapsed)")
+        ax2.legend(fontsize=8, loc="lower right")
+    else:
+        ax2.text(0.5, 0.5, "no per-step timestamps logged", ha="center", transform=ax2.transAxes)
+    ax2.set_ylim(0, 100)
+    for x, kind, step in rep.events:
+        color = {"start": "tab:green", "restore": "tab:orange", "rewind": "tab:red", "skip_window": "tab:purple"}.get(
+            kind, "tab:gray")
+        ax2.axvline(x, color=color, linestyle="--", linewidth=1)
+        ax2.text(x, 98, f"{kind} {step}", rotation=90, va="top", ha="right", fontsize=7, color=color)
+    ax2.set_xlabel("seconds since the first launch")
+    ax2.set_ylabel("goodput so far (%)")
+    ax2.set_title("goodput over time; starts, restores, rewinds and skip windows as dashed lines", fontsize=10)
+    fig.suptitle(f"replay goodput of {rep.run_dir}", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    _save(fig, path, dpi=90)

@@ -235,11 +235,9 @@ def test_drill_options_are_checked():
     assert main(["drill", "--magnitude", "0", "--scenario", "drift"]) == ExitCode.USAGE
 
 
-@pytest.fixture(scope="module")
-def drills(tmp_path_factory):
-    from replay import triage_drill
-
-    return triage_drill.Drills(str(tmp_path_factory.mktemp("triage_drills")))
+@pytest.fixture
+def drills(triage_drills):
+    return triage_drills
 
 
 @pytest.mark.parametrize("scenario", ["sdc", "restart", "data", "router", "clean"])
