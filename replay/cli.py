@@ -261,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--run", metavar="DIR", help=RUN_HELP + " (its run config names the dataset)")
     i.add_argument("--steps", metavar="A:B", required=True, help="A:B (half-open) or A")
     i.add_argument("--text", action="store_true",
-                   help="decode each document's tokens with the dataset's tokenizer (normalized text: below)")
+                   help="decode each document's tokens with the dataset's tokenizer (normalized text: below); the "
+                        "table shows the start of each, --json OUT the whole text")
     i.add_argument("--json", metavar="OUT",
                    help="write the full report (every row and document, with its token_ids) as JSON here")
     i.add_argument("--max-rows", type=int, default=200, help="documents shown in the table (default 200; the JSON has all)")
@@ -372,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _progress(args, label, unit="step"):
+def _progress(args, label, unit="step", breakdown=None, first=None):
     """A ``total -> advance`` factory (what ``replay_range`` and ``run_canary`` take) of counted
     ``replay.run.progress`` progress on stderr, and the list that :func:`_close` closes."""
     from replay.run.progress import StepProgress
@@ -380,7 +381,8 @@ def _progress(args, label, unit="step"):
     stack = []
 
     def factory(total):
-        shown = StepProgress(label, 0, total, unit=unit, counted=True, enabled=not args.no_progress)
+        shown = StepProgress(label, 0, total, unit=unit, counted=True, enabled=not args.no_progress,
+                             breakdown=breakdown, first=first)
         stack.append(shown)
         return shown.advance
 
@@ -393,9 +395,10 @@ def _close(stack, ok=True):
         stack.pop().close(ok)
 
 
-def _with_progress(args, label, work, unit="step"):
-    """``work(progress factory)`` with :func:`_progress` shown and closed (where it stopped, on an error)."""
-    factory, stack = _progress(args, label, unit=unit)
+def _with_progress(args, label, work, unit="step", **shown):
+    """``work(progress factory)`` with :func:`_progress` shown (``shown``: its ``breakdown`` and
+    ``first``) and closed (where it stopped, on an error)."""
+    factory, stack = _progress(args, label, unit=unit, **shown)
     try:
         out = work(factory)
     except BaseException:
@@ -419,11 +422,15 @@ def _cmd_range(args, console) -> int:
     run = _load(args.run, args.quarantine)
     _check_outputs(run.run_dir, json=args.json, plot=args.plot)
     run.check_range(start, stop)
-    run.checkpoint_for(start)
+    ckpt = run.checkpoint_for(start)
     session = engine.Session(run)
+    n, times = stop - ckpt, f" x {args.repeats} repeats" if args.repeats > 1 else ""
     rep = _with_progress(args, f"replay {start}:{stop}", lambda factory: engine.replay_range(
         session, start, stop, device_spec=args.devices, repeats=args.repeats, tolerance=args.tolerance,
-        allow_env_drift=args.allow_env_drift, progress=factory, replays=args.placements))
+        allow_env_drift=args.allow_env_drift, progress=factory, replays=args.placements),
+        breakdown=f"{n} step{'s' if n > 1 else ''} from checkpoint {ckpt} x "
+                  f"{args.placements} placement{'s' if args.placements > 1 else ''}{times}",
+        first=f"restoring checkpoint {ckpt} and compiling the step: the first step takes longer")
     out = rep.to_dict()
     report.render_range(out, console)
     if args.json:
@@ -821,22 +828,23 @@ def _pin_determinism_flags(run_dir: Optional[str]) -> list[str]:
     return added
 
 
-def _with_steps(typed: Sequence[str], steps: str) -> list[str]:
-    """The command line ``typed`` (as the user gave it, without ``replay``) with ``--steps`` set to ``steps``."""
+def _with_steps(typed: Sequence[str], steps: str, option: str = "--steps") -> list[str]:
+    """The command line ``typed`` (as the user gave it, without ``replay``) with ``--steps`` (or
+    ``option``) set to ``steps``."""
     out, replaced, skip = [], False, False
     for n, tok in enumerate(typed):
         if skip:
             skip = False
             continue
-        if tok == "--steps" and n + 1 < len(typed):
-            out += ["--steps", steps]
+        if tok == option and n + 1 < len(typed):
+            out += [option, steps]
             replaced = skip = True
-        elif tok.startswith("--steps="):
-            out.append(f"--steps={steps}")
+        elif tok.startswith(f"{option}="):
+            out.append(f"{option}={steps}")
             replaced = True
         else:
             out.append(tok)
-    return out if replaced else [*out, "--steps", steps]
+    return out if replaced else [*out, option, steps]
 
 
 def _next_commands(typed: Sequence[str], args, e) -> list[tuple[str, str]]:
@@ -927,7 +935,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             err.print(f"{'next' if n == 0 else '  or'}: {escape(command)}   ({why})")
         return code
     except (RunDirError, ConfigError, TokenizerUnavailableError, FileNotFoundError, PairingError) as e:
-        return fail("run directory or data error", str(e), ExitCode.RUN_ERROR)
+        code = fail("run directory or data error", str(e), ExitCode.RUN_ERROR)
+        if getattr(e, "nearest", None):  # a run directory that is not there: the same command on the nearest
+            err.print(f"next: {escape(shlex.join(['replay', *_with_steps(typed, e.nearest, '--run')]))}")
+        return code
     except OSError as e:  # e.g. permission denied, disk full, on a run file or an output file
         what = f"cannot read or write {e.filename}: " if e.filename else ""
         return fail("run directory or data error", f"{what}{e.strerror or e}", ExitCode.RUN_ERROR)

@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
+from replay.run.progress import loss_text
 from replay.run.writer import write_json  # noqa: F401  (reports are written with report.write_json)
 
 _VERDICT_STYLE = {"convicted": "bold red", "acquitted": "bold green", "ambiguous": "bold yellow"}
@@ -93,7 +94,7 @@ def render_range(report: Mapping[str, Any], console: Optional[Console] = None, m
             cell = "[green]match[/]" if s["ok"] else (
                 f"[red]{s['kind']}[/]" + (f" dev {[int(k) for k in s['devices']]}" if s["devices"] else ""))
             rows.setdefault(s["step"], [""] * len(replays))[col] = cell
-            losses[s["step"]] = f"{s['loss']['logged']}"
+            losses[s["step"]] = loss_text(s["loss"]["logged"])  # a float, or "nan"/"inf" (JSON)
     steps = sorted(rows)
     shown = steps if len(steps) <= max_rows else [
         s for s in steps if any("match" not in c for c in rows[s])][:max_rows] or steps[:max_rows]
@@ -132,48 +133,108 @@ def render_canary(report: Mapping[str, Any], console: Optional[Console] = None) 
                         f"{report['explanation']}", title="canary verdict"), soft_wrap=False)
 
 
+INSPECT_TEXT_CHARS = 80  # characters of a document's text (its repr) shown in the inspect table
+
+
+def _whole_cells_width(columns: list[list[str]], shrinkable: int = 0) -> int:
+    """Columns a Rich table (default box, padding 1) needs for these cells unbroken, plus
+    ``shrinkable`` columns' minimum widths (the text column)."""
+    from rich.cells import cell_len
+
+    return sum(max(map(cell_len, col)) + 3 for col in columns) + 1 + shrinkable
+
+
+def _print_whole(console: Console, renderable: Any, width: int) -> None:
+    """Prints ``renderable`` laid out ``width`` columns wide, wider than the console when need be
+    (``Console.print(width=)`` never exceeds the console's width), lines never cropped."""
+    from rich.segment import Segments
+
+    if width <= console.width:
+        console.print(renderable)
+        return
+    console.print(Segments(console.render(renderable, console.options.update_width(width))), crop=False)
+
+
 def render_inspect(report: Mapping[str, Any], console: Optional[Console] = None, max_rows: int = 200) -> None:
-    """Prints an inspect report: documents per step and row, a per-source summary, shards touched."""
+    """Prints an inspect report: documents per step and row, a per-source summary, shards touched.
+
+    Keys and paths are never broken or cut, on a terminal or in a pipe: their columns do not wrap,
+    and a table wider than the console is printed at its own width (a terminal folds such lines
+    where it likes, a pipe or ``less -S`` keeps each whole). Only the text column (``--text``, the
+    first ``INSPECT_TEXT_CHARS`` characters of each document's repr) is cut, with ``…``; a line
+    under the table says how to see the whole text (``--json OUT``).
+    """
     console = console or make_console()
-    table = Table(title=f"documents in steps {report['steps']['start']}:{report['steps']['stop']}")
-    for col in ("step", "row", "source", "document key", "chunk", "span", "shard", "record"):
-        table.add_column(col, overflow="fold")
+    with_ids = any("id" in d for r in report["rows"] for d in r["documents"])
+    heads = ("step", "row", "source", "document key", *(("document id",) if with_ids else ()), "chunk", "span",
+             "shard", "record")
     with_text = any("text" in d for r in report["rows"] for d in r["documents"])
-    if with_text:
-        table.add_column("text")
-    n = 0
+    rows, texts, cut = [], [], False
     for r in report["rows"]:
         for d in r["documents"]:
-            if n >= max_rows:
+            if len(rows) >= max_rows:
                 break
-            cells = [str(r["step"]), str(r["position"]), r["source"], d["key"], str(d["chunk"]),
-                     f"{d['span'][0]}:{d['span'][1]}", r["shard"], str(r["record_in_shard"])]
+            rows.append([str(r["step"]), str(r["position"]), r["source"], d["key"],
+                         *([d.get("id", "")] if with_ids else []), str(d["chunk"]),
+                         f"{d['span'][0]}:{d['span'][1]}", r["shard"], str(r["record_in_shard"])])
             if with_text:
                 text = repr(d.get("text", ""))  # a repr: newlines and control characters stay visible
-                cells.append(text if len(text) <= 80 else text[:79] + "…")
-            table.add_row(*cells)
-            n += 1
-    console.print(table)
+                cut = cut or len(text) > INSPECT_TEXT_CHARS
+                texts.append(text if len(text) <= INSPECT_TEXT_CHARS else text[:INSPECT_TEXT_CHARS - 1] + "…")
+    columns = [[h, *(row[i] for row in rows)] for i, h in enumerate(heads)]
+    text_min = 24 + 3 if with_text else 0
+    need = _whole_cells_width(columns, text_min)
+    width = max(console.width, need)
+    table = Table(title=f"documents in steps {report['steps']['start']}:{report['steps']['stop']}")
+    for h in heads:
+        table.add_column(h, no_wrap=True, justify="right" if h in ("step", "row", "chunk", "record") else "left")
+    if with_text:  # the rest of the width, at most the text's: cut with "…", never wrapped
+        room = min(max(width - need + text_min - 3, 24), max((len(x) for x in texts), default=4))
+        table.add_column("text", no_wrap=True, overflow="ellipsis", width=max(room, 4))
+    for n, row in enumerate(rows):
+        table.add_row(*row, *([texts[n]] if with_text else []))
+    _print_whole(console, table, width)
     total = sum(len(r["documents"]) for r in report["rows"])
-    if total > n:
-        console.print(f"showing the first {n} of {total} documents: --max-rows {total} shows all, "
+    if total > len(rows):
+        console.print(f"showing the first {len(rows)} of {total} documents: --max-rows {total} shows all, "
                       "--json OUT writes every document with its token ids")
+    if with_text and (cut or any(len(x) > room for x in texts)):
+        console.print("text: the start of each document (its repr, cut with …); --json OUT writes each whole, "
+                      "with its token ids")
+    if console.is_terminal and need > console.width:
+        console.print(f"(the table is {need} columns wide and this terminal {console.width}: keys and paths are "
+                      "whole; pipe through 'less -S' to see it unfolded)")
     summary = Table(title="per source")
     for col in ("source", "rows", "documents", "tokens", "padding"):
-        summary.add_column(col, justify="right")
+        summary.add_column(col, justify="right", no_wrap=True)
     for name, s in sorted(report["sources"].items()):
         summary.add_row(name, str(s["rows"]), str(s["documents"]), str(s["tokens"]), str(s["padding"]))
     console.print(summary)
     shards = Table(title="shards and records touched")
-    shards.add_column("shard")
+    shards.add_column("shard", no_wrap=True)
     shards.add_column("records")
-    for path, recs in sorted(report["shards"].items()):
+    paths = sorted(report["shards"])
+    for path in paths:
+        recs = report["shards"][path]
         shards.add_row(path, ", ".join(map(str, recs[:20])) + (" ..." if len(recs) > 20 else ""))
-    console.print(shards)
+    need = _whole_cells_width([["shard", *paths]], 12 + 3)
+    _print_whole(console, shards, need)
 
 
 def plot_range(report: Mapping[str, Any], path: str) -> None:
-    """Writes a PNG: steps (x) by devices of the original run (y), one panel per replay.
+    """Writes the PNG of :func:`range_figure` to ``path``."""
+    fig = range_figure(report)  # sets matplotlib's Agg backend before pyplot is imported here
+    import matplotlib.pyplot as plt
+
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def range_figure(report: Mapping[str, Any]):
+    """A range replay's picture: steps (x) by devices of the original run (y), one panel per replay;
+    the title names the run, the range (and the checkpoint it was replayed from) and the verdict.
 
     Cells: green = the device's contribution matches the log; red with an ``x`` = it differs;
     orange column = the batch hash differs (data/order); grey = not compared. The first
@@ -215,8 +276,9 @@ def plot_range(report: Mapping[str, Any], path: str) -> None:
         if report.get("first_divergent_step") in steps:
             ax.axvline(steps.index(report["first_divergent_step"]), color="black", linewidth=1)
         ax.set_yticks(range(len(devices)), [str(d) for d in devices])
-        ticks = range(0, len(steps), max(1, len(steps) // 20))
-        ax.set_xticks(list(ticks), [str(steps[i]) for i in ticks], rotation=90)
+        every = max(1, -(-len(steps) * max(len(str(steps[-1])), 2) // 90))  # about 90 characters of labels a row
+        ticks = range(0, len(steps), every)
+        ax.set_xticks(list(ticks), [str(steps[i]) for i in ticks])
         ax.set_ylabel("device (run)")
         title = "" if r is None else f"replay {r['index']} on devices {r['assignment']}"
         ax.set_title(title, fontsize=9)
@@ -226,16 +288,20 @@ def plot_range(report: Mapping[str, Any], path: str) -> None:
     legend = [Patch(color=c, label=t) for c, t in zip(cmap.colors, ("not compared", "matches the log",
                                                                     "differs from the log", "batch differs (data)"))]
     fig.legend(handles=legend, loc="lower center", ncol=4, fontsize=8, frameon=False)
-    title = f"{report['verdict'].upper()}"
+    where = f"replay of {report['run']}, " if report.get("run") else "replay of "
+    where += f"steps {report['steps']['start']}:{report['steps']['stop']}"
+    if report.get("checkpoint") is not None and report["checkpoint"] < report["steps"]["start"]:
+        where += f" (from checkpoint {report['checkpoint']})"
+    title = f"{where}: {report['verdict'].upper()}"
     if report.get("cause"):
-        title += f" ({report['cause']})"
+        title += f" ({report['cause'].replace('_', ' ')})"
     if report.get("first_divergent_step") is not None:
         title += f": first divergent step {report['first_divergent_step']}"
     if report.get("convicted_devices"):
         title += f", device(s) {report['convicted_devices']}"
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    _save(fig, path, dpi=100)
+    return fig
 
 
 _CHECK_STYLE = {"found": "bold red", "clear": "green", "not available": "yellow"}
@@ -279,34 +345,140 @@ def render_scan(report: Mapping[str, Any], console: Optional[Console] = None) ->
             console.print(f"next for {escape(s['subject'])}: {escape(cmd)}")
 
 
+_MARKED_EVENTS = {"phase_change": ("tab:purple", "--", "phase change"),
+                  "skipped_window": ("tab:gray", ":", "skipped data window"),
+                  "restore": ("tab:green", "-.", "resumed from checkpoint")}
+
+
+def _legend_outside(ax) -> None:
+    """The panel's legend to the right of its axes, where it covers no data."""
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
+                  frameon=False)
+
+
+def _note(ax, text: str, y: float = 0.96) -> None:
+    """A boxed explanation inside the panel, top left."""
+    ax.text(0.01, y, text, transform=ax.transAxes, ha="left", va="top", fontsize=7.5, zorder=10,
+            bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "lightgray", "alpha": 0.92})
+
+
+def _times_label(v: float, _pos=None) -> str:
+    return f"{v:g}x"
+
+
+def _ms_label(v: float, _pos=None) -> str:
+    """A duration tick given in ms: ``0.1 ms``, ``10 ms``, ``1 s``, ``10 s``."""
+    return f"{v / 1e3:g} s" if v >= 1e3 else f"{v:g} ms"
+
+
+def _log_ticks(ax, label) -> None:
+    """Labelled ticks on a log axis: 1, 10, 100 ... over a wide range; 1, 2, 5, 10, 20 ... when the
+    range spans under two decades (else a panel may show a single label); no minor labels."""
+    import math
+
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.figure.canvas.draw_idle()
+    lo, hi = ax.get_ylim()
+    if lo > 0 and hi / lo < 100:
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    elif lo > 0 and math.log10(hi / lo) > 6:
+        ax.yaxis.set_major_locator(LogLocator(base=10, numticks=8))
+    ax.yaxis.set_major_formatter(FuncFormatter(label))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _scan_marks(run_dir: str, start: int, stop: int) -> list[tuple[int, str]]:
+    """``(step, event)`` of the phase changes, skipped windows and restores inside ``[start, stop)``
+    (events.jsonl; none when it cannot be read: the marks are informational)."""
+    from replay.run import protocol as proto
+
+    try:
+        events = proto.read_events(run_dir)
+    except (OSError, ValueError):
+        return []
+    out = []
+    for e in events:
+        step = e.get("step")
+        if e.get("event") in _MARKED_EVENTS and isinstance(step, int) and start <= step < stop:
+            out.append((step, e["event"]))
+    return sorted(set(out))
+
+
 def plot_scan(scan: Any, path: str) -> None:
-    """Writes a PNG of a ``replay.screen.scan.ScanReport`` (it needs the per-step series, which the JSON
-    report leaves out): the replicas' log-ratio to the cross-replica median norm (suspect devices
-    drawn thick, a drift's onset marked, canary mismatches as red crosses), the loss, each layer's
-    dropped fraction and its worst expert share against the router-health limits, and the loader
-    wait per step."""
+    """Writes the PNG of :func:`scan_figure` (a ``replay.screen.scan.ScanReport``) to ``path``."""
+    fig = scan_figure(scan)  # sets matplotlib's Agg backend before pyplot is imported here
+    import matplotlib.pyplot as plt
+
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def scan_figure(scan: Any):
+    """The matplotlib figure of a ``replay.screen.scan.ScanReport`` (it needs the per-step series, which
+    the JSON report leaves out). Five panels over the step, each with its limit where the scan has one and
+    its legend outside the axes:
+
+    - each replica's robust z-score of its gradient norm against the other replicas (what the spike
+      and drift checks score; symmetric log scale), with the spike threshold ``+-spike_z``; suspect
+      replicas drawn thick, a drift's onset marked, canary mismatches as red crosses;
+    - the loss;
+    - each layer's router dropped fraction (from 0) against ``max_dropped_fraction``;
+    - each layer's worst expert share (x uniform, log scale) against ``max_share_ratio``: thin lines
+      single steps, thick the window that is judged; a box on the panel says which values are not
+      judged when they pass the limit (single steps, warm-up);
+    - the loader's wait against the step time (log scale, ms and s).
+
+    Phase changes, skipped windows and restores (events.jsonl) are vertical lines on every panel.
+    A panel whose values are all 0 says so.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
+
+    from replay.reference.plot import say_if_all_zero
 
     rep, rout, loss, load = (scan.series.get(k) or {} for k in ("replicas", "router", "loss", "loader"))
-    fig, axes = plt.subplots(5, 1, figsize=(10, 13), sharex=True)
+    limits = getattr(scan, "limits", None) or {}
+    screening = limits.get("screening") or {}
+    fig, axes = plt.subplots(5, 1, figsize=(12, 14), sharex=True)
     suspects = set(scan.suspect_devices)
     ax = axes[0]
     if rep:
         steps = np.asarray(rep["steps"])
+        z = np.asarray(rep["z"], float)
         for i, rid in enumerate(rep["replicas"]):
-            y = rep["log_ratio"][:, i]
-            thick = rid in suspects
-            ax.plot(steps, y, linewidth=2.2 if thick else 0.8, alpha=1.0 if thick else 0.6,
+            thick = bool(set(rep["devices"][i]) & suspects)
+            ax.plot(steps, z[:, i], linewidth=2.2 if thick else 0.9, alpha=1.0 if thick else 0.7,
                     label=f"replica {rid}" + (" (suspect)" if thick else ""), zorder=3 if thick else 2)
         for s in scan.suspects:
             for e in s.evidence:
                 if e.check == "norm_drift":
-                    ax.axvline(e.first_step, color="red", linestyle="--", linewidth=1)
-        ax.legend(fontsize=7, ncol=4, loc="upper left")
+                    ax.axvline(e.first_step, color="red", linestyle="--", linewidth=1, label="drift onset")
+        spike = float(screening.get("spike_z", 0) or 0)
+        top = max(spike * 1.3, float(np.nanmax(np.abs(z[np.isfinite(z)]), initial=1.0)) * 1.2)
+        ax.set_yscale("symlog", linthresh=5)
+        ax.set_ylim(-top, top)
+        if spike:
+            for sign in (1, -1):
+                ax.axhline(sign * spike, color="red", linestyle=":", linewidth=1.2,
+                           label=f"spike threshold (|z| {spike:g})" if sign == 1 else None)
+            ax.set_yticks(sorted({0, 5, -5, spike, -spike}))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        scored = np.flatnonzero(np.isfinite(z).any(axis=1))
+        if scored.size and scored[0] > 0:
+            ax.axvspan(steps[0] - 0.5, steps[scored[0]] - 0.5, color="0.92", zorder=0,
+                       label=f"not scored yet (min_history {screening.get('min_history', '?')})")
+        elif not scored.size:
+            _note(ax, "no step scored yet: each replica needs min_history steps of its own history first")
     else:
         ax.text(0.5, 0.5, "per-replica norms not available", ha="center", transform=ax.transAxes)
     bad = [(c.step, c.device) for c in scan.series.get("canary", []) if c.status != "ok"]
@@ -314,16 +486,18 @@ def plot_scan(scan: Any, path: str) -> None:
         ax2 = ax.twinx()
         ax2.plot([b[0] for b in bad], [b[1] for b in bad], "rx", markersize=9, label="canary mismatch")
         ax2.set_ylabel("canary mismatch: device", color="red")
-    ax.set_ylabel("log(norm / median norm)")
-    ax.set_title("per-replica gradient norm against the cross-replica median", fontsize=9)
+    ax.set_ylabel("robust z of log(norm / median)")
+    ax.set_title("per-replica gradient norm against the other replicas: robust z-score (spike and drift checks)",
+                 fontsize=9)
     ax = axes[1]
     if loss:
-        ax.plot(loss["steps"], loss["loss"], color="black", linewidth=1)
+        ax.plot(loss["steps"], loss["loss"], color="black", linewidth=1, label="loss")
     ax.set_ylabel("loss")
     ax.set_title("loss (the loss-spike check)", fontsize=9)
     health = scan.checks.get("router", {})
+    warmup = limits.get("warmup_steps")
     for ax, key, label in ((axes[2], "dropped", "dropped fraction"),
-                           (axes[3], "share_ratio", "worst expert vs uniform (x, either way)")):
+                           (axes[3], "share_ratio", "worst expert vs uniform")):
         if rout:
             for i in range(rout[key].shape[1]):
                 line, = ax.plot(rout["steps"], rout[key][:, i], linewidth=0.8 if key == "share_ratio" else 1.4,
@@ -332,36 +506,81 @@ def plot_scan(scan: Any, path: str) -> None:
                 if key == "share_ratio" and rout.get("window", 1) > 1:
                     ax.plot(rout["steps"], rout["share_ratio_window"][:, i], color=line.get_color(), linewidth=2.2,
                             label=f"layer {i} (over {rout['window']} steps: judged)")
-            if key == "share_ratio":
-                ax.set_yscale("log")
-            ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "router figures not available", ha="center", transform=ax.transAxes)
         ax.set_ylabel(label)
-    limits = getattr(scan, "limits", None) or {}
     if "max_dropped_fraction" in limits:
         axes[2].axhline(limits["max_dropped_fraction"], color="red", linestyle=":", label="limit")
         axes[3].axhline(limits["max_share_ratio"], color="red", linestyle=":", label="limit")
         for ax in axes[2:4]:
-            ax.axvline(limits["warmup_steps"], color="grey", linestyle=":", linewidth=1, label="end of warm-up")
-            if rout:
-                ax.legend(fontsize=7)
+            ax.axvline(warmup, color="grey", linestyle=":", linewidth=1, label="end of warm-up")
+    top = limits.get("max_dropped_fraction", 0.01) * 1.5
+    if rout and np.isfinite(rout["dropped"]).any():
+        top = max(top, float(np.nanmax(rout["dropped"])) * 1.1)
+        say_if_all_zero(axes[2], [[v for v in rout["dropped"][:, i] if v == v] for i in range(rout["dropped"].shape[1])],
+                        "dropped fraction, every layer")
+    axes[2].set_ylim(0, top)
+    if rout:
+        axes[3].set_yscale("log")
+        if "max_share_ratio" in limits:  # first: it may make room above the lines for its box
+            _explain_unjudged(axes[3], rout, limits, health.get("status", "n/a"))
+        _log_ticks(axes[3], _times_label)
     axes[2].set_title(f"router health ({health.get('status', 'n/a')}): dropped fraction per layer", fontsize=9)
-    axes[3].set_title("expert shares: max(share x E, 1 / (min share x E)); thin: each step, thick: the judged "
-                      "window", fontsize=9)
+    axes[3].set_title("expert shares: max(share x E, 1 / (min share x E)), x uniform; thin: each step, thick: the "
+                      "judged window", fontsize=9)
     ax = axes[4]
     if load:
         ax.plot(load["steps"], np.asarray(load["wait"]) * 1e3, label="loader wait")
         ax.plot(load["steps"], np.asarray(load["step_time"]) * 1e3, label="step time", alpha=0.6)
         ax.set_yscale("log")
-        ax.legend(fontsize=7)
-    ax.set_ylabel("ms")
+        _log_ticks(ax, _ms_label)
+    ax.set_ylabel("time per step")
     ax.set_title("loader wait against step time (the loader-stall check)", fontsize=9)
     ax.set_xlabel("step")
-    verdict = "SUSPECTS: " + ", ".join(s.subject for s in scan.suspects[:4]) if scan.suspects else "CLEAN"
-    fig.suptitle(f"replay scan of {scan.run_dir}: {verdict}", fontsize=11)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    seen = set()
+    for step, event in _scan_marks(scan.run_dir, *scan.steps):
+        colour, style, label = _MARKED_EVENTS[event]
+        for ax in axes:
+            ax.axvline(step, color=colour, linestyle=style, linewidth=1.1, label=label if label not in seen else None)
+        seen.add(label)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        _legend_outside(ax)
+    if scan.suspects:
+        verdict = "SUSPECTS: " + ", ".join(s.subject for s in scan.suspects[:4])
+    else:
+        unavailable = [n for n, c in scan.checks.items() if c.get("status") == "not available"]
+        verdict = "CLEAN: no check found anything" + (f" ({', '.join(unavailable)} not available)" if unavailable else "")
+    fig.suptitle(f"replay scan of {scan.run_dir}, steps {scan.steps[0]}:{scan.steps[1]}: {verdict}", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.98))
-    _save(fig, path, dpi=90)
+    return fig
+
+
+def _explain_unjudged(ax, rout: Mapping[str, Any], limits: Mapping[str, Any], status: str) -> None:
+    """On the expert-share panel: why values above the limit did not make the check fail (or
+    which did), in a box on the panel itself."""
+    import numpy as np
+
+    steps = np.asarray(rout["steps"])
+    limit, warmup, window = limits["max_share_ratio"], limits.get("warmup_steps", 0), int(rout.get("window", 1))
+    after = steps >= warmup
+    each = np.nan_to_num(np.asarray(rout["share_ratio"], float), nan=0.0)
+    judged = np.nan_to_num(np.asarray(rout["share_ratio_window"], float), nan=0.0)
+    lines = []
+    if (each[~after] > limit).any():
+        lines.append(f"before step {warmup} (warm-up) nothing is judged")
+    if window > 1 and (each[after] > limit).any():
+        lines.append(f"thin lines above the {limit:g}x limit are single steps, not judged: one step's shares "
+                     "follow the sources of its few rows")
+    if lines:
+        over = (judged[after] > limit).any()
+        lines.append(("judged: " + (f"the mean over {window} steps (thick)" if window > 1 else "each step")
+                      + f" after warm-up, {'above' if over else 'under'} the limit: router check {status}"))
+        values = np.concatenate([each[each > 0], judged[judged > 0], [limit]])
+        lo, hi = float(values.min()), float(values.max())
+        ax.set_ylim(lo / 1.3, hi * (hi / lo) ** 0.6)  # the top third left free for the box: it covers no line
+        _note(ax, "\n".join(lines))
 
 
 _TRIAGE_STYLE = {"suspect": "bold red", "clear": "green", "not available": "yellow"}

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -489,7 +490,7 @@ def train(
     from replay.run import inputs as run_inputs
     from replay.run import lineage as lin
     from replay.run.env import compare_environment, record_environment
-    from replay.run.progress import line_interval, step_progress
+    from replay.run.progress import line_interval, note, step_progress
     from replay.reference import checkpoint as ckpt
 
     launched_at = time.time() if launched_at is None else float(launched_at)
@@ -497,8 +498,11 @@ def train(
         raise RunConfigError(f"steps: must be an int >= 0, got {steps!r}")
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     line_interval()  # a bad $REPLAY_PROGRESS_EVERY is reported before any work
+    say = functools.partial(note, "train", stream=progress)  # no silent wait before the first step
     if trainer is None or mesh is None:
+        say(f"run config {cfg.name}: starting JAX, building the mesh and the model")
         trainer, mesh, _ = make_trainer(cfg)
+    existed = os.path.isdir(run_dir)
     rd = RunDir(run_dir)
     rd.drop_torn_event()
     lineage = _lineage(rd)
@@ -535,6 +539,7 @@ def train(
     loader_state = None
     restore_s = 0.0
     if latest is None:
+        say(_new_run_note(run_dir, existed, cfg.seed))
         with open(env_path, "w", encoding="utf-8") as f:
             json.dump(env, f, indent=1, sort_keys=True)
         state = trainer.init_state(mesh, cfg.seed)
@@ -555,6 +560,8 @@ def train(
                 f"(env.json versions.fingerprint) and this code computes version {FINGERPRINT_VERSION}, so one log "
                 "would mix two formulas that replay cannot compare; finish this run with the toolkit release that "
                 "started it, or train on in a new run directory")
+        if latest < steps:  # else nothing to do: said at the end
+            say(f"resuming {run_dir} from checkpoint {latest}")
         t0 = time.perf_counter()
         try:
             state, loader_state = trainer.restore(rd.path, latest, mesh)
@@ -644,7 +651,8 @@ def train(
     compiled = _CompileClock()
     try:
         if start < steps:
-            shown = bar.enter_context(step_progress("train", start, steps, stream=progress))
+            shown = bar.enter_context(step_progress("train", start, steps, stream=progress,
+                                                    first=_compiling_note(canary is not None and start % cfg.canary_every == 0)))
             served = int(data.metrics()["tokens_served"])
             for data_step_, batch in data.iterate(data_start):
                 step = data_step_ - (data_start - start)
@@ -855,6 +863,28 @@ def _check_same_mixture(rd: RunDir, cfg: RunConfig) -> None:
             f"{rec['mixture']['sha256'][:12]} then, {(now or 'unreadable')[:12]} now): the run kept its own copy, "
             f"{copy}; resume with 'python -m replay.reference.train --run {rd.path}' (its own config and copy), "
             "or train the new mixture in a new run directory")
+
+
+def _new_run_note(run_dir: str, existed: bool, seed: int) -> str:
+    """The line a new run starts with; for a folder that was not there, the nearest existing run
+    directory (a typo in ``--run`` would otherwise start a new run from step 0 without a word)."""
+    from replay.run.runlog import nearest_run_dir
+
+    near = None if existed else nearest_run_dir(run_dir)
+    where = (f"new run directory {run_dir} (it did not exist; the nearest existing run directory is {near}, in "
+             "case --run meant it)" if near else f"new run in {run_dir}")
+    return f"{where}: initializing the parameters (seed {seed}) and saving checkpoint 0"
+
+
+def _compiling_note(canary: bool) -> str:
+    """What the first step of an invocation waits for: XLA compiling its programs (or loading them
+    from JAX's persistent compilation cache, when one is set)."""
+    import jax
+
+    cached = bool(getattr(jax.config, "jax_compilation_cache_dir", None))
+    what = "the train step" + (" and the periodic canary" if canary else "")
+    return (f"compiling {what}" + (" (or loading from JAX's compilation cache)" if cached else "")
+            + ": the first step takes longer, the steps after it run at speed")
 
 
 def canary_batch(cfg: RunConfig, mesh) -> dict[str, Any]:

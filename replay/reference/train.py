@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 LAUNCHED_AT = time.time()  # the command's start: the start of its attempt's start-up (replay goodput)
 
 from replay.run.env import pin_determinism_flags  # noqa: E402  (after LAUNCHED_AT: imports are start-up)
+from replay.run.progress import loss_text  # noqa: E402
 from replay.reference.run import RunConfigError, load_run_config, train  # noqa: E402
 
 
@@ -68,7 +69,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 3
     if losses:
         first, last = min(losses), max(losses)
-        print(f"trained steps {summary['start']}..{summary['end'] - 1}: loss {losses[first]:.4f} -> {losses[last]:.4f}")
+        print(f"trained steps {summary['start']}..{summary['end'] - 1}: loss {loss_text(losses[first])} -> "
+              f"{loss_text(losses[last])}")
     else:
         print(f"nothing to do: run already at step {summary['start']} (--steps is the step to stop at: "
               f"--steps {summary['start'] + 10} trains 10 more)")

@@ -1,4 +1,4 @@
-"""Order-independent integer fingerprints of arrays (DESIGN.md, "Gradient fingerprints").
+"""Order-independent integer fingerprints of arrays (docs/design.md, "Gradient fingerprints").
 
 A fingerprint says, in four integers, exactly which values an array (a gradient leaf, a
 batch of tokens) held, so that two runs, two devices or a run and its replay compare bit

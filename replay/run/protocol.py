@@ -5,7 +5,7 @@ trainer in ``replay.reference`` is one implementation. Replay never imports a tr
 internals: it builds one from the run config, restores a checkpoint read-only, and calls
 :meth:`Trainer.train_step` on batches rebuilt by the loader.
 
-The run directory a training run leaves (DESIGN.md, "The run directory")::
+The run directory a training run leaves (docs/design.md, "The run directory")::
 
     <run>/
       run_config.yaml       # the run config as used (model, mixture, dataset, global batch, seed, mesh, ...)
@@ -52,7 +52,7 @@ count of non-finite elements; after the reduction, optionally, ``<g_local, g_red
 Glossary: *step* is the global training step (the batch of step ``s`` holds global rows
 ``[s*B, (s+1)*B)``); *device id* is ``jax.Device.id``; *leaf path* is
 ``jax.tree_util.keystr`` of a parameter leaf; a *fingerprint* is the order-independent
-integer fingerprint of DESIGN.md ("Gradient fingerprints").
+integer fingerprint of docs/design.md ("Gradient fingerprints").
 """
 
 from __future__ import annotations

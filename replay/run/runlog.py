@@ -49,7 +49,16 @@ RUN_ENV_VAR = "REPLAY_RUN"  # the run directory when --run is not given
 
 
 class RunDirError(ValueError):
-    """The run directory is missing, incomplete or unreadable; the message names the file."""
+    """The run directory is missing, incomplete or unreadable; the message names the file.
+
+    Attributes:
+      nearest: for a run directory that is not there, or a folder that is not one, the nearest
+        existing run directory (:func:`nearest_run_dir`), also named in the message; else None.
+    """
+
+    def __init__(self, message: str, *, nearest: Optional[str] = None):
+        super().__init__(message)
+        self.nearest = nearest
 
 
 class MissingCheckpointError(RunDirError):
@@ -254,6 +263,81 @@ def is_run_dir(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, name)) for name in RUN_DIR_FILES)
 
 
+_NOT_SEARCHED = frozenset({CHECKPOINTS, "node_modules", "__pycache__", "site-packages", "proc", "sys", "dev"})
+
+
+def nearest_run_dir(path: str, *, depth: int = 3, max_folders: int = 2000,
+                    siblings: bool = True) -> Optional[str]:
+    """The existing run directory (:func:`is_run_dir`) nearest to ``path``, a run directory that is
+    not there or a folder that is not one; None when there is none near.
+
+    Where it looks: from the nearest existing folder at or above ``path``, that folder and its two
+    parents when they are run directories, and the folders up to ``depth`` levels below it; when
+    none is there and ``path`` is itself a folder (e.g. a dataset beside the run), the same below
+    its parent (with ``siblings``). Never below the file system's root; at most ``max_folders``
+    folders in all, breadth first; hidden folders, ``checkpoints`` and run directories' insides
+    are not entered. Of the run directories found, the one whose path is most like ``path``
+    (``difflib`` ratio; then the shallower), spelled as ``path`` is: relative when it is relative.
+    Never ``path`` itself.
+
+    Args:
+      path: the run directory asked for.
+      depth, max_folders: the search's bounds (a typo next to a large tree costs at most this).
+      siblings: also look below an existing ``path``'s parent.
+
+    Returns:
+      the run directory's path, or None.
+    """
+    import difflib
+
+    given = os.path.normpath(path or ".")
+    base = given
+    while base and not os.path.isdir(base):
+        parent = os.path.dirname(base)
+        base = parent if parent != base else ""
+    base = base or ("/" if os.path.isabs(given) else ".")
+    found: list[str] = []
+    up = base
+    for _ in range(3):
+        if os.path.normpath(up) != given and is_run_dir(up):
+            found.append(os.path.normpath(up))
+        up = os.path.join(up, os.pardir)
+    budget = [max_folders]
+    top = base
+    for _ in range(2 if siblings and base == given else 1):
+        if found:
+            break
+        if os.path.dirname(os.path.abspath(top)) == os.path.abspath(top):  # the root: too far to guess
+            return None
+        found = [c for c in _run_dirs_below(top, depth, budget) if c != given]
+        top = os.path.normpath(os.path.join(top, os.pardir))
+    if not found:
+        return None
+    return max(found, key=lambda c: (difflib.SequenceMatcher(None, given, c).ratio(), -c.count(os.sep)))
+
+
+def _run_dirs_below(folder: str, depth: int, budget: list[int]) -> list[str]:
+    """The run directories up to ``depth`` levels below ``folder``, breadth first, entering at most
+    ``budget[0]`` folders (decremented)."""
+    found, level = [], [folder]
+    for _ in range(depth):
+        below = []
+        for here in level:
+            try:
+                with os.scandir(here) as entries:
+                    names = sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
+            except OSError:
+                continue
+            for name in names:
+                if name in _NOT_SEARCHED or budget[0] <= 0:
+                    continue
+                budget[0] -= 1
+                child = os.path.normpath(os.path.join(here, name))
+                (found if is_run_dir(child) else below).append(child)
+        level = below
+    return found
+
+
 def resolve_run_dir(given: Optional[str], environ: Optional[Mapping[str, str]] = None,
                     cwd: Optional[str] = None) -> tuple[str, str]:
     """The run directory a command works on, and where it came from.
@@ -282,9 +366,11 @@ def resolve_run_dir(given: Optional[str], environ: Optional[Mapping[str, str]] =
     if is_run_dir(here):
         return here, "the current folder"
     lacking = ", ".join(n for n in RUN_DIR_FILES if not os.path.isfile(os.path.join(here, n)))
+    near = nearest_run_dir(here if cwd is not None else ".", siblings=False)  # relative to where the user is
     raise RunNotGivenError(
         f"no run directory: pass --run DIR, set {RUN_ENV_VAR}=DIR, or run replay from inside a run "
-        f"directory (the current folder {here} is not one: it lacks {lacking})")
+        f"directory (the current folder {here} is not one: it lacks {lacking})"
+        + (f"; the nearest run directory is {near}" if near else ""))
 
 
 def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
@@ -299,11 +385,15 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
         missing or unreadable, or no step was logged; a quarantine file is malformed.
     """
     if not os.path.isdir(run_dir):
-        raise RunDirError(f"run directory not found: {run_dir}")
+        near = nearest_run_dir(run_dir)
+        raise RunDirError(f"run directory not found: {run_dir}"
+                          + (f"; the nearest run directory is {near}" if near else ""), nearest=near)
     paths = {name: os.path.join(run_dir, name) for name in (RUN_CONFIG, ENV_JSON, EVENTS, FINGERPRINTS)}
     for name in RUN_DIR_FILES:
         if not os.path.isfile(paths[name]):
-            raise RunDirError(f"{run_dir} is not a run directory: {name} is missing")
+            near = nearest_run_dir(run_dir)
+            raise RunDirError(f"{run_dir} is not a run directory: {name} is missing"
+                              + (f"; the nearest run directory is {near}" if near else ""), nearest=near)
     try:
         config = yaml.safe_load(_read_text(paths[RUN_CONFIG]))
     except yaml.YAMLError as e:

@@ -1,7 +1,7 @@
 """Screening statistics of ``replay scan``: pure functions over the run log's numbers (NumPy only;
 no JAX, no I/O).
 
-Layer 1 of SDC detection (DESIGN.md, "Screening and triage") is continuous and nearly free: the
+Layer 1 of SDC detection (docs/design.md, "Screening and triage") is continuous and nearly free: the
 gradient norm of each data-parallel replica's local contribution, before the reduction. The
 replicas see different rows, so their norms never match; what a faulty replica changes is the
 *distribution of its ratio to the others*. Glossary and formulas::

@@ -567,7 +567,8 @@ def replay_range(
             fps, diffs, _ = session.run_steps(a, ckpt, stop, log=log, tolerance=tolerance,
                                               checkpoints=run.checkpoints, advance=advance)
             runs.append(ReplayRun(len(runs), r, tuple(a), fps, diffs, time.perf_counter() - t1))
-    decision = decide([x.outcome() for x in runs], setup.mesh_size)
+    decision = decide([x.outcome() for x in runs], setup.mesh_size,
+                      suspected=sorted(set(getattr(run, "held_suspect", ())) & set(setup.run_device_ids)))
     disagreement = None
     for other in runs[1:]:
         disagreement = cmp.disagreement(runs[0].fingerprints, other.fingerprints, runs[0].coords(), other.coords())

@@ -7,7 +7,7 @@ in one function (:func:`decide`) over comparison outcomes, with no I/O and no JA
 The rules (issue 5, "Verdicts")::
 
     replays disagree with each other                   -> AMBIGUOUS  (flaky hardware in the replay set)
-    all replays reproduce the log                      -> ACQUITTED  (cause: data or software; see inspect)
+    all replays reproduce the log                      -> ACQUITTED  (a suspicion's cause: data or software)
     the rebuilt batch differs from the logged batch    -> ACQUITTED  (cause: data/order difference)
     >= 2 independent replays agree, and differ from the
       log at one step on some (not all) device shards  -> CONVICTED  (those devices of the original run)
@@ -123,12 +123,15 @@ def count_independent(assignments: Sequence[Sequence[int]]) -> int:
     return len(kept)
 
 
-def decide(outcomes: Sequence[ReplayOutcome], num_devices: int) -> Decision:
+def decide(outcomes: Sequence[ReplayOutcome], num_devices: int, *, suspected: Sequence[int] = ()) -> Decision:
     """Returns the verdict over the replays of one step range.
 
     Args:
       outcomes: one per replay (repeats included), in the order they ran; >= 1.
       num_devices: devices in the run's mesh (a divergence on all of them is not one device's fault).
+      suspected: devices of the run held suspect before the replay (quarantined, or named by
+        ``replay scan``). Only an acquittal's explanation uses them: with none, there is nothing
+        for the data or the software to have caused, and the explanation does not say it did.
 
     Raises:
       ValueError: ``outcomes`` is empty.
@@ -156,10 +159,15 @@ def decide(outcomes: Sequence[ReplayOutcome], num_devices: int) -> Decision:
     div = outcomes[0].divergence
     if div is None:
         weak = " (within tolerance only: weaker evidence)" if evidence is Evidence.TOLERANCE else ""
+        if not suspected:
+            return make(Verdict.ACQUITTED, Cause.REPRODUCED,
+                        f"the replay reproduces the log{weak}: no device "
+                        + ("is shown to have computed" if weak else "computed") + " wrong numbers in these steps")
         return make(
             Verdict.ACQUITTED, Cause.REPRODUCED,
-            f"the replay reproduces the log{weak}: the devices are acquitted; the cause is in the data or "
-            "the software; run 'replay inspect' on the steps of interest",
+            f"the replay reproduces the log{weak}: the devices are acquitted, suspect device(s) "
+            f"{sorted(suspected)} included; what made them suspect is in the data or the software, not in "
+            "these steps' computations: run 'replay inspect' on the steps of interest",
         )
     if div.kind is DivergenceKind.DATA:
         return make(
