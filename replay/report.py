@@ -310,6 +310,8 @@ _CHECK_STYLE = {"found": "bold red", "clear": "green", "not available": "yellow"
 def render_scan(report: Mapping[str, Any], console: Optional[Console] = None) -> None:
     """Prints a scan report: each check's status, the ranked suspects, and the replay to run next."""
     console = console or make_console()
+    for line in report.get("lineage") or []:  # what was trained and abandoned: never mixed into the checks
+        console.print(f"lineage: {escape(line)}")
     checks = Table(title=f"replay scan of steps {report['steps']['start']}:{report['steps']['stop']}")
     checks.add_column("check")
     checks.add_column("status")

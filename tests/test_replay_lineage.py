@@ -110,6 +110,7 @@ def test_scan_reads_only_the_lineage(tmp_path):
     assert any(s.subject == "run" and s.evidence[0].first_step == 11 for s in rep.suspects)
     assert rep.checks["loader_stall"]["status"] == "found"
     assert any(s.kind == "loader" and s.first_step == 10 for s in rep.suspects)
+    assert any("of attempt 2" in x and "rolled back to checkpoint 5" in x for x in rep.to_dict()["lineage"])
     # the same spike at the lineage's own restore (step 5) is explained by it
     rep5 = scan_mod.scan_run(load_run(_rollback_logs(str(tmp_path / "r5"), loss_spike=5)))
     assert [e["step"] for e in rep5.explained] == [5] and rep5.explained[0]["explained_by"] == "restore"

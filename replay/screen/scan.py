@@ -111,6 +111,7 @@ class ScanReport:
     figures: dict[str, Any]
     series: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     limits: dict[str, Any] = dataclasses.field(default_factory=dict)
+    lineage: list[str] = dataclasses.field(default_factory=list)  # the superseded attempts, a sentence each
 
     @property
     def suspect_devices(self) -> list[int]:
@@ -129,7 +130,7 @@ class ScanReport:
             "suspect_devices": self.suspect_devices,
             "suspects": [dict(s.to_dict(), rank=i + 1) for i, s in enumerate(self.suspects)],
             "checks": self.checks, "explained": self.explained, "suggested_replay": self.suggestion,
-            "figures": self.figures, "limits": self.limits,
+            "figures": self.figures, "limits": self.limits, "lineage": self.lineage,
         }
 
 
@@ -493,7 +494,8 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
                         figures=_figures(sig, steps_sig, canary),
                         series={"replicas": rep_series, "router": router_series, "loss": loss_series,
                                 "loader": loader_series, "canary": canary or []},
-                        limits={**health.to_dict(), "screening": cfg.to_dict()})
+                        limits={**health.to_dict(), "screening": cfg.to_dict()},
+                        lineage=run.lineage.describe() if run.lineage is not None else [])
     report.suggestion = suggest_replay(run, report)
     return report
 
