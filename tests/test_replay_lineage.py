@@ -216,12 +216,15 @@ def _inspect_error(run, tmp_path, name, capsys):
     return code, capsys.readouterr().err
 
 
-def test_an_edited_mixture_is_not_used_the_runs_copy_is(rolled_back, tmp_path, capsys):
+def test_an_edited_mixture_is_not_used_the_runs_copy_is(rolled_back, tmp_path, capsys, monkeypatch):
     root, u, r, cfg, _ = rolled_back
     run = str(tmp_path / "run")
     shutil.copytree(u, run)
     code, before = _inspect(run, tmp_path, "before")
     assert code == 0
+    with monkeypatch.context() as m:  # a relative --run: the copy's path must not be joined to it twice
+        m.chdir(tmp_path)
+        assert main(["inspect", "--run", "run", "--steps", "6"]) == 0
     mix = yaml.safe_load(open(cfg.mixture))
     edited = str(tmp_path / "mixture.yaml")
     mix["phases"][1]["weights"] = {"a": 0.9, "b": 0.1}  # the phase from step 6: other rows

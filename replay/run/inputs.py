@@ -127,6 +127,10 @@ def resolve(run_dir: str, config: Mapping[str, Any]) -> Resolved:
     Args:
       run_dir: the run directory; config: its run config (``mixture``: the path it trained with).
 
+    Returns:
+      The :class:`Resolved` mixture; the copy's path is absolute (a run config's relative paths are
+      resolved against the run directory, which a relative ``run_dir`` would count twice).
+
     Raises:
       InputsChangedError: ``inputs.json`` is malformed, or names a copy that is missing.
     """
@@ -134,7 +138,7 @@ def resolve(run_dir: str, config: Mapping[str, Any]) -> Resolved:
     given = str(config.get("mixture", ""))
     if rec is None:
         return Resolved(given, "path", ())
-    copy = os.path.join(run_dir, rec["mixture"].get("copy") or MIXTURE_COPY_NAME)
+    copy = os.path.abspath(os.path.join(run_dir, rec["mixture"].get("copy") or MIXTURE_COPY_NAME))
     if not os.path.isfile(copy):
         raise InputsChangedError(f"{copy}: the run's copy of its mixture config is missing (named by "
                                  f"{os.path.join(run_dir, INPUTS_NAME)})")
