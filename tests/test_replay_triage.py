@@ -316,3 +316,18 @@ def test_skip_validates_records_and_the_next_training_run_follows(drills, tmp_pa
     assert sup == list(range(30, 40))  # history kept, never rewritten
     assert any(e["event"] == "skipped_window" and e["step"] == 30 for e in after.events)
     assert math.isfinite(tr._loss_of(after, 39))
+
+
+def test_a_shard_altered_after_packing_is_named(tmp_path):
+    """The data check hashes a suspect shard's file against the manifest's sha256."""
+    import hashlib
+    from types import SimpleNamespace
+
+    good, bad = tmp_path / "a" / "s0", tmp_path / "a" / "s1"
+    good.parent.mkdir()
+    good.write_bytes(b"rows")
+    bad.write_bytes(b"rows, then a bad copy")
+    sha = hashlib.sha256(b"rows").hexdigest()
+    shards = [SimpleNamespace(path="a/s0", sha256=sha), SimpleNamespace(path="a/s1", sha256=sha)]
+    data = SimpleNamespace(dataset=str(tmp_path), manifest=SimpleNamespace(sources={"a": SimpleNamespace(shards=shards)}))
+    assert tr._altered_shards(data, ["a/s0", "a/s1", "a/missing"]) == ["a/s1"]
