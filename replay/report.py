@@ -22,6 +22,15 @@ _VERDICT_STYLE = {"convicted": "bold red", "acquitted": "bold green", "ambiguous
 PIPED_WIDTH = 160  # columns of a table when the output is a pipe or a file (which have no width)
 
 
+def _save(fig: Any, path: str, dpi: int) -> None:
+    """Writes a matplotlib figure to ``path`` (its folder made) and closes it."""
+    import matplotlib.pyplot as plt
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def make_console(stderr: bool = False) -> Console:
     """The console of every message and report of the ``replay`` command: one width policy.
 
@@ -307,6 +316,8 @@ _CHECK_STYLE = {"found": "bold red", "clear": "green", "not available": "yellow"
 def render_scan(report: Mapping[str, Any], console: Optional[Console] = None) -> None:
     """Prints a scan report: each check's status, the ranked suspects, and the replay to run next."""
     console = console or make_console()
+    for line in report.get("lineage") or []:  # what was trained and abandoned: never mixed into the checks
+        console.print(f"lineage: {escape(line)}")
     checks = Table(title=f"replay scan of steps {report['steps']['start']}:{report['steps']['stop']}")
     checks.add_column("check")
     checks.add_column("status")
@@ -316,11 +327,13 @@ def render_scan(report: Mapping[str, Any], console: Optional[Console] = None) ->
     console.print(checks)
     if report["suspects"]:
         table = Table(title="suspects (ranked)")
-        for col in ("rank", "suspect", "first step", "strength", "evidence"):
+        for col in ("rank", "suspect", "first step", "strength", "evidence", "next"):
             table.add_column(col, overflow="fold")
         for s in report["suspects"]:
             ev = "\n".join(escape(f"[{e['check']}] {e['detail']}") for e in s["evidence"])
-            table.add_row(str(s["rank"]), s["subject"], str(s["first_step"]), f"{s['strength']:.2f}", ev)
+            nxt = s.get("next") or {}
+            table.add_row(str(s["rank"]), s["subject"], str(s["first_step"]), f"{s['strength']:.2f}", ev,
+                          escape(nxt.get("sentence") or ""))
         console.print(table)
     for e in report.get("explained", []):
         console.print(f"loss spike at step {e['step']} coincides with a logged {e['explained_by']} (not a suspect)")
@@ -334,6 +347,10 @@ def render_scan(report: Mapping[str, Any], console: Optional[Console] = None) ->
     console.print(Panel("\n".join(lines), title="scan"), soft_wrap=False)
     if report["suspects"] and report.get("suggested_replay"):  # outside the panel: a command is never broken
         console.print(f"next: {escape(report['suggested_replay'])}")
+    for s in report["suspects"]:
+        cmd = (s.get("next") or {}).get("command")
+        if s["kind"] not in ("device", "replica") and cmd:
+            console.print(f"next for {escape(s['subject'])}: {escape(cmd)}")
 
 
 _MARKED_EVENTS = {"phase_change": ("tab:purple", "--", "phase change"),
@@ -598,3 +615,293 @@ def _explain_unjudged(ax, rout: Mapping[str, Any], limits: Mapping[str, Any], st
         lo, hi = float(values.min()), float(values.max())
         ax.set_ylim(lo / 1.3, hi * (hi / lo) ** 0.6)  # the top third left free for the box: it covers no line
         _note(ax, "\n".join(lines))
+
+
+_TRIAGE_STYLE = {"suspect": "bold red", "clear": "green", "not available": "yellow"}
+_CAUSE_TEXT = {"hardware": "HARDWARE", "restart": "RESTART OR DATA-ORDER FAULT", "data": "DATA",
+               "router": "ROUTER INSTABILITY", "optimization": "OPTIMIZATION EVENT"}
+
+
+def render_triage(report: Mapping[str, Any], console: Optional[Console] = None) -> None:
+    """Prints a triage report: one panel per check in the order run, then the conclusion panel and the
+    next command (outside the panel, whole)."""
+    console = console or make_console()
+    w = report["window"]
+    loss = report.get("loss")
+    j = report.get("judged_steps") or {"start": report["onset"], "stop": report["step"] + 1}
+    console.print(f"triage of step {report['step']} (onset {report['onset']}; steps {j['start']}..{j['stop'] - 1} judged "
+                  f"against the window {w['start']}..{j['start'] - 1}; "
+                  f"loss {'non-finite' if not report.get('loss_finite') else f'{loss:.4f}'})")
+    for line in report.get("lineage") or []:
+        console.print(f"lineage: {escape(line)}")
+    for n, (name, c) in enumerate(report["checks"].items(), 1):
+        style = _TRIAGE_STYLE.get(c["status"], "")
+        body = [escape(c["summary"])] + [f"  {escape(x)}" for x in c.get("lines", [])[:12]]
+        if len(c.get("lines", [])) > 12:
+            body.append(f"  ... {len(c['lines']) - 12} more line(s) in the JSON report")
+        if c.get("command") and c["status"] != "clear":
+            body.append(f"  to go further: {escape(c['command'])}")
+        console.print(Panel("\n".join(body), title=f"{n}. {name}: [{style}]{c['status'].upper()}[/]",
+                            title_align="left"), soft_wrap=False)
+    con = report["conclusion"]
+    style = "bold green" if con["cause"] == "optimization" else "bold red"
+    lines = [f"[{style}]{_CAUSE_TEXT[con['cause']]}[/] (exit code {con['exit_code']}, confidence "
+             f"{con['confidence']}): {escape(con['explanation'])}", f"advice: {escape(con['advice'])}"]
+    lines += [f"also: {escape(a)}" for a in con.get("also", [])]
+    console.print(Panel("\n".join(lines), title="conclusion", title_align="left"), soft_wrap=False)
+    if con.get("command"):
+        console.print(f"next: {escape(con['command'])}")
+
+
+def plot_triage(rep: Any, path: str) -> None:
+    """Writes the triage dashboard of a ``replay.screen.triage.TriageReport`` over its window: the loss
+    (onset shaded), the per-replica gradient-norm ratio, each layer's router entropy and dropped
+    fraction, an expert-share heatmap (layers x experts over steps), the canary timeline and the
+    loader wait; lineage events as vertical lines on every panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    sig = rep.series.get("signals") or {}
+    lo, hi = rep.window
+    steps = [s for s in range(lo, hi) if s in sig]
+    fig, axes = plt.subplots(7, 1, figsize=(11, 17), sharex=True)
+    events = [e for e in rep.series.get("events", []) if e.get("event") not in ("checkpoint", "end")]
+    colors = {"restore": "tab:green", "phase_change": "tab:purple", "skipped_window": "tab:gray",
+              "skip_window_added": "tab:gray", "canary_mismatch": "tab:red", "config_change": "tab:orange",
+              "rewind": "tab:brown", "start": "tab:green"}
+
+    def mark(ax):
+        for e in events:
+            ax.axvline(e["step"], color=colors.get(e["event"], "tab:blue"), linestyle="--", linewidth=1, alpha=0.8)
+        ax.axvspan(rep.judged[0] - 0.5, rep.judged[1] + 0.5, color="red", alpha=0.08)
+
+    ax = axes[0]
+    loss = rep.series.get("loss") or {}
+    xs = sorted(loss)
+    ax.plot(xs, [loss[s] for s in xs], color="black", linewidth=1)
+    bad = [s for s in xs if not np.isfinite(loss[s])]
+    if bad:
+        ax.plot(bad, [np.nanmax([v for v in loss.values() if np.isfinite(v)] or [0])] * len(bad), "rv",
+                label="non-finite loss")
+    for e in events:
+        ax.text(e["step"], 1.0, e["event"], rotation=90, va="top", ha="right", fontsize=7,
+                transform=ax.get_xaxis_transform(), color=colors.get(e["event"], "tab:blue"))
+    ax.set_ylabel("loss")
+    ax.set_title(f"loss; shaded: the steps judged against the window before them ({rep.judged[0]}..{rep.judged[1]}; "
+                 f"spike onset {rep.onset}); events as dashed lines", fontsize=9)
+    ax = axes[1]
+    scan = rep.series.get("scan")
+    series = (scan.series.get("replicas") if scan is not None else None) or {}
+    sus = set(rep.conclusion.subject.get("devices") or [])
+    if series:
+        for i, rid in enumerate(series["replicas"]):
+            thick = bool(set(series["devices"][i]) & sus)
+            ax.plot(series["steps"], series["log_ratio"][:, i], linewidth=2.2 if thick else 0.8,
+                    label=f"replica {rid} (devices {series['devices'][i]})" + (" suspect" if thick else ""))
+        ax.legend(fontsize=6, ncol=4)
+    else:
+        ax.text(0.5, 0.5, "per-replica norms not available", ha="center", transform=ax.transAxes)
+    ax.set_ylabel("log(norm / median)")
+    ax.set_title("per-replica gradient norm against the cross-replica median", fontsize=9)
+    layers = max((len(sig[s].router) for s in steps), default=0)
+    for ax, field, label in ((axes[2], "entropy", "router entropy (nats)"),
+                             (axes[3], "dropped_fraction", "dropped fraction")):
+        for i in range(layers):
+            ax.plot(steps, [sig[s].router[i].__getattribute__(field) if i < len(sig[s].router) else np.nan
+                            for s in steps], label=f"layer {i}")
+        if layers:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "router figures not available", ha="center", transform=ax.transAxes)
+        ax.set_ylabel(label)
+    axes[2].set_title("router entropy per layer (a collapse drops it)", fontsize=9)
+    axes[3].set_title("router dropped fraction per layer (assignments past expert capacity)", fontsize=9)
+    ax = axes[4]
+    if layers and steps:
+        rows, labels = [], []
+        for i in range(layers):
+            E = len(sig[steps[0]].router[i].expert_share)
+            for e_ in range(E):
+                rows.append([sig[s].router[i].expert_share[e_] * E if i < len(sig[s].router) else np.nan
+                             for s in steps])
+                labels.append(f"L{i} e{e_}")
+        im = ax.imshow(np.asarray(rows), aspect="auto", cmap="viridis", interpolation="nearest",
+                       extent=(steps[0] - 0.5, steps[-1] + 0.5, len(rows) - 0.5, -0.5))
+        ax.set_xlim(lo - 0.5, hi - 0.5)
+        ax.set_yticks(range(len(labels)), labels, fontsize=5 if len(labels) > 24 else 7)
+        fig.colorbar(im, ax=ax, fraction=0.02, pad=0.01, label="share x E (1: uniform)")
+    else:
+        ax.text(0.5, 0.5, "expert shares not available", ha="center", transform=ax.transAxes)
+    ax.set_title("expert share heatmap (each layer's experts; 1 = uniform)", fontsize=9)
+    ax = axes[5]
+    canary = [c for c in rep.series.get("canary", []) if lo <= c.step < hi]
+    if canary:
+        ok = [(c.step, c.device) for c in canary if c.status == "ok"]
+        badc = [(c.step, c.device) for c in canary if c.status != "ok"]
+        if ok:
+            ax.plot(*zip(*ok), "g.", label="agrees")
+        if badc:
+            ax.plot(*zip(*badc), "rx", markersize=9, label="mismatch")
+        ax.legend(fontsize=7)
+        ax.set_ylabel("device")
+    else:
+        ax.text(0.5, 0.5, "no canary in the window (canary_every 0?)", ha="center", transform=ax.transAxes)
+    ax.set_title("periodic canary per device", fontsize=9)
+    ax = axes[6]
+    waits = [(s, sig[s].loader_wait_s) for s in steps if sig[s].loader_wait_s is not None]
+    if waits:
+        ax.plot([w[0] for w in waits], [max(w[1], 1e-6) * 1e3 for w in waits], label="loader wait")
+        st = [(s, sig[s].step_time_s) for s in steps if sig[s].step_time_s is not None]
+        if st:
+            ax.plot([w[0] for w in st], [w[1] * 1e3 for w in st], alpha=0.6, label="step time")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "loader waits not available", ha="center", transform=ax.transAxes)
+    ax.set_ylabel("ms")
+    ax.set_title("loader wait against step time", fontsize=9)
+    ax.set_xlabel("step")
+    for ax in axes:
+        mark(ax)
+    con = rep.conclusion
+    fig.suptitle(f"replay triage of step {rep.step} in {rep.run_dir}\n{_CAUSE_TEXT[con.cause]} "
+                 f"({con.confidence}): {con.explanation[:140]}", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    _save(fig, path, dpi=85)
+
+
+def render_triage_drills(res: Mapping[str, Any], console: Optional[Console] = None) -> None:
+    """Prints the table of ``replay drill --scenario`` triage drills: per scenario, expected, found and
+    correct over the seeds."""
+    console = console or make_console()
+    table = Table(title=f"triage drills: {res['correct']} of {res['total']} correct "
+                        f"({res.get('seconds', 0):.0f} s)")
+    for col in ("scenario", "expected", "found (per seed)", "correct"):
+        table.add_column(col, overflow="fold")
+    for name, sc in res["scenarios"].items():
+        found = "; ".join(f"seed {r['seed']}: {r['found_text']}" for r in sc["runs"])
+        style = "green" if sc["correct"] == sc["total"] else "red"
+        table.add_row(name, escape(sc["expected_text"]), escape(found), f"[{style}]{sc['correct']}/{sc['total']}[/]")
+    console.print(table)
+
+
+def _dur(s: float) -> str:
+    return f"{s:.3f} s" if abs(s) < 120 else f"{s / 60:.1f} min" if abs(s) < 7200 else f"{s / 3600:.2f} h"
+
+
+def render_goodput(report: Mapping[str, Any], console: Optional[Console] = None) -> None:
+    """Prints a goodput report: the time table (every part, seconds, share of the wall time and
+    ml-goodput-measurement's kind), the step and token ledger, MFU, and the headline line last."""
+    console = console or make_console()
+    wall = report["wall_s"]
+    table = Table(title=f"where the wall time went ({_dur(wall)}, first launch to last record)")
+    for col, j in (("part", "left"), ("time", "right"), ("share", "right"), ("ml-goodput-measurement", "left")):
+        table.add_column(col, justify=j)
+    for name, p in report["time"].items():
+        if not p["us"] and name not in ("productive", "unknown"):
+            continue
+        style = "bold green" if name == "productive" else ("yellow" if name == "unknown" else "")
+        share = "" if p["share"] is None else f"{p['share']:.1%}"
+        table.add_row(f"[{style}]{escape(p['what'])}[/]" if style else escape(p["what"]), _dur(p["s"]), share,
+                      p["ml_goodput_measurement"])
+    table.caption = ("the parts add up to the wall time exactly" if report["time_adds_up"] else
+                     "THE PARTS DO NOT ADD UP (a bug: please report)")
+    console.print(table)
+    ledger = Table(title="steps and tokens trained (tokens: global batch x seq_len slots)")
+    for col in ("part", "steps", "tokens", "non-padding tokens"):
+        ledger.add_column(col, justify="left" if col == "part" else "right")
+    names = {"productive": "the lineage (kept)", "lost": "lost to crashes (redone after a resume)",
+             "rewound": "rewound (rollback or rewind)", "skipped_window": "trained on data later skipped",
+             "skipped_data": "data skipped by the lineage (never trained)"}
+    for k, label in names.items():
+        tok = report["tokens"].get(k)
+        npad = report["nonpad_tokens"].get(k)
+        ledger.add_row(label, str(report["steps"].get(k, 0)), "unknown" if tok is None else f"{tok:,}",
+                       "unknown" if npad is None else f"{npad:,}")
+    rec = report["reconcile"]
+    ledger.caption = (f"reconciles with the loader's arithmetic: {rec['data_steps_add_up']} "
+                      f"(data steps {rec['lineage_data_steps'][0]}:{rec['lineage_data_steps'][1]} = lineage + "
+                      "skipped data); trained steps by attempt: "
+                      f"{rec['trained_steps_by_attempt']} = {rec['trained_steps']}")
+    console.print(ledger)
+    for line in report.get("unknown") or []:
+        console.print(f"[yellow]unknown:[/] {escape(line)}")
+    mfu = report["mfu"]
+    if mfu.get("status") == "ok":
+        console.print(f"MFU (median of the lineage's steps): {mfu['median']:.2%} ({mfu['devices']} x "
+                      f"{mfu['device_kind']} at {mfu['peak_flops']:.3g} FLOP/s, {mfu['flops_per_step']:.3g} model "
+                      "FLOPs a step)" + (f"; {mfu['note']}" if mfu.get("note") else ""))
+    else:
+        console.print(f"MFU: {escape(mfu.get('status', 'not available'))}")
+    y = report["young"]
+    if y.get("status") == "ok":
+        console.print(f"Young's checkpoint interval sqrt(2 x {y['checkpoint_cost_s']:.3f} s x MTBF {_dur(y['mtbf_s'])}) "
+                      f"= {_dur(y['optimal_interval_s'])}" + (f"; this run checkpoints every {_dur(y['interval_s'])}"
+                                                               if y.get("interval_s") else ""))
+    else:
+        console.print(f"Young's checkpoint interval: {escape(y.get('status', 'not available'))}")
+    from replay.screen.goodput import headline
+
+    headline = f"[bold]{escape(headline(report))}[/]"
+    console.print(Panel(headline, title="goodput"), soft_wrap=False)
+
+
+def plot_goodput(rep: Any, path: str) -> None:
+    """Writes a ``replay.screen.goodput.GoodputReport``'s picture: the waterfall (100% of the wall time,
+    each part that is not productive taken off in turn, to the net goodput) and goodput over time
+    (productive time so far over elapsed time) with restores and rewinds as vertical lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from replay.screen.goodput import PART_TEXT, PARTS
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 9.5))
+    wall = rep.wall_us or 1
+    level = 100.0
+    labels, bottoms, heights, colors = ["wall time"], [0.0], [100.0], ["#4c72b0"]
+    for p in PARTS:
+        if p == "productive" or not rep.time_us[p]:
+            continue
+        share = 100.0 * rep.time_us[p] / wall
+        level -= share
+        labels.append(PART_TEXT[p].split(":")[0].split(" (")[0])
+        bottoms.append(level)
+        heights.append(share)
+        colors.append("#c44e52" if p not in ("unknown",) else "#cccccc")
+    labels.append("goodput")
+    bottoms.append(0.0)
+    heights.append(100.0 * rep.time_us["productive"] / wall)
+    colors.append("#55a868")
+    xs = range(len(labels))
+    ax1.bar(xs, heights, bottom=bottoms, color=colors)
+    for x, b, h in zip(xs, bottoms, heights):
+        ax1.text(x, b + h + 0.8, f"{h:.1f}%", ha="center", fontsize=8)
+    ax1.set_xticks(list(xs), labels, rotation=30, ha="right", fontsize=8)
+    ax1.set_ylabel("% of the wall time")
+    ax1.set_ylim(0, 108)
+    ax1.set_title(f"waterfall: 100% of {rep.wall_us / 1e6:.1f} s, each badput part taken off, to the goodput "
+                  f"{100 * rep.goodput:.1f}%" if rep.wall_us else "no wall time recorded", fontsize=10)
+    if rep.timeline:
+        t = [x for x, _ in rep.timeline]
+        g = [100.0 * p / x if x > 0 else 0.0 for x, p in rep.timeline]
+        ax2.plot(t, g, color="#55a868", linewidth=1.5, label="goodput so far (productive / elapsed)")
+        ax2.legend(fontsize=8, loc="lower right")
+    else:
+        ax2.text(0.5, 0.5, "no per-step timestamps logged", ha="center", transform=ax2.transAxes)
+    ax2.set_ylim(0, 100)
+    for x, kind, step in rep.events:
+        color = {"start": "tab:green", "restore": "tab:orange", "rewind": "tab:red", "skip_window": "tab:purple"}.get(
+            kind, "tab:gray")
+        ax2.axvline(x, color=color, linestyle="--", linewidth=1)
+        ax2.text(x, 98, f"{kind} {step}", rotation=90, va="top", ha="right", fontsize=7, color=color)
+    ax2.set_xlabel("seconds since the first launch")
+    ax2.set_ylabel("goodput so far (%)")
+    ax2.set_title("goodput over time; starts, restores, rewinds and skip windows as dashed lines", fontsize=10)
+    fig.suptitle(f"replay goodput of {rep.run_dir}", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    _save(fig, path, dpi=90)

@@ -1,5 +1,6 @@
 """The training command: run directory, determinism, kill-and-restart, events, config errors."""
 
+import hashlib
 import json
 import os
 import pathlib
@@ -52,8 +53,9 @@ def test_two_runs_of_30_steps_have_bit_identical_fingerprints(tiny):
 
 def test_run_directory_layout_and_events(tiny):
     folder, path, cfg, trainer, mesh, run_a, _ = tiny
-    assert sorted(os.listdir(run_a)) == ["checkpoints", "env.json", "events.jsonl", "fingerprints.jsonl",
-                                         "run_config.yaml", "signals.jsonl", "train.png"]  # canary_every 0: no canary.jsonl
+    assert sorted(os.listdir(run_a)) == ["checkpoints", "env.json", "events.jsonl", "fingerprints.jsonl", "inputs.json",
+                                         "mixture.yaml", "run_config.yaml", "signals.jsonl",
+                                         "train.png"]  # canary_every 0: no canary.jsonl
     assert ckpt.all_steps(str(run_a / "checkpoints")) == [0, 10, 20, 30]
     env = json.loads((run_a / "env.json").read_text())
     assert env["mesh"]["shape"] == [4, 2] and env["backend"]["device_count"] == 8
@@ -64,8 +66,17 @@ def test_run_directory_layout_and_events(tiny):
     # phase 1 starts at data step 10 = training step 8 (steps 3..4 skipped two data steps)
     assert ("phase_change", 8) in kinds
     assert [s for e, s in kinds if e == "checkpoint"] == [0, 10, 20, 30]
+    assert {e["attempt"] for e in events} == {1} and all(isinstance(e["t"], float) for e in events)
     saved = yaml.safe_load((run_a / "run_config.yaml").read_text())
     assert saved == cfg.to_dict()
+    # the run keeps what it trained with: its mixture (a copy, paths absolute) and the manifest's hash
+    from contract.config import load_mixture
+
+    inputs = json.loads((run_a / "inputs.json").read_text())
+    assert inputs["mixture"]["sha256"] == load_mixture(cfg.mixture).sha256() == \
+        load_mixture(str(run_a / "mixture.yaml")).sha256()
+    assert inputs["dataset"]["manifest_sha256"] == hashlib.sha256(
+        (pathlib.Path(cfg.dataset) / "manifest.json").read_bytes()).hexdigest()
 
 
 def test_loss_goes_down_on_synthetic_data(tiny):

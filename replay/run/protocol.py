@@ -18,15 +18,22 @@ The run directory a training run leaves (docs/design.md, "The run directory")::
       quarantine.txt        # optional: device ids (one a line, '#' comments) held suspect
       suspects.json         # written by `replay scan`: its report, with "suspect_devices"
       canary/golden.json    # golden canary values per environment (replay canary, periodic canary)
+      mixture.yaml          # the run's copy of the mixture config it trained with (paths made absolute)
+      inputs.json           # what it trained with: the mixture's sha256 and path, the dataset's manifest sha256
+      superseded/           # steps abandoned by a restore, rollback or rewind (replay.run.lineage): their
+                            # step-log lines (tagged attempt, superseded_by) and checkpoints
 
 Every ``*.jsonl`` file is append-only, one JSON object a line, flushed line by line
 (:func:`append_line`): a process killed mid-write leaves at most a torn last line, which every
-reader skips. On a restart from checkpoint ``c`` the trainer drops the lines of steps ``>= c`` from
-the step logs before appending again, so each holds the uninterrupted history. Events a trainer
-writes: ``start``, ``restore``, ``checkpoint`` (only once the checkpoint has *committed*: with an
+reader skips. On a restart from checkpoint ``c`` the trainer moves the lines of steps ``>= c`` from
+the step logs into ``superseded/`` before appending again (``RunDir.supersede``), so each step log
+holds the run's lineage, one line a step. Events a trainer writes, each with ``attempt`` (the
+attempt that wrote it: ``replay.run.lineage``) and ``t`` (Unix seconds): ``start`` and ``restore``
+(each begins an attempt), ``checkpoint`` (only once the checkpoint has *committed*: with an
 asynchronous save, after the commit, never at the call to save), ``checkpoint_failed``,
 ``phase_change``, ``skipped_window``, ``canary_mismatch`` (``devices``, ``verdict``), ``stopped``,
-``end``.
+``end``. ``replay skip`` appends ``skip_window`` and ``rewind`` requests, which the next training
+run follows.
 
 Screening signals, for a user's own trainer (what ``replay scan`` reads; each optional, and a
 check whose signal is missing says "not available"): inside the step, before the data-parallel
@@ -431,6 +438,16 @@ class StepSignals:
       loader_wait_s: seconds the step waited for its batch (the loader's
         ``metrics()["wait_s_last_step"]``), or None; loader_occupancy: batches ready in the
         prefetch buffer after the step's batch was taken (a stall shows here first), or None.
+      t: wall clock (Unix seconds) when the step's work ended, after its checkpoint save call:
+        consecutive steps' ``t`` bound the interval that ``replay goodput`` splits into the parts
+        below (None: not recorded).
+      compile_s: seconds of JAX tracing, lowering and compilation inside the train step (the first
+        step of an attempt compiles), or None.
+      canary_s: seconds of the periodic canary run before the step (0 when none ran), or None.
+      checkpoint_s: seconds the loop was blocked saving a checkpoint after the step (the
+        asynchronous save's device-to-host copy; 0 when none), or None.
+      tokens: non-padding tokens of the step's batch that this process read (the loader's
+        ``tokens_served`` difference; the global count in a single-process run), or None.
     """
 
     step: int
@@ -443,12 +460,19 @@ class StepSignals:
     step_time_s: Optional[float] = None
     loader_wait_s: Optional[float] = None
     loader_occupancy: Optional[int] = None
+    t: Optional[float] = None
+    compile_s: Optional[float] = None
+    canary_s: Optional[float] = None
+    checkpoint_s: Optional[float] = None
+    tokens: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
+        timing = {k: getattr(self, k) for k in ("t", "compile_s", "canary_s", "checkpoint_s", "tokens")
+                  if getattr(self, k) is not None}
         return {
             "step": int(self.step), "loss": self.loss, "grad_norm": self.grad_norm,
             "step_time_s": self.step_time_s, "loader_wait_s": self.loader_wait_s,
-            "loader_occupancy": self.loader_occupancy,
+            "loader_occupancy": self.loader_occupancy, **timing,
             "replicas": [r.to_dict() for r in self.replicas],
             "devices": {str(d): {"norm_sq": v["norm_sq"], "nonfinite": dict(v.get("nonfinite", {}))}
                         for d, v in self.devices.items()},
@@ -467,8 +491,10 @@ class StepSignals:
         Raises:
           KeyError, TypeError, ValueError: a required field is missing or malformed.
         """
-        opt = {k: (None if d.get(k) is None else _float(d[k])) for k in ("step_time_s", "loader_wait_s")}
+        opt = {k: (None if d.get(k) is None else _float(d[k]))
+               for k in ("step_time_s", "loader_wait_s", "t", "compile_s", "canary_s", "checkpoint_s")}
         occ = d.get("loader_occupancy")
+        tokens = d.get("tokens")
         return cls(
             step=int(d["step"]), loss=_float(d["loss"]), grad_norm=_float(d["grad_norm"]),
             replicas=tuple(ReplicaNorm.from_dict(r) for r in d.get("replicas", [])),
@@ -477,7 +503,7 @@ class StepSignals:
                      for k, v in (d.get("devices") or {}).items()},
             router=tuple(RouterLayerStats.from_dict(r) for r in d.get("router", [])),
             expert_load=tuple(ExpertLoad.from_dict(e) for e in d.get("expert_load") or []),
-            loader_occupancy=None if occ is None else int(occ), **opt,
+            loader_occupancy=None if occ is None else int(occ), tokens=None if tokens is None else int(tokens), **opt,
         )
 
 
@@ -558,6 +584,9 @@ CANARY_NAME = "canary.jsonl"
 SUSPECTS_NAME = "suspects.json"
 CHECKPOINTS_DIR = "checkpoints"
 QUARANTINE_NAME = "quarantine.txt"
+SUPERSEDED_DIR = "superseded"  # step-log lines and checkpoints of superseded steps (replay.run.lineage)
+INPUTS_NAME = "inputs.json"  # what the run trained with: its mixture's and manifest's hashes (replay.run.inputs)
+MIXTURE_COPY_NAME = "mixture.yaml"  # the run's copy of its mixture config (paths absolute)
 
 
 def append_line(path: str, line: str) -> None:

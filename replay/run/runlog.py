@@ -3,9 +3,13 @@
 :func:`load_run` reads everything replay needs, once, and checks it, so that a broken run
 directory is reported before any device work starts::
 
-    run_config.yaml      -> RunLog.config  (dict)
+    run_config.yaml      -> RunLog.config  (dict; as in force: the mixture is the run's own copy
+                            when it kept one, and skip windows requested by `replay skip` are added;
+                            RunLog.config_file is the file as written)
     env.json             -> RunLog.env     (dict)
-    events.jsonl         -> RunLog.events  (list of dicts, in order)
+    events.jsonl         -> RunLog.lineage (replay.run.lineage: attempts, lineage, superseded steps);
+                            RunLog.events  (the lineage's events, in order: superseded ones left out);
+                            RunLog.all_events (every event)
     fingerprints.jsonl   -> RunLog.fingerprints  {step: StepFingerprints}; a step logged twice
                             (a run killed and resumed) keeps its last line; lines that disagree
                             are listed in RunLog.relogged_conflicts
@@ -29,7 +33,9 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
+from replay.run import inputs as run_inputs
 from replay.run.devices import QUARANTINE_NAME, DeviceSpecError, read_quarantine
+from replay.run.lineage import Lineage, lineage_of_run
 from replay.run.protocol import StepFingerprints
 
 RUN_CONFIG = "run_config.yaml"
@@ -179,6 +185,11 @@ class RunLog:
     quarantine: frozenset[int]
     malformed: dict[int, str] = dataclasses.field(default_factory=dict)  # step -> why its line is unusable
     suspects: frozenset[int] = frozenset()  # devices named by the last `replay scan` (suspects.json)
+    lineage: Optional[Lineage] = None  # attempts and lineage (replay.run.lineage); None: not computed
+    all_events: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # events of every attempt
+    config_file: dict[str, Any] = dataclasses.field(default_factory=dict)  # run_config.yaml as written
+    notes: list[str] = dataclasses.field(default_factory=list)  # what a command should tell (inputs used)
+    pending_superseded: list[int] = dataclasses.field(default_factory=list)  # logged steps past a pending rewind
 
     @property
     def held_suspect(self) -> frozenset[int]:
@@ -421,6 +432,32 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
         raise RunDirError(f"{paths[FINGERPRINTS]}: no step was logged"
                           + (f" ({len(malformed)} malformed entries, e.g. {next(iter(malformed.values()))})"
                              if malformed else ""))
+    lineage = lineage_of_run(run_dir, events, set(fingerprints) | set(malformed))
+    pending = sorted(s for s in fingerprints if s >= lineage.end)  # past a pending rewind: superseded
+    for s in pending:
+        fingerprints.pop(s)
+    for s in [s for s in malformed if s >= lineage.end]:
+        malformed.pop(s)
+    conflicts = {s for s in conflicts if s < lineage.end}
+    if not fingerprints:
+        raise RunDirError(f"{run_dir}: every logged step is past the rewind to checkpoint "
+                          f"{(lineage.pending_rewind or {}).get('checkpoint')} that 'replay skip' recorded: "
+                          "nothing is left to read until training resumes (python -m replay.reference.train --run "
+                          f"{run_dir})")
+    notes: list[str] = []
+    in_force = dict(config)
+    try:
+        resolved = run_inputs.resolve(run_dir, config)
+    except run_inputs.InputsChangedError as e:
+        raise RunDirError(str(e)) from None
+    if config.get("mixture") is not None:
+        in_force["mixture"] = resolved.mixture
+    notes += resolved.notes
+    if lineage.skip_windows:
+        windows = [tuple(w) for w in config.get("skip_windows") or []]
+        extra = [list(w) for w in lineage.skip_windows if tuple(w) not in windows]
+        if extra:
+            in_force["skip_windows"] = sorted([list(w) for w in windows] + extra)
     ckpt_dir = os.path.join(run_dir, CHECKPOINTS)
     checkpoints = sorted(
         int(name) for name in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else [])
@@ -444,9 +481,10 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
         where = quarantine_file or os.path.join(run_dir, QUARANTINE_NAME)
         raise RunDirError(f"quarantine file {where}: cannot read ({e.strerror or e})") from None
     return RunLog(
-        run_dir=run_dir, config=config, env=env, events=events, fingerprints=fingerprints,
-        relogged_conflicts=sorted(conflicts), checkpoints=checkpoints, quarantine=quarantine,
-        malformed=malformed, suspects=read_suspects(run_dir),
+        run_dir=run_dir, config=in_force, env=env, events=list(lineage.events), fingerprints=fingerprints,
+        relogged_conflicts=sorted(conflicts), checkpoints=[c for c in checkpoints if c <= lineage.end],
+        quarantine=quarantine, malformed=malformed, suspects=read_suspects(run_dir), lineage=lineage, all_events=events,
+        config_file=config, notes=notes, pending_superseded=pending,
     )
 
 

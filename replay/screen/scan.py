@@ -76,6 +76,7 @@ class Suspect:
       first_step: the earliest step of its evidence.
       strength: its strongest evidence's strength (>= 1 means at or past that check's threshold).
       evidence: every finding about it, strongest kind first.
+      next: what to do about it, ``{"command": str or None, "sentence": str}`` (:func:`next_step`).
     """
 
     kind: str
@@ -84,6 +85,7 @@ class Suspect:
     first_step: int
     strength: float
     evidence: tuple[Evidence, ...]
+    next: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # {"command", "sentence"}: what to do next
 
     def rank_key(self) -> tuple:
         best = min(CHECKS.index(e.check) for e in self.evidence)
@@ -92,7 +94,7 @@ class Suspect:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "subject": self.subject, "devices": list(self.devices),
                 "first_step": self.first_step, "strength": _num(self.strength),
-                "evidence": [e.to_dict() for e in self.evidence]}
+                "evidence": [e.to_dict() for e in self.evidence], "next": dict(self.next)}
 
 
 def _num(v: float) -> Any:
@@ -112,6 +114,7 @@ class ScanReport:
     figures: dict[str, Any]
     series: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     limits: dict[str, Any] = dataclasses.field(default_factory=dict)
+    lineage: list[str] = dataclasses.field(default_factory=list)  # the superseded attempts, a sentence each
 
     @property
     def suspect_devices(self) -> list[int]:
@@ -130,7 +133,7 @@ class ScanReport:
             "suspect_devices": self.suspect_devices,
             "suspects": [dict(s.to_dict(), rank=i + 1) for i, s in enumerate(self.suspects)],
             "checks": self.checks, "explained": self.explained, "suggested_replay": self.suggestion,
-            "figures": self.figures, "limits": self.limits,
+            "figures": self.figures, "limits": self.limits, "lineage": self.lineage,
         }
 
 
@@ -154,6 +157,18 @@ def read_screening_logs(run_dir: str) -> tuple[Optional[dict[int, proto.StepSign
         except (ValueError, OSError) as e:
             raise RunDirError(f"{path}: unreadable ({e})") from None
     return out[0], out[1]
+
+
+def lineage_screening_logs(run: RunLog) -> tuple[Optional[dict[int, proto.StepSignals]],
+                                                  Optional[list[proto.CanaryRecord]]]:
+    """:func:`read_screening_logs` cut to the run's lineage: no step at or past its end (steps past a
+    pending rewind are superseded: ``replay.run.lineage``), no canary after it."""
+    signals, canary = read_screening_logs(run.run_dir)
+    end = run.lineage.end if run.lineage is not None else None
+    if end is not None:
+        signals = None if signals is None else {s: v for s, v in signals.items() if s < end}
+        canary = None if canary is None else [c for c in canary if c.step <= end]
+    return signals, canary
 
 
 def _run_thresholds(run: RunLog) -> tuple[sc.RouterHealth, sc.ScreeningConfig]:
@@ -413,7 +428,7 @@ def _loss(run: RunLog, steps, start, cfg: sc.ScreeningConfig, explaining: Mappin
             continue
         why = explaining.get(s) or explaining.get(s - 1)
         rec = {"check": "loss_spike", "step": s, "loss": float(loss[i]), "z": _num(z)}
-        if why:
+        if why and math.isfinite(loss[i]):  # an event may explain a finite spike, never a NaN or Inf loss
             explained.append(dict(rec, explained_by=why))
         else:
             found.append(rec)
@@ -470,7 +485,7 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     from replay.run.runlog import StepRangeError
 
     health, cfg = _run_thresholds(run)
-    signals, canary = read_screening_logs(run.run_dir)
+    signals, canary = lineage_screening_logs(run)
     first, end = run.logged_steps
     start = first if start is None else start
     stop = end if stop is None else stop
@@ -479,7 +494,7 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     steps_fp = sorted(s for s in run.fingerprints if s < stop)
     steps_sig = sorted(s for s in (signals or {}) if s < stop)
     explaining = {}
-    for e in run.events:
+    for e in run.events:  # the lineage's events: a superseded attempt's restore explains nothing
         if e.get("event") in EXPLAINING_EVENTS and isinstance(e.get("step"), int):
             explaining.setdefault(int(e["step"]), e["event"])
     restarts = {int(e["step"]) for e in run.events if e.get("event") in ("start", "restore")
@@ -518,13 +533,15 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
                                 first_step=min(e.first_step for e in evs), strength=max(e.strength for e in evs),
                                 evidence=tuple(evs)))
     suspects.sort(key=Suspect.rank_key)
+    suspects = [dataclasses.replace(x, next=next_step(run, x)) for x in suspects]
     report = ScanReport(run_dir=run.run_dir, steps=(start, stop), checks=checks, suspects=suspects,
                         explained=explained, suggestion=None,
                         figures=_figures(sig, steps_sig, canary),
                         series={"replicas": rep_series, "router": router_series, "expert_load": load_series,
                                 "loss": loss_series,
                                 "loader": loader_series, "canary": canary or []},
-                        limits={**health.to_dict(), "screening": cfg.to_dict()})
+                        limits={**health.to_dict(), "screening": cfg.to_dict()},
+                        lineage=run.lineage.describe() if run.lineage is not None else [])
     report.suggestion = suggest_replay(run, report)
     return report
 
@@ -543,6 +560,39 @@ def _figures(signals, steps, canary) -> dict[str, Any]:
         out["canaries"] = len(by_step)
         out["median_canary_s"] = round(float(np.median(secs)), 6)
     return out
+
+
+def next_step(run: RunLog, suspect: Suspect) -> dict[str, Any]:
+    """What to do about a suspect: ``{"command": a command or None, "sentence": what it is for}``.
+
+    A device or replica: the range replay of its checkpoint segment on good devices (a conviction
+    names the device). A router layer or a loss spike: ``replay triage`` at its last step (events,
+    replicas, data and router, in order). The loader: a sentence (the loader is fed too slowly).
+    """
+    import shlex
+
+    quoted = shlex.quote(run.run_dir)
+    last = max(e.last_step for e in suspect.evidence)
+    if suspect.kind in ("device", "replica"):
+        first, end = run.logged_steps
+        a = max(suspect.first_step, first)
+        later = [c for c in run.checkpoints if c > a]
+        b = max(min(later[0] if later else end, end), min(a + 1, end))
+        return {"command": f"replay --run {quoted} --steps {a}:{b} --devices good",
+                "sentence": f"replay the steps from {a} on good devices: a conviction names the device, step and "
+                            f"tensor; then quarantine {_device_names(suspect.devices)}"}
+    if suspect.kind == "layer":
+        return {"command": f"replay triage --run {quoted} --step {last}",
+                "sentence": f"{suspect.subject}'s routing is out of bounds from step {suspect.first_step}: triage "
+                            "tells router instability (lower the router's learning rate or restore its z-loss, and "
+                            "rewind) from a data or hardware cause"}
+    if suspect.kind == "loader":
+        return {"command": None,
+                "sentence": "the trainer waited for data: raise the loader's prefetch or workers, or look at the "
+                            "storage's read latency at those steps (the data is not wrong, only late)"}
+    return {"command": f"replay triage --run {quoted} --step {last}",
+            "sentence": f"walk the spike at step {last}: events, replicas, data and router, in order; with no "
+                        "cause found it prints the rewind and skip"}
 
 
 def suggest_replay(run: RunLog, report: ScanReport) -> Optional[str]:
@@ -567,3 +617,74 @@ def write_suspects(report: ScanReport) -> str:
     path = os.path.join(report.run_dir, proto.SUSPECTS_NAME)
     write_json(report.to_dict(), path)
     return path
+
+
+# ----------------------------------------------------------------------------- follow
+
+
+def suspect_key(s: Mapping[str, Any]) -> tuple:
+    """A suspect's identity across looks at a growing run (its subject and kinds of evidence)."""
+    return (s["kind"], s["subject"], tuple(sorted({e["check"] for e in s["evidence"]})))
+
+
+def follow(run_dir: str, *, on_new: Any, on_first: Any = None, interval: float = 2.0, timeout: Optional[float] = None,
+           on_look: Any = None, sleep: Any = None, clock: Any = None) -> dict[str, Any]:
+    """Watches a run directory as it grows (``replay scan --follow``): each time new steps have landed,
+    scans the lineage again and reports each suspect not seen before.
+
+    Args:
+      on_new: called with ``(suspect dict, report dict)`` for each new suspect.
+      on_first: called once, with the first suspect ever seen and the report (``--on-suspect``).
+      interval: seconds between looks; timeout: stop after this many seconds (None: when the run ends).
+      on_look: called with ``(report dict or None, steps scored)`` after each look that scanned.
+      sleep, clock: ``time.sleep`` and ``time.monotonic`` (tests pass their own).
+
+    Returns:
+      ``{"looks", "steps", "suspects" (every suspect seen, in order), "ended" (the run logged its end),
+      "report" (the last scan's dict or None)}``.
+
+    The run has ended when the lineage's current attempt logged ``end`` or ``stopped`` at or after
+    its last step; a directory that is not a run yet (no step logged) is waited for.
+    """
+    import time
+
+    from replay.run.runlog import load_run
+
+    sleep = sleep or time.sleep
+    clock = clock or time.monotonic
+    t0 = clock()
+    seen: dict[tuple, dict[str, Any]] = {}
+    last_steps, looks, last, ended, first_done = -1, 0, None, False, False
+    while True:
+        looks += 1
+        try:
+            run = load_run(run_dir)
+        except RunDirError:
+            run = None
+        if run is not None:
+            steps = len(run.fingerprints)
+            if steps != last_steps:
+                last_steps = steps
+                last = scan_run(run).to_dict()
+                for sus in last["suspects"]:
+                    key = suspect_key(sus)
+                    if key in seen:
+                        continue
+                    seen[key] = sus
+                    on_new(sus, last)
+                    if on_first is not None and not first_done:
+                        first_done = True
+                        on_first(sus, last)
+                if on_look is not None:
+                    on_look(last, steps)
+            cur = run.lineage.current if run.lineage else None
+            ends = [e for e in run.events if e.get("event") in ("end", "stopped")
+                    and (cur is None or e.get("attempt") in (None, cur.id))]
+            ended = bool(ends) and max(int(e["step"]) for e in ends) >= run.logged_steps[1] - 1
+            if ended:
+                break
+        if timeout is not None and clock() - t0 >= timeout:
+            break
+        sleep(interval)
+    return {"looks": looks, "steps": max(last_steps, 0), "suspects": list(seen.values()), "ended": ended,
+            "report": last}

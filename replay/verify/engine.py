@@ -88,6 +88,24 @@ def phase_changes(run: RunLog) -> list[dict[str, Any]]:
     return run.events_of("phase", "phase_change", "mixture_phase")
 
 
+def checked_loader(run: RunLog, data: Any) -> Any:
+    """``data`` (a loader rebuilt for ``run``) once its dataset and mixture schedule are checked to be
+    those the run trained with (``replay.run.inputs.check_rebuilt``); every trainer's ``make_loader``
+    should return it through this.
+
+    Raises:
+      RunDirError: the dataset's manifest or the schedule differs (each difference named).
+    """
+    from replay.run import inputs as run_inputs
+
+    try:
+        run_inputs.check_rebuilt(run.run_dir, data.manifest_sha256, data.schedule.to_dict(), data.dataset,
+                                 run.checkpoints)
+    except run_inputs.InputsChangedError as e:
+        raise RunDirError(str(e)) from None
+    return data
+
+
 def default_setup(run: RunLog) -> RunSetup:
     """Builds the :class:`RunSetup` of a reference-trainer run from its run config and env.json.
 
@@ -126,7 +144,7 @@ def default_setup(run: RunLog) -> RunSetup:
     trainer = ReferenceTrainer(model, cfg.optimizer)
 
     def make_loader(mesh):
-        return ref_run.build_loader(cfg, mesh)
+        return checked_loader(run, ref_run.build_loader(cfg, mesh))
 
     return RunSetup(trainer=trainer, axis_names=axis_names, shape=shape, run_device_ids=run_ids,
                     make_loader=make_loader, seed=cfg.seed, global_batch=cfg.global_batch, mixture=cfg.mixture,
