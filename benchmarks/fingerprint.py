@@ -4,6 +4,8 @@ against a sum of squares over the same gradients, same run.
     python benchmarks/fingerprint.py                # demo-size model, seq_len 1024 (a few minutes on CPU)
     python benchmarks/fingerprint.py --quick        # seq_len 256 (under a minute)
     python benchmarks/fingerprint.py --ratio-only   # only the fingerprint/reduction ratios (under a minute)
+    python benchmarks/fingerprint.py --ep           # expert parallelism: dispatch all_to_all, mesh data 2 x expert 4
+    python benchmarks/fingerprint.py --ep --quick   # the same at seq_len 256
 
 Prints ONE JSON object:
 
@@ -26,6 +28,19 @@ Prints ONE JSON object:
   ``..._no_counts`` is the same without the NaN/Inf counts (the per-device fingerprints the
   trainer takes of local gradients); ``standalone_4m_float32`` the same two ratios on one
   array of 4M normal float32 elements.
+
+With ``--ep`` the model's experts are on their own devices (``model.dispatch: all_to_all``, 8 experts
+on a ``{data: D/4, expert: 4}`` mesh: 2 a device) and three steps are timed side by side,
+interleaved: the plain step (no fingerprints, no signals), the step with the logging of a gather
+run (gradient fingerprints and screening signals) but no send fingerprints, and the full step
+(also each device's fingerprint of what it sends at each all-to-all, forward and backward, and
+the tokens each expert device received). ``ep.added_overhead`` = median over rounds of (full /
+without sends) - 1: what expert parallelism's logging adds; ``ep.overhead`` = full / plain - 1:
+all of the logging. ``ep.added_overhead_serial_bound``: one device's send fingerprints of a step timed
+apart (``sends_fingerprint_s_per_device``) times the devices, over the fastest step without them
+(as ``overhead_serial_bound`` above; steadier on a loaded machine). ``ep.log_bytes_per_step_per_device``: how much the run log grows per step and
+device, measured on the step's own JSON lines (``fingerprints.jsonl``: the send fingerprints;
+``signals.jsonl``: the expert load), and the whole lines' size for scale.
 
 Runs on 8 host CPU devices unless XLA_FLAGS already says otherwise (on GPU/TPU it uses the
 accelerators that are there).
@@ -104,7 +119,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--ratio-only", action="store_true", help="only the fingerprint / reduction ratios")
+    ap.add_argument("--ep", action="store_true", help="expert parallelism: dispatch all_to_all on data x expert 4")
     args = ap.parse_args(argv)
+    if args.ep:
+        return expert_parallel(args)
 
     import jax
 
@@ -180,6 +198,127 @@ def main(argv=None) -> dict:
     }
     print(json.dumps(result))
     return result
+
+
+def interleaved(steps: int, variants: dict, state, batches) -> dict:
+    """Each variant's train step timed ``steps`` times, round robin with the order rotated every
+    round (so machine load affects all alike); returns ``{name: [seconds]}`` after two warm-ups each."""
+    import jax
+
+    def timed(trainer, step):
+        t0 = time.perf_counter()
+        new_state, _ = trainer.train_step(state, batches[step % len(batches)], step)
+        jax.block_until_ready(new_state)
+        return time.perf_counter() - t0
+
+    names = list(variants)
+    for name in names:
+        timed(variants[name], 0)
+        timed(variants[name], 1)
+    out = {name: [] for name in names}
+    for i in range(steps):
+        order = names[i % len(names):] + names[:i % len(names)]
+        for name in order:
+            out[name].append(timed(variants[name], i))
+    return out
+
+
+def expert_parallel(args) -> dict:
+    """The ``--ep`` configuration (module docstring)."""
+    import dataclasses
+
+    import jax
+
+    from replay.reference.testing import benchmark_model_config, random_batch
+    from replay.reference.trainer import OptimizerConfig, ReferenceTrainer, make_mesh
+
+    seq_len = args.seq_len or (256 if args.quick else 1024)
+    steps = args.steps or (12 if args.quick else 20)
+    model = benchmark_model_config(dispatch="all_to_all")
+    n_dev = jax.device_count()
+    if n_dev % 4:
+        raise SystemExit(f"--ep needs a multiple of 4 devices (expert axis 4), got {n_dev}")
+    mesh = make_mesh({"data": n_dev // 4, "expert": 4})
+    opt = OptimizerConfig()
+    variants = {"full": ReferenceTrainer(model, opt), "no_sends": ReferenceTrainer(model, opt, sends=False),
+                "plain": ReferenceTrainer(model, opt, fingerprints=False)}
+    state = variants["full"].init_state(mesh, seed=0)
+    sh = variants["full"].batch_sharding(mesh)
+    batches = [{k: jax.device_put(v, sh) for k, v in random_batch(i, args.global_batch, seq_len, model.vocab_size).items()}
+               for i in range(4)]
+    t0 = time.perf_counter()
+    times = interleaved(steps, variants, state, batches)
+    loop_s = time.perf_counter() - t0
+
+    def ratio(a, b):
+        return round(statistics.median(x / y for x, y in zip(times[a], times[b])) - 1.0, 4)
+
+    per_site = _send_elements(model, mesh, args.global_batch, seq_len) // (4 * model.n_layers)
+    sends_alone = _sends_alone_s(per_site, 4 * model.n_layers, jax.devices()[0])
+    _, fp = variants["full"].train_step(state, batches[0], 0)
+    lean = dataclasses.replace(fp, send_sites=(), sends={})
+    sig = fp.signals
+    fp_bytes, lean_bytes = len(fp.to_json()) + 1, len(lean.to_json()) + 1
+    sig_bytes, sig_lean = len(sig.to_json()) + 1, len(dataclasses.replace(sig, expert_load=()).to_json()) + 1
+    result = {
+        "benchmark": "fingerprint", "configuration": "expert_parallel",
+        "ep": {
+            "added_overhead": ratio("full", "no_sends"),
+            "overhead": ratio("full", "plain"),
+            "overhead_without_sends": ratio("no_sends", "plain"),
+            # the send fingerprints of a step timed apart, as if the devices ran them one after another
+            # on one core, over the fastest step without them: steadier than added_overhead under load
+            "added_overhead_serial_bound": round(mesh.size * sends_alone / min(times["no_sends"]), 5),
+            "sends_fingerprint_s_per_device": round(sends_alone, 6),
+            "step_s": {k: round(statistics.median(v), 5) for k, v in times.items()},
+            "min_step_s": {k: round(min(v), 5) for k, v in times.items()},
+            "log_bytes_per_step_per_device": {
+                "sends": round((fp_bytes - lean_bytes) / mesh.size, 1),
+                "expert_load": round((sig_bytes - sig_lean) / mesh.size, 1),
+                "fingerprints_line": round(fp_bytes / mesh.size, 1), "signals_line": round(sig_bytes / mesh.size, 1),
+            },
+            "send_sites": len(fp.send_sites),
+            "send_elements_per_device_per_step": _send_elements(model, mesh, args.global_batch, seq_len),
+            "reference": "the same step compiled without the send fingerprints (and without any logging), same "
+                         "process, interleaved round robin",
+        },
+        "timed_steps_each": steps, "params": sum(variants["full"].leaf_sizes), "global_batch": args.global_batch,
+        "seq_len": seq_len, "devices": mesh.size,
+        "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape))),
+        "model": {"n_experts": model.n_experts, "top_k": model.top_k, "capacity_factor": model.capacity_factor,
+                  "dispatch": model.dispatch},
+        "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
+        "loop_s": round(loop_s, 1), "quick": bool(args.quick),
+    }
+    print(json.dumps(result))
+    return result
+
+
+def _sends_alone_s(elements: int, sites: int, device, reps: int = 20) -> float:
+    """Median seconds of one device's send fingerprints of a step (``sites`` buffers of ``elements``
+    normal float32 values, one jit program, as the step computes them: lanes only, no counts)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from replay.run import fingerprint as fpm
+
+    rng = np.random.default_rng(0)
+    bufs = [jax.device_put(rng.standard_normal(elements).astype(np.float32), device) for _ in range(sites)]
+    fn = jax.jit(lambda bs: jnp.stack([fpm.fingerprint(b, counts=False)[:2] for b in bs]))
+    jax.block_until_ready(fn(bufs))
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(bufs))
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def _send_elements(model, mesh, global_batch: int, seq_len: int) -> int:
+    """Elements each device fingerprints per step at its sends: 4 buffers per layer of ``[E, B, C, D]``."""
+    rows = global_batch // mesh.size
+    return 4 * model.n_layers * model.n_experts * rows * model.capacity(seq_len) * model.d_model
 
 
 if __name__ == "__main__":

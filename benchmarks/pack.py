@@ -84,23 +84,6 @@ from dataprep import demo, testing
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def real_documents() -> list[tuple[str, str]]:
-    """(name, text) of every stdlib module (no tests) and pydoc topic, sorted by name."""
-    import sysconfig
-
-    from pydoc_data.topics import topics
-
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    docs = []
-    for p in demo.stdlib_files(str(root)):
-        try:
-            docs.append((f"code/{p.relative_to(root)}", p.read_text(encoding="utf-8")))
-        except UnicodeDecodeError:
-            continue
-    docs += [(f"topic/{k}", topics[k]) for k in sorted(topics)]
-    return docs
-
-
 def build_corpus(
     folder: pathlib.Path, target_bytes: int, files: int = 8, keep_texts: int = 0, paragraphs: bool = False
 ) -> tuple[list[str], int]:
@@ -112,7 +95,7 @@ def build_corpus(
     Returns:
       (the texts of the first ``keep_texts`` bytes or so, total bytes of text written).
     """
-    docs = [(n, t) for n, t in real_documents() if t.strip()]
+    docs = [(n, t) for n, t in demo.stdlib_documents() if t.strip()]
     if paragraphs:
         docs = [(f"{n}#{i}", p) for n, t in docs for i, p in enumerate(t.split("\n\n")) if p.strip()]
     folder.mkdir(parents=True, exist_ok=True)

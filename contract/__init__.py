@@ -1,6 +1,6 @@
 """The contracts between dataprep, loader and replay: config schema, record codec, manifest.
 
-Imports neither Beam nor JAX (DESIGN.md, "Dependency direction").
+Imports neither Beam nor JAX (docs/design.md, "Dependency direction").
 """
 
 from contract.codec import FORMAT_VERSION, PackedRow, RecordError, decode_row, dense_row, encode_row

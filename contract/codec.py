@@ -1,14 +1,14 @@
 """The packed-row record codec: one ArrayRecord record is one packed row.
 
 Written by ``dataprep`` and read by ``loader`` and ``replay``; this module is the only
-place that knows the byte layout (DESIGN.md, "The dataset contract"). It imports neither
+place that knows the byte layout (docs/design.md, "The dataset contract"). It imports neither
 Beam nor JAX.
 
-Layout of format version 1 (all integers little-endian)::
+Layout of format version 2 (all integers little-endian)::
 
     offset  size            field
     0       4               magic b"MOEP"
-    4       1               format version (1)
+    4       1               format version (1 or 2)
     5       1               token width in bytes: 2 (uint16) or 4 (uint32)
     6       2               reserved, 0
     8       4               seq_len (u32)
@@ -18,7 +18,14 @@ Layout of format version 1 (all integers little-endian)::
     ...     S * 4           segment lengths (u32), sum == T
     ...     S * 4           chunk index of each segment (u32): 0 unless the document was split
     ...     S * 4           byte length of each document key (u32)
+    ...     S * 4           byte length of each document id (u32; 0: no id)    version 2 only
     ...     sum(key bytes)  document keys, UTF-8, concatenated
+    ...     sum(id bytes)   document ids, UTF-8, concatenated                  version 2 only
+
+Versions: a row whose documents carry an id (the source's ``id_field``, e.g. a URL) is
+written as version 2; a row without any id as version 1, byte for byte what the writers
+before ids wrote. Readers read both (:data:`READABLE_VERSIONS`), so datasets written before
+ids existed still read; a version-1 row's documents have no id (``""``).
 
 A row of ``seq_len`` slots holds its segments first and padding after::
 
@@ -38,7 +45,8 @@ from typing import Sequence
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version written (a row without ids is still written as version 1)
+READABLE_VERSIONS = (1, 2)
 MAGIC = b"MOEP"
 _HEADER = struct.Struct("<4sBBHIII")
 _WIDTH_TO_DTYPE = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
@@ -71,6 +79,9 @@ class PackedRow:
         is (0 for a document that was not split); the segment starts at token
         ``chunk_index * seq_len`` of the document's token stream.
       seq_len: slots in the row; ``T <= seq_len``.
+      doc_ids: ``S`` document ids as the input gave them (the source's ``id_field``), ``""``
+        where a document has none (and for every segment of a version-1 row); ``()`` is
+        taken as ``S`` empty ids.
     """
 
     tokens: np.ndarray
@@ -78,6 +89,11 @@ class PackedRow:
     doc_keys: tuple[str, ...]
     chunk_indices: np.ndarray
     seq_len: int
+    doc_ids: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not self.doc_ids and self.doc_keys:
+            object.__setattr__(self, "doc_ids", ("",) * len(self.doc_keys))
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +119,7 @@ def encode_row(
     chunk_indices: Sequence[int],
     seq_len: int,
     token_dtype: np.dtype | str,
+    doc_ids: Sequence[str] | None = None,
 ) -> bytes:
     """Encodes one packed row.
 
@@ -112,6 +129,8 @@ def encode_row(
       chunk_indices: ``S`` non-negative chunk indices.
       seq_len: slots in the row, >= 1.
       token_dtype: ``uint16`` or ``uint32``; every token must fit.
+      doc_ids: ``S`` document ids (``""``: none), or None. A row with at least one id is
+        written as format version 2, else as version 1.
 
     Returns:
       The record bytes (layout in the module docstring).
@@ -124,10 +143,10 @@ def encode_row(
     if dtype.itemsize not in _WIDTH_TO_DTYPE or dtype.kind != "u":
         raise ValueError(f"token_dtype must be uint16 or uint32, got {token_dtype}")
     n_seg = len(tokens_per_segment)
-    if not (n_seg == len(doc_keys) == len(chunk_indices)):
+    if not (n_seg == len(doc_keys) == len(chunk_indices)) or (doc_ids is not None and len(doc_ids) != n_seg):
         raise ValueError(
-            f"segments ({n_seg}), doc_keys ({len(doc_keys)}) and chunk_indices "
-            f"({len(chunk_indices)}) must have the same length"
+            f"segments ({n_seg}), doc_keys ({len(doc_keys)}), chunk_indices ({len(chunk_indices)})"
+            + (f" and doc_ids ({len(doc_ids)})" if doc_ids is not None else "") + " must have the same length"
         )
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -153,14 +172,18 @@ def encode_row(
         raise ValueError(f"chunk indices must be >= 0, got {chunks.min()}")
     keys = [k.encode("utf-8", "surrogatepass") for k in doc_keys]
     key_lengths = np.array([len(k) for k in keys], dtype="<u4")
+    ids = [i.encode("utf-8", "surrogatepass") for i in doc_ids] if doc_ids is not None and any(doc_ids) else None
     parts = [
-        _HEADER.pack(MAGIC, FORMAT_VERSION, dtype.itemsize, 0, seq_len, total, n_seg),
+        _HEADER.pack(MAGIC, 1 if ids is None else 2, dtype.itemsize, 0, seq_len, total, n_seg),
         flat.astype(dtype, copy=False).tobytes(),
         lengths.tobytes(),
         chunks.astype("<u4").tobytes(),
         key_lengths.tobytes(),
-        b"".join(keys),
     ]
+    if ids is None:
+        parts.append(b"".join(keys))
+    else:
+        parts += [np.array([len(i) for i in ids], dtype="<u4").tobytes(), b"".join(keys), b"".join(ids)]
     return b"".join(parts)
 
 
@@ -179,14 +202,15 @@ def decode_row(data: bytes) -> PackedRow:
     magic, version, width, _, seq_len, total, n_seg = _HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         raise RecordError(f"bad magic {magic!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        raise RecordError(f"record format version {version}, this reader knows {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise RecordError(f"record format version {version}, this reader knows {list(READABLE_VERSIONS)}")
     if width not in _WIDTH_TO_DTYPE:
         raise RecordError(f"token width {width} bytes, expected 2 or 4")
     if total > seq_len:
         raise RecordError(f"record holds {total} tokens, more than its seq_len {seq_len}")
     off = _HEADER.size
-    fixed = total * width + 3 * 4 * n_seg
+    words = 3 if version == 1 else 4  # u32 words per segment after the tokens
+    fixed = total * width + words * 4 * n_seg
     if len(data) < off + fixed:
         raise RecordError(f"record truncated: {len(data)} bytes, header promises at least {off + fixed}")
     tokens = np.frombuffer(data, _WIDTH_TO_DTYPE[width], total, off)
@@ -197,17 +221,28 @@ def decode_row(data: bytes) -> PackedRow:
     off += 4 * n_seg
     key_lengths = np.frombuffer(data, "<u4", n_seg, off).astype(np.int64)
     off += 4 * n_seg
+    id_lengths = np.zeros(n_seg, np.int64)
+    if version >= 2:
+        id_lengths = np.frombuffer(data, "<u4", n_seg, off).astype(np.int64)
+        off += 4 * n_seg
     if int(lengths.sum()) != total or (n_seg and lengths.min() == 0):
         raise RecordError(f"segment lengths {lengths.tolist()} do not partition {total} tokens")
-    if len(data) != off + int(key_lengths.sum()):
+    if len(data) != off + int(key_lengths.sum()) + int(id_lengths.sum()):
         raise RecordError(
-            f"record is {len(data)} bytes, layout says {off + int(key_lengths.sum())}"
+            f"record is {len(data)} bytes, layout says {off + int(key_lengths.sum()) + int(id_lengths.sum())}"
         )
-    keys = []
-    for n in key_lengths.tolist():
-        keys.append(data[off : off + n].decode("utf-8", "surrogatepass"))
-        off += n
-    return PackedRow(tokens, lengths, tuple(keys), chunks, seq_len)
+
+    def strings(sizes: np.ndarray) -> tuple[str, ...]:
+        nonlocal off
+        out = []
+        for n in sizes.tolist():
+            out.append(data[off : off + n].decode("utf-8", "surrogatepass"))
+            off += n
+        return tuple(out)
+
+    keys = strings(key_lengths)
+    ids = strings(id_lengths)
+    return PackedRow(tokens, lengths, keys, chunks, seq_len, ids)
 
 
 def segment_ids_and_positions(segment_lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:

@@ -10,6 +10,7 @@ A mixture config names a dataset version and says what goes into it::
     shards_per_source: 4       # optional override of that: exactly this many shards per source (auto: not set)
     max_segments_per_row: 256  # cap on documents (segments) packed into one row
     max_rejected_fraction: 0.5 # a source rejecting more of its documents fails the pack
+    dedup: report              # exact duplicate documents: off | report (default) | exact (drop them)
     tokenizer:
       path: ../../build/demo/tokenizer.model   # relative paths: to this file's folder
       sha256: 3f1a...          # expected sha256 of the model file (optional but advised)
@@ -21,7 +22,7 @@ A mixture config names a dataset version and says what goes into it::
         root: ../../build/demo/inputs/docs     # optional; keys are relative to it
         format: jsonl          # jsonl | jsonl.gz | jsonl.zst | parquet | text
         text_field: text
-        id_field: id           # optional, recorded only
+        id_field: id           # optional: the document's own id (e.g. a URL), kept in each row's provenance
         text_split: file       # text format only: file | blank_lines
         weight: 0.3
     phases:                    # optional: from step S, these weights
@@ -35,7 +36,8 @@ tokenizer's sha256) belong to the caller, which has a file system (``dataprep`` 
 Beam's ``FileSystems``).
 
 Every mistake raises :class:`ConfigError` naming the field, e.g.
-``sources[1].weight: must be >= 0, got -0.5``.
+``sources[1].weight: must be >= 0, got -0.5``; an unknown key names the near allowed one
+(``unknown key(s) ['wieght'] (did you mean 'weight' for 'wieght'?)``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import hashlib
 import json
 import os
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import yaml
 
@@ -69,6 +71,14 @@ class SourceFormat(str, enum.Enum):
     JSONL_ZST = "jsonl.zst"
     PARQUET = "parquet"
     TEXT = "text"
+
+
+class DedupMode(str, enum.Enum):
+    """What the pack does with exact duplicate documents (``dataprep.dedup``)."""
+
+    OFF = "off"  # no text hash, nothing reported
+    REPORT = "report"  # found and reported (manifest, summary, report.png), all packed
+    EXACT = "exact"  # found, reported, and every copy but the first dropped before packing
 
 
 class TextSplit(str, enum.Enum):
@@ -96,7 +106,8 @@ class SourceConfig:
       root: folder that document keys are made relative to.
       format: the input format.
       text_field: JSON field or Parquet column holding the text.
-      id_field: JSON field or Parquet column holding the upstream id (recorded only).
+      id_field: JSON field or Parquet column holding the document's own id (a URL, say),
+        carried into the provenance of every packed row; None: no id.
       text_split: for ``text`` sources, whole files or blank-line separated blocks.
       weight: share of rows (before normalization) in the first phase, >= 0.
     """
@@ -130,6 +141,8 @@ class MixtureConfig:
     each source's shard count from the listed sizes of its input files and
     ``target_shard_tokens`` (``dataprep.sizing``). ``max_rejected_fraction`` in ``[0, 1]``:
     a source whose rejected documents exceed this share of those read fails the pack.
+    ``dedup``: exact duplicate documents are reported (the default), dropped (``exact``)
+    or not looked for (``off``); see ``dataprep.dedup``.
     """
 
     name: str
@@ -140,6 +153,7 @@ class MixtureConfig:
     target_shard_tokens: int = DEFAULT_TARGET_SHARD_TOKENS
     max_segments_per_row: int = 256
     max_rejected_fraction: float = DEFAULT_MAX_REJECTED_FRACTION
+    dedup: DedupMode = DedupMode.REPORT
     tokenizer: TokenizerConfig
     sources: tuple[SourceConfig, ...]
     phases: tuple[PhaseConfig, ...]
@@ -156,8 +170,12 @@ class MixtureConfig:
         raise KeyError(f"no source {name!r}; sources are {list(self.source_names)}")
 
     def to_dict(self) -> dict[str, Any]:
-        """Returns the normalized config as plain JSON-able values (paths resolved)."""
-        return {
+        """Returns the normalized config as plain JSON-able values (paths resolved).
+
+        ``dedup`` is left out at its default (``report``), so that configs written before it
+        existed keep their :meth:`sha256`.
+        """
+        out = {
             "name": self.name,
             "version": self.version,
             "seq_len": self.seq_len,
@@ -185,6 +203,9 @@ class MixtureConfig:
                 for p in self.phases
             ],
         }
+        if self.dedup is not DedupMode.REPORT:
+            out["dedup"] = self.dedup.value
+        return out
 
     def sha256(self) -> str:
         """Returns the sha256 of the canonical JSON of :meth:`to_dict`."""
@@ -194,7 +215,7 @@ class MixtureConfig:
 
 _TOP_KEYS = {
     "name", "version", "seq_len", "seed", "shards_per_source", "target_shard_tokens",
-    "max_segments_per_row", "max_rejected_fraction", "tokenizer", "sources", "phases",
+    "max_segments_per_row", "max_rejected_fraction", "dedup", "tokenizer", "sources", "phases",
 }
 _TOKENIZER_KEYS = {"path", "sha256", "add_bos", "add_eos"}
 _SOURCE_KEYS = {"name", "paths", "root", "format", "text_field", "id_field", "text_split", "weight"}
@@ -224,10 +245,22 @@ def _glob_root(pattern: str) -> str:
     return head.rsplit("/", 1)[0] if "/" in head else "."
 
 
+def did_you_mean(unknown: Sequence[Any], allowed: Iterable[str]) -> str:
+    """`` (did you mean 'a' for 'b'?)`` for the unknown names near an allowed one, else ``""``."""
+    import difflib
+
+    pairs = [(k, m[0]) for k in unknown if (m := difflib.get_close_matches(str(k), sorted(allowed), n=1))]
+    if not pairs:
+        return ""
+    return " (did you mean " + ", ".join(f"{m!r} for {k!r}" for k, m in pairs) + "?)"
+
+
 def _check_keys(where: str, got: Mapping[str, Any], allowed: set[str]) -> None:
     unknown = sorted(set(got) - allowed, key=repr)  # keys of mixed types (1, "x") still sort
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}")
+        raise ConfigError(
+            f"{where}: unknown key(s) {unknown}{did_you_mean(unknown, allowed)}; allowed keys are {sorted(allowed)}"
+        )
 
 
 def _int(where: str, value: Any, minimum: Optional[int] = None) -> int:
@@ -312,6 +345,15 @@ def mixture_from_dict(raw: Any, base_dir: Optional[str] = None, path: Optional[s
             f"max_rejected_fraction: must be a number in [0, 1] (1 accepts any loss), got {max_rejected!r}"
         )
 
+    dedup = raw.get("dedup", DedupMode.REPORT.value)
+    if dedup is False:  # YAML 1.1 reads a bare off as false
+        dedup = DedupMode.OFF.value
+    try:
+        dedup = DedupMode(dedup)
+    except ValueError:
+        allowed = [d.value for d in DedupMode]
+        raise ConfigError(f"dedup: must be one of {allowed}, got {dedup!r}{did_you_mean([dedup], allowed)}") from None
+
     tok_raw = raw["tokenizer"]
     if not isinstance(tok_raw, Mapping):
         raise ConfigError(f"tokenizer: must be a mapping with path and sha256, got {tok_raw!r}")
@@ -367,8 +409,9 @@ def mixture_from_dict(raw: Any, base_dir: Optional[str] = None, path: Optional[s
         try:
             fmt = SourceFormat(s["format"])
         except ValueError:
+            allowed = [f.value for f in SourceFormat]
             raise ConfigError(
-                f"{where}.format: must be one of {[f.value for f in SourceFormat]}, got {s['format']!r}"
+                f"{where}.format: must be one of {allowed}, got {s['format']!r}{did_you_mean([s['format']], allowed)}"
             ) from None
         try:
             split = TextSplit(s.get("text_split", TextSplit.FILE.value))
@@ -440,7 +483,9 @@ def mixture_from_dict(raw: Any, base_dir: Optional[str] = None, path: Optional[s
             raise ConfigError(f"{where}.weights: must be a mapping of source name to weight, got {w!r}")
         unknown = sorted(set(w) - seen, key=repr)
         if unknown:
-            raise ConfigError(f"{where}.weights: unknown source(s) {unknown}; sources are {sorted(seen)}")
+            raise ConfigError(
+                f"{where}.weights: unknown source(s) {unknown}{did_you_mean(unknown, seen)}; sources are {sorted(seen)}"
+            )
         weights = {n: _weight(f"{where}.weights.{n}", w.get(n, 0.0)) for n in base_weights}
         _check_weights(f"{where}.weights", weights)
         phases.append(PhaseConfig(from_step=step, weights=weights))
@@ -453,6 +498,7 @@ def mixture_from_dict(raw: Any, base_dir: Optional[str] = None, path: Optional[s
         target_shard_tokens=target,
         max_segments_per_row=max_segments,
         max_rejected_fraction=float(max_rejected),
+        dedup=dedup,
         tokenizer=tokenizer,
         sources=tuple(sources),
         phases=tuple(phases),

@@ -1,7 +1,7 @@
 """Stable hashing and document keys shared by every part of the toolkit.
 
 Every pseudo-random choice in the toolkit is seeded from these functions, never from
-Python's salted ``hash()``, set order, time or an unseeded RNG (DESIGN.md, "Determinism
+Python's salted ``hash()``, set order, time or an unseeded RNG (docs/design.md, "Determinism
 rules"). The hash is ``hashlib.blake2b`` over an unambiguous encoding of the parts, so the
 value is the same on every machine, Python version and process.
 """
@@ -77,3 +77,19 @@ def document_key(source: str, relpath: str, locator: Union[int, str]) -> str:
 def sha256_bytes(data: bytes) -> str:
     """Returns the hex sha256 of ``data``."""
     return hashlib.sha256(data).hexdigest()
+
+
+def key_position(key: str) -> tuple[str, int, int]:
+    """Where the document of ``key`` (:func:`document_key`) lies in its input: a sort key.
+
+    Returns ``(relpath, 0, locator)`` for a numeric locator (line, row or block) and
+    ``(relpath, 1, 0)`` for a whole-file one (``file``: a file-level dead letter, after the
+    lines read before it), so sorting by it gives file order, line 2 before line 10 (the
+    plain string order of keys puts ``:10`` before ``:2``). A key that is not
+    ``<source>/<relpath>:<locator>`` sorts by itself: ``(key, 1, 0)``.
+    """
+    head, sep, locator = key.rpartition(":")
+    _, slash, rel = head.partition("/")
+    if not sep or not slash:
+        return (key, 1, 0)
+    return (rel, 0, int(locator)) if locator.isdigit() and locator.isascii() else (rel, 1, 0)

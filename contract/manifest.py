@@ -26,14 +26,27 @@ A packed dataset version is one folder::
           "totals": {"records": ..., "tokens": ..., "padding": ..., "documents": ...,
                      "segments": ..., "bytes": ...},
           "ledger": {"read": ..., "packed": ..., "rejected": {"<reason>": n, ...},
-                     "tokens_in": ..., "tokens_packed": ..., "docs_split": ...}
+                     "duplicates_dropped": ..., "tokens_in": ..., "tokens_packed": ...,
+                     "tokens_dropped": ..., "docs_split": ...}
         }
       },
+      "duplicates": {"mode": "report", "normalization": "...", "documents": ..., "tokens": ...,
+                     "by_source": {"<source>": {"documents": ..., "tokens": ...,
+                                                "of": {"<source of the kept copy>": n, ...}}},
+                     "examples": [{"hash": "<32 hex>", "copies": n, "keys": [...]}, ...]},
       "tools": {"python": "...", "apache_beam": "...", ...}
     }
 
 ``documents`` of a shard counts the documents whose chunk 0 is in that shard, so the
 shard documents of a source sum to its ``ledger.packed``.
+
+The ledger reconciles as ``read = packed + sum(rejected) + duplicates_dropped`` and
+``tokens_in = tokens_packed + tokens_dropped``; the two ``dropped`` fields are 0 unless the
+config says ``dedup: exact`` (and absent from manifests written before they existed, read as
+0). ``duplicates`` (absent with ``dedup: off`` and in older manifests): per source, its
+documents whose normalized text an earlier document has (``dataprep.dedup``: the first by
+source order in the config, then file and line), and the sources of those earlier copies;
+``examples``: the groups of the smallest text hashes, up to 5, with up to 5 keys each.
 """
 
 from __future__ import annotations
@@ -78,7 +91,11 @@ class ShardInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Ledger:
-    """Where every document read went: ``read == packed + sum(rejected.values())``."""
+    """Where every document read went: ``read == packed + sum(rejected.values()) + duplicates_dropped``.
+
+    ``duplicates_dropped`` / ``tokens_dropped``: documents (and their tokens) left out as
+    exact duplicates of an earlier one (``dedup: exact``); 0 otherwise.
+    """
 
     read: int
     packed: int
@@ -86,15 +103,19 @@ class Ledger:
     tokens_in: int
     tokens_packed: int
     docs_split: int
+    duplicates_dropped: int = 0
+    tokens_dropped: int = 0
 
     def problems(self) -> list[str]:
         """Returns what does not reconcile (empty when all is well)."""
         out = []
         rejected = sum(self.rejected.values())
-        if self.read != self.packed + rejected:
-            out.append(f"documents read {self.read} != packed {self.packed} + rejected {rejected}")
-        if self.tokens_in != self.tokens_packed:
-            out.append(f"tokens in {self.tokens_in} != tokens packed {self.tokens_packed}")
+        dropped = f" + duplicates dropped {self.duplicates_dropped}" if self.duplicates_dropped else ""
+        if self.read != self.packed + rejected + self.duplicates_dropped:
+            out.append(f"documents read {self.read} != packed {self.packed} + rejected {rejected}{dropped}")
+        if self.tokens_in != self.tokens_packed + self.tokens_dropped:
+            out.append(f"tokens in {self.tokens_in} != tokens packed {self.tokens_packed}"
+                       + (f" + tokens dropped {self.tokens_dropped}" if self.tokens_dropped else ""))
         return out
 
 
@@ -127,6 +148,7 @@ class Manifest:
     sources: Mapping[str, SourceEntry]
     tools: Mapping[str, str]
     manifest_version: int = MANIFEST_VERSION
+    duplicates: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -148,7 +170,7 @@ class Manifest:
                 for name, entry in sorted(self.sources.items())
             },
             "tools": dict(self.tools),
-        }
+        } | ({"duplicates": self.duplicates} if self.duplicates is not None else {})
 
     def to_json(self) -> str:
         """Canonical JSON text: sorted keys, 2-space indent, trailing newline."""
@@ -214,6 +236,8 @@ class Manifest:
                 tokens_in=need(led, "tokens_in", int, f"{where}.ledger"),
                 tokens_packed=need(led, "tokens_packed", int, f"{where}.ledger"),
                 docs_split=need(led, "docs_split", int, f"{where}.ledger"),
+                **{k: need(led, k, int, f"{where}.ledger") for k in ("duplicates_dropped", "tokens_dropped")
+                   if k in led},  # absent in manifests written before dedup: 0
             )
             sources[name] = SourceEntry(tuple(shards), ledger)
         return cls(
@@ -228,4 +252,5 @@ class Manifest:
             token_dtype=need(raw, "token_dtype", str, ""),
             sources=sources,
             tools=need(raw, "tools", dict, ""),
+            duplicates=need(raw, "duplicates", dict, "") if "duplicates" in raw else None,
         )

@@ -68,6 +68,24 @@ def stdlib_files(stdlib: Optional[str] = None) -> list[pathlib.Path]:
     return sorted(out)
 
 
+def stdlib_documents() -> list[tuple[str, str]]:
+    """``(name, text)`` of every standard-library module of :func:`stdlib_files` (``code/<relpath>``)
+    and every ``pydoc_data.topics`` topic (``topic/<name>``), sorted by name: the benchmark
+    corpus of ``benchmarks/pack.py`` and ``benchmarks/packing.py``. Modules that are not UTF-8
+    are left out."""
+    from pydoc_data.topics import topics
+
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    docs = []
+    for p in stdlib_files(str(root)):
+        try:
+            docs.append((f"code/{p.relative_to(root)}", p.read_text(encoding="utf-8")))
+        except UnicodeDecodeError:
+            continue
+    docs += [(f"topic/{k}", topics[k]) for k in sorted(topics)]
+    return docs
+
+
 def copy_code(dest: pathlib.Path, max_bytes: Optional[int] = None) -> tuple[int, int, bool]:
     """Copies the stdlib modules under ``dest``; returns (files, bytes, sampled).
 

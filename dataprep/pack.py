@@ -60,6 +60,15 @@ from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions,
 
 from contract.codec import FORMAT_VERSION, token_dtype_for_vocab  # noqa: E402
 from contract.config import ConfigError, MixtureConfig, load_mixture  # noqa: E402
+from contract.plan import (  # noqa: E402
+    DEFAULT_MAX_EPOCHS,
+    PlanError,
+    SourceEpochs,
+    describe,
+    epoch_lengths,
+    source_epochs,
+    steps_for_tokens,
+)
 from contract.manifest import (  # noqa: E402
     ERRORS_DIR,
     MANIFEST_NAME,
@@ -69,7 +78,7 @@ from contract.manifest import (  # noqa: E402
     SourceEntry,
     shard_name,
 )
-from dataprep import fsutil, pipeline, preflight, progress, sizing, staging  # noqa: E402
+from dataprep import dryrun, fsutil, pipeline, preflight, progress, sizing, staging  # noqa: E402
 
 DEFAULT_RUNNER = "FnApiRunner"
 EXIT_PIPELINE = 1
@@ -230,6 +239,9 @@ class PackResult:
         write`` where the runner lets them be told apart, else ``pipeline``; ``manifest``,
         ``report``, ``total``).
       report: where ``report.png`` was written, or None (``--no-report``).
+      epochs: per source, the epochs of the planned run (``--train-steps`` or
+        ``--train-tokens`` with ``--global-batch``), ``contract.plan.SourceEpochs``; empty
+        without a plan.
     """
 
     output: str
@@ -237,6 +249,7 @@ class PackResult:
     metrics: Mapping[str, int]
     timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
     report: Optional[str] = None
+    epochs: tuple[SourceEpochs, ...] = ()
 
 
 def tool_versions() -> dict[str, str]:
@@ -283,6 +296,11 @@ removed at the end (what a killed run left is removed by the next run into the s
 A local --output is locked for the run: a second pack into it exits 2 at once. On object
 stores (gs://) there is no lock: run one pack per output at a time. Inputs must not change
 while a pack runs (a file whose size differs from its listing fails the run).
+
+Dataflow dry run (--dry-run): the job is built with Beam's DataflowRunner and checked without a
+cloud: options, translation, every DoFn unpickled again, key coders, the --setup_file sdist,
+paths the workers cannot reach; prints what would be staged and how many workers the sizing
+suggests; exit 0 when every check passed, else 2.
 
 exit status: 0 done; 1 the pipeline failed (no manifest.json written; the last line says
 what to do); 2 bad config, arguments, output or --temp_location folder, or another pack is
@@ -374,7 +392,68 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, list[
         help="seconds between progress lines when stderr is not a terminal (default 10)",
     )
     parser.add_argument("--no-report", action="store_true", help=f"do not draw <output>/{REPORT_NAME}")
+    plan = parser.add_argument_group(
+        "the planned run", "how many epochs of each source a run sees, printed after packing; a source over "
+        "--max-epochs gets a warning")
+    plan.add_argument("--train-steps", type=int, default=None, metavar="STEPS", help="planned training steps")
+    plan.add_argument("--train-tokens", type=int, default=None, metavar="TOKENS",
+                      help="planned training tokens (instead of --train-steps)")
+    plan.add_argument("--global-batch", type=int, default=None, metavar="ROWS", help="rows per step")
+    plan.add_argument("--max-epochs", type=float, default=DEFAULT_MAX_EPOCHS, metavar="EPOCHS",
+                      help=f"warn above this many epochs of a source (default {DEFAULT_MAX_EPOCHS:g})")
+    dry = parser.add_argument_group(
+        "Dataflow dry run", "build the Dataflow job (--runner DataflowRunner and its options) and check it "
+        "without submitting anything or reaching a cloud (dataprep/dryrun.py); needs apache-beam[gcp]")
+    dry.add_argument("--dry-run", action="store_true", help="build and check the job; write nothing to --output")
+    dry.add_argument("--dry-run-venv", action="store_true",
+                     help="--dry-run, and install the staged sdist into a fresh venv, as a worker would (minutes)")
+    dry.add_argument("--dry-run-dir", default=dryrun.DEFAULT_FOLDER, metavar="FOLDER",
+                     help=f"where the staged files and dataflow_job.json go (default {dryrun.DEFAULT_FOLDER})")
     return parser.parse_known_args(list(argv) if argv is not None else None)
+
+
+def planned_steps(args: argparse.Namespace, config: MixtureConfig) -> Optional[int]:
+    """The planned run's steps from ``--train-steps`` or ``--train-tokens``, or None without a plan.
+
+    Raises:
+      ConfigError: a plan without ``--global-batch`` (or a batch without a plan), both steps
+        and tokens, or a value below 1 (checked before any work).
+    """
+    given = [name for name, v in (("--train-steps", args.train_steps), ("--train-tokens", args.train_tokens))
+             if v is not None]
+    if len(given) == 2:
+        raise ConfigError("--train-steps and --train-tokens: give one of them, not both")
+    if not given and args.global_batch is None:
+        if not args.max_epochs > 0:
+            raise ConfigError(f"--max-epochs: must be > 0, got {args.max_epochs}")
+        return None
+    if not given or args.global_batch is None:
+        raise ConfigError("--global-batch goes with --train-steps or --train-tokens: give both, to see how many "
+                          "epochs of each source the planned run sees")
+    if not args.max_epochs > 0:
+        raise ConfigError(f"--max-epochs: must be > 0, got {args.max_epochs}")
+    try:
+        if args.train_tokens is not None:
+            return steps_for_tokens(args.train_tokens, args.global_batch, config.seq_len)
+        for name, value in (("--train-steps", args.train_steps), ("--global-batch", args.global_batch)):
+            if value < 1:
+                raise PlanError(f"{name}: must be an integer >= 1, got {value}")
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
+    return args.train_steps
+
+
+def epochs_of_run(config: MixtureConfig, manifest: Manifest, steps: Optional[int], global_batch: Optional[int],
+                  max_epochs: float) -> tuple[list[SourceEpochs], list[str], list[str]]:
+    """``(epochs, lines, warnings)`` of the planned run over the packed rows (``contract.plan``);
+    without a plan, no epochs and the lines say how long an epoch of each source lasts."""
+    phases = [(p.from_step, p.weights) for p in config.phases]
+    records = {n: manifest.sources[n].records for n in config.source_names}
+    if steps is None:
+        return [], epoch_lengths(phases, records), []
+    items = source_epochs(phases, records, steps, global_batch)
+    lines, warnings = describe(items, steps, global_batch, max_epochs)
+    return items, lines, warnings
 
 
 def pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
@@ -394,8 +473,8 @@ def pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
     if unknown:
         raise ConfigError(
             f"unknown argument(s) {unknown}: neither this command's (--config, --output, --overwrite, "
-            "--quiet, --spill, --max-shard-tokens, --progress-every, --no-report) nor a Beam pipeline option; "
-            "see --help"
+            "--quiet, --spill, --max-shard-tokens, --progress-every, --no-report, --train-steps, --train-tokens, "
+            "--global-batch, --max-epochs, --dry-run) nor a Beam pipeline option; see --help"
         )
     std = options.view_as(StandardOptions)
     if not std.runner:
@@ -441,6 +520,8 @@ def build_manifest(config: MixtureConfig, pre: preflight.Preflight, stats: list[
             tokens_in=tokens_in[n],
             tokens_packed=sum(d["tokens"] for d in infos),
             docs_split=sum(d["docs_split"] for d in infos),
+            duplicates_dropped=sum(d.get("duplicates_dropped", 0) for d in infos),
+            tokens_dropped=sum(d.get("tokens_dropped", 0) for d in infos),
         )
         sources[n] = SourceEntry(entries, ledger)
     vocab = int(pre.tokenizer_info["vocab_size"])
@@ -455,7 +536,44 @@ def build_manifest(config: MixtureConfig, pre: preflight.Preflight, stats: list[
         token_dtype=token_dtype_for_vocab(vocab).name,
         sources=sources,
         tools=tool_versions(),
+        duplicates=duplicates_report(config, stats),
     )
+
+
+def duplicates_report(config: MixtureConfig, stats: list[list]) -> Optional[dict]:
+    """The manifest's ``duplicates`` entry from the stats of ``FindDuplicates`` (None with ``dedup: off``).
+
+    ``by_source[s]``: documents of ``s`` whose normalized text an earlier document has (the
+    first by source order in the config, then file and line), their tokens, and ``of``: how
+    many of them have that earlier copy in each source (``s`` itself: within the source).
+    ``examples``: the :data:`pipeline.DUPLICATE_EXAMPLES` groups of the smallest text hashes.
+    """
+    from contract.config import DedupMode
+    from dataprep import dedup
+
+    if config.dedup is DedupMode.OFF:
+        return None
+    by_source = {n: {"documents": 0, "tokens": 0, "of": {}} for n in config.source_names}
+    examples = []
+    for s in stats:
+        if s[0] == "duplicates":
+            _, source, kept, docs, tokens = s
+            entry = by_source[source]
+            entry["documents"] += docs
+            entry["tokens"] += tokens
+            entry["of"][kept] = entry["of"].get(kept, 0) + docs
+        elif s[0] == "duplicate_example":
+            examples.append({"hash": s[1], "copies": s[2], "keys": list(s[3])})
+    for entry in by_source.values():
+        entry["of"] = dict(sorted(entry["of"].items()))
+    return {
+        "mode": config.dedup.value,
+        "normalization": dedup.NORMALIZATION,
+        "documents": sum(e["documents"] for e in by_source.values()),
+        "tokens": sum(e["tokens"] for e in by_source.values()),
+        "by_source": by_source,
+        "examples": sorted(examples, key=lambda e: e["hash"])[: pipeline.DUPLICATE_EXAMPLES],
+    }
 
 
 def num_shards(config: MixtureConfig, pre: preflight.Preflight, source: str) -> int:
@@ -465,12 +583,16 @@ def num_shards(config: MixtureConfig, pre: preflight.Preflight, source: str) -> 
 
 
 def rejected_examples(stats: list[list]) -> dict[tuple[str, str], tuple[str, str]]:
-    """``(source, reason) -> (key, detail)`` of the first dead letter (by key) of each reason."""
+    """``(source, reason) -> (key, detail)`` of the first dead letter of each reason, by its
+    position in the input (file, then line or row: ``contract.hashing.key_position``), not by
+    the string order of keys (which puts line 10 before line 2)."""
+    from contract.hashing import key_position
+
     out: dict[tuple[str, str], tuple[str, str]] = {}
     for s in stats:
         if s[0] == "rejected_example":
             _, source, reason, key, detail = s
-            if (source, reason) not in out or key < out[source, reason][0]:
+            if (source, reason) not in out or key_position(key) < key_position(out[source, reason][0]):
                 out[source, reason] = (key, detail)
     return out
 
@@ -489,9 +611,11 @@ def _loss_reasons(name: str, led: Ledger, examples: Mapping[tuple[str, str], tup
                                  if (name, reason) in examples and examples[name, reason][1] else "")
         for reason, count in top
     )
+    dropped = led.duplicates_dropped
     return (
         f": read {led.read:,}, packed {led.packed:,}, rejected {rejected:,}"
-        + (f": {reasons}" if reasons else " (the files hold no documents)")
+        + (f", dropped as duplicates of earlier documents {dropped:,} (dedup: exact)" if dropped else "")
+        + (f": {reasons}" if reasons else "" if dropped else " (the files hold no documents)")
         + (f"; dead letters in {fsutil.join(output, ERRORS_DIR, name + '-*.jsonl')}" if rejected else "")
     )
 
@@ -538,14 +662,21 @@ def losses(
     return problems, warnings
 
 
-def _loss_message(problems: list[str], limit: float) -> str:
-    return (
-        "a source lost too much, manifest.json not written:\n  "
-        + "\n  ".join(problems)
-        + "\nnext: fix the input or the source's format/text_field and rerun; to train without the "
-        "source, set its weight to 0 in every phase; to accept the loss, raise max_rejected_fraction "
-        f"in the config (now {limit:g})"
-    )
+def _loss_message(problems: list[str], limit: float, all_duplicates: Sequence[str] = ()) -> str:
+    """The message of a run that lost too much; ``all_duplicates``: sources that packed nothing
+    because every document they read duplicates an earlier one (``dedup: exact``)."""
+    accept = (f"; to accept the loss, raise max_rejected_fraction in the config (now {limit:g})" if limit < 1
+              else " (max_rejected_fraction is already 1: a source that packs no row cannot be accepted, since "
+                   "a loader could not draw from it)")
+    head = "a source lost too much, manifest.json not written:\n  " + "\n  ".join(problems)
+    if all_duplicates and len(all_duplicates) == len(problems):
+        return (head + f"\nnext: every document of {', '.join(map(repr, all_duplicates))} duplicates one of a source "
+                "listed before it (dedup: exact keeps the first copy): remove the source from the mixture or set its "
+                "weight to 0 in every phase, or set dedup: report to pack the copies")
+    dups = (f"\n(every document of {', '.join(map(repr, all_duplicates))} duplicates one of a source listed before "
+            "it: dedup: exact keeps the first copy)") if all_duplicates else ""
+    return (head + dups + "\nnext: fix the input or the source's format/text_field and rerun; to train without the "
+            "source, set its weight to 0 in every phase" + accept)
 
 
 def remove_stale_spills(output: str, base: Optional[str]) -> None:
@@ -688,10 +819,40 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
       Interrupted: Ctrl-C or SIGTERM (a ``KeyboardInterrupt`` saying whether it came after the commit).
     """
     t0 = time.time()
+    args, config, steps, pre, output, options, p = _prepare(argv)
+    if args.dry_run or args.dry_run_venv:
+        raise ConfigError("--dry-run: call dataprep.pack.dry_run (the command does), which builds no dataset")
+    base = spill_base(args.spill, options, output)
+    if base is not None and base != fsutil.join(output, TMP_DIR):
+        check_spill_outside_inputs(config, base)
+        check_writable_folder(base, "--temp_location")
+    check_writable_folder(output, "--output")  # creates it: the lock is taken on the folder
+    lock = lock_output(output)
+    state: dict[str, bool] = {}
+    try:
+        return _run_locked(args, config, pre, output, options, p, base, t0, print_summary, state, steps)
+    except KeyboardInterrupt:
+        raise Interrupted(output, state.get("committed", False)) from None
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _prepare(argv: Optional[Sequence[str]]):
+    """The checks every run makes before it touches anything: arguments, config, the file
+    checks of preflight, the output's form and Beam's options (Beam validates them when the
+    pipeline object is made). Returns ``(args, config, steps, pre, output, options, p)``.
+
+    Raises:
+      ConfigError: the first mistake.
+    """
     args, beam_args = parse_args(argv)
+    if args.dry_run or args.dry_run_venv:
+        dryrun.require_gcp()  # before a gs:// path or Beam's own message about a runner it cannot load
     if not args.progress_every > 0:
         raise ConfigError(f"--progress-every: must be > 0 seconds, got {args.progress_every}")
     config = load_mixture(args.config)
+    steps = planned_steps(args, config)
     pre = preflight.preflight(config, args.max_shard_tokens)
     if not args.output.strip():
         raise ConfigError("--output: must name a folder, got an empty string")  # "" would be "/"
@@ -701,27 +862,31 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
     check_output_location(output)
     check_inputs_outside_output(pre.files, output)
     options = pipeline_options(beam_args)
+    if args.dry_run or args.dry_run_venv:
+        if is_local_runner(options):
+            raise ConfigError("--dry-run builds a Dataflow job: pass --runner DataflowRunner and its options "
+                              "(--project, --region, --temp_location gs://..., --setup_file ./pyproject.toml)")
+        dryrun.prepare_options(options)  # no cloud call from Beam's own option checks
     try:
         p = beam.Pipeline(options=options)  # checks the runner, before the output is touched
     except ValueError as e:
         raise ConfigError(f"Beam options: {e}") from None
-    base = spill_base(args.spill, options, output)
-    if base is not None and base != fsutil.join(output, TMP_DIR):
-        check_spill_outside_inputs(config, base)
-        check_writable_folder(base, "--temp_location")
-    check_writable_folder(output, "--output")  # creates it: the lock is taken on the folder
-    lock = lock_output(output)
-    state: dict[str, bool] = {}
-    try:
-        return _run_locked(args, config, pre, output, options, p, base, t0, print_summary, state)
-    except KeyboardInterrupt:
-        raise Interrupted(output, state.get("committed", False)) from None
-    finally:
-        if lock is not None:
-            os.close(lock)
+    return args, config, steps, pre, output, options, p
 
 
-def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, state) -> PackResult:
+def dry_run(argv: Optional[Sequence[str]] = None) -> dryrun.DryRunReport:
+    """``--dry-run``: every check of :func:`run`, then the Dataflow job built and checked
+    (``dataprep.dryrun.run_dry``); nothing is written to ``--output`` and nothing is submitted.
+
+    Raises:
+      ConfigError: as :func:`run`'s checks; apache-beam[gcp] missing; a runner other than
+        Dataflow.
+    """
+    args, config, _, pre, output, options, _ = _prepare(argv)
+    return dryrun.run_dry(config, pre, output, options, args.dry_run_dir, args.dry_run_venv)
+
+
+def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, state, steps) -> PackResult:
     """:func:`run` once every check has passed and the output is locked; ``state["committed"]``
     is set once manifest.json is written."""
     quiet = args.quiet
@@ -795,7 +960,9 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, 
     examples = rejected_examples(stats)
     lost, warnings = losses(config, manifest, examples, output)
     if lost:
-        message = _loss_message(lost, config.max_rejected_fraction)
+        copies = [n for n in config.source_names if manifest.sources[n].records == 0
+                  and manifest.sources[n].ledger.duplicates_dropped and not manifest.sources[n].ledger.packed]
+        message = _loss_message(lost, config.max_rejected_fraction, copies)
         if not args.no_report:
             report_path = _write_report(manifest, config, stats, output, quiet, failure=message)
         fsutil.delete(stats_path)
@@ -807,6 +974,13 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, 
     _say(quiet, f"pack: manifest written in {progress.duration(timings['manifest'])}: {manifest_path}")
     for warning in warnings:
         _say(False, "warning: " + warning)
+    epochs, lines, epoch_warnings = epochs_of_run(config, manifest, steps, args.global_batch, args.max_epochs)
+    head = (f"pack: epochs of each source in the planned run ({steps:,} steps of {args.global_batch:,} rows):"
+            if steps is not None else
+            "pack: epochs (pass --train-steps or --train-tokens with --global-batch for those of a planned run):")
+    _say(quiet, "\n  ".join([head, *lines]))
+    for warning in epoch_warnings:
+        _say(False, "warning: " + warning)
     if not args.no_report:
         t3 = time.time()
         report_path = _write_report(manifest, config, stats, output, quiet)
@@ -816,7 +990,8 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, 
     timings["total"] = time.time() - t0
     _say(quiet, "pack: done in " + progress.duration(timings["total"]) + " (" + ", ".join(
         f"{k} {progress.duration(v)}" for k, v in timings.items() if k != "total") + ")")
-    out = PackResult(output=output, manifest=manifest, metrics=metrics, timings=timings, report=report_path)
+    out = PackResult(output=output, manifest=manifest, metrics=metrics, timings=timings, report=report_path,
+                     epochs=tuple(epochs))
     if print_summary and not quiet:
         from dataprep import summary
 
@@ -929,6 +1104,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
+    args = list(argv) if argv is not None else sys.argv[1:]
+    if "--dry-run" in args or "--dry-run-venv" in args:
+        try:
+            report = dry_run(args)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_CONFIG
+        print(dryrun.main_lines(report), end="")
+        return EXIT_CONFIG if report.problems else 0
     try:
         run(argv)
     except Interrupted as e:

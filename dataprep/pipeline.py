@@ -1,16 +1,26 @@
-"""The Beam pipeline: read -> tokenize and stage -> pack and write shards.
+"""The Beam pipeline: read -> tokenize and stage -> (find duplicates) -> pack and write shards.
 
 Shape (per source; all sources share the transforms, keyed by source name)::
 
     Create[(source, file, listed size)]  (Create reshuffles the files over workers)
-      -> ParDo(ReadAndTokenize)    main: ((source, bucket), staged tokens)
+      -> ParDo(ReadAndTokenize)    main: ((source, bucket), staged tokens and ids)
                                    rejected: unreadable inputs and empty documents
-      -> Flatten with one empty marker per (source, bucket) -> GroupByKey
+                                   dedup: (dedup bucket, staged text hashes)   [dedup on]
+      -> Flatten with one empty marker per (source, bucket)
+                 (and the drop lists of FindDuplicates, dedup: exact) -> GroupByKey
       -> ParDo(PackAndWriteShard)  one shard per bucket: <out>/<source>/data-SSSSS-of-NNNNN.array_record
+    dedup -> GroupByKey -> ParDo(FindDuplicates)   counts and examples; with dedup: exact,
+                                                   ((source, bucket), (DROP, staged keys))
     rejected -> ParDo(StageRejected) ((source, bucket), staged dead letters)
       -> GroupByKey -> ParDo(WriteDeadLetters)
     every step's counts -> ToList -> write <out>/_stats.json (read by the driver, which
     reconciles the ledger and writes manifest.json last).
+
+Duplicates at scale: a document's text hash goes to the dedup bucket its hash picks
+(``dataprep.dedup``), so every copy of a text meets in one bucket and FindDuplicates holds
+one bucket of (hash, source, tokens, key) records at a time, about 100 bytes a document,
+never a set of every hash of the corpus; the drop lists travel to the packing buckets of
+the dropped documents through the same staging as the tokens.
 
 Staging (``dataprep.staging``): a document's tokens cross the GroupByKey as part of a compact
 segment (uint16/uint32 bytes, never Python objects), either inline (the shuffle of a
@@ -44,14 +54,20 @@ from apache_beam.metrics import Metrics
 from apache_beam.transforms.window import GlobalWindows
 
 from contract.codec import encode_row
-from contract.config import MixtureConfig, SourceConfig
+from contract.config import DedupMode, MixtureConfig, SourceConfig
 from contract.manifest import ERRORS_DIR, shard_name
-from dataprep import faults, fsutil, packing, progress, readers, staging, tokenizer
+from contract.hashing import key_position
+from dataprep import dedup, faults, fsutil, packing, progress, readers, staging, tokenizer
 
 NAMESPACE = "dataprep"
 STATS_NAME = "_stats.json"
 REJECTED = "rejected"
 STATS = "stats"
+DEDUP = "dedup"
+DROP = "drop"  # tags a drop list among the values of a packing bucket
+# Duplicate groups each dedup bucket reports as examples (the manifest keeps the 5 of the
+# smallest hashes over all buckets), and keys shown per group.
+DUPLICATE_EXAMPLES = 5
 # group_size:1: every record is one read. zstd:3 is ArrayRecord's default compression,
 # spelled out so that the shard bytes do not change if the library's default does.
 ARRAY_RECORD_OPTIONS = "group_size:1,zstd:3"
@@ -195,9 +211,12 @@ class ReadAndTokenize(beam.DoFn):
     carried across files of a bundle, so small files still make full batches.
 
     The SentencePiece model is loaded once per worker in ``setup()`` (through FileSystems,
-    checked against its sha256). Outputs: main ``((source, bucket), value)``; ``rejected``
+    checked against its sha256). Outputs: main ``((source, bucket), value)`` (each record:
+    the document's key, its own id from ``id_field`` and its tokens); ``rejected``
     ``(source, key, reason, raw, detail)`` (unreadable input, and documents with no token);
-    ``stats`` ``("read", source, n)`` per file and ``("tokens_in", source, n)`` per bundle.
+    ``stats`` ``("read", source, n)`` per file and ``("tokens_in", source, n)`` per bundle;
+    with ``dedup_buckets`` > 0, ``dedup`` ``(dedup bucket, value)``: each document's text
+    hash, source index and token count (``dataprep.dedup.RECORD``), staged like the tokens.
     """
 
     def __init__(
@@ -216,8 +235,11 @@ class ReadAndTokenize(beam.DoFn):
         batch_docs: int = 1024,
         flush_bytes: int = staging.DEFAULT_FLUSH_BYTES,
         driver_pid: Optional[int] = None,
+        dedup_buckets: int = 0,
     ):
         self._driver_pid = driver_pid
+        self._dedup_buckets = dedup_buckets
+        self._source_index = {name: i for i, name in enumerate(sources)}
         self._sources = dict(sources)
         self._path = tokenizer_path
         self._sha = tokenizer_sha256
@@ -243,11 +265,19 @@ class ReadAndTokenize(beam.DoFn):
         self._token_beat = progress.Heartbeat(self._heartbeat_dir, progress.TOKENIZE)
 
     def start_bundle(self):
-        self._buffer: list[tuple[str, str]] = []  # (key, text)
+        self._buffer: list[readers.Document] = []
         self._buffer_sources: list[str] = []
         self._chars = 0
         self._tokens_in: dict[str, int] = collections.defaultdict(int)
         self._stager = staging.Stager(self._spill_dir, self._flush_bytes)
+        self._hashes = staging.Stager(self._spill_dir, self._flush_bytes)  # dedup records
+
+    def _flush(self, force: bool = False) -> list:
+        """The staged tokens (main output) and text hashes (``dedup``) when full, or ``force``."""
+        out = self._stager.flush() if force or self._stager.full() else []
+        if force or self._hashes.full():
+            out += [pvalue.TaggedOutput(DEDUP, v) for v in self._hashes.flush()]
+        return out
 
     def process(self, element: tuple[str, str, int]):
         source_name, path, size = element
@@ -263,8 +293,7 @@ class ReadAndTokenize(beam.DoFn):
                 self._chars += len(item.text)
                 if self._chars >= self._batch_chars or len(self._buffer) >= self._batch_docs:
                     yield from self._encode()
-                    if self._stager.full():
-                        yield from self._stager.flush()
+                    yield from self._flush()
             else:
                 self._counters[source_name, f"rejected.{item.reason.value}"].inc()
                 yield pvalue.TaggedOutput(
@@ -294,19 +323,24 @@ class ReadAndTokenize(beam.DoFn):
         )
         n = 0
         stage = self._stager.add
-        for source, (key, text), tokens in zip(sources, batch, encoded):
+        hashes = self._hashes.add if self._dedup_buckets else None
+        for source, (key, text, doc_id), tokens in zip(sources, batch, encoded):
             size = tokens.size
             if not size:
                 self._counters[source, f"rejected.{readers.Reason.EMPTY.value}"].inc()
-                yield pvalue.TaggedOutput(REJECTED, (source, key, readers.Reason.EMPTY.value, text, ""))
+                yield pvalue.TaggedOutput(REJECTED, (source, key, readers.Reason.EMPTY.value, text, empty_detail(text)))
                 continue
             n += size
             self._tokens_in[source] += size
-            stage((source, self._bucket[source](key)), key, tokens)
+            stage((source, self._bucket[source](key)), key, tokens, doc_id)
+            if hashes is not None:
+                digest = dedup.text_hash(text)
+                hashes(dedup.dedup_bucket(digest, self._dedup_buckets), key,
+                       dedup.RECORD.pack(digest, self._source_index[source], size))
         self._token_beat.add(tokens=n)
 
     def finish_bundle(self):
-        outputs = list(self._encode()) + self._stager.flush()
+        outputs = list(self._encode()) + self._flush(force=True)
         for i, out in enumerate(outputs):
             if self._fault and i == len(outputs) // 2:
                 faults.maybe_fail(
@@ -318,6 +352,15 @@ class ReadAndTokenize(beam.DoFn):
             yield from _windowed([pvalue.TaggedOutput(STATS, ("tokens_in", source, self._tokens_in[source]))])
         self._read_beat.write()
         self._token_beat.write()
+
+
+def empty_detail(text: str) -> str:
+    """The dead letter's detail for a document with no token besides BOS/EOS."""
+    if not text:
+        return "no token: the text is empty"
+    shown = repr(text[:40]) + ("..." if len(text) > 40 else "")
+    return (f"no token from {len(text):,} characters ({shown}): whitespace, or characters the tokenizer's "
+            "normalization removes")
 
 
 class StageRejected(beam.DoFn):
@@ -411,19 +454,80 @@ def segment_length_histogram(lengths: np.ndarray, seq_len: int, bins: int = HIST
     return np.bincount(idx, minlength=bins).astype(int).tolist()
 
 
+class FindDuplicates(beam.DoFn):
+    """(dedup bucket, staged text hashes) -> duplicate counts and examples; drop lists (``exact``).
+
+    Reads the bucket's records (key, and ``dataprep.dedup.RECORD``: text hash, source index,
+    tokens), groups them by hash (``dataprep.dedup.groups``: keep order is source order in
+    the config, then file and line) and emits, per pair (source of a duplicate, source of
+    its kept copy), ``("duplicates", source, kept_source, documents, tokens)`` (tagged
+    ``stats``), and for the :data:`DUPLICATE_EXAMPLES` groups of the smallest hashes
+    ``("duplicate_example", hash hex, copies, first keys)``. With ``drop`` (``dedup:
+    exact``), every document but the kept copy is staged, key only, for its packing bucket:
+    main output ``((source, bucket), (DROP, value))``.
+    """
+
+    def __init__(self, source_names: Sequence[str], seed: int, num_shards: Mapping[str, int], drop: bool,
+                 spill_dir: Optional[str] = None, driver_pid: Optional[int] = None):
+        self._names = list(source_names)
+        self._seed = seed
+        self._num_shards = dict(num_shards)
+        self._drop = drop
+        self._spill_dir = spill_dir
+        self._driver_pid = driver_pid
+
+    def setup(self):
+        exit_with_driver(self._driver_pid)
+        self._bucket = {s: packing.BucketOf(self._seed, s, self._num_shards[s]) for s in self._names}
+
+    def process(self, element):
+        _, values = element
+        group = staging.StagedGroup(values)
+        keys = group.keys
+        records = np.frombuffer(group.payloads(), dedup.RECORD_DTYPE)  # no Python object a record
+        found = dedup.groups(keys, records["hash"], records["source"])
+        pairs: dict[tuple[int, int], list[int]] = {}
+        stager = staging.Stager(self._spill_dir) if self._drop else None
+        for members in found:
+            kept = int(records["source"][members[0]])
+            for m in members[1:]:
+                src, tokens = int(records["source"][m]), int(records["tokens"][m])
+                count = pairs.setdefault((src, kept), [0, 0])
+                count[0] += 1
+                count[1] += tokens
+                if stager is not None:
+                    name = self._names[src]
+                    stager.add((name, self._bucket[name](keys[m])), keys[m], b"")
+        for (src, kept), (docs, tokens) in sorted(pairs.items()):
+            yield pvalue.TaggedOutput(STATS, ("duplicates", self._names[src], self._names[kept], docs, tokens))
+        for members in found[:DUPLICATE_EXAMPLES]:
+            yield pvalue.TaggedOutput(STATS, ("duplicate_example", records["hash"][members[0]].tobytes().hex(), len(members),
+                                              [keys[m] for m in members[:DUPLICATE_EXAMPLES]]))
+        if stager is not None:
+            for bucket, value in stager.flush():
+                yield bucket, (DROP, value)
+
+
 class PackAndWriteShard(beam.DoFn):
     """((source, bucket), staged values) -> the shard's entry for the manifest, after writing it.
 
-    Reads the bucket's records (``dataprep.staging.StagedGroup``: keys and lengths; tokens
-    stay in their segments or spill files), cuts each document into ``seq_len`` chunks,
-    packs them with best-fit-decreasing (``dataprep.packing``) and writes
-    ``<output>/<source>/data-SSSSS-of-NNNNN.array_record``. Rows are encoded in windows of
+    Reads the bucket's records (``dataprep.staging.StagedGroup``: keys, ids and lengths;
+    tokens stay in their segments or spill files), leaves out the documents of the drop
+    lists among the values (``(DROP, value)``, from :class:`FindDuplicates` with ``dedup:
+    exact``), cuts each document into ``seq_len`` chunks, packs them within both limits
+    (``dataprep.packing.pack_rows``) and writes
+    ``<output>/<source>/data-SSSSS-of-NNNNN.array_record``; each row carries its documents'
+    keys, chunk indices and own ids (``contract.codec``). Rows are encoded in windows of
     about ``window_tokens`` tokens, the window's chunks gathered in one pass over the spill
-    files (sorted by file and offset), so the step holds the bucket's metadata (about 500
-    bytes a document: keys, lengths, the sort and best fit) and one window, whatever the
-    size of the bucket's tokens. Emits one ``("shard", source,
-    bucket, info)`` where ``info`` has the ``ShardInfo`` fields plus ``docs_split`` and
-    ``segment_lengths`` (a histogram, :func:`segment_length_histogram`).
+    files (sorted by file and offset), so the step holds the bucket's metadata (keys, ids,
+    lengths, the sort and the packing: a few hundred bytes a document, docs/dataprep.md
+    "Memory") and one window, whatever the size of the bucket's tokens. Emits one
+    ``("shard", source, bucket, info)`` where ``info`` has the ``ShardInfo`` fields plus
+    ``docs_split``, ``duplicates_dropped``, ``tokens_dropped`` and ``segment_lengths`` (a
+    histogram, :func:`segment_length_histogram`).
+
+    Raises:
+      ValueError: a drop list names a document that is not in the bucket (a routing bug).
     """
 
     def __init__(
@@ -452,23 +556,44 @@ class PackAndWriteShard(beam.DoFn):
 
     def process(self, element):
         (source, bucket), values = element
-        group = staging.StagedGroup(v for v in values if v is not None)  # None: the bucket's marker
-        info = self._pack(source, bucket, group)
+        staged, drops = [], []
+        for v in values:  # None: the bucket's marker
+            if v is None:
+                continue
+            if type(v) is tuple and len(v) == 2 and v[0] == DROP:
+                drops.append(v[1])
+            else:
+                staged.append(v)
+        group = staging.StagedGroup(staged)
+        info = self._pack(source, bucket, group, set(staging.StagedGroup(drops).keys) if drops else set())
         _counter(source, "packed").inc(info["documents"])
         _counter(source, "tokens_packed").inc(info["tokens"])
         _counter(source, "rows").inc(info["records"])
         _counter(source, "shards").inc()
+        if info["duplicates_dropped"]:
+            _counter(source, "duplicates_dropped").inc(info["duplicates_dropped"])
         self._beat.add(shards=1, rows=info["records"], tokens=info["tokens"])
         self._beat.write()
         yield "shard", source, bucket, info
 
-    def _pack(self, source: str, bucket: int, group: staging.StagedGroup) -> dict[str, Any]:
+    def _pack(self, source: str, bucket: int, group: staging.StagedGroup, dropped: set[str]) -> dict[str, Any]:
         seq_len, dtype = self._seq_len, np.dtype(self._dtype)
         width = dtype.itemsize
-        keys = group.keys
+        keys, ids = group.keys, group.ids
         ntok = group.nbytes // width
-        record, chunk, start, length = packing.chunk_columns(keys, ntok, seq_len)
-        rows = packing.best_fit_decreasing(length.tolist(), seq_len, self._max_segments)
+        kept = np.arange(len(keys))
+        tokens_dropped = 0
+        if dropped:
+            mask = np.fromiter((k not in dropped for k in keys), bool, len(keys))
+            if len(keys) - int(mask.sum()) != len(dropped):
+                missing = sorted(dropped - set(keys))[:3]
+                raise ValueError(f"{source} bucket {bucket}: drop list names documents not in the bucket: {missing}")
+            kept = np.flatnonzero(mask)
+            tokens_dropped = int(ntok[~mask].sum())
+        record, chunk, start, length = packing.chunk_columns(
+            [keys[i] for i in kept.tolist()] if dropped else keys, ntok[kept], seq_len)
+        record = kept[record]  # back to the group's record indices
+        rows = packing.pack_rows(length.tolist(), seq_len, self._max_segments)
 
         def records():
             """Encoded rows, their tokens gathered ``window_tokens`` at a time (bounded memory)."""
@@ -478,13 +603,16 @@ class PackAndWriteShard(beam.DoFn):
                 window = rows[w : w + per_window]
                 idx = np.fromiter((i for row in window for i in row), np.int64)
                 data = group.gather(record[idx], start[idx] * width, length[idx] * width)
-                row_keys = [keys[r] for r in record[idx].tolist()]
+                docs = record[idx].tolist()
+                row_keys = [keys[r] for r in docs]
+                row_ids = [ids[r] for r in docs] if ids is not None else None
                 row_chunks = chunk[idx].tolist()
                 k = 0
                 for row in window:
                     n = len(row)
                     segs = [frombuffer(d, dtype) for d in data[k : k + n]]
-                    yield encode_row(segs, row_keys[k : k + n], row_chunks[k : k + n], seq_len, dtype)
+                    yield encode_row(segs, row_keys[k : k + n], row_chunks[k : k + n], seq_len, dtype,
+                                     row_ids[k : k + n] if row_ids is not None else None)
                     k += n
 
         num_shards = self._num_shards[source]
@@ -497,11 +625,13 @@ class PackAndWriteShard(beam.DoFn):
             "records": len(rows),
             "tokens": total,
             "padding": len(rows) * seq_len - total,
-            "documents": len(keys),
+            "documents": len(kept),
             "segments": len(length),
             "sha256": sha,
             "bytes": size,
-            "docs_split": int((ntok > seq_len).sum()),
+            "docs_split": int((ntok[kept] > seq_len).sum()),
+            "duplicates_dropped": len(keys) - len(kept),
+            "tokens_dropped": tokens_dropped,
             "segment_lengths": segment_length_histogram(length, seq_len),
         }
 
@@ -509,10 +639,12 @@ class PackAndWriteShard(beam.DoFn):
 class WriteDeadLetters(beam.DoFn):
     """((source, bucket), staged dead letters) -> ``<output>/errors/<source>-SSSSS-of-NNNNN.jsonl``.
 
-    One JSON object a line, sorted by key: ``source``, ``key``, ``reason``, ``detail`` and the
+    One JSON object a line, in input order (file, then line or row:
+    ``contract.hashing.key_position``): ``source``, ``key``, ``reason``, ``detail`` and the
     input as ``raw`` (text) or ``raw_base64``. Emits ``("rejected", source, reason, n)``, for
-    each reason the first dead letter's key and detail ``("rejected_example", source,
-    reason, key, detail)``, and ``("errors_file", source, path, n)``.
+    each reason the first dead letter by input position, its key and detail
+    ``("rejected_example", source, reason, key, detail)``, and ``("errors_file", source,
+    path, n)``.
     """
 
     def __init__(self, output: str, num_shards: Mapping[str, int]):
@@ -522,7 +654,7 @@ class WriteDeadLetters(beam.DoFn):
     def process(self, element):
         (source, bucket), values = element
         group = staging.StagedGroup(values)
-        lines = sorted(zip(group.keys, map(bytes, group.gather_all())))
+        lines = sorted(zip(group.keys, map(bytes, group.gather_all())), key=lambda kl: key_position(kl[0]))
         num_shards = self._num_shards[source]
         name = f"{source}-{bucket:05d}-of-{num_shards:05d}.jsonl"
         fsutil.write_bytes(fsutil.join(self._output, ERRORS_DIR, name), b"".join(line for _, line in lines))
@@ -543,6 +675,17 @@ def _write_stats(stats: list[tuple], path: str) -> None:
     fsutil.write_bytes(path, ("[\n" + ",\n".join(rows) + "\n]\n").encode("utf-8"))
 
 
+def dedup_buckets(config: MixtureConfig, num_shards: Mapping[str, int]) -> int:
+    """Dedup buckets of a run: one per output shard (the sum over sources), 0 with ``dedup: off``.
+
+    A dedup bucket then holds about as many documents as a shard: bounded by the shard plan,
+    not by the corpus (DESIGN.md, "Scale of dataprep").
+    """
+    if config.dedup is DedupMode.OFF:
+        return 0
+    return max(1, sum(num_shards[name] for name in config.source_names))
+
+
 class PackSources(beam.PTransform):
     """The whole packing for a mixture: (source, file) pairs in, shards and stats written.
 
@@ -561,6 +704,10 @@ class PackSources(beam.PTransform):
       heartbeat_dir: local folder for progress heartbeats (``dataprep.progress``), or None.
       driver_pid: on local runners, the driver's process id: worker processes exit when it
         is gone (:func:`exit_with_driver`); None on distributed runners.
+
+    Duplicates (``config.dedup``): ``off`` adds nothing; ``report`` and ``exact`` add the text
+    hashes, their GroupByKey over :func:`dedup_buckets` buckets and :class:`FindDuplicates`;
+    ``exact`` feeds its drop lists into the packing buckets.
     """
 
     def __init__(
@@ -607,14 +754,28 @@ class PackSources(beam.PTransform):
                 ReadAndTokenize(
                     {s.name: s for s in cfg.sources}, tok.path, self._sha, tok.add_bos, tok.add_eos,
                     self._dtype, cfg.seed, n, self._spill, self._beats, driver_pid=self._driver_pid,
+                    dedup_buckets=dedup_buckets(cfg, n),
                 )
-            ).with_outputs(REJECTED, STATS, main="staged")
+            ).with_outputs(REJECTED, STATS, DEDUP, main="staged")
         )
         markers = pbegin | "BucketMarkers" >> beam.Create(
             [((s.name, b), None) for s in cfg.sources for b in range(n[s.name])], reshuffle=False
         )
+        to_pack, stats = [read.staged, markers], [read[STATS]]
+        if cfg.dedup is not DedupMode.OFF:
+            found = (
+                read[DEDUP]
+                | "GroupByTextHash" >> beam.GroupByKey()
+                | "FindDuplicates" >> beam.ParDo(
+                    FindDuplicates(cfg.source_names, cfg.seed, n, cfg.dedup is DedupMode.EXACT, self._spill,
+                                   driver_pid=self._driver_pid)
+                ).with_outputs(STATS, main="drops")
+            )
+            stats.append(found[STATS])
+            if cfg.dedup is DedupMode.EXACT:
+                to_pack.append(found.drops)
         shards = (
-            (read.staged, markers)
+            to_pack
             | "WithMarkers" >> beam.Flatten()
             | "GroupByBucket" >> beam.GroupByKey()
             | "PackAndWrite"
@@ -631,7 +792,7 @@ class PackSources(beam.PTransform):
         )
         stats_path = fsutil.join(self._output, STATS_NAME)
         return (
-            (read[STATS], shards, errors)
+            (*stats, shards, errors)
             | "AllStats" >> beam.Flatten()
             # One key and a GroupByKey, not ToList: CombineGlobally's default-value side
             # input adds stages, each a round trip on the local runner. There is always at

@@ -5,12 +5,17 @@ system, through Beam's ``FileSystems`` so that ``gs://`` works: every path or gl
 match at least one file, the tokenizer must exist and match its pinned sha256, the first
 Parquet file of a source must have its text column, and each source's shard count (from
 the listed file sizes, ``dataprep.sizing``) must keep a bucket within the budget.
+
+Every :class:`ConfigError` raised here names the config file first (``configs/x.yaml:
+sources[0].paths[0]: 'in/*.jsonl' matches no file``), so that a user with many configs
+knows which one to fix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from contract.config import ConfigError, MixtureConfig, SourceFormat
 from dataprep import fsutil, sizing, tokenizer
@@ -40,9 +45,27 @@ class Preflight:
         return sum(sum(v) for v in self.sizes.values())
 
 
+@contextlib.contextmanager
+def in_config(config: MixtureConfig) -> Iterator[None]:
+    """Re-raises a :class:`ConfigError` with the config file's path in front (when it has one;
+    not for a message about a command-line option, ``--...``)."""
+    try:
+        yield
+    except ConfigError as e:
+        if config.path and not str(e).startswith((f"{config.path}: ", "--")):
+            raise ConfigError(f"{config.path}: {e}") from None
+        raise
+
+
 def match_inputs(config: MixtureConfig) -> dict[str, tuple[str, ...]]:
-    """Returns, per source, the input files its paths match (see :func:`match_inputs_with_sizes`)."""
-    return {name: tuple(p for p, _ in found) for name, found in match_inputs_with_sizes(config).items()}
+    """Returns, per source, the input files its paths match (see :func:`match_inputs_with_sizes`).
+
+    Raises:
+      ConfigError: as :func:`match_inputs_with_sizes`, naming the config file.
+    """
+    with in_config(config):
+        listed = match_inputs_with_sizes(config)
+    return {name: tuple(p for p, _ in found) for name, found in listed.items()}
 
 
 def match_inputs_with_sizes(config: MixtureConfig) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -165,11 +188,13 @@ def check_tokenizer(config: MixtureConfig) -> tuple[str, dict[str, object]]:
 
 
 def preflight(config: MixtureConfig, max_shard_tokens: int = sizing.DEFAULT_MAX_SHARD_TOKENS) -> Preflight:
-    """Runs every file check and plans the shards; raises :class:`ConfigError` on the first problem."""
-    sha, info = check_tokenizer(config)
-    listed = match_inputs_with_sizes(config)
-    files = {n: tuple(p for p, _ in v) for n, v in listed.items()}
-    sizes = {n: tuple(s for _, s in v) for n, v in listed.items()}
-    check_parquet_columns(config, files)
-    shards = sizing.plan_shards(config, sizes, max_shard_tokens)
+    """Runs every file check and plans the shards; raises :class:`ConfigError` on the first problem,
+    naming the config file and the field."""
+    with in_config(config):
+        sha, info = check_tokenizer(config)
+        listed = match_inputs_with_sizes(config)
+        files = {n: tuple(p for p, _ in v) for n, v in listed.items()}
+        sizes = {n: tuple(s for _, s in v) for n, v in listed.items()}
+        check_parquet_columns(config, files)
+        shards = sizing.plan_shards(config, sizes, max_shard_tokens)
     return Preflight(files=files, tokenizer_sha256=sha, tokenizer_info=info, sizes=sizes, shards=shards)

@@ -16,6 +16,10 @@ text       the whole file, or each blank-line block         0 / 0-based block in
 Blank JSONL lines are not documents and are skipped. Everything else either becomes a
 :class:`Document` or a :class:`Rejected` with a :class:`Reason`; nothing is dropped
 silently, and nothing raises for bad content (only for an unreadable file system).
+
+A document's own id (the source's ``id_field``: a JSON field or a Parquet column, e.g. a
+URL) is read as text (:func:`id_text`) and carried into each packed row's provenance; a
+document without one has ``""``. Text sources have no ids.
 """
 
 from __future__ import annotations
@@ -49,10 +53,47 @@ class Reason(str, enum.Enum):
 
 
 class Document(NamedTuple):
-    """One document: its stable key and its text (a tuple: cheap to make per document)."""
+    """One document: its stable key, its text and its own id (a tuple: cheap to make per document).
+
+    ``doc_id`` is the value of the source's ``id_field`` as text (:func:`id_text`), ``""``
+    when the source has none or the document lacks it.
+    """
 
     key: str
     text: str
+    doc_id: str = ""
+
+
+# The longest id kept, in UTF-8 bytes (URLs stay under about 2,000 characters); a document
+# whose id is longer is rejected as too_long, with its raw input in the dead letter.
+MAX_ID_BYTES = 4096
+
+
+def id_text(value: Any) -> Optional[str]:
+    """The id ``value`` of a JSON field or Parquet cell as text: strings as they are, other
+    JSON values as compact JSON (``17``, ``["a", 1]``), bytes decoded as UTF-8 (with
+    ``\\x`` escapes where they are not UTF-8); None for a missing or null id."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "backslashreplace")
+    if isinstance(value, _LongInt):
+        return str(value)
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def _with_id(doc: "Item", source: SourceConfig, value: Any, raw: Union[bytes, str]) -> "Item":
+    """``doc`` with its id ``value`` (:func:`id_text`); a :class:`Rejected` when the id is too long."""
+    text = id_text(value)
+    if not text or type(doc) is not Document:
+        return doc
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_ID_BYTES:
+        return Rejected(doc.key, Reason.TOO_LONG, raw,
+                        f"id_field {source.id_field!r} holds {size} bytes, over the limit of {MAX_ID_BYTES} for an id")
+    return Document(doc.key, doc.text, text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +188,8 @@ def _from_json_line(source: SourceConfig, key: str, line: bytes) -> Item:
         return Rejected(key, Reason.NON_STRING_TEXT, line, f"{source.text_field} is int")
     if not isinstance(text, str):
         return Rejected(key, Reason.NON_STRING_TEXT, line, f"{source.text_field} is {type(text).__name__}")
-    return _check_json_text(key, text, line)
+    doc = _check_json_text(key, text, line)
+    return _with_id(doc, source, obj.get(source.id_field), line) if source.id_field else doc
 
 
 _BOM = b"\xef\xbb\xbf"
@@ -321,28 +363,34 @@ def _iter_parquet(source: SourceConfig, rel: str, f) -> Iterator[Item]:
             yield Rejected(document_key(source.name, rel, row), Reason.MISSING_TEXT, "", missing)
             row += 1
         return
-    for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[source.text_field], use_threads=False):
-        for text in batch.column(0).to_pylist():
-            key = document_key(source.name, rel, row)
+    with_id = bool(source.id_field) and source.id_field != source.text_field and all_names.count(source.id_field) == 1
+    columns = [source.text_field] + ([source.id_field] if with_id else [])
+    for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns, use_threads=False):
+        ids = batch.column(1).to_pylist() if with_id else None
+        for j, text in enumerate(batch.column(0).to_pylist()):
+            item = _parquet_item(source, rel, row, text)
+            yield item if ids is None else _with_id(item, source, ids[j], text)
             row += 1
-            if isinstance(text, bytes):  # a BINARY column (no UTF8 annotation): text if it decodes
-                if len(text) > MAX_DOCUMENT_BYTES:
-                    yield _too_long(key, text[:TOO_LONG_RAW_BYTES], len(text))
-                    continue
-                try:
-                    text = text.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    yield Rejected(key, Reason.INVALID_UTF8, text, str(e))
-                    continue
-                yield _check_text(key, text, text)
-            elif not isinstance(text, str):
-                raw = json.dumps({source.text_field: text}, default=repr)
-                yield Rejected(key, Reason.NON_STRING_TEXT, raw, type(text).__name__)
-            elif len(text) > MAX_DOCUMENT_BYTES // 4 and len(text.encode("utf-8", "surrogatepass")) > MAX_DOCUMENT_BYTES:
-                data = text.encode("utf-8", "surrogatepass")
-                yield _too_long(key, data[:TOO_LONG_RAW_BYTES], len(data))
-            else:
-                yield _check_text(key, text, text)
+
+
+def _parquet_item(source: SourceConfig, rel: str, row: int, text: Any) -> Item:
+    """The document (or rejected input) of one Parquet text cell."""
+    key = document_key(source.name, rel, row)
+    if isinstance(text, bytes):  # a BINARY column (no UTF8 annotation): text if it decodes
+        if len(text) > MAX_DOCUMENT_BYTES:
+            return _too_long(key, text[:TOO_LONG_RAW_BYTES], len(text))
+        try:
+            decoded = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return Rejected(key, Reason.INVALID_UTF8, text, str(e))
+        return _check_text(key, decoded, decoded)
+    if not isinstance(text, str):
+        raw = json.dumps({source.text_field: text}, default=repr)
+        return Rejected(key, Reason.NON_STRING_TEXT, raw, type(text).__name__)
+    if len(text) > MAX_DOCUMENT_BYTES // 4 and len(text.encode("utf-8", "surrogatepass")) > MAX_DOCUMENT_BYTES:
+        data = text.encode("utf-8", "surrogatepass")
+        return _too_long(key, data[:TOO_LONG_RAW_BYTES], len(data))
+    return _check_text(key, text, text)
 
 
 def _compressed_kind(head: bytes) -> Optional[tuple[str, str]]:

@@ -3,11 +3,16 @@
 Six panels, drawn with matplotlib (Agg) from the manifest and the run's stats:
 
 1. segment lengths: a histogram per source of the segments (document chunks) placed in
-   rows, in tokens (log count);
-2. fill per shard: tokens / (rows x seq_len) of every shard, by source;
+   rows, in tokens (log count); each source in its own line style and width, so that two
+   sources with the same counts stay visible one over the other;
+2. fill per shard: tokens / (rows x seq_len) of every shard, by source, on an axis from 0
+   to 100% (a zoomed axis made 99.5% look half of 100%), each bar labelled;
 3. tokens per source against the mixture: each source's share of packed tokens next to
-   its weight share in every phase (weights count rows, and rows are full);
-4. documents split: documents longer than seq_len, cut into chunks, per source;
+   its weight in every phase, which is its sampling share: the share of rows the loader
+   draws from it (rows are full, so it counts tokens too); legends sit under the axes, never on
+   the bars or their labels;
+4. documents: packed, split (longer than seq_len, cut into chunks) and exact duplicates
+   of an earlier document (dropped with ``dedup: exact``), per source;
 5. rejected documents by reason, per source (the dead letters in ``errors/``);
 6. the totals.
 
@@ -43,6 +48,7 @@ def segment_histograms(stats: Sequence[Sequence]) -> dict[str, np.ndarray]:
 MAX_PHASES_DRAWN = 5
 # Rows of the totals table (sources beyond it are summed in the total row only).
 MAX_TABLE_SOURCES = 24
+LINE_STYLES = ("-", (0, (5, 2)), (0, (1, 1.5)), (0, (6, 2, 1, 2)))
 
 
 def short_names(names: Sequence[str], width: int) -> list[str]:
@@ -95,7 +101,7 @@ def render(
 
     matplotlib.use("Agg", force=True)
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator, MultipleLocator
 
     names = sorted(manifest.sources)
     colors = {n: f"C{i % 10}" for i, n in enumerate(names)}
@@ -119,14 +125,15 @@ def render(
             ax.set_xticks(positions, labels, fontsize=9)
 
     ax = axes[0, 0]
-    for n in names:
-        h = histograms.get(n)
-        if h is None or not h.sum():
-            continue
+    drawn = [n for n in names if histograms.get(n) is not None and histograms[n].sum()]
+    for i, n in enumerate(drawn):
+        h = histograms[n]
         width = -(-seq // len(h))
         edges = np.minimum(np.arange(len(h) + 1) * width, seq) + 0.5
+        # Earlier sources wider and solid, later ones narrower and dashed: equal counts stay visible.
         ax.stairs(h, edges, baseline=0.5, label=f"{n} ({int(h.sum()):,} segments)", color=colors[n],
-                  linewidth=1.8)
+                  linewidth=max(1.2, 4.0 - 2.8 * i / max(1, len(drawn) - 1)), linestyle=LINE_STYLES[i % len(LINE_STYLES)],
+                  zorder=2 + i)
     ax.set_yscale("log")
     ax.set_ylim(bottom=0.5)
     ax.set_xlim(0, seq)
@@ -134,12 +141,13 @@ def render(
     ax.set_ylabel("segments (log scale)")
     ax.set_title("segment lengths (chunks of documents placed in rows)")
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="best", fontsize=9)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=min(3, len(drawn)), frameon=False)
     else:
         ax.text(0.5, 0.5, "no segment packed", ha="center", va="center", fontsize=14, transform=ax.transAxes)
 
     ax = axes[0, 1]
     x, fills, cols, ticks, labels = 0, [], [], [], []
+    x_slots = sum(manifest.sources[n].totals()["records"] for n in names) * seq
     for n in names:
         shards = manifest.sources[n].shards
         start = x
@@ -154,28 +162,27 @@ def render(
                           f"{label}\n({len(shards)} shard{'s' if len(shards) > 1 else ''})")
     if fills:
         ax.bar(np.arange(len(fills)), fills, color=cols, width=0.8 if len(fills) <= 200 else 1.0)
-        used = [f for f in fills if f > 0]
-        low = min(used) if used else 0.0
-        bottom = max(0.0, min(low - 1.0, 99.0)) if len(used) == len(fills) else 0.0
-        ax.set_ylim(bottom, 100.2)
-        ax.axhline(100.0, color="0.5", linewidth=0.8, linestyle="--")
+        ax.set_ylim(0, 100.0)
+        ax.yaxis.set_major_locator(MultipleLocator(10))
         if len(fills) <= 64:
             for i, f in enumerate(fills):
                 label = "empty" if f == 0 else f"{np.floor(f * 100) / 100:.2f}%"  # 99.96 is not "100.0"
-                ax.text(i, bottom + (100.2 - bottom) * 0.02, label,
-                        ha="center", fontsize=8, rotation=90 if len(fills) > 16 else 0,
-                        color="0.2" if f == 0 else "white")
+                ax.text(i, 2.0, label, ha="center", va="bottom", fontsize=8,
+                        rotation=90 if len(fills) > 16 else 0, color="0.2" if f == 0 else "white")
+    used = [f for f in fills if f > 0]
+    overall = 100.0 * sum(manifest.sources[n].totals()["tokens"] for n in names) / max(1, x_slots)
+    summary = f": lowest {np.floor(min(used) * 100) / 100:.2f}%, all shards {np.floor(overall * 100) / 100:.2f}%" if used else ""
     source_ticks(ax, ticks, labels)
     ax.set_ylabel("fill (% of row slots holding tokens)")
-    ax.set_title("fill per shard" + ("; labels: source (shard count)" if long_labels else ""))
+    ax.set_title(f"fill per shard{summary} (axis from 0)" + ("; labels: source (shard count)" if long_labels else ""))
 
     ax = axes[1, 0]
     tokens = np.array([manifest.sources[n].totals()["tokens"] for n in names], float)
-    bars = [("packed tokens", 100.0 * tokens / tokens.sum() if tokens.sum() else tokens)]
+    bars = [("packed tokens (% of all)", 100.0 * tokens / tokens.sum() if tokens.sum() else tokens)]
     groups = _phase_groups(config, names)
     for steps, w in groups[:MAX_PHASES_DRAWN]:
         shown = ", ".join(f"{st:,}" for st in steps[:4]) + (f" (+{len(steps) - 4})" if len(steps) > 4 else "")
-        bars.append((f"weights from step{'s' if len(steps) > 1 else ''} {shown}", w))
+        bars.append((f"sampling share from step{'s' if len(steps) > 1 else ''} {shown}", w))
     width = 0.8 / len(bars)
     idx = np.arange(len(names))
     for i, (label, values) in enumerate(bars):
@@ -186,24 +193,38 @@ def render(
     source_ticks(ax, idx, tick_names)
     ax.set_ylabel("share (%)")
     more = len(groups) - MAX_PHASES_DRAWN
-    ax.set_title("tokens per source against the mixture weights"
-                 + (f" (first {MAX_PHASES_DRAWN} weightings; {more} more not drawn)" if more > 0 else ""))
-    ax.set_ylim(0, max(float(max(v.max() for _, v in bars)), 1.0) * 1.25)
-    ax.legend(fontsize=8, loc="upper left", ncol=2 if len(bars) > 3 else 1)
+    ax.set_title("tokens per source against the mixture weights\n(a weight is a sampling share: the % of rows the "
+                 "loader draws from the source)"
+                 + (f" (first {MAX_PHASES_DRAWN} weightings; {more} more not drawn)" if more > 0 else ""), fontsize=11)
+    ax.set_ylim(0, max(float(max(v.max() for _, v in bars)), 1.0) * 1.15)
+    # Above the bars, never over them (or their labels).
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12 if not long_labels else -0.22),
+              ncol=2, frameon=False)
 
     ax = axes[1, 1]
     packed = np.array([manifest.sources[n].ledger.packed for n in names], float)
     split = np.array([manifest.sources[n].ledger.docs_split for n in names], float)
-    b1 = ax.bar(idx - 0.2, packed, 0.4, label="documents packed", color="0.6")
-    b2 = ax.bar(idx + 0.2, split, 0.4, label=f"split (longer than {seq:,} tokens)", color="C3")
+    dups = manifest.duplicates
+    dup = np.array([dups["by_source"].get(n, {}).get("documents", 0) if dups else 0 for n in names], float)
+    read = np.array([manifest.sources[n].ledger.read for n in names], float)
+    w = 0.27
+    b1 = ax.bar(idx - w, packed, w, label="documents packed", color="0.6")
+    b2 = ax.bar(idx, split, w, label=f"split (longer than {seq:,} tokens)", color="C3")
+    dropped = bool(dups) and dups["mode"] == "exact"
+    b3 = ax.bar(idx + w, dup, w, color="C4", hatch="//" if dropped else None,
+                label="exact duplicates of an earlier document" + (", dropped" if dropped else ", packed")
+                if dups else "duplicates: not looked for (dedup: off)")
     ax.bar_label(b1, labels=[f"{int(v):,}" for v in packed], fontsize=8)
     ax.bar_label(b2, labels=[f"{int(s):,} ({s / p:.0%})" if p else "0" for s, p in zip(split, packed)], fontsize=8)
+    ax.bar_label(b3, labels=[f"{int(d):,} ({d / r:.0%})" if dups and r else "-" for d, r in zip(dup, read)],
+                 fontsize=8)
     source_ticks(ax, idx, tick_names)
     ax.set_ylabel("documents")
-    ax.set_ylim(0, max(1.0, float(packed.max()) if len(packed) else 1.0) * 1.3)
+    ax.set_ylim(0, max(1.0, float(max(packed.max(), dup.max())) if len(packed) else 1.0) * 1.15)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title("documents split into chunks")
-    ax.legend(fontsize=9, loc="upper right")
+    ax.set_title("documents: packed, split into chunks, duplicated")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12 if not long_labels else -0.22), ncol=2,
+              frameon=False)
 
     ax = axes[2, 0]
     rows = [(n, r, c) for n in names for r, c in sorted(manifest.sources[n].ledger.rejected.items())]
@@ -225,36 +246,42 @@ def render(
     ax.axis("off")
     col = max(6, min(32, max(map(len, names)))) + 1
     table_names = short_names(names, col - 1)
-    lines = [f"{'source':<{col}}{'read':>11}{'packed':>11}{'rejected':>10}{'rows':>10}{'tokens':>15}{'fill':>9}"]
-    tot = np.zeros(6)
+    lines = [f"{'source':<{col}}{'read':>11}{'packed':>11}{'rejected':>10}{'dups':>9}{'rows':>10}{'tokens':>15}"
+             f"{'fill':>9}"]
+    tot = np.zeros(7)
     for i, n in enumerate(names):
         e = manifest.sources[n]
         t, led = e.totals(), e.ledger
         rej = sum(led.rejected.values())
         fill = t["tokens"] / (t["records"] * seq) if t["records"] else 0.0
+        d = f"{int(dup[i]):,}" if dups else "-"
         if i < MAX_TABLE_SOURCES:
-            lines.append(f"{table_names[i]:<{col}}{led.read:>11,}{led.packed:>11,}{rej:>10,}{t['records']:>10,}"
+            lines.append(f"{table_names[i]:<{col}}{led.read:>11,}{led.packed:>11,}{rej:>10,}{d:>9}{t['records']:>10,}"
                          f"{t['tokens']:>15,}{fill:>9.2%}")
-        tot += [led.read, led.packed, rej, t["records"], t["tokens"], t["bytes"]]
+        tot += [led.read, led.packed, rej, t["records"], t["tokens"], t["bytes"], dup[i]]
     if len(names) > MAX_TABLE_SOURCES:
         lines.append(f"... {len(names) - MAX_TABLE_SOURCES} more sources (in manifest.json)")
     fill = tot[4] / (tot[3] * seq) if tot[3] else 0.0
-    lines.append(f"{'total':<{col}}{int(tot[0]):>11,}{int(tot[1]):>11,}{int(tot[2]):>10,}{int(tot[3]):>10,}"
+    d = f"{int(tot[6]):,}" if dups else "-"
+    lines.append(f"{'total':<{col}}{int(tot[0]):>11,}{int(tot[1]):>11,}{int(tot[2]):>10,}{d:>9}{int(tot[3]):>10,}"
                  f"{int(tot[4]):>15,}{fill:>9.2%}")
+    if dups:
+        lines.append(f"dups: exact duplicates of an earlier document ({'dropped' if dropped else 'packed'}; "
+                     f"dedup: {dups['mode']})")
     shards = sum(len(manifest.sources[n].shards) for n in names)
     per_token = f"{tot[5] / tot[4]:.3f} bytes a token" if tot[4] else "no token packed"
     lines += ["", f"{shards:,} shard{'s' if shards != 1 else ''}, {tot[5] / 1e6:,.1f} MB on disk, {per_token}",
               f"tokenizer sha256 {str(manifest.tokenizer.get('sha256', ''))[:16]}..., "
               f"vocab {manifest.tokenizer.get('vocab_size', '?'):,}"]
-    size = 10 if col + 66 <= 84 else 8
+    size = 10 if col + 75 <= 84 else 8
     ax.text(0.0, 1.0, "\n".join(lines), family="monospace", fontsize=size, va="top", transform=ax.transAxes)
     if failure:
-        wrapped = [w for line in failure.splitlines() for w in textwrap.wrap(line, 105, subsequent_indent="    ")]
+        wrapped = [w for line in failure.splitlines() for w in textwrap.wrap(line, 95, subsequent_indent="    ")]
         if len(wrapped) > 14:
             wrapped = wrapped[:13] + ["    ... (the rest in the command's error message)"]
         ax.text(0.0, 0.0, "\n".join(wrapped), family="monospace", fontsize=8, va="bottom", color="C3",
                 transform=ax.transAxes)
-    ax.set_title("totals (documents read = packed + rejected)")
+    ax.set_title("totals (documents read = packed + rejected" + (" + duplicates dropped)" if dropped else ")"))
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", metadata={"Software": None})

@@ -154,3 +154,72 @@ def plan_shards(
             )
         plans[source.name] = plan
     return plans
+
+
+# Dataflow worker sizing, from the measurements of docs/dataprep.md ("Measured" and "Sizing"):
+# pipeline tokens per CPU second with an 8,000-piece vocabulary (4.34 M on the 2-core machine,
+# loaded), Dataflow's own work (GCS, shuffle, harness) taken as 1.5x that (not measured here),
+# what the packing step holds per token of a bucket on the shuffle path (2.1 bytes) and the
+# base of one Python SDK process (0.25 GB; Dataflow runs one per vCPU).
+PIPELINE_TOKENS_PER_CPU_SECOND = 4.34e6
+DATAFLOW_OVERHEAD = 1.5
+SHUFFLE_BUCKET_BYTES_PER_TOKEN = 2.1
+SDK_PROCESS_BASE_BYTES = 0.25e9
+# GB of memory per vCPU of the n1 machine families.
+MACHINE_GB_PER_VCPU = {"n1-standard": 3.75, "n1-highmem": 6.5}
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerPlan:
+    """A Dataflow worker suggestion for a run (:func:`worker_plan`).
+
+    Attributes:
+      tokens: estimated tokens of the run (high on purpose, :func:`estimated_tokens`).
+      vcpu_hours: ``tokens / PIPELINE_TOKENS_PER_CPU_SECOND * DATAFLOW_OVERHEAD / 3600``.
+      hours: the wall time aimed at.
+      workers: ``max(1, ceil(vcpu_hours / hours / vcpus))`` machines of ``vcpus`` vCPUs.
+      vcpus: vCPUs a machine.
+      machine: the n1 family whose memory a vCPU covers the packing step's need, or None
+        when none does (then more shards are needed).
+      gb_per_vcpu: ``largest shard's estimated tokens * 2.1 bytes + 0.25 GB``.
+    """
+
+    tokens: int
+    vcpu_hours: float
+    hours: float
+    workers: int
+    vcpus: int
+    machine: str | None
+    gb_per_vcpu: float
+
+    def describe(self) -> str:
+        """One line: ``2 n1-standard-4 workers for a 24 h run (...)``."""
+        if self.machine is None:
+            return (f"the largest shard needs about {self.gb_per_vcpu:.2f} GB a vCPU in the packing step, more than "
+                    f"any n1 machine has ({max(MACHINE_GB_PER_VCPU.values())} GB): set a smaller target_shard_tokens")
+        return (f"{self.workers:,} {self.machine}-{self.vcpus} worker{'s' if self.workers != 1 else ''} for a "
+                f"{self.hours:g} h run: {_hours(self.vcpu_hours)} vCPU-hours for about {self.tokens:,} tokens (estimated "
+                f"high on purpose) at {PIPELINE_TOKENS_PER_CPU_SECOND / 1e6:.2f} M tokens a CPU second x "
+                f"{DATAFLOW_OVERHEAD:g} for Dataflow's own work; the packing step needs about "
+                f"{self.gb_per_vcpu:.2f} GB a vCPU (largest shard x {SHUFFLE_BUCKET_BYTES_PER_TOKEN} bytes a token + "
+                f"{SDK_PROCESS_BASE_BYTES / 1e9:g} GB a Python process)")
+
+
+def _hours(h: float) -> str:
+    return f"{h:,.0f}" if h >= 100 else f"{h:.1f}" if h >= 1 else f"{h:.3f}"
+
+
+def worker_plan(plans: Mapping[str, ShardPlan], hours: float = 24.0, vcpus: int = 4) -> WorkerPlan:
+    """The Dataflow workers docs/dataprep.md's "Sizing" section suggests for these shard plans.
+
+    Raises:
+      ValueError: ``hours <= 0`` or ``vcpus < 1``.
+    """
+    if not hours > 0 or vcpus < 1:
+        raise ValueError(f"need hours > 0 and vcpus >= 1, got {hours}, {vcpus}")
+    tokens = sum(p.estimated_tokens for p in plans.values())
+    vcpu_hours = tokens / PIPELINE_TOKENS_PER_CPU_SECOND * DATAFLOW_OVERHEAD / 3600
+    largest = max((p.tokens_per_shard for p in plans.values()), default=0)
+    gb = (largest * SHUFFLE_BUCKET_BYTES_PER_TOKEN + SDK_PROCESS_BASE_BYTES) / 1e9
+    machine = next((m for m, cap in MACHINE_GB_PER_VCPU.items() if gb <= cap), None)
+    return WorkerPlan(tokens, vcpu_hours, hours, max(1, math.ceil(vcpu_hours / hours / vcpus)), vcpus, machine, gb)

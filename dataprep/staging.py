@@ -23,9 +23,15 @@ Segment layout (integers little-endian)::
     offset              size            field
     0                   4               n, the number of records (u32)
     4                   4 n             byte length of each record's key (u32)
-    4 + 4 n             8 n             byte length of each record's payload (u64)
-    4 + 12 n            sum(key bytes)  keys, UTF-8, concatenated      <- end of the header
+    4 + 4 n             4 n             byte length of each record's id (u32; 0: none)
+    4 + 8 n             8 n             byte length of each record's payload (u64)
+    4 + 16 n            sum(key bytes)  keys, UTF-8, concatenated
+    ...                 sum(id bytes)   ids, UTF-8, concatenated       <- end of the header
     header              sum(payloads)   payloads, concatenated
+
+A record's id is the document's own id (``id_field``), carried to the packed row's
+provenance; the segments of one run are written and read by the same code, so the layout
+is not part of the dataset contract.
 
 A spill file is segments back to back; its name is random (``uuid4``) so that a retried
 bundle never overwrites a file whose references an earlier attempt already emitted. Names
@@ -53,25 +59,32 @@ SpillRef = tuple  # (path, offset, header bytes, payload bytes)
 Value = Union[bytes, SpillRef]
 
 
-def encode_header(keys: Sequence[str], payload_lengths: Sequence[int]) -> bytes:
-    """Returns the header of a segment of ``len(keys)`` records (layout in the module docstring)."""
+def encode_header(keys: Sequence[str], payload_lengths: Sequence[int], ids: Optional[Sequence[str]] = None) -> bytes:
+    """Returns the header of a segment of ``len(keys)`` records (layout in the module docstring).
+
+    ``ids``: each record's id (``""``: none), or None for no ids at all.
+    """
     raw_keys = [k.encode("utf-8", "surrogatepass") for k in keys]
+    raw_ids = [i.encode("utf-8", "surrogatepass") for i in ids] if ids is not None else []
     n = len(raw_keys)
     return b"".join(
         [
             np.uint32(n).astype("<u4").tobytes(),
             np.fromiter((len(k) for k in raw_keys), "<u4", n).tobytes(),
+            np.fromiter((len(i) for i in raw_ids), "<u4", n).tobytes() if ids is not None else bytes(4 * n),
             np.asarray(payload_lengths, "<u8").tobytes(),
             b"".join(raw_keys),
+            b"".join(raw_ids),
         ]
     )
 
 
-def decode_header(data: bytes) -> tuple[list[str], np.ndarray, int]:
+def decode_header(data: bytes) -> tuple[list[str], Optional[list[str]], np.ndarray, int]:
     """Parses a segment header at the start of ``data``.
 
     Returns:
-      ``(keys, payload byte lengths (int64 [n]), header size in bytes)``.
+      ``(keys, ids (None when no record has one), payload byte lengths (int64 [n]), header
+      size in bytes)``.
 
     Raises:
       ValueError: ``data`` is shorter than the header it announces.
@@ -79,19 +92,28 @@ def decode_header(data: bytes) -> tuple[list[str], np.ndarray, int]:
     if len(data) < 4:
         raise ValueError(f"segment header truncated: {len(data)} bytes")
     n = int(np.frombuffer(data, "<u4", 1, 0)[0])
-    fixed = 4 + 12 * n
+    fixed = 4 + 16 * n
     if len(data) < fixed:
         raise ValueError(f"segment header truncated: {len(data)} bytes, {n} records need {fixed}")
     key_lengths = np.frombuffer(data, "<u4", n, 4).astype(np.int64)
-    payload_lengths = np.frombuffer(data, "<u8", n, 4 + 4 * n).astype(np.int64)
-    end = fixed + int(key_lengths.sum())
+    id_lengths = np.frombuffer(data, "<u4", n, 4 + 4 * n).astype(np.int64)
+    payload_lengths = np.frombuffer(data, "<u8", n, 4 + 8 * n).astype(np.int64)
+    end = fixed + int(key_lengths.sum()) + int(id_lengths.sum())
     if len(data) < end:
-        raise ValueError(f"segment header truncated: {len(data)} bytes, keys end at {end}")
-    keys, off = [], fixed
-    for k in key_lengths.tolist():
-        keys.append(bytes(data[off : off + k]).decode("utf-8", "surrogatepass"))
-        off += k
-    return keys, payload_lengths, end
+        raise ValueError(f"segment header truncated: {len(data)} bytes, keys and ids end at {end}")
+    off = fixed
+
+    def strings(lengths: np.ndarray) -> list[str]:
+        nonlocal off
+        out = []
+        for k in lengths.tolist():
+            out.append(bytes(data[off : off + k]).decode("utf-8", "surrogatepass"))
+            off += k
+        return out
+
+    keys = strings(key_lengths)
+    ids = strings(id_lengths) if id_lengths.any() else None
+    return keys, ids, payload_lengths, end
 
 
 class Stager:
@@ -104,24 +126,27 @@ class Stager:
 
     Records keep the order they were added within a group. Values are ``bytes`` (a
     segment) or a spill reference tuple ``(path, offset, header bytes, payload bytes)``.
-    Payloads are ``bytes`` or C-contiguous NumPy arrays (their raw bytes are staged).
+    Payloads are ``bytes`` or C-contiguous NumPy arrays (their raw bytes are staged); a
+    record may carry an id (``doc_id``, ``""``: none).
     """
 
     def __init__(self, spill_dir: Optional[str], flush_bytes: int = DEFAULT_FLUSH_BYTES):
         self._dir = spill_dir
         self._flush_bytes = flush_bytes
-        self._groups: dict[Hashable, tuple[list[str], list[Payload], list[int]]] = {}
+        # group -> (keys, payloads, payload lengths, ids)
+        self._groups: dict[Hashable, tuple[list[str], list[Payload], list[int], list[str]]] = {}
         self._bytes = 0
 
-    def add(self, group: Hashable, key: str, payload: Payload) -> None:
+    def add(self, group: Hashable, key: str, payload: Payload, doc_id: str = "") -> None:
         entry = self._groups.get(group)
         if entry is None:
-            entry = self._groups[group] = ([], [], [])
+            entry = self._groups[group] = ([], [], [], [])
         n = payload.nbytes if isinstance(payload, np.ndarray) else len(payload)
         entry[0].append(key)
         entry[1].append(payload)
         entry[2].append(n)
-        self._bytes += n
+        entry[3].append(doc_id)
+        self._bytes += n + len(doc_id)
 
     def full(self) -> bool:
         return self._bytes >= self._flush_bytes
@@ -135,15 +160,15 @@ class Stager:
         if self._dir is None:
             out = []
             for g in order:
-                keys, payloads, lengths = groups[g]
-                out.append((g, b"".join([encode_header(keys, lengths), *payloads])))
+                keys, payloads, lengths, ids = groups[g]
+                out.append((g, b"".join([encode_header(keys, lengths, ids if any(ids) else None), *payloads])))
             return out
         path = fsutil.join(self._dir, uuid.uuid4().hex + SPILL_SUFFIX)
         out, offset = [], 0
         with FileSystems.create(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
             for g in order:
-                keys, payloads, lengths = groups[g]
-                header = encode_header(keys, lengths)
+                keys, payloads, lengths, ids = groups[g]
+                header = encode_header(keys, lengths, ids if any(ids) else None)
                 body = b"".join(payloads)
                 f.write(header)
                 f.write(body)
@@ -161,6 +186,7 @@ class StagedGroup:
 
     Attributes:
       keys: the records' keys, in delivery order.
+      ids: the records' ids (``""``: none) in the same order, or None when no record has one.
       nbytes: int64 ``[n]``, each record's payload size in bytes.
       segment: int64 ``[n]``, the segment each record is in.
       offset: int64 ``[n]``, where each payload starts: in the segment's bytes (inline) or
@@ -170,29 +196,37 @@ class StagedGroup:
     def __init__(self, values: Iterable[Value]):
         self._inline: dict[int, memoryview] = {}
         self._paths: dict[int, str] = {}
+        self._bodies: list[tuple[int, int]] = []  # per segment: (where its payloads start, their bytes)
         keys: list[str] = []
+        ids: Optional[list[str]] = None
         nbytes, segment, offset = [], [], []
         for s, value in enumerate(values):
             if isinstance(value, (bytes, bytearray, memoryview)):
                 view = memoryview(value).cast("B")
-                k, lengths, header = decode_header(view)
+                k, i, lengths, header = decode_header(view)
                 self._inline[s] = view
                 base = header
             else:
                 path, seg_offset, header_size, _ = value
                 with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
                     f.seek(seg_offset)
-                    k, lengths, header = decode_header(f.read(header_size))
+                    k, i, lengths, header = decode_header(f.read(header_size))
                 if header != header_size:
                     raise ValueError(f"spill file {path}: header at {seg_offset} is {header}, expected {header_size}")
                 self._paths[s] = path
                 base = seg_offset + header
+            self._bodies.append((base, int(lengths.sum())))
+            if i is not None and ids is None:
+                ids = [""] * len(keys)
+            if ids is not None:
+                ids.extend(i if i is not None else [""] * len(k))
             keys.extend(k)
             starts = np.cumsum(lengths) - lengths + base
             nbytes.append(lengths)
             segment.append(np.full(len(k), s, np.int64))
             offset.append(starts.astype(np.int64))
         self.keys = keys
+        self.ids = ids
         self.nbytes = np.concatenate(nbytes) if nbytes else np.zeros(0, np.int64)
         self.segment = np.concatenate(segment) if segment else np.zeros(0, np.int64)
         self.offset = np.concatenate(offset) if offset else np.zeros(0, np.int64)
@@ -230,6 +264,25 @@ class StagedGroup:
                         raise IOError(f"spill file {path}: read {len(data)} bytes at {at}, expected {n}")
                     out[i] = data
         return out
+
+    def payloads(self) -> bytes:
+        """Every record's payload, concatenated in delivery order (one bytes object: no object a record).
+
+        A segment's payloads lie back to back, so this is each segment's body in turn.
+        """
+        parts = []
+        for s, (base, size) in enumerate(self._bodies):
+            view = self._inline.get(s)
+            if view is not None:
+                parts.append(view[base : base + size])
+                continue
+            with FileSystems.open(self._paths[s], compression_type=CompressionTypes.UNCOMPRESSED) as f:
+                f.seek(base)
+                data = f.read(size)
+            if len(data) != size:
+                raise IOError(f"spill file {self._paths[s]}: read {len(data)} bytes at {base}, expected {size}")
+            parts.append(data)
+        return b"".join(parts)
 
     def gather_all(self) -> list:
         """The whole payload of every record, in delivery order."""

@@ -1,8 +1,8 @@
-"""The run summary: a Rich table per source of documents, rows, tokens, fill and rejections."""
+"""The run summary: a Rich table per source of documents, rows, tokens, fill, rejections and duplicates."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 from rich.console import Console
 from rich.table import Table
@@ -16,9 +16,11 @@ def summary_table(manifest: Manifest, title: Optional[str] = None) -> Table:
         title=title
         or f"{manifest.name} v{manifest.version}: seq_len {manifest.seq_len}, {manifest.token_dtype} tokens"
     )
-    for col in ("source", "docs read", "packed", "rejected", "split", "shards", "rows", "tokens", "fill"):
-        table.add_column(col, justify="left" if col in ("source", "rejected") else "right")
+    for col in ("source", "docs read", "packed", "rejected", "duplicates", "split", "shards", "rows", "tokens",
+                "fill"):
+        table.add_column(col, justify="left" if col in ("source", "rejected", "duplicates") else "right")
     tot = dict(read=0, packed=0, rejected=0, split=0, shards=0, rows=0, tokens=0)
+    dups = manifest.duplicates
     for name, entry in sorted(manifest.sources.items()):
         t, led = entry.totals(), entry.ledger
         rej = ", ".join(f"{k}: {v}" for k, v in sorted(led.rejected.items())) or "0"
@@ -28,6 +30,7 @@ def summary_table(manifest: Manifest, title: Optional[str] = None) -> Table:
             f"{led.read:,}",
             f"{led.packed:,}",
             rej,
+            duplicates_cell(dups, name),
             f"{led.docs_split:,}",
             str(len(entry.shards)),
             f"{t['records']:,}",
@@ -50,6 +53,8 @@ def summary_table(manifest: Manifest, title: Optional[str] = None) -> Table:
         f"{tot['read']:,}",
         f"{tot['packed']:,}",
         f"{tot['rejected']:,}",
+        f"{dups['documents']:,}" + (" dropped" if dups["mode"] == "exact" and dups["documents"] else "")
+        if dups else "-",
         f"{tot['split']:,}",
         str(tot["shards"]),
         f"{tot['rows']:,}",
@@ -58,6 +63,19 @@ def summary_table(manifest: Manifest, title: Optional[str] = None) -> Table:
         style="bold",
     )
     return table
+
+
+def duplicates_cell(duplicates: Optional[Mapping[str, Any]], source: str) -> str:
+    """``10 dropped (of web)``: the source's documents that an earlier one duplicates, whether they
+    were dropped (``dedup: exact``), and the other sources holding the kept copies; ``-`` with
+    ``dedup: off``."""
+    if not duplicates:
+        return "-"
+    entry = duplicates["by_source"].get(source, {"documents": 0, "of": {}})
+    n = entry["documents"]
+    others = [s for s in entry["of"] if s != source]
+    return (f"{n:,}" + (" dropped" if duplicates["mode"] == "exact" and n else "")
+            + (f" (of {', '.join(others)})" if others else ""))
 
 
 def print_summary(result, console: Optional[Console] = None) -> None:
@@ -72,8 +90,11 @@ def print_summary(result, console: Optional[Console] = None) -> None:
                   soft_wrap=True, highlight=False)
     if getattr(result, "report", None):
         console.print(f"report: {result.report}  (segment lengths, fill per shard, tokens against weights, "
-                      "documents split, rejections: look before training)", soft_wrap=True, highlight=False)
-    console.print("ledger: documents read = packed + rejected, tokens in = tokens packed: reconciled")
+                      "documents split and duplicated, rejections: look before training)", soft_wrap=True,
+                      highlight=False)
+    dropped = any(e.ledger.duplicates_dropped for e in result.manifest.sources.values())
+    console.print("ledger: documents read = packed + rejected" + (" + duplicates dropped" if dropped else "")
+                  + ", tokens in = tokens packed" + (" + tokens dropped" if dropped else "") + ": reconciled")
     if result.metrics:
         shown = ", ".join(f"{k}={v:,}" for k, v in result.metrics.items())
         console.print(f"beam counters: {shown}", soft_wrap=True, highlight=False)

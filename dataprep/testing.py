@@ -191,3 +191,24 @@ def train_small_tokenizer(path: str, vocab_size: int = 400) -> str:
     with open(path, "wb") as f:
         f.write(data)
     return hashlib.sha256(data).hexdigest()
+
+
+def heavy_tailed_token_counts(n: int, median: float, sigma: float, seed: int) -> list[int]:
+    """Token counts of ``n`` synthetic documents, log-normal, in document order.
+
+    Document ``i`` has ``max(1, ceil(exp(ln(median) + sigma * z_i)))`` tokens, ``z_i`` the
+    standard normal quantile of ``u_i = (stable_hash64(seed, "length", i) + 0.5) / 2**64``
+    (no NumPy random stream: the same values on every machine and version). ``sigma`` 1.6
+    with median 30 gives a mean of about 110 tokens: the shape of a corpus of paragraphs
+    (median 34, mean 122 in the one issue 22 describes). ``dataprep.packing.chunk_lengths``
+    cuts them into chunks.
+    """
+    import math
+    import statistics
+
+    from contract.hashing import stable_hash64
+
+    normal = statistics.NormalDist()
+    mu = math.log(median)
+    return [max(1, math.ceil(math.exp(mu + sigma * normal.inv_cdf((stable_hash64(seed, "length", i) + 0.5) / 2**64))))
+            for i in range(n)]

@@ -3,7 +3,9 @@
     python -m dataprep.train_tokenizer --config configs/mixtures/demo.yaml --vocab-size 8000 --out tok.model
 
 Writes ``tok.model`` and ``tok.model.sha256`` (the hex digest and the file name, as
-``sha256sum`` prints them), to pin in the mixture config's ``tokenizer.sha256``.
+``sha256sum`` prints them), and prints the exact lines that pin it in the mixture config's
+``tokenizer:`` section; ``--pin`` writes them there itself (:func:`pin_config`: the config
+file is edited line by line, so its comments and layout stay).
 
 Sample, chosen here, never by SentencePiece:
 
@@ -53,6 +55,7 @@ if not __package__:  # run as a script: the repository root replaces dataprep/ o
     sys.path[0] = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 
 import sentencepiece as spm  # noqa: E402
+import yaml  # noqa: E402
 
 from contract.config import ConfigError, MixtureConfig, load_mixture  # noqa: E402
 from contract.hashing import _encode_part, stable_hash64  # noqa: E402
@@ -242,6 +245,87 @@ def _refusal(message: str, character_coverage: float) -> str:
     return f"SentencePiece refused to train: {message}"
 
 
+class PinError(ValueError):
+    """The config file's ``tokenizer:`` section could not be edited line by line (e.g. flow style)."""
+
+
+def pin_values(config: MixtureConfig, out: str, sha: str) -> dict[str, str]:
+    """The ``tokenizer:`` fields that pin the model at ``out``: ``sha256``, and ``path`` when the
+    config names another file (relative to the config's folder for a local model, else the URL)."""
+    import os
+
+    values = {}
+    if fsutil.is_local(out) and config.path:
+        here = os.path.dirname(os.path.abspath(config.path))
+        if os.path.realpath(out) != os.path.realpath(config.tokenizer.path):
+            values["path"] = os.path.relpath(os.path.abspath(out), here)
+    elif out != config.tokenizer.path:
+        values["path"] = out
+    values["sha256"] = sha
+    return values
+
+
+def pin_lines(values: dict[str, str], indent: str = "  ") -> list[str]:
+    """``tokenizer:`` then one ``  key: "value"`` line per field (double-quoted: a hex digest of
+    digits and one ``e`` would read as a number otherwise)."""
+    import json
+
+    return ["tokenizer:"] + [f"{indent}{k}: {json.dumps(v)}" for k, v in values.items()]
+
+
+def pin_config(text: str, values: dict[str, str]) -> str:
+    """``text`` (a mixture config's YAML) with ``tokenizer.<key>`` set to each of ``values``.
+
+    Only the lines of those keys change (or are added at the end of the ``tokenizer:``
+    block), so comments and layout stay. The result is parsed back and must equal the
+    original with those fields changed.
+
+    Raises:
+      PinError: no block-style top-level ``tokenizer:`` mapping, or the edit does not parse back.
+    """
+    import json
+    import re
+
+    lines = text.splitlines(keepends=True)
+    head = next((i for i, ln in enumerate(lines) if re.match(r"tokenizer:\s*(#.*)?$", ln.rstrip("\r\n"))), None)
+    if head is None:
+        raise PinError("the config has no block-style 'tokenizer:' section to edit")
+    end, indent = head + 1, None
+    while end < len(lines):
+        stripped = lines[end].strip()
+        if stripped and not stripped.startswith("#"):
+            lead = lines[end][: len(lines[end]) - len(lines[end].lstrip(" "))]
+            if not lead:
+                break
+            indent = indent or lead
+        end += 1
+    indent = indent or "  "
+    last = max((i for i in range(head + 1, end) if lines[i].strip() and not lines[i].strip().startswith("#")),
+               default=head)
+    newline = "\r\n" if lines[head].endswith("\r\n") else "\n"
+    for key, value in values.items():
+        line = f"{indent}{key}: {json.dumps(value)}"
+        at = next((i for i in range(head + 1, end) if re.match(rf"{re.escape(indent)}{key}\s*:", lines[i])), None)
+        if at is not None:
+            comment = re.search(r"\s+#.*$", lines[at].rstrip("\r\n"))
+            lines[at] = line + (comment.group(0) if comment and '"' not in comment.group(0) else "") + newline
+        else:
+            lines.insert(last + 1, line + newline)
+            last += 1
+            end += 1
+    new = "".join(lines)
+    try:
+        before, after = yaml.safe_load(text), yaml.safe_load(new)
+    except yaml.YAMLError as e:
+        raise PinError(f"the edited config does not parse: {e}") from None
+    if not isinstance(before, dict) or not isinstance(before.get("tokenizer"), dict):
+        raise PinError("the config's tokenizer is not a mapping")
+    expected = {**before, "tokenizer": {**before["tokenizer"], **values}}
+    if after != expected:
+        raise PinError("the edited config does not read back as the original with the tokenizer pinned")
+    return new
+
+
 def _check_out(out: str) -> None:
     """Raises :class:`TrainError` where a local ``out`` cannot be written as a file."""
     import os
@@ -303,7 +387,12 @@ default nmt_nfkc, U+FE30 becomes "..", "\ufb01" becomes "fi", full-width digits 
 ASCII and runs of whitespace collapse; characters missing from the vocabulary decode as
 " \u2047 " unless byte fallback is on. --normalization identity keeps text byte-exact.
 
-exit status: 0 done; 2 bad arguments or config, or SentencePiece refused the sample.
+pinning: the model's sha256 (and its path, when the config names another file) belong in
+the config's tokenizer: section; the command prints the lines to add, and --pin edits the
+--config file itself (only those lines change, comments stay).
+
+exit status: 0 done; 2 bad arguments or config, SentencePiece refused the sample, or --pin
+could not edit the config (the model is written; the message has the lines to add).
 """
 
 
@@ -350,6 +439,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         choices=sorted(NORMALIZATIONS),
         help="SentencePiece normalization rule (default nmt_nfkc); identity keeps text byte-exact",
     )
+    parser.add_argument(
+        "--pin", action="store_true",
+        help="write the model's sha256 (and path) into the --config file's tokenizer: section; comments stay",
+    )
     args = parser.parse_args(argv)
     try:
         config = load_mixture(args.config)
@@ -374,6 +467,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           "normalized text, not the original bytes" + ("" if args.normalization == "identity" else
                                                          " (--normalization identity keeps it byte-exact)"))
     print(f"threads: {args.num_threads} (recorded in the model; the same value gives the same model bytes)")
+    values = pin_values(config, args.out, sha)
+    lines = "\n".join("    " + ln for ln in pin_lines(values))
+    if not args.pin:
+        print(f"to pin it, set these in {args.config} (or rerun with --pin to write them there):\n{lines}")
+        return 0
+    try:
+        with open(args.config, encoding="utf-8", newline="") as f:
+            text = f.read()
+        pinned = pin_config(text, values)
+        with open(args.config, "w", encoding="utf-8", newline="") as f:
+            f.write(pinned)
+    except (OSError, PinError) as e:
+        print(f"error: --pin: {args.config} not changed ({e}); the model is written: set these by hand:\n{lines}",
+              file=sys.stderr)
+        return 2
+    print(f"pinned in {args.config}: tokenizer." + " and tokenizer.".join(values))
     return 0
 
 

@@ -1,6 +1,6 @@
 """Record bytes -> host arrays: the one implementation the loader runs (numpy, no JAX, no I/O).
 
-:func:`pack_records` parses a step's encoded rows (``contract.codec``, format version 1)
+:func:`pack_records` parses a step's encoded rows (``contract.codec``, format versions 1 and 2)
 straight from their bytes into tokens, segment ids and positions, and, for a loader that
 derives the targets on the host, all six trainer arrays (:data:`BATCH_KEYS`) in the same
 pass, in one 64-byte-aligned block from :class:`AlignedPool`. It checks every record as it
@@ -75,7 +75,7 @@ def derive_packed(packed: np.ndarray) -> dict[str, np.ndarray]:
     }
 
 
-# The record header of contract.codec (format version 1), parsed here without building
+# The record header of contract.codec (format versions 1 and 2), parsed here without building
 # PackedRow objects: the loader's hot path only needs tokens and segment lengths.
 _HEADER = struct.Struct("<4sBBHIII")
 assert _HEADER.size == codec._HEADER.size  # noqa: SLF001 - same layout as the codec
@@ -148,24 +148,29 @@ def pack_records(
     W = hdr["width"].astype(np.int64)
     size = np.fromiter(map(len, records), np.int64, n)
     meta_at = hsize + T * W
-    bad = ((hdr["magic"] != codec.MAGIC) | (hdr["version"] != codec.FORMAT_VERSION) | (hdr["seq_len"] != L)
-           | (W != widths[0]) & (W != widths[-1]) | (T > L) | (size < meta_at + 12 * S))
+    version = hdr["version"].astype(np.int64)
+    M = np.where(version == 1, 3, 4)  # u32 words per segment after the tokens (v2 adds id lengths)
+    bad = ((hdr["magic"] != codec.MAGIC) | ~np.isin(version, codec.READABLE_VERSIONS) | (hdr["seq_len"] != L)
+           | (W != widths[0]) & (W != widths[-1]) | (T > L) | (size < meta_at + 4 * M * S))
     if bad.any():
         _explain(records, int(np.argmax(bad)), L, widths, where)
     _copy_tokens(records, tok, T, W, hsize, pad_id, pad_rows=six or bool(pad_id))
-    # lengths, chunk indices and key lengths (3 x S u32) of every row, back to back
-    meta = [rec[a: a + 12 * sg] for rec, a, sg in zip(records, meta_at.tolist(), S.tolist())]
-    # Segment lengths and key lengths of every segment of the step, row after row.
+    # lengths, chunk indices, key lengths (and id lengths, v2): M x S u32 of every row, back to back
+    meta = [rec[a: a + 4 * m * sg] for rec, a, m, sg in zip(records, meta_at.tolist(), M.tolist(), S.tolist())]
+    # Segment lengths and key and id lengths of every segment of the step, row after row.
     allmeta = np.frombuffer(b"".join(meta), "<u4").astype(np.int64)
     n_seg = int(S.sum())
     seg_first = np.cumsum(S) - S  # first segment of each row
     row = np.repeat(np.arange(n), S)
     rank = np.arange(n_seg) - seg_first[row]  # segment index within its row
-    base = 3 * seg_first[row] + rank
+    base = (np.cumsum(M * S) - M * S)[row] + rank
     lengths = allmeta[base]
     keylens = allmeta[base + 2 * S[row]]
-    bad = (np.bincount(row, lengths, minlength=n) != T) | (
-        meta_at + 12 * S + np.bincount(row, keylens, minlength=n) != size)
+    strings = np.bincount(row, keylens, minlength=n)
+    v2 = M[row] == 4
+    if v2.any():
+        strings += np.bincount(row[v2], allmeta[base[v2] + 3 * S[row[v2]]], minlength=n)
+    bad = (np.bincount(row, lengths, minlength=n) != T) | (meta_at + 4 * M * S + strings != size)
     if n_seg and lengths.min() == 0:
         bad[row[lengths == 0]] = True
     if bad.any():

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from contract import codec
+from contract import codec, plan
 from contract.config import MixtureConfig, load_mixture
 from loader import index as ix
 from loader import state as st
@@ -159,6 +159,38 @@ class DataLoader:
     def global_batch(self) -> int:
         """``B``, rows per step."""
         return self.schedule.global_batch
+
+    def epochs(self, steps: int) -> list[plan.SourceEpochs]:
+        """How many epochs of each source training steps ``[0, steps)`` see, counted exactly.
+
+        Rows per source come from the schedule's interleave (``Schedule.source_counts``) over
+        the data steps those training steps train on (skip windows followed), divided by the
+        source's records; ``steps_per_epoch`` is at the source's highest realized weight in
+        the run (``contract.plan``, which ``dataprep.pack`` uses with the config's weights).
+
+        Raises:
+          contract.plan.PlanError: ``steps`` < 1.
+        """
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+            raise plan.PlanError(f"planned_steps: must be an integer >= 1, got {steps!r}")
+        steps = int(steps)
+        sched, B = self.schedule, self.global_batch
+        # Training steps [a, b) with no skip window starting inside train on data steps
+        # [data_step(a), data_step(a) + b - a).
+        cuts = sorted({0, steps, *(w.start for w in sched.skip_windows if 0 < w.start < steps)})
+        counts = np.zeros(len(sched.sources), np.int64)
+        for a, b in zip(cuts, cuts[1:]):
+            d = sched.data_step(a)
+            counts += sched.source_counts((d + b - a) * B) - sched.source_counts(d * B)
+        starts = [p.from_step for p in sched.phases]
+        reached = [i for i, s in enumerate(starts) if s < sched.data_step(steps - 1) + 1]
+        shares = sched.normalized_weights()
+        out = []
+        for k, (name, n) in enumerate(zip(sched.sources, sched.records)):
+            top = max((shares[i][name] for i in reached), default=0.0)
+            out.append(plan.SourceEpochs(name, int(n), float(counts[k]), float(counts[k]) / n if n else 0.0,
+                                         n / (B * top) if top and n else None))
+        return out
 
     def rows_at(self, step: int) -> list[RowRef]:
         """Where every row of ``step`` comes from: ``B`` :class:`RowRef` s, no I/O."""
@@ -374,6 +406,8 @@ def build(
     read_threads: int = 1,
     read_mode: str = "auto",
     cache_dir: str | None = None,
+    planned_steps: int | None = None,
+    max_epochs: float = plan.DEFAULT_MAX_EPOCHS,
 ) -> DataLoader:
     """Opens, checks and returns the loader.
 
@@ -399,6 +433,10 @@ def build(
         file systems, else records; ``loader.shards.resolve_read_mode``). Same bytes either way.
       cache_dir: local folder for staged URL datasets (default
         ``$LOADER_CACHE_DIR`` or ``~/.cache/moe-data-toolkit/datasets``).
+      planned_steps: the steps the run will train; when given, how many epochs of each
+        source they see is logged (INFO), and a source over ``max_epochs`` gets a WARNING
+        (:meth:`DataLoader.epochs`, ``contract.plan``).
+      max_epochs: the warning threshold (default 4: ``contract.plan.DEFAULT_MAX_EPOCHS``).
 
     Raises:
       contract.config.ConfigError: the mixture config is invalid.
@@ -435,4 +473,16 @@ def build(
                       read_threads=read_threads, read_mode=read_mode, cache_dir=cache_dir)
     if state is not None:
         data.restore(state)
+    if planned_steps is not None:
+        if not max_epochs > 0:
+            raise LoaderConfigError(f"max_epochs must be > 0, got {max_epochs!r}")
+        try:
+            lines, warnings = plan.describe(data.epochs(planned_steps), int(planned_steps), data.global_batch,
+                                            max_epochs)
+        except plan.PlanError as e:
+            raise LoaderConfigError(str(e)) from None
+        for line in lines:
+            log.info("epochs: %s", line)
+        for warning in warnings:
+            log.warning("%s", warning)
     return data

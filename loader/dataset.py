@@ -97,10 +97,10 @@ def check_against_mixture(manifest: Manifest, mixture: MixtureConfig, where: str
     Raises:
       DatasetError: naming the field, the dataset's value and the config's.
     """
-    if manifest.record_format_version != codec.FORMAT_VERSION:
+    if manifest.record_format_version not in codec.READABLE_VERSIONS:
         raise DatasetError(
             f"{where}: record format version {manifest.record_format_version}, "
-            f"this loader reads {codec.FORMAT_VERSION}"
+            f"this loader reads {' and '.join(map(str, codec.READABLE_VERSIONS))}"
         )
     if manifest.token_dtype not in TOKEN_WIDTHS:
         raise DatasetError(f"{where}: token_dtype {manifest.token_dtype!r}, expected one of {sorted(TOKEN_WIDTHS)}")

@@ -1,6 +1,6 @@
 """The loader's checkpoint state: the next step and a fingerprint of what the order depends on.
 
-DESIGN.md: ``batch(step) = f(manifest, mixture schedule, seed, global batch size, step)``, so
+docs/design.md: ``batch(step) = f(manifest, mixture schedule, seed, global batch size, step)``, so
 the state is the step plus enough of those inputs to refuse a resume that would silently
 change the order, and to name what changed.
 

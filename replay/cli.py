@@ -54,6 +54,10 @@ VERDICT_HELP = (
                         "verdicts and exit codes (of every command; each command's --help lists its own):", 1)
     + "\n  7  drill not caught (replay or canary failed to name the injected device and step)"
     + "\n  8  suspects found ('replay scan': the logs name suspect devices, router layers, the loader or the run)"
+    + "\n  10  triage: hardware (a device convicted or suspect); 0 is triage's optimization event (rewind, skip)"
+    + "\n  11  triage: a restart or data-order fault (a restore repeated or skipped data)"
+    + "\n  12  triage: data (shards and documents named)"
+    + "\n  13  triage: router instability (layers named)"
     + "\n  1  " + _INTERNAL_LINE)
 
 CANARY_EXIT_HELP = """\
@@ -83,7 +87,7 @@ exit codes:
 SCAN_EXIT_HELP = """\
 exit codes:
   0  clean: every available check is clear (a check whose signal the run did not log says
-     'not available', never 'clear')
+     'not available', never 'clear'); with --follow: stopped with no suspect
   8  suspects found (devices, replicas, router layers, the loader or the run): suspects.json
      written in the run directory; replay the suggested range with --devices good
   2  usage error (bad option, malformed --steps)
@@ -107,15 +111,56 @@ exit codes:
   5  run directory or data error (unknown run, missing dataset or shard, tokenizer unavailable for --text)
 """
 
+TRIAGE_EXIT_HELP = """\
+conclusions and exit codes (each conclusion its own code):
+  0   optimization event: no check found a cause; rewind and skip the window (the exact
+      'replay skip' command is printed)
+  10  hardware: a device convicted by the range replay (--replay) or named by the canary or the
+      replica checks
+  11  restart or data-order fault: a restore repeated or skipped data (the exact restore check)
+  12  data: outlier rows at the onset (shards and documents named)
+  13  router instability (layers named)
+  2   usage error (bad option, --step missing)
+  5   run directory or data error (unknown run, step not logged, malformed log)
+"""
+
+SKIP_EXIT_HELP = """\
+exit codes:
+  0  recorded: the next 'python -m replay.reference.train --run DIR' resumes from the checkpoint with
+     the window skipped
+  2  usage error, or a window or checkpoint that does not fit the run (named, with what fits)
+  5  run directory or data error
+"""
+
+GOODPUT_EXIT_HELP = """\
+exit codes:
+  0  the report was made (every part of the wall time accounted; parts the log cannot tell are
+     reported as unknown)
+  2  usage error (bad option, --peak-flops not a finite number > 0)
+  5  run directory or data error (unknown run, malformed log, no attempt to account for)
+"""
+
 MAX_INSPECT_STEPS = 10_000
 
 DRILL_NOT_CAUGHT = int(ExitCode.DRILL_NOT_CAUGHT)
+TRIAGE_SCENARIOS = ("sdc", "restart", "data", "router", "clean")
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (``nan``, ``inf`` and ``0`` are usage errors, exit 2)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return v
 
 
 RUN_HELP = ("the training run directory (run_config.yaml, env.json, fingerprints.jsonl, ...); default: "
             "$REPLAY_RUN, else the current folder if it is a run directory")
 
-COMMANDS = ("range", "canary", "inspect", "scan", "drill")
+COMMANDS = ("range", "canary", "inspect", "scan", "triage", "skip", "goodput", "drill")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -158,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _TopParser(
         prog="replay",
         usage="replay [range] [--run DIR] --steps A:B [--devices SPEC] [range options]\n"
-              "       replay {canary,inspect,scan,drill} [--run DIR] [options]   (replay COMMAND --help)",
+              "       replay {canary,inspect,scan,triage,skip,goodput,drill} [--run DIR] [options]   "
+              "(replay COMMAND --help)",
         description="Triage a training run: rerun step ranges and canary batches on chosen devices, diff\n"
                     "gradient fingerprints against the run's log and give a silent-data-corruption verdict;\n"
                     "list the documents of any batch.\n\n"
@@ -166,10 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "  replay canary --run DIR --devices all           fixed canary batch on every device\n"
                     "  replay inspect --run DIR --steps A:B [--text]   which documents were in those batches\n"
                     "  replay scan --run DIR [--steps A:B]             screen the logs alone, rank suspects\n"
+                    "  replay triage --run DIR --step S                walk a loss spike: events, replicas, data, router\n"
+                    "  replay skip --run DIR --steps A:B --reason R    rewind before a spike and skip its data window\n"
+                    "  replay goodput --run DIR                        where the run's time and tokens went\n"
                     "  replay drill --run DIR                          inject a fault, prove it is caught\n\n"
                     "--run DIR may be left out: $REPLAY_RUN, else the current folder if it is a run directory.",
         epilog=DEVICE_SPEC_HELP + "\n" + VERDICT_HELP, formatter_class=fmt)
-    sub = parser.add_subparsers(dest="command", title="commands", metavar="{range,canary,inspect,scan,drill}",
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="{range,canary,inspect,scan,triage,skip,goodput,drill}",
                                 parser_class=_Parser)
 
     r = sub.add_parser("range", prog="replay range", help="rerun steps and diff them with the log (the default)",
@@ -222,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     distributed.add_arguments(i)
     i.add_argument("--steps", metavar="A:B", required=True, help="A:B (half-open) or A")
     i.add_argument("--text", action="store_true",
-                   help="decode each document's tokens with the dataset's tokenizer (normalized text: below)")
+                   help="decode each document's tokens with the dataset's tokenizer (normalized text: below); the "
+                        "table shows the start of each, --json OUT the whole text")
     i.add_argument("--json", metavar="OUT",
                    help="write the full report (every row and document, with its token_ids) as JSON here")
     i.add_argument("--max-rows", type=int, default=200, help="documents shown in the table (default 200; the JSON has all)")
@@ -241,40 +291,108 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--steps", metavar="A:B", help="A:B: report findings in steps A..B-1 (earlier steps serve as history)")
     sc.add_argument("--json", metavar="OUT", help="write the full report as JSON here")
     sc.add_argument("--plot", metavar="OUT.png", help="write the per-step signals with the suspects marked")
+    sc.add_argument("--follow", action="store_true",
+                    help="watch a live run: score each new step as it lands, print each new suspect, until "
+                         "the run ends (its 'end' event) or --timeout; with --on-suspect, run CMD once, at the "
+                         "first suspect, with the suspect's JSON on stdin")
+    sc.add_argument("--on-suspect", metavar="CMD",
+                    help="with --follow: a shell command run the first time a suspect appears (page someone, "
+                         "or start 'replay triage'); stdin: the suspect as JSON, with its next step")
+    sc.add_argument("--interval", type=float, default=2.0, help="with --follow: seconds between looks (default 2)")
+    sc.add_argument("--timeout", type=float, help="with --follow: stop after this many seconds")
+
+    t = sub.add_parser("triage", prog="replay triage", help="walk a loss spike: events, replicas, data, router",
+                       description="The triage of a loss spike at --step, in the field's order, from the run's "
+                                   "lineage: 1 events in the window (with the exact restore check from the logged "
+                                   "loader states and batch hashes), 2 replicas (replay scan's statistics; "
+                                   "--replay runs the range replay on good devices), 3 data (the onset's rows "
+                                   "against earlier rows, per shard and source), 4 router health per layer. Each "
+                                   "check is clear, suspect or not available; the conclusion gives the cause, the "
+                                   "confidence and the next command.",
+                       epilog=TRIAGE_EXIT_HELP, formatter_class=fmt)
+    t.add_argument("--run", metavar="DIR", help=RUN_HELP)
+    t.add_argument("--step", type=int, required=True, help="the step of the loss spike")
+    t.add_argument("--window", type=int, default=1000, help="steps before --step the checks look at (default 1000)")
+    t.add_argument("--replay", action="store_true",
+                   help="run the range replay on good devices from the newest checkpoint before the onset")
+    t.add_argument("--devices", metavar="SPEC", default="good", help="with --replay: the device spec (default good)")
+    t.add_argument("--quarantine", metavar="FILE", help="quarantined device ids (default: <run>/quarantine.txt)")
+    t.add_argument("--json", metavar="OUT", help="write the full report as JSON here")
+    t.add_argument("--plot", metavar="OUT.png", help="write the dashboard over the window (events as lines)")
+    t.add_argument("--no-progress", action="store_true", help="no progress of the range replay")
+
+    k = sub.add_parser("skip", prog="replay skip", help="rewind to a checkpoint and skip a data window",
+                       description="Record, as events of the run (never an edit of a file), a rewind to "
+                                   "checkpoint C (default: the newest at or before A) and a skipped data window "
+                                   "A:B (steps A..B-1: from step A on, step s trains on the data of s + B - A). "
+                                   "The next 'python -m replay.reference.train --run DIR' resumes from C with "
+                                   "the window skipped; the steps trained after C become a superseded attempt, "
+                                   "kept. replay inspect and range replay follow the window at once.",
+                       epilog=SKIP_EXIT_HELP, formatter_class=fmt)
+    k.add_argument("--run", metavar="DIR", help=RUN_HELP)
+    k.add_argument("--steps", metavar="A:B", required=True, help="the data window to skip, A:B (half-open) or A")
+    k.add_argument("--reason", required=True, help="why (recorded in the events)")
+    k.add_argument("--checkpoint", type=int, metavar="C", help="the checkpoint to rewind to (default: newest <= A)")
+    k.add_argument("--json", metavar="OUT", help="write what was recorded as JSON here")
+
+    g = sub.add_parser("goodput", prog="replay goodput", help="where the run's wall time and tokens went",
+                       description="From the run directory alone: the wall time from the first launch to the last "
+                                   "record split into productive step time of the lineage, start-up, compilation, "
+                                   "checkpoint save stalls and restores, work lost to crashes, rewound work, steps "
+                                   "trained on later-skipped data, loader waits, the canary, gaps between attempts, "
+                                   "the loop's other host time and what the log cannot tell (unknown); the parts "
+                                   "add up exactly. Tokens split the same way and reconcile with the loader's "
+                                   "step -> rows arithmetic. MFU per step from the trainer's logged FLOPs.",
+                       epilog=GOODPUT_EXIT_HELP, formatter_class=fmt)
+    g.add_argument("--run", metavar="DIR", help=RUN_HELP)
+    g.add_argument("--json", metavar="OUT", help="write the full report as JSON here")
+    g.add_argument("--plot", metavar="OUT.png", help="write the waterfall and goodput over time")
+    g.add_argument("--peak-flops", type=_positive_float, metavar="F",
+                   help="peak FLOP/s of one device for MFU (default: a table of known device kinds)")
 
     d = sub.add_parser("drill", prog="replay drill", help="inject a bit flip, check replay and canary catch it",
                        description="Flip one bit (chosen, or random from --seed) in one device's local gradient "
-                                   "at one step of a replay of the run, then check that range replay convicts "
+                                   "(or, with --where, inside its computation) at one step of a replay of the run, then check that range replay convicts "
                                    "that device at that step and that the canary names it. Exit 0 when caught, "
                                    f"{DRILL_NOT_CAUGHT} when not.",
                        epilog=DEVICE_SPEC_HELP + "\n" + DRILL_EXIT_HELP, formatter_class=fmt)
     _common(d, "all")
     d.add_argument("--seed", type=int, default=0, help="seed of the random fault fields")
-    d.add_argument("--count", type=int, default=1, help="number of drills")
+    d.add_argument("--count", type=int, help="number of drills (default 1; triage scenarios: 5 seeds each)")
     d.add_argument("--step", type=int, help="the logged step the fault fires at (default: random)")
     d.add_argument("--device", type=int, help="jax.Device.id of the faulty device of the run's mesh (default: random)")
     d.add_argument("--leaf", help="parameter leaf path, e.g. \"['layers'][0]['w_in']\"")
     d.add_argument("--element", type=int, help="flat index into the device's local shard of the leaf (default: random)")
     d.add_argument("--bit", type=int, help="0 = lowest mantissa bit")
+    d.add_argument("--where", choices=("local_gradient", "expert_forward", "expert_backward", "attention"),
+                   default="local_gradient",
+                   help="where the bit flips in the device's step: its finished local gradient (default), its "
+                        "experts' output in the forward pass, an expert weight's gradient in the backward pass, "
+                        "or an attention output; the last three spread to other devices through the "
+                        "all-to-alls of expert parallelism, and the verdict must still name this device alone "
+                        "and the buffer where the error first appeared")
+    d.add_argument("--layer", type=int, help="--where expert_forward/attention: the layer (default: random)")
     d.add_argument("--no-canary", action="store_true", help="check range replay only, not the canary")
     d.add_argument("--to-disk", metavar="DIR",
                    help="write each drill as a short faulty training run DIR/drill-N (fingerprints, a checkpoint "
                         "after the faulty step) and replay it from disk")
-    d.add_argument("--scenario", choices=("drift", "flip", "canary"),
+    d.add_argument("--scenario", choices=("drift", "flip", "canary", *TRIAGE_SCENARIOS, "all"),
                    help="a screening drill instead: retrain the run from a checkpoint with a persistent small "
                         "error on one device (drift: --magnitude, --kind), intermittent bit flips (flip: --flips, "
                         "--bit) or a wrong canary (canary), then check that 'replay scan' names that device and "
                         "the first step; --step is the fault's first step, the drilled runs go to --to-disk "
-                        "(default: a temporary folder)")
-    d.add_argument("--magnitude", type=float, default=0.2,
-                   help="drift: relative error of the device's local gradient (default 0.2)")
+                        "(default: a temporary folder). Or a triage drill (sdc, restart, data, router, clean; all: "
+                        "each of them): a short training run of its own (no --run) with one planted cause, and "
+                        "'replay triage' must name it; --count seeds each (default 5), from --seed")
+    d.add_argument("--magnitude", type=_positive_float, default=0.2,
+                   help="drift: relative error of the device's local gradient, a finite number > 0 (default 0.2)")
     d.add_argument("--kind", choices=("scale", "bias"), default="scale", help="drift: scale or bias (default scale)")
     d.add_argument("--flips", type=int, default=3, help="flip: number of bit flips (default 3)")
     parser.range_parser = r
     return parser
 
 
-def _progress(args, label, unit="step"):
+def _progress(args, label, unit="step", breakdown=None, first=None):
     """A ``total -> advance`` factory (what ``replay_range`` and ``run_canary`` take) of counted
     ``replay.run.progress`` progress on stderr, and the list that :func:`_close` closes."""
     from replay.run.progress import StepProgress
@@ -282,7 +400,8 @@ def _progress(args, label, unit="step"):
     stack = []
 
     def factory(total):
-        shown = StepProgress(label, 0, total, unit=unit, counted=True, enabled=not args.no_progress)
+        shown = StepProgress(label, 0, total, unit=unit, counted=True, enabled=not args.no_progress,
+                             breakdown=breakdown, first=first)
         stack.append(shown)
         return shown.advance
 
@@ -295,10 +414,23 @@ def _close(stack, ok=True):
         stack.pop().close(ok)
 
 
+def _with_progress(args, label, work, unit="step", **shown):
+    """``work(progress factory)`` with :func:`_progress` shown (``shown``: its ``breakdown`` and
+    ``first``) and closed (where it stopped, on an error)."""
+    factory, stack = _progress(args, label, unit=unit, **shown)
+    try:
+        out = work(factory)
+    except BaseException:
+        _close(stack, ok=False)
+        raise
+    _close(stack)
+    return out
+
+
 def _cmd_range(args, console) -> int:
     from replay.verify import engine
     from replay import report
-    from replay.run.runlog import load_run, parse_steps
+    from replay.run.runlog import parse_steps
 
     start, stop = parse_steps(args.steps)
     for name in ("repeats", "placements"):
@@ -308,24 +440,23 @@ def _cmd_range(args, console) -> int:
         raise _Usage(f"--tolerance must be in (0, 1), got {args.tolerance}")
     if args.onset is not None and args.onset < 0:
         raise _Usage(f"--onset must be a step >= 0, got {args.onset}")
-    run = load_run(args.run, args.quarantine)
+    run = _load(args.run, args.quarantine)
     _check_outputs(run.run_dir, json=args.json, plot=args.plot)
     run.check_range(start, stop)
-    run.checkpoint_for(start)
+    ckpt = run.checkpoint_for(start)
     session = engine.Session(run)
-    factory, stack = _progress(args, f"replay {start}:{stop}")
+    n, times = stop - ckpt, f" x {args.repeats} repeats" if args.repeats > 1 else ""
     from replay.verify.plan import Onset
 
     onset = "auto" if args.onset is None else Onset.at(args.onset)
-    try:
-        rep = engine.replay_range(session, start, stop, device_spec=args.devices, repeats=args.repeats,
-                                  tolerance=args.tolerance, allow_env_drift=args.allow_env_drift,
-                                  progress=factory, replays=args.placements, onset=onset,
-                                  exhaustive=args.exhaustive, concurrent=not args.sequential)
-    except BaseException:
-        _close(stack, ok=False)
-        raise
-    _close(stack)
+    rep = _with_progress(args, f"replay {start}:{stop}", lambda factory: engine.replay_range(
+        session, start, stop, device_spec=args.devices, repeats=args.repeats, tolerance=args.tolerance,
+        allow_env_drift=args.allow_env_drift, progress=factory, replays=args.placements, onset=onset,
+        exhaustive=args.exhaustive, concurrent=not args.sequential),
+        breakdown=f"{n} step{'s' if n > 1 else ''} from checkpoint {ckpt} x "
+                  f"{args.placements} placement{'s' if args.placements > 1 else ''}{times}"
+                  + (", the onset's segment first" if args.onset is not None else ""),
+        first=f"restoring checkpoint {ckpt} and compiling the step: the first step takes longer")
     out = rep.to_dict()
     report.render_range(out, console)
     if args.json and _primary():
@@ -339,28 +470,22 @@ def _cmd_canary(args, console) -> int:
     from replay.verify import canary
     from replay.verify import engine
     from replay import report
-    from replay.run.runlog import load_run
 
     if args.repeats < 1:
         raise _Usage(f"--repeats must be >= 1, got {args.repeats}")
     if args.step is not None and args.step < 0:
         raise _Usage(f"--step must be >= 0, got {args.step}")
-    run = load_run(args.run, args.quarantine)
+    run = _load(args.run, args.quarantine)
     _check_outputs(run.run_dir, json=args.json, golden=args.golden)
     session = engine.Session(run)
     if args.rows is not None and not 1 <= args.rows <= session.setup.global_batch:
         raise _Usage(f"--rows must be in [1, {session.setup.global_batch}] (the run's global batch), got {args.rows}")
     if args.seq_len is not None and args.seq_len < 2:
         raise _Usage(f"--seq-len must be >= 2, got {args.seq_len}")
-    factory, stack = _progress(args, "canary", unit="run")
-    try:
-        rep = canary.run_canary(session, device_spec=args.devices, repeats=args.repeats, checkpoint=args.checkpoint,
-                                step=args.step, rows=args.rows, seq_len=args.seq_len, golden_path=args.golden or "default",
-                                reset_golden=args.reset_golden, progress=factory)
-    except BaseException:
-        _close(stack, ok=False)
-        raise
-    _close(stack)
+    rep = _with_progress(args, "canary", lambda factory: canary.run_canary(
+        session, device_spec=args.devices, repeats=args.repeats, checkpoint=args.checkpoint, step=args.step,
+        rows=args.rows, seq_len=args.seq_len, golden_path=args.golden or "default", reset_golden=args.reset_golden,
+        progress=factory), unit="run")
     out = rep.to_dict()
     report.render_canary(out, console)
     if args.json and _primary():
@@ -372,10 +497,10 @@ def _cmd_inspect(args, console) -> int:
     from replay.verify import engine
     from replay.screen import forensics
     from replay import report
-    from replay.run.runlog import load_run, parse_steps
+    from replay.run.runlog import parse_steps
 
     start, stop = parse_steps(args.steps)
-    run = load_run(args.run)
+    run = _load(args.run)
     _check_outputs(run.run_dir, json=args.json)
     if stop - start > MAX_INSPECT_STEPS:
         raise _Usage(f"--steps {args.steps}: {stop - start} steps; inspect lists at most {MAX_INSPECT_STEPS} a call")
@@ -394,10 +519,14 @@ def _cmd_inspect(args, console) -> int:
 def _cmd_scan(args, console) -> int:
     from replay import report
     from replay.screen import scan
-    from replay.run.runlog import load_run, parse_steps
+    from replay.run.runlog import parse_steps
 
+    if args.on_suspect and not args.follow:
+        raise _Usage("--on-suspect needs --follow (it runs at the first suspect of a live run)")
+    if args.follow:
+        return _scan_follow(args, console)
     start, stop = parse_steps(args.steps) if args.steps else (None, None)
-    run = load_run(args.run)
+    run = _load(args.run)
     _check_outputs(run.run_dir, json=args.json, plot=args.plot)
     rep = scan.scan_run(run, start, stop)
     out = rep.to_dict()
@@ -417,10 +546,135 @@ def _cmd_scan(args, console) -> int:
     return rep.exit_code
 
 
+def _scan_follow(args, console) -> int:
+    """``replay scan --follow``: watch the run as it grows (``replay.screen.scan.follow``)."""
+    import json
+    import subprocess
+    import time
+
+    from rich.markup import escape
+
+    from replay import report
+    from replay.screen import scan
+
+    if args.steps or args.plot:
+        raise _Usage("--follow scans the whole run as it grows: --steps and --plot do not apply")
+    if not args.interval > 0 or (args.timeout is not None and not args.timeout > 0):
+        raise _Usage(f"--interval and --timeout must be > 0, got {args.interval} and {args.timeout}")
+    if os.path.exists(args.run):
+        _check_outputs(args.run, json=args.json)
+    started: list = []
+
+    def on_new(sus, rep):
+        nxt = sus.get("next") or {}
+        console.print(f"[bold red]suspect[/] {escape(sus['subject'])} from step {sus['first_step']} "
+                      f"({', '.join(sorted({e['check'] for e in sus['evidence']}))}): "
+                      f"{escape(sus['evidence'][0]['detail'])}")
+        console.print(f"next: {escape(nxt.get('command') or nxt.get('sentence') or '')}"
+                      + (f"   ({escape(nxt['sentence'])})" if nxt.get("command") and nxt.get("sentence") else ""))
+
+    def on_first(sus, rep):
+        if not args.on_suspect:
+            return
+        payload = {"kind": "suspect", "run": args.run, "suspect": sus, "next": sus.get("next"),
+                   "scanned_steps": rep["steps"], "time": time.time()}
+        proc = subprocess.Popen(args.on_suspect, shell=True, stdin=subprocess.PIPE, text=True)
+        try:
+            proc.stdin.write(json.dumps(payload, sort_keys=True) + "\n")
+            proc.stdin.close()
+        except BrokenPipeError:  # the command did not read its stdin
+            pass
+        started.append(proc)
+        console.print(f"--on-suspect: started {escape(args.on_suspect)} (pid {proc.pid}) with the suspect on stdin")
+
+    def on_look(rep, steps):
+        console.print(f"scan --follow: {steps} step(s) scored, {len(rep['suspects'])} suspect(s)")
+
+    res = scan.follow(args.run, on_new=on_new, on_first=on_first, interval=args.interval, timeout=args.timeout,
+                      on_look=on_look)
+    for proc in started:
+        try:
+            rc = proc.wait(timeout=600)
+            console.print(f"--on-suspect command exited {rc}")
+        except subprocess.TimeoutExpired:
+            console.print(f"--on-suspect command (pid {proc.pid}) still running after 600 s; left running")
+    console.print(f"scan --follow: stopped ({'the run ended' if res['ended'] else 'timeout'}) after {res['steps']} "
+                  f"step(s); {len(res['suspects'])} suspect(s)")
+    if args.json and res["report"] is not None:
+        report.write_json({**res["report"], "follow": {k: res[k] for k in ("looks", "steps", "ended")}}, args.json)
+    return int(ExitCode.SUSPECTS if res["suspects"] else ExitCode.CLEAN)
+
+
+def _cmd_triage(args, console) -> int:
+    from replay import report
+    from replay.screen import triage
+
+    run = _load(args.run, args.quarantine)
+    _check_outputs(run.run_dir, json=args.json, plot=args.plot)
+    if args.window < 1:
+        raise _Usage(f"--window must be >= 1, got {args.window}")
+    rep = _with_progress(args, f"triage replay {args.step}", lambda factory: triage.triage_run(
+        run, args.step, window=args.window, replay=args.replay, device_spec=args.devices, progress=factory))
+    out = rep.to_dict()
+    report.render_triage(out, console)
+    if args.json:
+        report.write_json(out, args.json)
+    if args.plot:
+        report.plot_triage(rep, args.plot)
+        console.print(f"dashboard: {args.plot}")
+    return rep.exit_code
+
+
+def _cmd_skip(args, console) -> int:
+    from rich.markup import escape
+
+    from replay import report
+    from replay.run import skip
+    from replay.run.runlog import parse_steps
+
+    start, stop = parse_steps(args.steps)
+    run = _load(args.run)
+    _check_outputs(run.run_dir, json=args.json)
+    try:
+        req = skip.plan(run, start, stop, args.reason, args.checkpoint)
+    except skip.SkipError as e:
+        raise _Usage(str(e)) from None
+    events = skip.record(run, req)
+    console.print(f"recorded in {escape(os.path.join(run.run_dir, 'events.jsonl'))}: skip the data of steps "
+                  f"{req.start}..{req.stop - 1} (from step {req.start} on, step s trains on the data of s + "
+                  f"{req.stop - req.start}) and rewind to checkpoint {req.checkpoint}; the {req.superseded_steps} "
+                  f"step(s) {req.checkpoint}..{req.lineage_end - 1} become a superseded attempt (kept) when training "
+                  "resumes")
+    console.print("replay inspect and range replay follow the window now")
+    console.print(f"next: {escape(shlex.join(['python', '-m', 'replay.reference.train', '--run', run.run_dir]))}")
+    if args.json:
+        report.write_json({"kind": "skip", "run": run.run_dir, **req.to_dict(), "events": events}, args.json)
+    return int(ExitCode.ACQUITTED)
+
+
+def _cmd_goodput(args, console) -> int:
+    from replay import report
+    from replay.screen import goodput
+
+    run = _load(args.run)
+    _check_outputs(run.run_dir, json=args.json, plot=args.plot)
+    rep = goodput.account(run, peak_flops=args.peak_flops)
+    out = rep.to_dict()
+    report.render_goodput(out, console)
+    if args.json:
+        report.write_json(out, args.json)
+    if args.plot:
+        report.plot_goodput(rep, args.plot)
+        console.print(f"waterfall and goodput over time: {args.plot}")
+    return int(ExitCode.ACQUITTED)
+
+
 def _cmd_drill(args, console) -> int:
     from replay.verify import engine
-    from replay.run.runlog import load_run
 
+    if args.scenario in (*TRIAGE_SCENARIOS, "all"):
+        return _triage_drills(args, console)
+    args.count = 1 if args.count is None else args.count
     if args.count < 1:
         raise _Usage(f"--count must be >= 1, got {args.count}")
     if args.to_disk and os.path.exists(args.to_disk) and (not os.path.isdir(args.to_disk) or os.listdir(args.to_disk)):
@@ -428,7 +682,7 @@ def _cmd_drill(args, console) -> int:
     if args.to_disk and not args.scenario and distributed.is_initialized() and distributed.process_count() > 1:
         raise _Usage("--to-disk (a drill written as a short training run) runs as one process: start it without the "
                      "process flags")
-    run = load_run(args.run, args.quarantine)
+    run = _load(args.run, args.quarantine)
     _check_outputs(run.run_dir, json=args.json, to_disk=args.to_disk)
     session = engine.Session(run)
     rng = random.Random(args.seed)
@@ -441,13 +695,40 @@ def _cmd_drill(args, console) -> int:
         return _flip_drills(args, console, session, rng, shown)
 
 
+def _triage_drills(args, console) -> int:
+    import tempfile
+
+    from replay import report
+    from replay import triage_drill
+
+    count = 5 if args.count is None else args.count
+    if count < 1:
+        raise _Usage(f"--count must be >= 1, got {count}")
+    if args.to_disk and os.path.exists(args.to_disk) and (not os.path.isdir(args.to_disk) or os.listdir(args.to_disk)):
+        raise _Usage(f"--to-disk {args.to_disk}: must be a new or empty folder")
+    root = args.to_disk or tempfile.mkdtemp(prefix="replay-triage-drill-")
+    scenarios = TRIAGE_SCENARIOS if args.scenario == "all" else (args.scenario,)
+    seeds = list(range(args.seed, args.seed + count))
+    from replay.run.progress import step_progress
+
+    with step_progress(f"drill {args.scenario}", 0, count * len(scenarios), unit="drill", counted=True,
+                       enabled=not args.no_progress) as shown:
+        res = triage_drill.run_drills(scenarios, seeds, root, on_result=lambda r, n: (
+            console.print(triage_drill.result_line(r)), shown.update(n)))
+    report.render_triage_drills(res, console)
+    if args.json:
+        report.write_json(res, args.json)
+    return int(ExitCode.ACQUITTED) if res["correct"] == res["total"] else DRILL_NOT_CAUGHT
+
+
 def _flip_drills(args, console, session, rng, shown) -> int:
     from replay import drill
     from replay import report
 
     results = []
     for n in range(args.count):
-        fault = drill.random_fault(session, rng, args.step, args.device, args.leaf, args.element, args.bit)
+        fault = drill.random_fault(session, rng, args.step, args.device, args.leaf, args.element, args.bit,
+                                   where=args.where, layer=args.layer)
         to_disk = None if not args.to_disk else os.path.join(args.to_disk, f"drill-{n}")
         res = drill.run_drill(session, fault, device_spec=args.devices, canary=not args.no_canary, to_disk=to_disk)
         results.append(res)
@@ -456,7 +737,9 @@ def _flip_drills(args, console, session, rng, shown) -> int:
         odd = None if res.canary_report is None else (
             "; ".join(d["label"] for d in res.canary_report.to_dict()["odd"]) or "none")
         console.print(f"drill {fault}: {mark} (range: {res.range_report.verdict.value} {named} at step "
-                      f"{res.range_report.decision.step}; canary: {odd})"
+                      f"{res.range_report.decision.step}; canary: {odd}"
+                      + (f"; first divergent buffer: {res.range_report.decision.site}"
+                         f"{'' if res.site_ok else ' (NOT where planted)'}" if res.site_ok is not None else "") + ")"
                       + (f"; differing elements after the step: {res.range_report.differing_elements}"
                          if res.range_report.differing_elements else ""))
         shown.update(n + 1)
@@ -515,6 +798,21 @@ def _primary() -> bool:
     if "jax" not in sys.modules or not distributed.is_initialized():
         return True
     return distributed.process_index() == 0
+
+
+def _load(run_dir: str, quarantine: Optional[str] = None):
+    """``replay.run.runlog.load_run``, then its notes on stderr (e.g. the mixture it rebuilds batches
+    with: the run's own copy when the file changed since), one line each."""
+    from rich.markup import escape
+
+    from replay.report import make_console
+    from replay.run.runlog import load_run
+
+    run = load_run(run_dir, quarantine)
+    err = make_console(stderr=True)
+    for note in run.notes:
+        err.print(f"[yellow]note:[/] {escape(note)}")
+    return run
 
 
 def _check_outputs(run_dir: str, **paths: Optional[str]) -> None:
@@ -605,22 +903,23 @@ def _start_processes(args, err) -> None:
         err.print("collectives: gloo in one process, as the run reduced (replay.run.distributed)")
 
 
-def _with_steps(typed: Sequence[str], steps: str) -> list[str]:
-    """The command line ``typed`` (as the user gave it, without ``replay``) with ``--steps`` set to ``steps``."""
+def _with_steps(typed: Sequence[str], steps: str, option: str = "--steps") -> list[str]:
+    """The command line ``typed`` (as the user gave it, without ``replay``) with ``--steps`` (or
+    ``option``) set to ``steps``."""
     out, replaced, skip = [], False, False
     for n, tok in enumerate(typed):
         if skip:
             skip = False
             continue
-        if tok == "--steps" and n + 1 < len(typed):
-            out += ["--steps", steps]
+        if tok == option and n + 1 < len(typed):
+            out += [option, steps]
             replaced = skip = True
-        elif tok.startswith("--steps="):
-            out.append(f"--steps={steps}")
+        elif tok.startswith(f"{option}="):
+            out.append(f"{option}={steps}")
             replaced = True
         else:
             out.append(tok)
-    return out if replaced else [*out, "--steps", steps]
+    return out if replaced else [*out, option, steps]
 
 
 def _next_commands(typed: Sequence[str], args, e) -> list[tuple[str, str]]:
@@ -677,7 +976,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     console = make_console()  # one width policy: messages never wrap, tables fit (160 columns when piped)
     err = make_console(stderr=True)
     try:
-        args.run, args.run_source = resolve_run_dir(args.run)
+        if args.command == "drill" and args.scenario in (*TRIAGE_SCENARIOS, "all"):
+            args.run, args.run_source = args.run or "", "--run"  # a triage drill trains runs of its own
+        else:
+            args.run, args.run_source = resolve_run_dir(args.run)
         if hasattr(args, "devices"):
             parse_spec(args.devices)  # a typo in --devices is reported before any work starts
     except (RunNotGivenError, DeviceSpecError) as e:
@@ -699,6 +1001,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on read-only restores are not news
     handlers = {"range": _cmd_range, "canary": _cmd_canary, "inspect": _cmd_inspect, "scan": _cmd_scan,
+                "triage": _cmd_triage, "skip": _cmd_skip, "goodput": _cmd_goodput,
                 "drill": _cmd_drill}
 
     def fail(kind: str, message: str, code: ExitCode) -> int:
@@ -717,7 +1020,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             err.print(f"{'next' if n == 0 else '  or'}: {escape(command)}   ({why})")
         return code
     except (RunDirError, ConfigError, TokenizerUnavailableError, FileNotFoundError, PairingError) as e:
-        return fail("run directory or data error", str(e), ExitCode.RUN_ERROR)
+        code = fail("run directory or data error", str(e), ExitCode.RUN_ERROR)
+        if getattr(e, "nearest", None):  # a run directory that is not there: the same command on the nearest
+            err.print(f"next: {escape(shlex.join(['replay', *_with_steps(typed, e.nearest, '--run')]))}")
+        return code
     except OSError as e:  # e.g. permission denied, disk full, on a run file or an output file
         what = f"cannot read or write {e.filename}: " if e.filename else ""
         return fail("run directory or data error", f"{what}{e.strerror or e}", ExitCode.RUN_ERROR)

@@ -40,6 +40,8 @@ import random
 import shutil
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
 from replay.run.protocol import FaultSpec
 from replay.run.codes import Verdict
 
@@ -50,11 +52,24 @@ class DrillError(ValueError):
 
 @dataclasses.dataclass
 class DrillReport:
+    """One drill's outcome.
+
+    Attributes:
+      fault: what was planted.
+      range_report: the range replay's report; canary_report: the canary's, or None.
+      convicted_ok: the replay convicted the faulty device alone, at the fault's step.
+      canary_ok: the canary named the device (None: not run; a fault inside one step's
+        computation is transient, so no canary runs for it).
+      site_ok: the verdict's first divergent buffer is :func:`expected_site` (None when the run logs
+        no all-to-all sends, e.g. gather dispatch: every device's contribution is its own).
+    """
+
     fault: FaultSpec
     range_report: Any
     canary_report: Any
     convicted_ok: bool
     canary_ok: Optional[bool]
+    site_ok: Optional[bool] = None
 
     @property
     def caught(self) -> bool:
@@ -67,6 +82,9 @@ class DrillReport:
             "caught": self.caught,
             "device": next(iter(self.range_report.convicted), None) if self.convicted_ok else None,
             "range_convicted_right_device_and_step": self.convicted_ok,
+            "first_divergent_site": getattr(self.range_report.decision, "site", None),
+            "expected_site": expected_site(self.fault) if self.site_ok is not None else None,
+            "site_as_planted": self.site_ok,
             "canary_named_device": self.canary_ok,
             "range": self.range_report.to_dict(),
             "canary": None if self.canary_report is None else self.canary_report.to_dict(),
@@ -92,15 +110,56 @@ def _replayable_steps(run: Any) -> list[int]:
     return out
 
 
+def _local_leaf_sizes(session: Any) -> list[int]:
+    """Per leaf, the elements of one device's local gradient on the run's mesh (an expert leaf's
+    shard under expert parallelism); the whole leaf for a trainer that does not say."""
+    trainer, setup = session.setup.trainer, session.setup
+    sizes = getattr(trainer, "local_leaf_sizes", None)
+    return list(sizes(dict(zip(setup.axis_names, setup.shape)))) if sizes else list(trainer.leaf_sizes)
+
+
+def _activation_element(session: Any, rng: random.Random, where: str, step: int, device: int, layer: int) -> int:
+    """A random element of the buffer an ``expert_forward`` or ``attention`` fault hits on ``device``
+    (``trainer.activation_shapes``). An attention element is drawn among the device's tokens that
+    are not padding: a padding token's activation reaches neither the loss nor any other token, so
+    a flip there changes nothing a replay could see (or need to)."""
+    trainer, setup = session.setup.trainer, session.setup
+    shapes = getattr(trainer, "activation_shapes", None)
+    if shapes is None:
+        raise DrillError(f"--where {where}: the run's trainer ({type(trainer).__name__}) plants no faults inside its "
+                         "computation (it has no activation_shapes); use --where local_gradient")
+    batch = session.numpy_batch(step, session.home_assignment())
+    rows, seq_len = (int(n) for n in batch["inputs"].shape)
+    shape = shapes(dict(zip(setup.axis_names, setup.shape)), rows, seq_len)[where]
+    if where == "expert_forward":
+        return rng.randrange(int(np.prod(shape)))
+    b, S, D = shape
+    r = list(setup.run_device_ids).index(device)
+    seg = np.asarray(batch["inputs_segmentation"])[r * b:(r + 1) * b]
+    valid = np.argwhere(seg != 0)
+    if not len(valid):
+        raise DrillError(f"step {step}: device {device}'s rows hold only padding; choose another --step or --device")
+    row, pos = valid[rng.randrange(len(valid))]
+    return int((row * S + pos) * D + rng.randrange(D))
+
+
 def random_fault(session: Any, rng: random.Random, step: Optional[int] = None, device: Optional[int] = None,
-                 leaf: Optional[str] = None, element: Optional[int] = None, bit: Optional[int] = None) -> FaultSpec:
+                 leaf: Optional[str] = None, element: Optional[int] = None, bit: Optional[int] = None, *,
+                 where: str = "local_gradient", layer: Optional[int] = None) -> FaultSpec:
     """A fault with every unchosen field drawn from ``rng``: a logged step with a checkpoint at or
-    before it, a device of the run's mesh, a parameter leaf, an element of it and a bit of its dtype
-    (bit 0 = the lowest mantissa bit included).
+    before it, a device of the run's mesh, the buffer ``where`` names (``FAULT_SITES``: a parameter
+    leaf's local gradient, an expert leaf's gradient in the backward pass, or a layer's expert output
+    or attention output in the forward pass), an element of it and a bit of its dtype (bit 0 = the
+    lowest mantissa bit included).
 
     Raises:
-      DrillError: a chosen field is out of range (named, with the allowed range).
+      DrillError: a chosen field is out of range (named, with the allowed range), or the trainer
+        cannot plant a fault ``where``.
     """
+    from replay.run.protocol import FAULT_SITES
+
+    if where not in FAULT_SITES:
+        raise DrillError(f"--where {where!r}: must be one of {', '.join(FAULT_SITES)}")
     run, trainer = session.run, session.setup.trainer
     first, stop = run.logged_steps
     # Logged steps with a checkpoint at or before them (from the log itself: a sparse or damaged
@@ -118,23 +177,61 @@ def random_fault(session: Any, rng: random.Random, step: Optional[int] = None, d
         device = rng.choice(ids)
     elif device not in ids:
         raise DrillError(f"--device {device}: not a device of the run's mesh {ids}")
-    paths = list(trainer.leaf_paths)
-    if leaf is None:
-        leaf = rng.choice(paths)
-    elif leaf not in paths:
-        raise DrillError(f"--leaf {leaf!r}: not a parameter leaf; leaves: {paths}")
-    i = paths.index(leaf)
-    size = trainer.leaf_sizes[i]
-    if element is None:
-        element = rng.randrange(size)
-    elif not 0 <= element < size:
-        raise DrillError(f"--element {element}: must be in [0, {size}) for {leaf}")
-    nbits = 8 * trainer.leaf_dtypes[i].itemsize
+    if where in ("expert_forward", "attention"):
+        if leaf:
+            raise DrillError(f"--leaf: a {where} fault hits an activation, not a leaf; choose --layer")
+        n_layers = int(getattr(getattr(trainer, "model", None), "n_layers", 0) or 0)
+        if not n_layers:
+            raise DrillError(f"--where {where}: the trainer does not say its layer count (model.n_layers)")
+        if layer is None:
+            layer = rng.randrange(n_layers)
+        elif not 0 <= layer < n_layers:
+            raise DrillError(f"--layer {layer}: must be in [0, {n_layers})")
+        if element is None:
+            element = _activation_element(session, rng, where, step, device, layer)
+        nbits = 8 * np.dtype(trainer.leaf_dtypes[0]).itemsize
+        what = f"the {where} buffer of layer {layer}"
+    else:
+        if layer is not None:
+            raise DrillError(f"--layer: a {where} fault's layer is its leaf's; choose --leaf")
+        paths = list(trainer.leaf_paths)
+        allowed = paths
+        if where == "expert_backward":
+            allowed = [p for p in paths if p.endswith("['w_in']") or p.endswith("['w_out']")]
+            if not allowed:
+                raise DrillError("--where expert_backward: the model has no expert weights (['w_in'], ['w_out'])")
+        if leaf is None:
+            leaf = rng.choice(allowed)
+        elif leaf not in allowed:
+            raise DrillError(f"--leaf {leaf!r}: not {'an expert' if where == 'expert_backward' else 'a parameter'} "
+                             f"leaf; leaves: {allowed}")
+        i = paths.index(leaf)
+        size = _local_leaf_sizes(session)[i]
+        if element is None:
+            element = rng.randrange(size)
+        elif not 0 <= element < size:
+            raise DrillError(f"--element {element}: must be in [0, {size}) for {leaf} (the device's local shard)")
+        nbits = 8 * trainer.leaf_dtypes[i].itemsize
+        what = leaf
     if bit is None:
         bit = rng.randrange(nbits)
     elif not 0 <= bit < nbits:
-        raise DrillError(f"--bit {bit}: must be in [0, {nbits}) for {leaf}")
-    return FaultSpec(step=step, device_id=device, leaf=leaf, element=element, bit=bit)
+        raise DrillError(f"--bit {bit}: must be in [0, {nbits}) for {what}")
+    return FaultSpec(step=step, device_id=device, leaf=leaf or "", element=element, bit=bit, where=where, layer=layer)
+
+
+def expected_site(fault: FaultSpec) -> Optional[str]:
+    """Where the verdict must say a drill's error first appeared, on a run that logs its all-to-all
+    sends: what the device sends at the layer's combine (``expert_forward``) or dispatch
+    (``attention``: its tokens' next exchange) in the forward pass, or its local gradient (an
+    expert weight's gradient and a finished gradient are carried by no all-to-all)."""
+    from replay.run.protocol import send_site
+
+    if fault.where == "expert_forward":
+        return send_site(fault.layer, "combine", "forward")
+    if fault.where == "attention":
+        return send_site(fault.layer, "dispatch", "forward")
+    return "local_gradient"
 
 
 def on_home(session: Any, fault: FaultSpec) -> FaultSpec:
@@ -179,8 +276,9 @@ def relabel(fp: Any, mapping: dict[int, int]) -> Any:
     logged for the same mesh positions."""
     if not mapping or all(mapping.get(d, d) == d for d in fp.devices):
         return fp
+    extra = {"sends": {mapping.get(d, d): v for d, v in fp.sends.items()}} if getattr(fp, "sends", None) else {}
     return dataclasses.replace(fp, devices={mapping.get(d, d): v for d, v in fp.devices.items()},
-                               device_coords={mapping.get(d, d): c for d, c in fp.device_coords.items()})
+                               device_coords={mapping.get(d, d): c for d, c in fp.device_coords.items()}, **extra)
 
 
 def write_drilled_run(session: Any, fault: FaultSpec, out_dir: str) -> str:
@@ -242,15 +340,28 @@ def run_drill(session: Any, fault: FaultSpec, *, device_spec: str = "all", repla
                            replays=replays, allow_env_drift=True, full_comparison=False)
     ok = (rep.verdict is Verdict.CONVICTED and rep.decision.devices == (fault.device_id,)
           and rep.decision.step == fault.step)
+    site_ok = None
+    site = getattr(rep.decision, "site", None)
+    if site is not None:
+        site_ok = site == expected_site(fault)
+        if site_ok and fault.where in ("local_gradient", "expert_backward"):
+            site_ok = _site_leaves(rep) == (fault.leaf,)
     can, can_ok = None, None
-    if canary:
+    if canary and fault.where == "local_gradient":
         # The faulty device (or, on a job of another shape, the one at its mesh position) must be among
         # the canary's devices, whatever the spec chose for replay.
         chip = on_home(session, fault)
         can = run_canary(session, device_spec=f"{device_spec}+{chip.device_id}", repeats=canary_repeats,
                          golden_path=None, fault=dataclasses.replace(chip, step=0))
         can_ok = can.decision.verdict is Verdict.CONVICTED and can.decision.odd_devices == (chip.device_id,)
-    return DrillReport(fault, rep, can, ok, can_ok)
+    return DrillReport(fault, rep, can, ok, can_ok, site_ok)
+
+
+def _site_leaves(rep: Any) -> tuple[str, ...]:
+    """The differing leaves of the verdict's localized step (a local-gradient site's)."""
+    loc = [d.localization for r in rep.replays for d in r.diffs
+           if d.step == rep.decision.step and d.localization is not None]
+    return loc[0].leaves if loc else ()
 
 
 # ----------------------------------------------------------------------------- screening drills
@@ -413,7 +524,7 @@ def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Rando
     trainer = setup.trainer
     faults, canary_fault, first_step = scenario_faults(
         scenario, device=device, start=start, stop=end, magnitude=magnitude, kind=kind, flips=flips, bit=bit,
-        leaf_paths=trainer.leaf_paths, leaf_sizes=trainer.leaf_sizes, rng=rng)
+        leaf_paths=trainer.leaf_paths, leaf_sizes=_local_leaf_sizes(session), rng=rng)
     if scenario == "canary":
         first_step = -(-start // period) * period
         if first_step >= end:

@@ -62,6 +62,8 @@ def stages(out: str, python: str, replay: str, steps: int, replay_steps: int) ->
               (replay, "canary", "--run", run, "--devices", "all")),
         Stage("scan", "screen the run log: replica norms, canaries, router health (must be clean)",
               (replay, "scan", "--run", run, "--json", f"{out}/scan.json", "--plot", f"{out}/scan.png")),
+        Stage("goodput", "where the run's wall time and tokens went",
+              (replay, "goodput", "--run", run, "--json", f"{out}/goodput.json", "--plot", f"{out}/goodput.png")),
     ]
 
 
@@ -79,6 +81,8 @@ OUTPUTS = [
     Output("replay.png", "the range replay: steps x devices, match or differ"),
     Output("scan.json", "the screening board: replica norm ratios, canary timeline, router health, suspects"),
     Output("scan.png", "the screening board as a picture"),
+    Output("goodput.json", "the run's wall time and tokens, every part accounted; MFU"),
+    Output("goodput.png", "the goodput waterfall and goodput over time"),
 ]
 
 
@@ -131,6 +135,18 @@ def closing_tables(out: pathlib.Path, timings: Sequence[tuple[str, str, float]],
     return console.export_text()
 
 
+def stage_summary(stage: Stage, out: pathlib.Path) -> str:
+    """What a stage did, for the closing table: the goodput stage adds its headline figure (from
+    ``goodput.json``: ``replay.screen.goodput.headline``)."""
+    if stage.name != "goodput" or not (out / "goodput.json").is_file():
+        return stage.what
+    import json
+
+    from replay.screen.goodput import headline
+
+    return f"{stage.what}: {headline(json.loads((out / 'goodput.json').read_text()))}"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     out = os.environ.get("DEMO_OUT", "build/demo")
     replay_steps = 10
@@ -168,7 +184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"rerun it by hand from {REPO}: {shown}", file=sys.stderr, flush=True)
             return code
         print(f"=== demo stage {stage.name} done in {duration(secs)}", flush=True)
-        timings.append((stage.name, stage.what, secs))
+        timings.append((stage.name, stage_summary(stage, REPO / out), secs))
     print()
     print(closing_tables(REPO / out, timings, OUTPUTS), end="", flush=True)
     return 0

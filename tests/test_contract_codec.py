@@ -45,6 +45,29 @@ def test_golden_bytes_of_a_small_row():
     assert row.tokens.dtype == np.dtype("<u2") and row.tokens.tolist() == [5, 6, 7, 9]
     assert row.doc_keys == ("s/a:1", "s/b:2") and row.chunk_indices.tolist() == [0, 3]
     assert row.padding == 4 and [s.tolist() for s in row.segments()] == [[5, 6, 7], [9]]
+    assert row.doc_ids == ("", "")
+    # no id anywhere: version 1, the same bytes whether ids are not given or all empty
+    assert encode_row([[5, 6, 7], [9]], ["s/a:1", "s/b:2"], [0, 3], 8, "uint16", doc_ids=["", ""]) == data
+
+
+def test_golden_bytes_of_a_row_with_document_ids():
+    """Version 2: a row whose documents carry ids (the source's id_field) adds their lengths and bytes."""
+    data = encode_row([[5, 6, 7], [9]], ["s/a:1", "s/b:2"], [0, 3], 8, "uint16", doc_ids=["https://x.org/1", ""])
+    assert data.hex() == (
+        "4d4f4550" "02" "02" "0000" "08000000" "04000000" "02000000"  # header, version 2
+        "0500" "0600" "0700" "0900"  # tokens
+        "03000000" "01000000"  # segment lengths
+        "00000000" "03000000"  # chunk indices
+        "05000000" "05000000"  # key lengths
+        "0f000000" "00000000"  # id lengths
+    ) + b"s/a:1s/b:2".hex() + b"https://x.org/1".hex()
+    row = decode_row(data)
+    assert row.doc_keys == ("s/a:1", "s/b:2") and row.doc_ids == ("https://x.org/1", "")
+    assert row.tokens.tolist() == [5, 6, 7, 9] and row.chunk_indices.tolist() == [0, 3]
+    with pytest.raises(RecordError, match="layout"):
+        decode_row(data[:-1] + b"")  # an id byte short
+    with pytest.raises(ValueError, match="doc_ids \\(1\\)"):
+        encode_row([[5], [9]], ["a", "b"], [0, 0], 8, "uint16", doc_ids=["x"])
 
 
 def test_docstring_example_of_segment_ids_and_positions():
@@ -86,7 +109,7 @@ def test_decode_rejects_bad_bytes():
         decode_row(good[:10])
     with pytest.raises(RecordError, match="magic"):
         decode_row(b"XXXX" + good[4:])
-    with pytest.raises(RecordError, match="version"):
+    with pytest.raises(RecordError, match="version 3, this reader knows \\[1, 2\\]"):
         decode_row(good[:4] + bytes([FORMAT_VERSION + 1]) + good[5:])
     with pytest.raises(RecordError, match="truncated|layout"):
         decode_row(good[:-1])
@@ -100,14 +123,18 @@ def test_decode_rejects_bad_bytes():
     keys=st.lists(st.text(max_size=12), min_size=8, max_size=8),
     chunks=st.lists(st.integers(0, 1000), min_size=8, max_size=8),
     extra=st.integers(0, 10),
+    ids=st.none() | st.lists(st.text(max_size=12), min_size=8, max_size=8),
 )
-def test_round_trip(segs, keys, chunks, extra):
+def test_round_trip(segs, keys, chunks, extra, ids):
     n = len(segs)
     seq_len = sum(map(len, segs)) + extra or 1
     dtype = "uint16" if all(t < 2**16 for s in segs for t in s) else "uint32"
-    row = decode_row(encode_row(segs, keys[:n], chunks[:n], seq_len, dtype))
+    data = encode_row(segs, keys[:n], chunks[:n], seq_len, dtype, doc_ids=None if ids is None else ids[:n])
+    row = decode_row(data)
+    assert data[4] == (2 if ids is not None and any(ids[:n]) else 1)
     assert [s.tolist() for s in row.segments()] == segs
     assert row.doc_keys == tuple(keys[:n]) and row.chunk_indices.tolist() == chunks[:n]
+    assert row.doc_ids == (tuple(ids[:n]) if ids is not None else ("",) * n)
     assert row.seq_len == seq_len and row.padding == extra + (0 if segs or extra else 1)
     seg_ids, pos = segment_ids_and_positions(row.segment_lengths, seq_len)
     for i, s in enumerate(segs):

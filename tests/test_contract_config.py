@@ -89,6 +89,22 @@ def _set(path, value):
          "max_rejected_fraction: must be a number in [0, 1] (1 accepts any loss), got True"),
         (_set(["max_rejected_fraction"], float("nan")),
          "max_rejected_fraction: must be a number in [0, 1] (1 accepts any loss), got nan"),
+        # a typo gets "did you mean" (as run config typos do), an unknown name with nothing near gets none
+        (_set(["wieght"], 1), "config: unknown key(s) ['wieght']; allowed keys are"),  # nothing near: no guess
+        (_set(["max_segment_per_row"], 8),
+         "config: unknown key(s) ['max_segment_per_row'] (did you mean 'max_segments_per_row' for "
+         "'max_segment_per_row'?); allowed keys are"),
+        (_set(["sources", 0, "wieght"], 1),
+         "sources[0]: unknown key(s) ['wieght'] (did you mean 'weight' for 'wieght'?); allowed keys are"),
+        (_set(["tokenizer", "sha265"], "a" * 64),
+         "tokenizer: unknown key(s) ['sha265'] (did you mean 'sha256' for 'sha265'?)"),
+        (_set(["phases", 0, "weights"], {"wbe": 1}),
+         "phases[0].weights: unknown source(s) ['wbe'] (did you mean 'web' for 'wbe'?); sources are ['books', 'web']"),
+        (_set(["sources", 0, "format"], "jsonl.gzip"),
+         "sources[0].format: must be one of ['jsonl', 'jsonl.gz', 'jsonl.zst', 'parquet', 'text'], got 'jsonl.gzip' "
+         "(did you mean 'jsonl.gz' for 'jsonl.gzip'?)"),
+        (_set(["dedup"], "exakt"), "dedup: must be one of ['off', 'report', 'exact'], got 'exakt' "
+                                   "(did you mean 'exact' for 'exakt'?)"),
     ],
 )
 def test_each_mistake_names_its_field(mutate, message):
@@ -119,3 +135,16 @@ def test_shard_fields_default_and_round_trip():
     c2 = mixture_from_dict({**_raw(), "target_shard_tokens": 4096, "max_rejected_fraction": 0}, base_dir="/x")
     assert (c2.shards_per_source, c2.target_shard_tokens, c2.max_rejected_fraction) == (2, 4096, 0.0)
     assert mixture_from_dict(c2.to_dict()).to_dict() == c2.to_dict()
+
+
+def test_dedup_modes_and_the_sha_of_configs_without_it(tmp_path):
+    from contract.config import DedupMode
+
+    base = mixture_from_dict(_raw(), base_dir="/x")
+    assert base.dedup is DedupMode.REPORT and "dedup" not in base.to_dict()  # sha256 as before the key existed
+    assert mixture_from_dict({**_raw(), "dedup": "report"}, base_dir="/x").sha256() == base.sha256()
+    exact = mixture_from_dict({**_raw(), "dedup": "exact"}, base_dir="/x")
+    assert exact.dedup is DedupMode.EXACT and exact.to_dict()["dedup"] == "exact"
+    assert mixture_from_dict(exact.to_dict()).sha256() == exact.sha256() != base.sha256()
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(_raw()).replace("name: mix", "name: mix\ndedup: off"))
+    assert load_mixture(str(tmp_path / "m.yaml")).dedup is DedupMode.OFF  # YAML reads a bare off as false

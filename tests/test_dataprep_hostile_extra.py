@@ -119,10 +119,11 @@ def test_explicit_folder_path_is_a_config_error(tmp_path, tok):
     # Was: accepted; the folder was then "read" and reported as an unreadable file.
     (tmp_path / "in/d.jsonl").mkdir(parents=True)
     cfg = load_mixture(str(_write_config(tmp_path, tok[0], [{"name": "a", "paths": ["in/d.jsonl"], "format": "jsonl"}])))
-    with pytest.raises(ConfigError, match=r"^sources\[0\]\.paths\[0\]: '.*/in/d.jsonl' is a folder"):
+    with pytest.raises(ConfigError, match=r"^.*/mix\.yaml: sources\[0\]\.paths\[0\]: '.*/in/d.jsonl' is a folder"):
         preflight.match_inputs(cfg)
     cfg = load_mixture(str(_write_config(tmp_path, tok[0], [{"name": "a", "paths": ["in/*"], "format": "jsonl"}])))
-    with pytest.raises(ConfigError, match=r"^sources\[0\]\.paths\[0\]: '.*/in/\*' matches no file$"):
+    # the message names the config file as well as the field
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/mix\.yaml: sources\[0\]\.paths\[0\]: '.*/in/\*' matches no file$"):
         preflight.match_inputs(cfg)
 
 
@@ -345,7 +346,7 @@ def test_same_file_through_a_symlink_in_two_sources_is_a_config_error(tmp_path, 
         )
     )
     with pytest.raises(
-        ConfigError, match=r"^sources\[1\]\.paths: .*/in/b/y\.jsonl is also an input of source 'a' \(as .*/in/a/x\.jsonl\)"
+        ConfigError, match=r"^.*/mix\.yaml: sources\[1\]\.paths: .*/in/b/y\.jsonl is also an input of source 'a' \(as .*/in/a/x\.jsonl\)"
     ):
         preflight.match_inputs(cfg)
 
@@ -459,8 +460,8 @@ def test_source_that_packs_nothing_but_has_weight_fails_without_a_manifest(small
         "invalid_json 1 (first: bad/bad.jsonl:1: Expecting value: line 1 column 1 (char 0)); "
         f"dead letters in {out}/errors/bad-*.jsonl\n"
         "next: fix the input or the source's format/text_field and rerun; to train without the source, "
-        "set its weight to 0 in every phase; to accept the loss, raise max_rejected_fraction in the "
-        "config (now 1)\n"
+        "set its weight to 0 in every phase (max_rejected_fraction is already 1: a source that packs no row "
+        "cannot be accepted, since a loader could not draw from it)\n"
         f"report: {out}/report.png\n"
     )
     assert not (out / "manifest.json").exists() and (out / "report.png").exists()
@@ -715,3 +716,22 @@ def test_blank_line_blocks_are_read_in_bounded_pieces(tmp_path, monkeypatch):
 
     blocks = list(readers.split_blank_lines(io.BufferedReader(io.BytesIO(b"abcdefgh   \nnext\n\nz")), piece=8))
     assert blocks == [b"abcdefgh   \nnext", b"z"]
+
+
+def test_first_dead_letter_is_first_by_position_in_the_file(tmp_path, tok):
+    # Was: the first by key order: line 10 ("a/a.jsonl:10" < "a/a.jsonl:2"), not line 2.
+    lines = ['{"text": "good document"}'] * 12
+    lines[1], lines[9] = "not json at line 2", "not json at line 10"
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in/a.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = _write_config(tmp_path, tok[0], [{"name": "a", "paths": ["in/a.jsonl"], "format": "jsonl"}],
+                        max_rejected_fraction=0.1, shards_per_source=1)
+    out = tmp_path / "ds"
+    with pytest.raises(pack.DataLossError) as e:
+        pack.run(["--config", str(cfg), "--output", str(out), "--no-report"], print_summary=False)
+    assert str(e.value).splitlines()[1] == (
+        "  source 'a' rejected 17% of its documents, over max_rejected_fraction 0.1: read 12, packed 10, "
+        "rejected 2: invalid_json 2 (first: a/a.jsonl:2: Expecting value: line 1 column 1 (char 0)); "
+        f"dead letters in {out}/errors/a-*.jsonl")
+    letters = [json.loads(x)["key"] for x in (out / "errors/a-00000-of-00001.jsonl").read_text().splitlines()]
+    assert letters == ["a/a.jsonl:2", "a/a.jsonl:10"]  # the dead-letter file is in input order too

@@ -63,11 +63,14 @@ def test_glob_follows_a_link_to_a_folder_and_not_a_link_back_up(tmp_path, tok):
 
 
 def _listing_error(tmp_path, tok, pattern="in/*.jsonl"):
-    """The ConfigError message of listing a one-source config over ``pattern``."""
-    cfg = load_mixture(str(_config(tmp_path, tok[0], [{"name": "a", "paths": [pattern], "format": "jsonl"}])))
+    """The ConfigError message of listing a one-source config over ``pattern``, less the config
+    file's path in front (checked here)."""
+    path = str(_config(tmp_path, tok[0], [{"name": "a", "paths": [pattern], "format": "jsonl"}]))
+    cfg = load_mixture(path)
     with pytest.raises(ConfigError) as e:
         preflight.match_inputs(cfg)
-    return str(e.value)
+    assert str(e.value).startswith(f"{path}: ")
+    return str(e.value)[len(path) + 2:]
 
 
 def test_dangling_link_matched_by_a_glob_is_a_config_error(tmp_path, tok):
@@ -141,7 +144,7 @@ def test_parquet_is_read_in_bounded_batches_not_whole_row_groups(tmp_path, monke
     monkeypatch.setattr(pq.ParquetFile, "iter_batches", iter_batches)
     src = SourceConfig(name="s", paths=(str(tmp_path),), root=str(tmp_path), format=SourceFormat.PARQUET)
     items = list(readers.read_file(src, str(tmp_path / "a.parquet")))
-    assert items == [readers.Document(f"s/a.parquet:{i}", t) for i, t in enumerate(texts)]
+    assert items == [readers.Document(f"s/a.parquet:{i}", t, str(i)) for i, t in enumerate(texts)]  # ids: column "id"
     assert sum(seen) == 2500 and max(seen) <= readers.PARQUET_BATCH_ROWS
 
 
@@ -302,7 +305,8 @@ def test_killed_runs_leftovers_are_removed_and_the_rerun_matches(small, tmp_path
     err = capsys.readouterr().err
     assert err == (
         "warning: source 'later' (weight 0 in every phase) rejected 100% of its documents, over "
-        "max_rejected_fraction 0.5: read 1, packed 0, rejected 1: empty_after_tokenization 1; dead letters in "
+        "max_rejected_fraction 0.5: read 1, packed 0, rejected 1: empty_after_tokenization 1 (first: "
+        "later/empty.txt:0: no token: the text is empty); dead letters in "
         f"{out}/errors/later-*.jsonl; fix its input before a mixture gives it weight\n"
     ) * 2
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataprep import packing
+from dataprep import packing, testing
 
 
 def _docs(lengths):
@@ -159,3 +159,98 @@ def test_chunk_columns_equal_split_then_sort(docs, seq_len):
     doc, chunk, start, length = packing.chunk_columns(keys, np.array([docs[k] for k in keys], np.int64), seq_len)
     got = [(keys[d], c, s, n) for d, c, s, n in zip(doc.tolist(), chunk.tolist(), start.tolist(), length.tolist())]
     assert got == [(c.key, c.index, int(c.tokens[0]), len(c)) for c in expected]
+
+
+# --------------------------------------------------------------------------- both limits
+
+
+def _check_rows(rows, lengths, seq_len, max_segments):
+    """Every item exactly once; no row over seq_len tokens or max_segments segments."""
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    for row in rows:
+        assert 1 <= len(row) <= max_segments
+        assert sum(lengths[i] for i in row) <= seq_len
+
+
+def _cap_binds(rows, lengths, seq_len, max_segments):
+    return any(len(r) == max_segments and sum(lengths[i] for i in r) < seq_len for r in rows)
+
+
+def test_the_cap_aware_worked_example_from_the_docstring():
+    lengths = [4, 4, 2, 2, 1, 1, 1, 1]  # A B C D E F G H
+    assert packing.best_fit_decreasing(lengths, 8, 4) == [[0, 1], [2, 3, 4, 5], [6, 7]]
+    assert packing.small_threshold(lengths, 8, 4, rows=2) == 4
+    assert packing.pack_rows(lengths, 8, 4) == [[7, 5, 3, 0], [6, 4, 2, 1]]  # H F D A, G E C B
+
+
+def test_pack_rows_refuses_lengths_out_of_packing_order():
+    with pytest.raises(ValueError, match="decreasing order"):
+        packing.pack_rows([1, 2], 8, 4)
+
+
+def _lengths(draw_lengths, seq_len):
+    return sorted((min(x, seq_len) for x in draw_lengths), reverse=True)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    raw=st.lists(st.integers(1, 64), min_size=0, max_size=120),
+    seq_len=st.integers(1, 64),
+    max_segments=st.integers(1, 12),
+)
+def test_pack_rows_invariants(raw, seq_len, max_segments):
+    """Both limits hold, every item is placed once, never more rows than best fit decreasing,
+    never fewer than the lower bound; where the cap does not bind, best fit's rows exactly."""
+    lengths = _lengths(raw, seq_len)
+    rows = packing.pack_rows(lengths, seq_len, max_segments)
+    _check_rows(rows, lengths, seq_len, max_segments)
+    bfd = packing.best_fit_decreasing(lengths, seq_len, max_segments)
+    assert len(rows) <= len(bfd)
+    assert len(rows) >= packing.lower_bound(sum(lengths), len(lengths), seq_len, max_segments)
+    if not _cap_binds(bfd, lengths, seq_len, max_segments):
+        assert rows == bfd
+    assert packing.pack_rows(lengths, seq_len, max_segments) == rows  # deterministic
+
+
+@settings(max_examples=200, deadline=None)
+@given(raw=st.lists(st.integers(1, 64), min_size=0, max_size=120), seq_len=st.integers(1, 64))
+def test_where_the_cap_cannot_bind_rows_equal_best_fit_decreasing(raw, seq_len):
+    lengths = _lengths(raw, seq_len)
+    max_segments = max(1, len(lengths))  # a row can never reach the cap with room left... or holds every item
+    assert packing.pack_rows(lengths, seq_len, max_segments) == packing.best_fit_decreasing(
+        lengths, seq_len, max_segments)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    raw=st.lists(st.integers(1, 64), min_size=1, max_size=120),
+    seq_len=st.integers(1, 64),
+    max_segments=st.integers(1, 12),
+    t_shift=st.integers(-3, 3),
+    extra_rows=st.integers(0, 3),
+    share=st.integers(0, 70),
+)
+def test_each_spreading_packing_alone_keeps_both_limits(raw, seq_len, max_segments, t_shift, extra_rows, share):
+    """deal_first and reserve_then_deal are valid packings for any threshold, row count and share."""
+    lengths = _lengths(raw, seq_len)
+    floor = packing.lower_bound(sum(lengths), len(lengths), seq_len, max_segments)
+    t = max(1, packing.small_threshold(lengths, seq_len, max_segments, floor) + t_shift)
+    _check_rows(packing.deal_first(lengths, seq_len, max_segments, t, floor + extra_rows), lengths, seq_len,
+                max_segments)
+    rows, kept = packing.reserve_then_deal(lengths, seq_len, max_segments, t, share)
+    _check_rows(rows, lengths, seq_len, max_segments)
+    assert kept >= 0
+
+
+def test_short_documents_fill_rows_at_seq_len_8192():
+    """Heavy-tailed lengths, median 30 tokens (the shape of a corpus of paragraphs): best fit
+    decreasing leaves rows of tiny items at the cap; pack_rows reaches the lower bound. Pinned counts: a change to the packing changes them."""
+    lengths = packing.chunk_lengths(testing.heavy_tailed_token_counts(20_000, 30, 1.6, seed=0), 8192)
+    tokens = sum(lengths)
+    assert (len(lengths), tokens) == (20_004, 2_157_764)
+    bfd = packing.best_fit_decreasing(lengths, 8192, 256)
+    rows = packing.pack_rows(lengths, 8192, 256)
+    _check_rows(rows, lengths, 8192, 256)
+    assert packing.lower_bound(tokens, len(lengths), 8192, 256) == 264
+    assert (len(bfd), len(rows)) == (287, 264)  # 91.8% and 99.77%; 264 is the lower bound
+    assert packing.fill(tokens, len(rows), 8192) > 0.995 > packing.fill(tokens, len(bfd), 8192)

@@ -144,7 +144,7 @@ def test_reference_run_reconciles_and_decodes(corpus, reference):
     expected_text.update({f"pq/d.parquet:{i}": t for i, t in enumerate(texts[20:30])})
     expected_text["txt/one.txt:0"] = texts[30]
     expected_text["txt/sub/two.txt:0"] = texts[31]
-    chunks = {}
+    chunks, ids = {}, {}
     for entry in m.sources.values():
         for shard in entry.shards:
             reader = ArrayRecordReader(str(out / shard.path))
@@ -155,9 +155,15 @@ def test_reference_run_reconciles_and_decodes(corpus, reference):
             for rec in data:
                 row = decode_row(rec)
                 assert row.num_tokens <= SEQ_LEN and 1 <= row.num_segments <= 4
-                for key, c, seg in zip(row.doc_keys, row.chunk_indices, row.segments()):
+                for key, c, seg, doc_id in zip(row.doc_keys, row.chunk_indices, row.segments(), row.doc_ids):
                     assert (key, int(c)) not in chunks
                     chunks[(key, int(c))] = seg
+                    assert ids.setdefault(key, doc_id) == doc_id  # every chunk carries its document's id
+    # the inputs' own ids (id_field "id"): JSON numbers and strings as text, Parquet ints; none in zst
+    assert {k: v for k, v in ids.items() if k.startswith("json/")} == {
+        **{f"json/a.jsonl:{i + 1}": str(i) for i in range(8)}, "json/a.jsonl:10": "short"}
+    assert {k: v for k, v in ids.items() if k.startswith("pq/")} == {f"pq/d.parquet:{i}": str(i) for i in range(10)}
+    assert {v for k, v in ids.items() if not k.startswith(("json/", "gz/", "pq/"))} == {""}
     docs = {}
     for key, c in sorted(chunks):
         docs.setdefault(key, []).append(chunks[(key, c)])

@@ -109,6 +109,14 @@ def test_progress_lines_when_stderr_is_not_a_terminal(corpus, tmp_path, capsys):
         r"pack: done in [\d.]+ s \(checks [\d.]+ s, read and tokenize [\d.]+ s, pack and write [\d.]+ s, "
         r"manifest [\d.]+ s, report [\d.]+ s\)",
     ]
+    # how long an epoch of each source lasts (no planned run given), after the manifest
+    at = lines.index("pack: epochs (pass --train-steps or --train-tokens with --global-batch for those of a "
+                     "planned run):")
+    assert re.fullmatch(r"  docs: [\d,]+ rows, one epoch every [\d,]+ rows of training \(weight 0\.25 from step 0\)",
+                        lines[at + 1])
+    assert re.fullmatch(r"  more: [\d,]+ rows, one epoch every [\d,]+ rows of training \(weight 0\.75 from step 0\)",
+                        lines[at + 2])
+    lines = lines[:at] + lines[at + 3:]
     steps = [ln for ln in lines if re.search(r" (done|written|drawn) in ", ln)]
     for pattern, line in zip([patterns[0]] + patterns[2:], steps, strict=True):
         assert re.fullmatch(pattern, line), line

@@ -28,7 +28,7 @@ def test_jsonl_keys_are_one_based_lines_and_blank_lines_are_skipped(tmp_path):
     got = _read(_src(tmp_path, SourceFormat.JSONL), p)
     assert got == [
         Document("s/a.jsonl:1", "one"),
-        Document("s/a.jsonl:3", "two"),
+        Document("s/a.jsonl:3", "two", "7"),  # the id_field (default "id") as text
         Document("s/a.jsonl:5", "three"),
     ]
 
@@ -166,3 +166,41 @@ def test_any_jsonl_bytes_give_one_item_per_non_blank_line(tmp_path, lines, crlf)
             d.text.encode("utf-8")  # every accepted text is valid Unicode
         else:
             assert d.reason in set(Reason) - {Reason.EMPTY, Reason.UNREADABLE_FILE}
+
+
+def test_document_ids_from_jsonl(tmp_path):
+    """The id_field's value is the document's id, as text; null, absent or id_field None: no id;
+    an id over MAX_ID_BYTES rejects the document as too_long, naming the field."""
+    p = tmp_path / "a.jsonl"
+    long_id = "u" * (readers.MAX_ID_BYTES + 1)
+    rows = [{"text": "a", "url": "https://example.org/a?x=1"}, {"text": "b", "url": 12}, {"text": "c", "url": None},
+            {"text": "d"}, {"text": "e", "url": {"z": 1, "a": [1, "é"]}}, {"text": "f", "url": long_id},
+            {"text": "g", "url": True}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    got = _read(_src(tmp_path, SourceFormat.JSONL, id_field="url"), p)
+    assert got[:5] == [
+        Document("s/a.jsonl:1", "a", "https://example.org/a?x=1"),
+        Document("s/a.jsonl:2", "b", "12"),
+        Document("s/a.jsonl:3", "c"),
+        Document("s/a.jsonl:4", "d"),
+        Document("s/a.jsonl:5", "e", '{"a":[1,"é"],"z":1}'),
+    ]
+    assert got[5] == Rejected("s/a.jsonl:6", Reason.TOO_LONG, json.dumps(rows[5]).encode(),
+                              f"id_field 'url' holds {readers.MAX_ID_BYTES + 1} bytes, over the limit of 4096 for an id")
+    assert got[6] == Document("s/a.jsonl:7", "g", "true")
+    assert [d.doc_id for d in _read(_src(tmp_path, SourceFormat.JSONL, id_field=None), p)[:2]] == ["", ""]
+
+
+def test_document_ids_from_parquet_and_none_for_text(tmp_path):
+    p = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"text": ["x", "y", "z"], "doc": ["id-0", None, "id-2"]}), p)
+    assert _read(_src(tmp_path, SourceFormat.PARQUET, id_field="doc"), p) == [
+        Document("s/a.parquet:0", "x", "id-0"), Document("s/a.parquet:1", "y"), Document("s/a.parquet:2", "z", "id-2")]
+    ints = tmp_path / "b.parquet"
+    pq.write_table(pa.table({"text": ["x"], "n": pa.array([7], pa.int64())}), ints)
+    assert _read(_src(tmp_path, SourceFormat.PARQUET, id_field="n"), ints) == [Document("s/b.parquet:0", "x", "7")]
+    # no such column: documents without ids (the default id_field "id" is often absent)
+    assert _read(_src(tmp_path, SourceFormat.PARQUET), p)[0] == Document("s/a.parquet:0", "x")
+    t = tmp_path / "c.txt"
+    t.write_text("plain", encoding="utf-8")
+    assert _read(_src(tmp_path, SourceFormat.TEXT), t) == [Document("s/c.txt:0", "plain")]

@@ -123,7 +123,7 @@ def test_bucket_over_the_budget_is_refused_before_any_work(corpus, tmp_path, cap
     out = tmp_path / "ds"
     assert pack.main(["--config", str(cfg), "--output", str(out), "--max-shard-tokens", "20000"]) == pack.EXIT_CONFIG
     err = capsys.readouterr().err
-    assert err.startswith("error: shards_per_source: sources[0] 'docs': ")
+    assert err.startswith(f"error: {cfg}: shards_per_source: sources[0] 'docs': ")
     assert "a shard in 1 shards, over the bucket budget of 20,000 (--max-shard-tokens); set shards_per_source " \
            "to at least " in err
     assert not out.exists()  # nothing was started
@@ -144,3 +144,21 @@ def test_bad_pack_options_exit_2_with_a_message(corpus, tmp_path, args, message,
     d, _ = corpus
     assert pack.main(["--config", str(d / "mix.yaml"), "--output", str(tmp_path / "ds"), *args]) == 2
     assert capsys.readouterr().err == message
+
+
+def test_worker_plan_of_the_sizing_section():
+    """The 15T-token example of docs/dataprep.md, from the estimate made before a run (2.4x high)."""
+    plan = sizing.ShardPlan(input_bytes=18 * 10**12, estimated_tokens=36 * 10**12, num_shards=67_056, auto=True)
+    w = sizing.worker_plan({"web": plan})
+    assert (w.workers, w.vcpus, w.machine) == (37, 4, "n1-standard")  # ceil(3,456 / 24 / 4)
+    assert w.vcpu_hours == 36e12 / 4.34e6 * 1.5 / 3600
+    assert w.gb_per_vcpu == (536_864_711 * 2.1 + 0.25e9) / 1e9
+    assert w.describe() == (
+        "37 n1-standard-4 workers for a 24 h run: 3,456 vCPU-hours for about 36,000,000,000,000 tokens (estimated "
+        "high on purpose) at 4.34 M tokens a CPU second x 1.5 for Dataflow's own work; the packing step needs about "
+        "1.38 GB a vCPU (largest shard x 2.1 bytes a token + 0.25 GB a Python process)")
+    huge = sizing.worker_plan({"web": sizing.ShardPlan(1, 3 * 10**9, 1, auto=False)})
+    assert huge.machine is None and huge.describe() == (
+        "the largest shard needs about 6.55 GB a vCPU in the packing step, more than any n1 machine has (6.5 GB): "
+        "set a smaller target_shard_tokens")
+    assert sizing.worker_plan({"a": sizing.ShardPlan(10, 5, 1, True)}).workers == 1

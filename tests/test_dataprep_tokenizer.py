@@ -117,12 +117,13 @@ def test_two_runs_with_a_sample_over_the_limit_give_the_same_model_bytes(tmp_pat
         assert run.returncode == 0, run.stderr
         digests.append(hashlib.sha256((tmp_path / f"{name}.model").read_bytes()).hexdigest())
     assert digests[0] == digests[1]
-    assert run.stdout.splitlines()[1:] == [
+    assert run.stdout.splitlines()[1:3] == [
         "normalization: nmt_nfkc: Unicode NFKC, plus NMT rules (control characters removed, some spaces "
         "unified); runs of whitespace collapse to one space; decoded text is the normalized text, not the "
         "original bytes (--normalization identity keeps it byte-exact)",
         "threads: 4 (recorded in the model; the same value gives the same model bytes)",
     ]
+    assert run.stdout.splitlines()[-1] == f'      sha256: "{digests[1]}"'  # the line to pin it
 
 
 def test_the_sample_does_not_depend_on_file_order_and_is_capped(tmp_path):
@@ -182,3 +183,46 @@ def test_train_tokenizer_option_mistakes(tmp_path, args, message, capsys):
     assert train_tokenizer.main(["--config", str(cfg), "--vocab-size", "300", "--out", str(tmp_path / "x.model"),
                                  *args]) == 2
     assert capsys.readouterr().err == message and not (tmp_path / "x.model").exists()
+
+
+def test_pin_config_edits_only_the_tokenizer_lines():
+    text = ("# my corpus\nname: mine\nversion: 1\ntokenizer:\n  path: old.model   # trained last week\n"
+            "  add_eos: true\n\n# the sources\nsources:\n  - {name: a, paths: [a.jsonl], format: jsonl}\n")
+    sha = "1234e5678" + "0" * 55  # digits and one e: a float to YAML unless quoted
+    got = train_tokenizer.pin_config(text, {"path": "../tok.model", "sha256": sha})
+    assert got == ("# my corpus\nname: mine\nversion: 1\ntokenizer:\n  path: \"../tok.model\"   # trained last week\n"
+                   f"  add_eos: true\n  sha256: \"{sha}\"\n\n# the sources\nsources:\n"
+                   "  - {name: a, paths: [a.jsonl], format: jsonl}\n")
+    assert yaml.safe_load(got)["tokenizer"]["sha256"] == sha
+    assert train_tokenizer.pin_config(got, {"sha256": "f" * 64}) == got.replace(sha, "f" * 64)  # replaced in place
+    with pytest.raises(train_tokenizer.PinError, match="no block-style 'tokenizer:' section"):
+        train_tokenizer.pin_config("name: x\ntokenizer: {path: a.model}\n", {"sha256": sha})
+
+
+def test_train_tokenizer_prints_the_lines_to_pin_and_pin_writes_them(tmp_path, capsys):
+    (tmp_path / "in").mkdir()
+    with open(tmp_path / "in/d.jsonl", "w") as f:
+        for t in testing.pydoc_text(60_000):
+            f.write(json.dumps({"text": t}) + "\n")
+    cfg = tmp_path / "conf" / "m.yaml"
+    cfg.parent.mkdir()
+    text = ("# comments stay\nname: m\nversion: 1\ntokenizer:\n  path: ../old.model\nsources:\n"
+            "  - name: d\n    paths: [../in/*.jsonl]\n    format: jsonl\n")
+    cfg.write_text(text)
+    out = tmp_path / "tok.model"
+    args = ["--config", str(cfg), "--vocab-size", "400", "--out", str(out), "--max-sentences", "2000"]
+    assert train_tokenizer.main(args) == 0
+    sha = hashlib.sha256(out.read_bytes()).hexdigest()
+    printed = capsys.readouterr().out
+    assert printed.endswith(f"to pin it, set these in {cfg} (or rerun with --pin to write them there):\n"
+                            f"    tokenizer:\n      path: \"../tok.model\"\n      sha256: \"{sha}\"\n")
+    assert cfg.read_text() == text  # not without --pin
+    assert train_tokenizer.main(args + ["--pin"]) == 0
+    assert capsys.readouterr().out.endswith(f"pinned in {cfg}: tokenizer.path and tokenizer.sha256\n")
+    assert cfg.read_text() == text.replace("  path: ../old.model\n",
+                                           f"  path: \"../tok.model\"\n  sha256: \"{sha}\"\n")
+    pinned = load_mixture(str(cfg))
+    assert pinned.tokenizer.sha256 == sha and pinned.tokenizer.path == str(out)
+    preflight.check_tokenizer(pinned)  # the pinned config passes the sha256 check
+    assert train_tokenizer.main(args + ["--pin"]) == 0  # again: the path is the config's now, only sha256
+    assert capsys.readouterr().out.endswith(f"pinned in {cfg}: tokenizer.sha256\n")

@@ -72,14 +72,14 @@ def test_read_and_tokenize_stages_tokens_by_bucket(tok, tmp_path, spill):
 
 
 def test_stager_inline_and_spilled_give_the_same_records(tmp_path):
-    payloads = [("g1", "k1", np.arange(5, dtype=np.uint16)), ("g2", "k2", b"xyz"), ("g1", "k3", b""),
-                ("g1", "k\u00e9", np.arange(3, dtype=np.uint32))]
+    payloads = [("g1", "k1", np.arange(5, dtype=np.uint16), ""), ("g2", "k2", b"xyz", ""), ("g1", "k3", b"", ""),
+                ("g1", "k\u00e9", np.arange(3, dtype=np.uint32), "https://x/\u00e9")]
     results = []
     for spill in (None, str(tmp_path / "sp")):
         stager = staging.Stager(spill, flush_bytes=10)
         flushed = []
-        for g, k, p in payloads:
-            stager.add(g, k, p)
+        for g, k, p, i in payloads:
+            stager.add(g, k, p, doc_id=i)
             if stager.full():
                 flushed += stager.flush()
         flushed += stager.flush()
@@ -92,12 +92,12 @@ def test_stager_inline_and_spilled_give_the_same_records(tmp_path):
             group = staging.StagedGroup(values)
             n = len(group)
             data = group.gather(np.arange(n)[::-1], np.zeros(n, np.int64), group.nbytes[::-1])[::-1]
-            out[g] = list(zip(group.keys, map(bytes, data)))
+            out[g] = list(zip(group.keys, map(bytes, data), group.ids or [None] * n))
         results.append(out)
     assert results[0] == results[1] == {
-        "g1": [("k1", np.arange(5, dtype=np.uint16).tobytes()), ("k3", b""),
-               ("k\u00e9", np.arange(3, dtype=np.uint32).tobytes())],
-        "g2": [("k2", b"xyz")],
+        "g1": [("k1", np.arange(5, dtype=np.uint16).tobytes(), ""), ("k3", b"", ""),
+               ("k\u00e9", np.arange(3, dtype=np.uint32).tobytes(), "https://x/\u00e9")],
+        "g2": [("k2", b"xyz", None)],  # no record of the group has an id
     }
     assert len(staging.StagedGroup([])) == 0
     staging.remove_spill(str(tmp_path / "sp"))
@@ -106,8 +106,10 @@ def test_stager_inline_and_spilled_give_the_same_records(tmp_path):
 
 def test_segment_header_round_trips_and_rejects_truncation():
     header = staging.encode_header(["a", "\u00e9t\u00e9", ""], [3, 0, 7])
-    keys, lengths, size = staging.decode_header(header + b"payload")
-    assert (keys, lengths.tolist(), size) == (["a", "\u00e9t\u00e9", ""], [3, 0, 7], len(header))
+    keys, ids, lengths, size = staging.decode_header(header + b"payload")
+    assert (keys, ids, lengths.tolist(), size) == (["a", "\u00e9t\u00e9", ""], None, [3, 0, 7], len(header))
+    with_ids = staging.encode_header(["a", "b"], [1, 2], ["", "id-b"])
+    assert staging.decode_header(with_ids)[:2] == (["a", "b"], ["", "id-b"])
     for cut in (2, 10, len(header) - 1):
         with pytest.raises(ValueError, match="segment header truncated"):
             staging.decode_header(header[:cut])

@@ -1,6 +1,7 @@
 """scripts/demo.py: the stages it runs and its closing tables (exact text)."""
 
 import importlib.util
+import json
 import pathlib
 import sys
 
@@ -29,7 +30,21 @@ def test_stages_are_the_commands_a_user_types():
         ("canary", ("REPLAY", "canary", "--run", "build/demo/run", "--devices", "all")),
         ("scan", ("REPLAY", "scan", "--run", "build/demo/run", "--json", "build/demo/scan.json",
                   "--plot", "build/demo/scan.png")),
+        ("goodput", ("REPLAY", "goodput", "--run", "build/demo/run", "--json", "build/demo/goodput.json",
+                     "--plot", "build/demo/goodput.png")),
     ]
+
+
+def test_the_closing_table_gives_the_goodput_headline(tmp_path):
+    demo = _demo()
+    stage = [s for s in demo.stages("build/demo", "PY", "REPLAY", 30, 10) if s.name == "goodput"][0]
+    assert demo.stage_summary(stage, tmp_path) == stage.what  # no report yet
+    (tmp_path / "goodput.json").write_text(json.dumps({
+        "wall_s": 134.0, "goodput": 0.712, "token_goodput": 1.0,
+        "mfu": {"status": "ok", "median": 0.031, "illustrative": True}}))
+    text = demo.closing_tables(tmp_path, [("goodput", demo.stage_summary(stage, tmp_path), 3.0)], [], width=220)
+    assert "goodput 71.2% of 134.0 s; 100.0% of the tokens trained are in the lineage; MFU 3.10% (illustrative on " \
+           "CPU); effective 2.21% (MFU x goodput)" in " ".join(text.replace("│", " ").split())
 
 
 def test_default_training_and_replay_cross_the_mixture_phase_change():
@@ -80,6 +95,11 @@ def test_readme_commands_skipped_as_the_demos_own_are_the_demos_stages():
     demo = _demo()
     stages = {s.name: list(s.argv) for s in demo.stages("build/demo", "python", "replay", 30, 10)}
     readme = [c for c in check.commands_of(REPO / "README.md") if c.skip and "the demo's own" in c.skip]
-    assert [shlex.split(c.text, comments=True) for c in readme] == [stages["replay"], stages["canary"]]
-    walk = [c for c in check.commands_of(REPO / "docs" / "replay.md") if c.skip and "the demo's own" in c.skip]
-    assert shlex.split(walk[0].text, comments=True) == stages["replay"]  # command 1 of the triage walk-through
+    assert [shlex.split(c.text, comments=True) for c in readme] == [stages["replay"], stages["canary"],
+                                                                     stages["goodput"]]
+    walk = [c for c in check.commands_of(REPO / "docs" / "replay.md")
+            if "## Triage of a loss spike" in (REPO / "docs" / "replay.md").read_text().split("\n")[c.line - 1]
+            or c.text.startswith("replay triage")]
+    readme_triage = [c for c in check.commands_of(REPO / "README.md") if c.text.startswith("replay triage")]
+    # the walk-through starts from the README's triage command, on the demo's run, and runs it
+    assert walk[0].text == readme_triage[0].text and walk[0].skip is None

@@ -132,3 +132,72 @@ def test_docs_commands_skipped_as_the_readmes_are_word_for_word_the_readmes():
     assert len(skipped) == 2
     for c in skipped:
         assert words(c.text) in readme, c.text
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    import re
+
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_and_docs_links_resolve_inside_the_repository():
+    """Every relative link of README.md and docs/*.md names a file of the repository (and a heading of it),
+    and no page sends a user outside the clone (`../shared/DESIGN.md` is not in a fresh clone)."""
+    import re
+
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    assert REPO / "docs" / "design.md" in pages
+    checked = 0
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        assert "DESIGN.md" not in text, f"{page.name} cites DESIGN.md, which a clone does not have: docs/design.md"
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
+            assert path.is_file() and REPO in path.parents, f"{page.name}: link {target} names no file of the clone"
+            if anchor and path.suffix == ".md":
+                headings = {_anchor(h) for h in re.findall(r"^#+ (.+)$", path.read_text(encoding="utf-8"), re.M)}
+                assert anchor in headings, f"{page.name}: link {target}: no such heading in {path.name}"
+            checked += 1
+    assert checked >= 20
+
+
+def _snippet_on_a_synthetic_dataset(text: str, tmp_path: pathlib.Path) -> str:
+    """``text`` with the demo's mixture and dataset paths pointed at a synthetic dataset (1,024 tokens a row)."""
+    import yaml
+
+    from loader import testing as lt
+
+    dataset = tmp_path / "dataset"
+    mix = lt.synthetic_mixture({"docs": 0.3, "code": 0.7}, seq_len=1024)
+    lt.write_synthetic_dataset(str(dataset), {"docs": 300, "code": 700}, seq_len=1024, mixture=mix)
+    (tmp_path / "mix.yaml").write_text(yaml.safe_dump(mix.to_dict()))
+    (tmp_path / "build/demo").mkdir(parents=True)
+    return (text.replace('"configs/mixtures/demo.yaml"', repr(str(tmp_path / "mix.yaml")))
+            .replace('"build/demo/dataset"', repr(str(dataset)))
+            .replace('"build/demo/', repr(str(tmp_path / "build/demo"))[:-1] + "/"))
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/loader.md"])
+def test_the_loaders_looking_at_a_batch_snippets_run(tmp_path, page):
+    """The README's loader snippet and docs/loader.md's "Looking at a batch" (with the blocks it
+    continues) as written, on a synthetic dataset in place of the demo's: they print the values
+    (the form the issue tripped on, batch["inputs"][0, :20], raises ShardingTypeError)."""
+    import os
+    import subprocess
+
+    blocks = [c for c in check_docs.commands_of(REPO / page, REPO) if c.lang == "python" and "np.asarray(" in c.text]
+    assert blocks  # the first; a later block that continues it holds it too
+    script = _snippet_on_a_synthetic_dataset(blocks[0].text, tmp_path)
+    script += ("\ntry:\n    batch['inputs'][0, :20]\nexcept Exception as e:\n    print('indexing:', type(e).__name__)\n")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines[-1] == "indexing: ShardingTypeError"
+    printed = [ln for ln in lines if ln.startswith("[")]
+    assert len(printed) >= 2 and printed[0] == printed[1]  # np.asarray and the process's own shard agree

@@ -207,7 +207,7 @@ def test_fault_record_count_mismatch(ds, tmp_path):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda m: m.update(record_format_version=2), "record format version 2"),
+        (lambda m: m.update(record_format_version=3), "record format version 3, this loader reads 1 and 2"),
         (lambda m: m.pop("sources"), "missing field 'sources'"),
         (lambda m: m["sources"]["a"]["ledger"].update(read=99), "does not reconcile"),
     ],

@@ -1,5 +1,6 @@
 """The training command: run directory, determinism, kill-and-restart, events, config errors."""
 
+import hashlib
 import json
 import os
 import pathlib
@@ -52,8 +53,9 @@ def test_two_runs_of_30_steps_have_bit_identical_fingerprints(tiny):
 
 def test_run_directory_layout_and_events(tiny):
     folder, path, cfg, trainer, mesh, run_a, _ = tiny
-    assert sorted(os.listdir(run_a)) == ["checkpoints", "env.json", "events.jsonl", "fingerprints.jsonl",
-                                         "run_config.yaml", "signals.jsonl", "train.png"]  # canary_every 0: no canary.jsonl
+    assert sorted(os.listdir(run_a)) == ["checkpoints", "env.json", "events.jsonl", "fingerprints.jsonl", "inputs.json",
+                                         "mixture.yaml", "run_config.yaml", "signals.jsonl",
+                                         "train.png"]  # canary_every 0: no canary.jsonl
     assert ckpt.all_steps(str(run_a / "checkpoints")) == [0, 10, 20, 30]
     env = json.loads((run_a / "env.json").read_text())
     assert env["mesh"]["shape"] == [4, 2] and env["backend"]["device_count"] == 8
@@ -64,8 +66,17 @@ def test_run_directory_layout_and_events(tiny):
     # phase 1 starts at data step 10 = training step 8 (steps 3..4 skipped two data steps)
     assert ("phase_change", 8) in kinds
     assert [s for e, s in kinds if e == "checkpoint"] == [0, 10, 20, 30]
+    assert {e["attempt"] for e in events} == {1} and all(isinstance(e["t"], float) for e in events)
     saved = yaml.safe_load((run_a / "run_config.yaml").read_text())
     assert saved == cfg.to_dict()
+    # the run keeps what it trained with: its mixture (a copy, paths absolute) and the manifest's hash
+    from contract.config import load_mixture
+
+    inputs = json.loads((run_a / "inputs.json").read_text())
+    assert inputs["mixture"]["sha256"] == load_mixture(cfg.mixture).sha256() == \
+        load_mixture(str(run_a / "mixture.yaml")).sha256()
+    assert inputs["dataset"]["manifest_sha256"] == hashlib.sha256(
+        (pathlib.Path(cfg.dataset) / "manifest.json").read_bytes()).hexdigest()
 
 
 def test_loss_goes_down_on_synthetic_data(tiny):
@@ -394,14 +405,21 @@ def test_progress_lines_and_train_png_cover_a_resumed_run(tiny, tmp_path, monkey
     assert s1["plot"] == str(run_dir / "train.png") and training_series(str(run_dir))["steps"] == [0, 1, 2]
     s2 = runm.train(str(run_dir), cfg, 5, trainer=trainer, mesh=mesh, log=lambda s: None, progress=second)
     lines = first.getvalue().splitlines()
+    # said before the first step, so that no wait is silent (the cache's words only with JAX_COMPILATION_CACHE_DIR)
+    assert lines[0] == f"train: new run in {run_dir}: initializing the parameters (seed {cfg.seed}) and saving checkpoint 0"
+    assert re.fullmatch(r"train: step 0 of 0:3: compiling the train step( \(or loading from JAX's compilation cache\))?: "
+                        r"the first step takes longer, the steps after it run at speed", lines[1]), lines[1]
+    lines = lines[2:]
     assert len(lines) == 4
-    assert re.fullmatch(r"train: step 0 of 0:3 \(33%\), step [0-9.]+ s, loss [0-9]+\.[0-9]{4}, dropped [01]\.[0-9]{4}",
-                        lines[0]), lines[0]
+    assert re.fullmatch(r"train: step 0 of 0:3 \(33%\), step [0-9.]+ s \(compiling included\), loss [0-9]+\.[0-9]{4}, "
+                        r"dropped [01]\.[0-9]{4}", lines[0]), lines[0]
     assert re.fullmatch(PROGRESS_LINE.format(step=1, a=0, b=3, pct="67%") + r", ETA [0-9.]+ s", lines[1]), lines[1]
     assert re.fullmatch(PROGRESS_LINE.format(step=2, a=0, b=3, pct="100%"), lines[2]), lines[2]
     assert re.fullmatch(r"train: steps 0:3 done in [0-9.]+ s \([0-9.]+ (k )?steps/s, [0-9.,]+ (k )?tokens/s\)",
                         lines[3]), lines[3]
     lines = second.getvalue().splitlines()
+    assert lines[0] == f"train: resuming {run_dir} from checkpoint 3"
+    lines = lines[2:]
     assert [x.split(",")[0] for x in lines] == ["train: step 3 of 3:5 (50%)", "train: step 4 of 3:5 (100%)",
                                                 lines[2].split(",")[0]]
     assert lines[2].startswith("train: steps 3:5 done in ")
@@ -457,7 +475,7 @@ def test_rerun_of_a_finished_run_prints_no_library_noise(tiny, tmp_path):
                            f"--steps {STEPS + 10} trains 10 more)\n"
                            f"loss, gradient norm and router drops per step: {run_dir / 'train.png'}\n")
     assert "read only" not in proc.stderr and "absl" not in proc.stderr
-    assert proc.stderr == ""
+    assert proc.stderr == f"train: run config {cfg.name}: starting JAX, building the mesh and the model\n"  # ours only
 
 
 def test_config_typos_get_the_nearest_key_and_a_missing_dataset_says_where_its_path_came_from(tmp_path, capsys):
@@ -470,7 +488,9 @@ def test_config_typos_get_the_nearest_key_and_a_missing_dataset_says_where_its_p
     copied = tmp_path / "copy.yaml"
     copied.write_text((REPO / "configs" / "runs" / "demo.yaml").read_text())
     assert train_main(["--run", str(tmp_path / "run"), "--config", str(copied), "--steps", "2"]) == 2
-    err = capsys.readouterr().err
+    said, _, err = capsys.readouterr().err.partition("\nerror: ")
+    assert said == "train: run config demo: starting JAX, building the mesh and the model"  # what it was doing
+    err = "error: " + err
     assert err.startswith(f"error: {os.path.normpath(str(tmp_path / '../../build/demo/dataset'))}/manifest.json: no manifest")
     assert f"(the run config {copied}'s 'dataset:' is resolved against that file's folder: in a copied config" in err
 

@@ -181,8 +181,9 @@ def test_events_with_a_torn_middle_line_still_load(run_copy):
     with open(path, "w") as f:  # a kill tore a line, then the resumed run appended after it
         f.writelines(lines[:2] + ['{"event": "chec' + lines[2]] + lines[3:])
     run = runlog.load_run(run_copy)
-    assert len(run.events) == len(lines) - 1
-    assert all(isinstance(e, dict) and "event" in e for e in run.events)
+    assert len(run.all_events) == len(lines) - 1  # every event; run.events: the lineage's
+    assert all(isinstance(e, dict) and "event" in e for e in run.all_events)
+    assert len(run.events) + len(run.lineage.superseded_events) == len(run.all_events)
 
 
 def test_xla_flags_in_another_order_are_no_drift():

@@ -199,7 +199,7 @@ def _help(argv, monkeypatch, capsys):
 
 
 def _codes(text):
-    return {int(m) for m in re.findall(r"^  ([0-9])  ", text, flags=re.M)}
+    return {int(m) for m in re.findall(r"^  ([0-9]+)  ", text, flags=re.M)}
 
 
 def test_top_level_help_shows_range_options_and_one_line_per_command(monkeypatch, capsys):
@@ -223,6 +223,8 @@ def test_top_level_help_shows_range_options_and_one_line_per_command(monkeypatch
     ("inspect", {0, 2, 5}, ["convicted", "acquitted", "drill not caught", "environment drift", "replays"]),
     ("drill", {0, 1, 2, 5, 7}, ["suspects found", "environment drift", "ambiguous", "replays disagree"]),
     ("scan", {0, 2, 5, 8}, ["drill not caught", "convicted"]),
+    ("triage", {0, 2, 5, 10, 11, 12, 13}, ["drill not caught", "environment drift"]),
+    ("skip", {0, 2, 5}, ["drill not caught", "convicted", "suspects found"]),
 ])
 def test_each_help_lists_only_its_own_exit_codes(command, codes, absent, monkeypatch, capsys):
     out = _help([command, "--help"], monkeypatch, capsys)

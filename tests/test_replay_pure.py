@@ -222,7 +222,7 @@ def test_decide(outcomes, want_verdict, want_cause, want_devices):
         assert d.step == 5 and d.leaves == ("['w1']",)
     if want_cause is Cause.REPRODUCED and outcomes[0].evidence is Evidence.TOLERANCE:
         assert "weaker evidence" in d.explanation
-    if want_verdict is Verdict.ACQUITTED:
+    if want_cause is Cause.DATA_ORDER:
         assert "replay inspect" in d.explanation
 
 

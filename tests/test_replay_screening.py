@@ -194,5 +194,5 @@ def test_threshold_errors_name_the_field(cls, raw, match):
 def test_threshold_defaults_round_trip():
     assert sc.RouterHealth.from_dict(None) == sc.RouterHealth()
     assert sc.RouterHealth().to_dict() == {"max_dropped_fraction": 0.01, "max_share_ratio": 3.0, "warmup_steps": 10,
-                                           "window_steps": 1}
+                                           "window_steps": 1, "max_expert_load_ratio": 2.0}
     assert sc.ScreeningConfig.from_dict(sc.ScreeningConfig().to_dict()) == sc.ScreeningConfig()

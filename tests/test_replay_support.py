@@ -113,3 +113,12 @@ def run_copy(run_dir, tmp_path):
     dst = str(tmp_path / "run")
     shutil.copytree(run_dir, dst)
     return dst
+
+
+@pytest.fixture(scope="session")
+def triage_drills(tmp_path_factory):
+    """``replay.triage_drill.Drills``: the triage drills' dataset, mesh and trainers, compiled once per
+    test process (tests/test_replay_triage.py and test_replay_goodput.py train their short runs with it)."""
+    from replay import triage_drill
+
+    return triage_drill.Drills(str(tmp_path_factory.mktemp("triage_drills")))

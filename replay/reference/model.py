@@ -28,6 +28,14 @@ Architecture, per layer (pre-norm)::
   depend, even in the last bit, on which slots other tokens took. Because the group is the row, a row's result
   does not depend on which other rows share its device: the same batch gives the same
   per-row values on 1 or 8 devices.
+* **Dispatch** (``ModelConfig.dispatch``): ``gather``: every device runs every expert on its
+  own rows' slots ``[B, E, C, D]``. ``all_to_all`` (expert parallelism, inside ``shard_map``
+  over the mesh's ``expert`` axis of ``X`` devices, each holding ``E / X`` experts): the slots
+  go to their experts' devices by ``jax.lax.all_to_all`` as ``[X, E/X, B, C, D]`` (part ``x``
+  to the ``x``-th device), the experts run on what they received, and a second all-to-all
+  brings the outputs back; routing, capacity and combine are the same, so the two agree up to
+  float32 rounding. The exchanges are ``custom_vjp`` functions whose backward pass (itself an
+  all-to-all of the cotangent) can fingerprint what the device sends (:class:`Hooks`).
 * **Losses** (Switch Transformer eqs. 4-6; ST-MoE, Zoph et al. 2022, eq. 5 for z-loss):
   cross entropy over targets with ``targets_segmentation != 0``;
   load balancing ``E * sum_e f_e * P_e`` per row and layer (``f_e``: share of the row's
@@ -43,11 +51,15 @@ device by device).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+
+from replay.run import fingerprint as fpm
+from replay.run.protocol import FAULT_SITES
 
 BATCH_KEYS = (
     "inputs",
@@ -58,6 +70,7 @@ BATCH_KEYS = (
     "targets_position",
 )
 _MASK_VALUE = -1e30
+DISPATCH_MODES = ("gather", "all_to_all")
 
 
 
@@ -98,6 +111,13 @@ class ModelConfig:
         router's additive scale), and after every step ``b_e += rate * (mean_e' n_e' - n_e) / mean_e' n_e'``
         with ``n_e`` the step's assignments to expert ``e`` (:func:`router_bias_update`). >= 0; 0
         turns it off (the bias stays 0).
+      dispatch: how tokens reach their experts. ``"gather"``: every device runs every expert on
+        its own rows (the trainer gathers the expert weights for the step). ``"all_to_all"``: expert
+        parallelism: each device holds ``n_experts / expert`` experts (the mesh's ``expert`` axis),
+        sends each expert's capacity slots to its device with ``jax.lax.all_to_all`` and gets the
+        outputs back with a second one; the weights are never gathered. Routing, capacity and
+        drops are the same in both (per-row capacity ``C``), so with no drop the two give the same
+        loss and gradients up to float32 rounding (docs/trainer.md, "Expert parallelism").
       param_dtype: ``"float32"`` or ``"bfloat16"`` (parameters, activations and gradients;
         router, softmax, norms and loss are float32 either way).
       rope_theta: rotary base, > 0.
@@ -116,6 +136,7 @@ class ModelConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 1e-3
     router_bias_rate: float = 0.0
+    dispatch: str = "gather"
     param_dtype: str = "float32"
     rope_theta: float = 10000.0
     init_std: float = 0.02
@@ -138,6 +159,7 @@ class ModelConfig:
         need(self.z_loss_weight >= 0, "z_loss_weight", ">= 0")
         need(self.router_bias_rate >= 0, "router_bias_rate", ">= 0")
         need(self.param_dtype in ("float32", "bfloat16"), "param_dtype", "'float32' or 'bfloat16'")
+        need(self.dispatch in DISPATCH_MODES, "dispatch", " or ".join(repr(m) for m in DISPATCH_MODES))
         need(self.rope_theta > 0, "rope_theta", "> 0")
         need(self.init_std > 0, "init_std", "> 0")
 
@@ -239,22 +261,160 @@ def _attention(p, x, segment_ids, positions, cfg: ModelConfig):
     return jnp.einsum("bqhk,hkd->bqd", out, p["wo"])
 
 
-def _moe(p, x, valid, cfg: ModelConfig, bias=None):
+# ----------------------------------------------------------------------------- instrumentation
+
+FAULT_LEN = 7
+"""The traced fault input: ``int32[7] = [enabled, device_id, leaf_index, element, bit, site, layer]``;
+``site`` is the index of the fault's ``where`` in ``replay.run.protocol.FAULT_SITES``."""
+SITE_CODE = {name: i for i, name in enumerate(FAULT_SITES)}
+_COMBINE, _DISPATCH = 0, 1  # probe slots: the transposes run combine first (backward order)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """Static description of expert parallelism inside ``shard_map``: experts split over the mesh
+    axis ``axis`` of ``size`` devices (``n_experts % size == 0``)."""
+
+    axis: str
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    """One device's instrumentation of a forward/backward pass (traced values, all optional).
+
+    Attributes:
+      fault: the traced fault input (:data:`FAULT_LEN`), or None (no fault can fire: the plain program).
+      device: int32 scalar, this device's id (compared with ``fault[1]``).
+      probes: float32 ``[L, 2, 4]`` zeros, differentiated: the backward pass writes the
+        fingerprint of what this device sends at each transposed all-to-all (slot 0: the combine's
+        transpose, slot 1: the dispatch's) into their cotangents, as four exact 16-bit halves
+        (:func:`probe_fingerprints` reads them back). None: no send fingerprints.
+    """
+
+    fault: Any = None
+    device: Any = None
+    probes: Any = None
+
+    def hit(self, site: str, layer: int, leaf: Any = None):
+        """bool scalar: the fault fires here (this device, this site and layer / leaf)."""
+        if self.fault is None:
+            return None
+        f = self.fault
+        on = (f[0] == 1) & (f[1] == self.device) & (f[5] == SITE_CODE[site]) & (f[6] == layer)
+        return on if leaf is None else on & (f[2] == leaf)
+
+
+def _halves(fp) -> jnp.ndarray:
+    """uint32 ``[fp0, fp1, ...]`` -> float32[4] of its two lanes' 16-bit halves (exact)."""
+    lo = jnp.uint32(0xFFFF)
+    return jnp.stack([fp[0] & lo, fp[0] >> 16, fp[1] & lo, fp[1] >> 16]).astype(jnp.float32)
+
+
+def probe_fingerprints(probe_cotangents) -> jnp.ndarray:
+    """uint32 ``[..., 2]`` lanes ``(fp0, fp1)`` from probe cotangents float32 ``[..., 4]``."""
+    h = probe_cotangents.astype(jnp.uint32)
+    return jnp.stack([h[..., 0] | (h[..., 1] << 16), h[..., 2] | (h[..., 3] << 16)], axis=-1)
+
+
+def _send_fingerprint(x) -> jnp.ndarray:
+    """uint32[2] lanes of the fingerprint of a send buffer (no NaN/Inf counts)."""
+    return fpm.fingerprint(x, counts=False)[:2]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _exchange(x, probe, axis):
+    """``jax.lax.all_to_all`` over ``axis`` (``x``: ``[X, ...]``, part ``i`` to device ``i``; the result's
+    part ``i`` came from device ``i``) whose backward pass, itself an all-to-all of the cotangent,
+    also fingerprints the cotangent it sends and returns that as ``probe``'s cotangent (axlearn's
+    ``_ragged_all_to_all`` also wraps its exchange in a ``custom_vjp``)."""
+    return jax.lax.all_to_all(x, axis, 0, 0)
+
+
+def _exchange_fwd(x, probe, axis):
+    return jax.lax.all_to_all(x, axis, 0, 0), None
+
+
+def _exchange_bwd(axis, _, g):
+    return jax.lax.all_to_all(g, axis, 0, 0), _halves(_send_fingerprint(g))
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
+@jax.custom_vjp
+def _flip_value(x, element, bit, enabled):
+    """A drill's bit flip in a forward value; the backward pass is the identity (what a transient
+    error in a device's arithmetic does: the backward computes from the wrong value, with its own,
+    correct, formulas)."""
+    return fpm.flip_bit(x, element, bit, enabled)
+
+
+def _flip_value_fwd(x, element, bit, enabled):
+    return fpm.flip_bit(x, element, bit, enabled), None
+
+
+def _flip_value_bwd(_, g):
+    return g, None, None, None
+
+
+_flip_value.defvjp(_flip_value_fwd, _flip_value_bwd)
+
+
+@jax.custom_vjp
+def _flip_cotangent(w, element, bit, enabled):
+    """Identity on a weight in the forward pass; a drill's bit flip in its gradient where the
+    backward pass computes it (before any reduction)."""
+    return w
+
+
+def _flip_cotangent_fwd(w, element, bit, enabled):
+    return w, (element, bit, enabled)
+
+
+def _flip_cotangent_bwd(res, g):
+    element, bit, enabled = res
+    return fpm.flip_bit(g, element, bit, enabled), None, None, None
+
+
+_flip_cotangent.defvjp(_flip_cotangent_fwd, _flip_cotangent_bwd)
+
+
+def _maybe_flip(x, hooks: Hooks, site: str, layer: int, leaf: Any = None, backward: bool = False):
+    on = hooks.hit(site, layer, leaf)
+    if on is None:
+        return x
+    fn = _flip_cotangent if backward else _flip_value
+    return fn(x, hooks.fault[3], hooks.fault[4], on)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def _moe(p, x, valid, cfg: ModelConfig, bias=None, *, ep: Optional[ExpertParallel] = None,
+         hooks: Hooks = Hooks(), layer: int = 0, leaf_index: tuple = (None, None)):
     """MoE feed-forward of one layer.
 
     Args:
-      p: the layer's ``router`` [D, E], ``w_in`` [E, D, F], ``w_out`` [E, F, D].
+      p: the layer's ``router`` [D, E], ``w_in`` [E', D, F], ``w_out`` [E', F, D] (``E' = E`` with
+        gather dispatch; this device's ``E / X`` experts under expert parallelism).
       x: [B, S, D]; valid: bool [B, S] (routed tokens).
       bias: float32 [E] added to the router logits for the top-R choice only (loss-free
         balancing, ``ModelConfig.router_bias_rate``), or None.
+      ep: expert parallelism (inside ``shard_map`` over ``ep.axis``), or None: gather dispatch.
+      hooks: drill faults and send fingerprints (:class:`Hooks`); layer: this layer's index;
+        leaf_index: the flat leaf indices of this layer's ``w_in`` and ``w_out`` (expert_backward faults).
 
     Returns:
       ``(y [B, S, D], stats)``; stats (float32 scalars unless said, sums over this device's
       rows): ``lb_sum``, ``z_sum``, ``entropy_sum``, ``tokens`` (routed tokens), ``assigned``
       [E] (assignments before capacity), ``dropped`` (assignments past capacity),
-      ``max_logit`` (largest router logit of a routed token; -inf when none).
+      ``max_logit`` (largest router logit of a routed token; -inf when none), ``kept`` [E]
+      (assignments that took a slot); under expert parallelism with ``hooks.probes``, ``sends``
+      uint32 [2, 2]: the fingerprint lanes of what this device sent at the forward dispatch and
+      combine all-to-alls.
     """
-    B, S, _ = x.shape
+    B, S, Dm = x.shape
     E, R = cfg.n_experts, cfg.top_k
     C = cfg.capacity(S)
     logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), p["router"].astype(jnp.float32))
@@ -283,10 +443,33 @@ def _moe(p, x, valid, cfg: ModelConfig, bias=None):
         return jnp.full((E * C + 1,), S, jnp.int32).at[lin_row.reshape(-1)].set(tok.reshape(-1))[: E * C]
 
     token_of = jax.vmap(slots_of_row)(lin_slot)  # [B, E*C]
-    x_pad = jnp.concatenate([x, jnp.zeros((B, 1, x.shape[-1]), x.dtype)], axis=1)
+    x_pad = jnp.concatenate([x, jnp.zeros((B, 1, Dm), x.dtype)], axis=1)
     expert_in = jnp.take_along_axis(x_pad, token_of[..., None], axis=1).reshape(B, E, C, -1)
-    h = jax.nn.gelu(jnp.einsum("becd,edf->becf", expert_in, p["w_in"]))
-    expert_out = jnp.einsum("becf,efd->becd", h, p["w_out"])
+    w_in = _maybe_flip(p["w_in"], hooks, "expert_backward", layer, leaf_index[0], backward=True)
+    w_out = _maybe_flip(p["w_out"], hooks, "expert_backward", layer, leaf_index[1], backward=True)
+    extra = {}
+    if ep is None:
+        h = jax.nn.gelu(jnp.einsum("becd,edf->becf", expert_in, w_in))
+        expert_out = jnp.einsum("becf,efd->becd", h, w_out)
+        expert_out = _maybe_flip(expert_out, hooks, "expert_forward", layer)
+    else:
+        X = ep.size
+        El = E // X
+        # [X, E/X, B, C, D]: part x holds the slots of the experts of the x-th device of the axis.
+        send = jnp.transpose(expert_in.reshape(B, X, El, C, Dm), (1, 2, 0, 3, 4))
+        if hooks.probes is None:
+            recv = jax.lax.all_to_all(send, ep.axis, 0, 0)
+        else:
+            recv = _exchange(send, hooks.probes[layer, _DISPATCH], ep.axis)  # [X (source), E/X, B, C, D]
+        h = jax.nn.gelu(jnp.einsum("xebcd,edf->xebcf", recv, w_in))
+        out = jnp.einsum("xebcf,efd->xebcd", h, w_out)
+        out = _maybe_flip(out, hooks, "expert_forward", layer)
+        if hooks.probes is None:
+            back = jax.lax.all_to_all(out, ep.axis, 0, 0)
+        else:
+            back = _exchange(out, hooks.probes[layer, _COMBINE], ep.axis)  # [X (owner), E/X, B, C, D]
+            extra["sends"] = jnp.stack([_send_fingerprint(send), _send_fingerprint(out)])
+        expert_out = jnp.transpose(back, (2, 0, 1, 3, 4)).reshape(B, E, C, Dm)
     # Combine by gathering each token's R outputs and summing them in rank order. (A
     # combine einsum over (e, c) would let the slot positions decide which accumulator
     # lane each term lands in, so a token's output would change in the last bit when
@@ -315,31 +498,47 @@ def _moe(p, x, valid, cfg: ModelConfig, bias=None):
         "assigned": jnp.sum(counts, axis=0),  # [E]
         "dropped": jnp.sum((assigned - kept).astype(jnp.float32)),
         "max_logit": jnp.max(jnp.where(valid[..., None], logits, -jnp.inf)),
+        "kept": jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * kept[..., None].astype(jnp.float32),
+                        axis=(0, 1, 2)),  # [E]
+        **extra,
     }
     return y, stats
 
 
-def forward(params, batch: Mapping[str, jnp.ndarray], cfg: ModelConfig, router_bias=None):
+def _leaf_indices(params) -> dict[str, int]:
+    return {jax.tree_util.keystr(path): i for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])}
+
+
+def forward(params, batch: Mapping[str, jnp.ndarray], cfg: ModelConfig, router_bias=None, *,
+            ep: Optional[ExpertParallel] = None, hooks: Hooks = Hooks()):
     """Runs the decoder.
 
     Args:
-      params: from :func:`init_params`.
+      params: from :func:`init_params` (under expert parallelism, inside ``shard_map``: this
+        device's expert shards).
       batch: ``inputs``, ``inputs_segmentation``, ``inputs_position``: int32 [B, S].
       router_bias: float32 [L, E], the loss-free balancing bias of each layer, or None.
+      ep: expert parallelism (all-to-all dispatch inside ``shard_map``), or None (gather dispatch).
+      hooks: drill faults and send fingerprints (:class:`Hooks`).
 
     Returns:
       ``(logits, stats)``: logits float32 [B, S, V]; stats: the :func:`_moe` figures of each
-      layer stacked on a leading layer axis (float32 [L], ``assigned`` [L, E]).
+      layer stacked on a leading layer axis (float32 [L], ``assigned`` and ``kept`` [L, E],
+      ``sends`` uint32 [L, 2, 2] when taken).
     """
     tokens = batch["inputs"]
     seg = batch["inputs_segmentation"]
     pos = batch["inputs_position"]
     x = jnp.take(params["embed"], tokens, axis=0)
     valid = seg != 0
+    index = _leaf_indices(params) if hooks.fault is not None else {}
     per_layer = []
     for i, p in enumerate(params["layers"]):
-        x = x + _attention(p, _rms_norm(x, p["attn_norm"]), seg, pos, cfg)
-        y, stats = _moe(p, _rms_norm(x, p["moe_norm"]), valid, cfg, None if router_bias is None else router_bias[i])
+        attn = _attention(p, _rms_norm(x, p["attn_norm"]), seg, pos, cfg)
+        x = x + _maybe_flip(attn, hooks, "attention", i)
+        leaves = tuple(index.get(f"['layers'][{i}]['{w}']") for w in ("w_in", "w_out"))
+        y, stats = _moe(p, _rms_norm(x, p["moe_norm"]), valid, cfg, None if router_bias is None else router_bias[i],
+                        ep=ep, hooks=hooks, layer=i, leaf_index=leaves)
         x = x + y
         per_layer.append(stats)
     x = _rms_norm(x, params["final_norm"])
@@ -347,7 +546,8 @@ def forward(params, batch: Mapping[str, jnp.ndarray], cfg: ModelConfig, router_b
     return logits, jax.tree_util.tree_map(lambda *v: jnp.stack(v), *per_layer)
 
 
-def local_loss(params, batch, cfg: ModelConfig, total_tokens, total_rows, router_bias=None):
+def local_loss(params, batch, cfg: ModelConfig, total_tokens, total_rows, router_bias=None, *,
+               ep: Optional[ExpertParallel] = None, hooks: Hooks = Hooks()):
     """One device's contribution to the global loss (module docstring).
 
     Args:
@@ -356,6 +556,7 @@ def local_loss(params, batch, cfg: ModelConfig, total_tokens, total_rows, router
         *global* batch; clamped to >= 1.
       total_rows: float32 scalar, rows in the global batch.
       router_bias: float32 [L, E] (loss-free balancing) or None.
+      ep, hooks: as :func:`forward`.
 
     Returns:
       ``(loss_contribution, aux)``: float32 scalar
@@ -363,7 +564,7 @@ def local_loss(params, batch, cfg: ModelConfig, total_tokens, total_rows, router
       ``z_sum`` summed over layers), and ``aux`` with ``ce_sum`` and the per-layer
       :func:`forward` stats.
     """
-    logits, stats = forward(params, batch, cfg, router_bias)
+    logits, stats = forward(params, batch, cfg, router_bias, ep=ep, hooks=hooks)
     logp = jax.nn.log_softmax(logits, axis=-1)
     tgt = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
     mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)

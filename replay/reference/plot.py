@@ -84,6 +84,9 @@ def plot_training(run_dir: str, path: Optional[str] = None, title: Optional[str]
             norm_ax.set_yscale("log")
         for i, dropped in enumerate(series["dropped"]):
             drop_ax.plot(steps, dropped, linewidth=1, label=f"layer {i}")
+        for ax, values, what in ((loss_ax, [series["loss"]], "loss"), (norm_ax, [series["grad_norm"]], "norm"),
+                                 (drop_ax, series["dropped"], "dropped fraction")):
+            say_if_all_zero(ax, values, what)
     else:
         loss_ax.text(0.5, 0.5, f"no lines in {proto.SIGNALS_NAME} yet", ha="center", transform=loss_ax.transAxes)
     _mark_events(run_dir, axes, steps)
@@ -95,6 +98,9 @@ def plot_training(run_dir: str, path: Optional[str] = None, title: Optional[str]
     drop_ax.set_title("router: assignments dropped past expert capacity, per MoE layer", fontsize=9)
     drop_ax.set_ylim(bottom=0)
     drop_ax.set_xlabel("training step")
+    from matplotlib.ticker import MaxNLocator
+
+    drop_ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps, never 2.5
     for ax in axes:
         ax.grid(alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()
@@ -110,6 +116,22 @@ def plot_training(run_dir: str, path: Optional[str] = None, title: Optional[str]
         if os.path.exists(tmp):
             os.remove(tmp)
     return path
+
+
+def say_if_all_zero(ax, series, what: str) -> bool:
+    """Writes ``all 0`` on the panel ``ax`` when every value of ``series`` (lists of numbers) is 0, so
+    that a flat line on the axis does not read as missing data; returns whether it did.
+
+    ``what`` names the values (``"dropped fraction"``): the panel says ``dropped fraction: all 0 (N
+    steps)``."""
+    values = [v for s in series for v in s]
+    if not values or any(v != 0 for v in values):
+        return False
+    steps = max(len(s) for s in series)
+    ax.text(0.5, 0.55, f"{what}: all 0 ({steps} step{'s' if steps != 1 else ''})", ha="center", va="center",
+            transform=ax.transAxes, fontsize=11, color="dimgray",
+            bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "lightgray"})
+    return True
 
 
 def _run_name(run_dir: str) -> str:

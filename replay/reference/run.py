@@ -11,7 +11,8 @@ Run config (YAML; relative paths are resolved against the config file's folder):
                                            # sizes using fewer devices than there are take the
                                            # lowest ids (the rest stay free, e.g. for replay)
     model: {d_model: 64, n_layers: 2, ...} # replay.reference.model.ModelConfig fields;
-                                           # vocab_size defaults to the manifest's
+                                           # vocab_size defaults to the manifest's;
+                                           # dispatch: gather | all_to_all (expert parallelism)
     optimizer: {learning_rate: 3.0e-3, ...}  # replay.reference.trainer.OptimizerConfig
     checkpoint_every: 10                   # Orbax checkpoint every K steps (and at 0 and the end)
     skip_windows: [[100, 119]]             # inclusive training-step windows whose data is skipped
@@ -21,7 +22,8 @@ Run config (YAML; relative paths are resolved against the config file's folder):
                                            # canary weights = fresh init from this seed
     canary_every: 10                       # periodic canary every N steps on every device (0: off)
     canary_action: warn                    # on a canary mismatch: warn (event, warning) or stop
-    router_health: {max_dropped_fraction: 0.01, max_share_ratio: 3.0, warmup_steps: 10}
+    router_health: {max_dropped_fraction: 0.01, max_share_ratio: 3.0, warmup_steps: 10,
+                    max_expert_load_ratio: 2.0}
     screening: {}                          # replay.screen.screening.ScreeningConfig overrides (replay scan)
     trainer: replay.reference.setup:make_setup  # the factory replay rebuilds the run with (this one when absent)
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -203,7 +206,12 @@ def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConf
         raise RunConfigError(f"canary_action: must be one of {list(CANARY_ACTIONS)}, got {action!r}")
     model = dict(raw.get("model", {}) or {})
     try:
-        ModelConfig.from_dict({"vocab_size": 2, **model} if "vocab_size" not in model else model)
+        mc = ModelConfig.from_dict({"vocab_size": 2, **model} if "vocab_size" not in model else model)
+        experts_axis = dict(mesh)["expert"]
+        if mc.dispatch == "all_to_all" and experts_axis != -1 and mc.n_experts % experts_axis:
+            raise RunConfigError(f"model.dispatch all_to_all: model.n_experts {mc.n_experts} must divide by the mesh's "
+                                 f"expert axis size {experts_axis} (each device holds n_experts / expert experts); "
+                                 "change one of them, or use dispatch: gather")
         opt = OptimizerConfig.from_dict(dict(raw.get("optimizer", {}) or {}))
         health = RouterHealth.from_dict(raw.get("router_health"))
         screening = ScreeningConfig.from_dict(raw.get("screening"))
@@ -292,6 +300,8 @@ def _check_same_config(rd: RunDir, cfg: RunConfig, write_grown: bool = True) -> 
     if not isinstance(old, Mapping):
         raise RunConfigError(f"{path}: the run directory's config is not a mapping; use a new --run")
     old = {"trainer": REFERENCE_FACTORY, **old}  # a run started before the key was written
+    if os.path.abspath(str(new["mixture"])) == rd.file(proto.MIXTURE_COPY_NAME):
+        new["mixture"] = old.get("mixture")  # the run's own copy stands for the path it was copied from
     diffs = sorted(k for k in set(old) | set(new) if k != "skip_windows" and old.get(k) != new.get(k))
     if diffs:
         raise RunConfigError(
@@ -299,7 +309,7 @@ def _check_same_config(rd: RunDir, cfg: RunConfig, write_grown: bool = True) -> 
         )
     if old.get("skip_windows") != new["skip_windows"]:
         if write_grown and rd.primary:
-            _write_config(path, new)
+            _write_config(path, new)  # (the mixture path as written: ``new`` has it)
         return new["skip_windows"]
     return None
 
@@ -361,7 +371,12 @@ def make_trainer(cfg: RunConfig, *, fingerprints: bool = True):
     mesh = make_mesh(dict(cfg.mesh), run_devices(dict(cfg.mesh)))
     if cfg.global_batch % mesh.size:
         raise RunConfigError(f"global_batch: must be a multiple of the device count {mesh.size}, got {cfg.global_batch}")
-    return ReferenceTrainer(model, cfg.optimizer, fingerprints=fingerprints), mesh, vocab
+    trainer = ReferenceTrainer(model, cfg.optimizer, fingerprints=fingerprints)
+    try:
+        trainer.expert_parallel(mesh)  # dispatch all_to_all: the experts must split over the mesh's expert axis
+    except ValueError as e:
+        raise RunConfigError(str(e)) from None
+    return trainer, mesh, vocab
 
 
 def _phase_index(data, step: int) -> int:
@@ -456,6 +471,10 @@ def train(
     progress: Optional[TextIO] = None,
     plot: bool = True,
     on_step: Optional[Callable[[int, float], None]] = None,
+    rewind_to: Optional[int] = None,
+    rewind_reason: Optional[str] = None,
+    launched_at: Optional[float] = None,
+    loader_shift: int = 0,
 ) -> dict[str, Any]:
     """Trains until global step ``steps`` (exclusive), resuming from the run directory's last checkpoint.
 
@@ -477,44 +496,85 @@ def train(
         ``fault`` (``FaultSpec``/``DriftSpec`` or a list of them; each fires at its own steps).
       canary_fault: a drill: a ``FaultSpec`` whose bit is flipped in its device's canary gradient
         at every periodic canary from step ``canary_fault.step`` on.
+      rewind_to: roll back: restore this checkpoint of the lineage instead of the newest (a ``rewind``
+        event with ``rewind_reason`` is written first; the steps trained past it become a superseded
+        attempt, kept in ``superseded/``). A rewind that ``replay skip`` recorded is followed without it.
+      launched_at: Unix time the training command started (``time.time()``; default: now), the
+        start of the attempt's start-up in ``replay goodput``.
+      loader_shift: a drill only (``replay drill --scenario restart``): the resumed loader starts
+        ``loader_shift`` steps off the restored checkpoint (a wrong loader state: data repeated when
+        negative, skipped when positive), and the ``restore`` event records the state it used.
 
     Returns:
       ``{"start": first step run, "end": steps, "losses": {step: loss}, "stopped": None or
       {"step", "reason"}, "canary_seconds": [seconds of each periodic canary], "plot": the path
-      of train.png or None}``.
+      of train.png or None, "attempt": this attempt's number}``.
 
     Raises:
-      RunConfigError: ``cfg`` does not fit the run directory, or ``steps`` < 0.
+      RunConfigError: ``cfg`` does not fit the run directory, or ``steps`` < 0, or ``rewind_to`` is
+        not a checkpoint of the lineage.
       loader errors (``DatasetError``, ``ResumeError``) as raised by ``loader.build``.
     """
     import time
 
+    from replay.run import inputs as run_inputs
+    from replay.run import lineage as lin
     from replay.run.env import compare_environment, record_environment
-    from replay.run.progress import line_interval, step_progress
+    from replay.run.progress import line_interval, note, step_progress
     from replay.reference import checkpoint as ckpt
 
+    launched_at = time.time() if launched_at is None else float(launched_at)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise RunConfigError(f"steps: must be an int >= 0, got {steps!r}")
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     line_interval()  # a bad $REPLAY_PROGRESS_EVERY is reported before any work
+    say = functools.partial(note, "train", stream=progress)  # no silent wait before the first step
     if trainer is None or mesh is None:
+        say(f"run config {cfg.name}: starting JAX, building the mesh and the model")
         trainer, mesh, _ = make_trainer(cfg)
+    existed = os.path.isdir(run_dir)
     rd = run_dir_of(run_dir, mesh)
-    grown = _check_same_config(rd, cfg, write_grown=False)
     rd.drop_torn_event()
+    lineage = _lineage(rd)
+    requested = [w for w in lineage.skip_windows if tuple(w) not in {tuple(x) for x in cfg.skip_windows}]
+    if requested:  # windows recorded by `replay skip`: in force from now on
+        cfg = dataclasses.replace(cfg, skip_windows=tuple(sorted({*cfg.skip_windows, *map(tuple, requested)})))
+    grown = _check_same_config(rd, cfg, write_grown=False)
+    _check_same_mixture(rd, cfg)
     env = record_environment(mesh)
     env_path = rd.file(proto.ENV_NAME)
     step_logs = (proto.FINGERPRINTS_NAME, proto.SIGNALS_NAME, proto.CANARY_NAME)
 
-    latest = ckpt.latest_step(rd.checkpoints)
+    committed = ckpt.all_steps(rd.checkpoints)
+    if rewind_to is not None:
+        try:
+            lin.validate_rewind(lineage, rewind_to, committed)
+        except lin.LineageError as e:
+            raise RunConfigError(f"--from-checkpoint {rewind_to}: {e}") from None
+        rd.event("rewind", rewind_to, checkpoint=rewind_to, previous_end=max(lineage.end, _logged_end(rd)),
+                 kind="rollback", reason=rewind_reason or "rollback",
+                 by="python -m replay.reference.train --from-checkpoint")
+        lineage = _lineage(rd)
+    pending = lineage.pending_rewind
+    if pending is not None:
+        latest = int(pending.get("checkpoint", pending["step"]))
+        if latest not in committed:
+            raise RunConfigError(f"cannot resume {rd.path}: the rewind to checkpoint {latest} that was recorded "
+                                 f"({pending.get('by', 'replay skip')}) names no committed checkpoint "
+                                 f"(checkpoints: {committed})")
+    else:
+        latest = ckpt.latest_step(rd.checkpoints)
+    attempt = lineage.next_attempt()
+    rd.attempt = attempt
     loader_state = None
+    restore_s = 0.0
     if latest is None:
+        say(_new_run_note(run_dir, existed, cfg.seed))
         rd.write_whole(proto.ENV_NAME, json.dumps(env, indent=1, sort_keys=True))
         state = trainer.init_state(mesh, cfg.seed)
         start = 0
         for name in step_logs:
             rd.truncate_log(name, 0)
-        rd.event("start", 0, name=cfg.name, steps=steps, mesh=dict(zip(mesh.axis_names, mesh.devices.shape)))
     else:
         recorded = {}
         if os.path.exists(env_path):
@@ -529,6 +589,9 @@ def train(
                 f"(env.json versions.fingerprint) and this code computes version {FINGERPRINT_VERSION}, so one log "
                 "would mix two formulas that replay cannot compare; finish this run with the toolkit release that "
                 "started it, or train on in a new run directory")
+        if latest < steps:  # else nothing to do: said at the end
+            say(f"resuming {run_dir} from checkpoint {latest}")
+        t0 = time.perf_counter()
         try:
             state, loader_state = trainer.restore(rd.path, latest, mesh)
         except Exception as e:  # noqa: BLE001 - Orbax/TensorStore report a damaged checkpoint many ways
@@ -539,104 +602,145 @@ def train(
                 f"cannot resume {rd.path}: checkpoint {latest} is damaged ({type(e).__name__}: {first}); move "
                 f"{os.path.join(rd.checkpoints, str(latest))} aside to resume from "
                 f"{older[-1] if older else 'scratch'}") from None
+        restore_s = time.perf_counter() - t0
         start = latest
+    if loader_shift and loader_state is not None:  # a drill: a wrong loader state
+        loader_state = _shifted_loader_state(loader_state, start + loader_shift)
     data = build_loader(cfg, mesh, state=loader_state)  # refuses skip windows that rewrite the past
-    if loader_state is not None and int(loader_state.get("next_step", start)) != start:
+    data_start = start + (loader_shift if loader_state is not None else 0)
+    if not loader_shift and loader_state is not None and int(loader_state.get("next_step", start)) != start:
         raise RunConfigError(f"checkpoint {start} holds loader state for step {loader_state['next_step']}")
     if grown is not None and rd.primary:  # accepted by the loader: now the run's config
-        _write_config(rd.file(proto.RUN_CONFIG_NAME), cfg.to_dict())
-    if latest is not None:
-        dropped = rd.truncate_fingerprints(start)
-        for name in step_logs[1:]:
-            rd.truncate_log(name, start)
-        rd.event("restore", start, checkpoint=latest, dropped_fingerprint_lines=dropped,
-                 env_differences=compare_environment(recorded, env), skip_windows_changed=grown)
+        with open(rd.file(proto.RUN_CONFIG_NAME), encoding="utf-8") as f:
+            written = yaml.safe_load(f)
+        _write_config(rd.file(proto.RUN_CONFIG_NAME), {**cfg.to_dict(), "mixture": written["mixture"]})
+    if rd.primary:  # process 0 writes the run's single files
+        run_inputs.record_inputs(rd.path, data.mixture, cfg.mixture, cfg.dataset, data.manifest_sha256,
+                                 data.schedule.to_dict())
+    info = _model_info(trainer, cfg.global_batch, data.seq_len)
+    loader_rec = {"next_step": data_start, "data_step": data.schedule.data_step(data_start),
+                  "fingerprint": data.state().fingerprint}
+    common = {"attempt": attempt, "launched_at": round(launched_at, 6), "steps": steps, **info}
+    if latest is None:
+        rd.event("start", 0, name=cfg.name, mesh=dict(zip(mesh.axis_names, mesh.devices.shape)),
+                 loader_state=loader_rec, **common)
+    else:
+        previous_end = max(lineage.end, _logged_end(rd))
+        by_step = _writer_of(lineage)
+        moved = rd.supersede(start, by_step, attempt)  # each process its own step-log files
+        moved_ckpts = rd.supersede_checkpoints(start, attempt) if rd.primary else []
+        from replay.run import distributed
+
+        distributed.sync("replay-train-superseded")  # every process past it before any saves again
+        reason = str(pending.get("kind") or "rewind") if pending is not None else ("rollback" if start < lineage.end and any(
+            c > start for c in _lineage_checkpoints(lineage)) else "resume")
+        rd.event("restore", start, checkpoint=latest, reason=reason, previous_end=previous_end,
+                 superseded={"steps": [start, previous_end] if previous_end > start else None,
+                             "lines": moved, "checkpoints": moved_ckpts},
+                 dropped_fingerprint_lines=moved.get(proto.FINGERPRINTS_NAME, 0), restore_s=round(restore_s, 6),
+                 loader_state=loader_rec, env_differences=compare_environment(recorded, env),
+                 skip_windows_changed=grown, **common)
     for ev in data.events:  # e.g. a skip window appended on restore
         name = "skip_window_added" if ev.get("event") == "skip_window" else f"loader_{ev.get('event', 'event')}"
         rd.event(name, ev.get("step", start), **{k: v for k, v in ev.items() if k not in ("event", "step")})
     canary = PeriodicCanary(cfg, trainer, mesh, rd, env) if cfg.canary_every and start < steps else None
 
     mngr = ckpt.manager(rd.checkpoints)
-    pending: list[int] = []  # checkpoints saved (asynchronously), not yet known to have committed
+    pending_saves: list[int] = []  # checkpoints saved (asynchronously), not yet known to have committed
 
-    def save(step_: int) -> None:
+    def save(step_: int) -> float:
+        """Starts an asynchronous save; returns the seconds the loop was blocked by it."""
+        t_ = time.perf_counter()
         ckpt.save(mngr, step_, state, data.state().to_dict())
-        pending.append(step_)
+        pending_saves.append(step_)
+        return time.perf_counter() - t_
 
     def commit_events(wait: bool) -> None:
         """A ``checkpoint`` event for each pending save that has committed (Orbax's commit: the
         temporary folder renamed, or commit_success.txt written), ``checkpoint_failed`` for one that
         finished without committing; with ``wait``, waits for the saves in flight first."""
-        if not pending:
+        if not pending_saves:
             return
         if wait:
             mngr.wait_until_finished()
         elif mngr.is_saving_in_progress():
             return
-        for s_ in pending:
+        for s_ in pending_saves:
             if ckpt.is_committed(rd.checkpoints, s_):
                 rd.event("checkpoint", s_)
             else:
                 rd.event("checkpoint_failed", s_)
-        pending.clear()
+        pending_saves.clear()
 
-    if latest is None:
-        save(0)
+    blocked = save(0) if latest is None else 0.0  # the first step's interval carries the initial save
     losses: dict[int, float] = {}
     canary_seconds: list[float] = []
     stopped = None
-    phase = _phase_index(data, start) if start < steps else None
+    phase = _phase_index(data, data_start) if start < steps else None
     windows = {a: b for a, b in cfg.skip_windows}
     finished = False
+    final_wait = 0.0
     bar = contextlib.ExitStack()
+    compiled = _CompileClock()
     try:
         if start < steps:
-            shown = bar.enter_context(step_progress("train", start, steps, stream=progress))
+            shown = bar.enter_context(step_progress("train", start, steps, stream=progress,
+                                                    first=_compiling_note(canary is not None and start % cfg.canary_every == 0)))
             served = int(data.metrics()["tokens_served"])
-            for step, batch in data.iterate(start):
+            for data_step_, batch in data.iterate(data_start):
+                step = data_step_ - (data_start - start)
                 metrics = data.metrics()
-                p = _phase_index(data, step)
+                p = _phase_index(data, data_step_)
                 if p != phase:
                     rd.event("phase_change", step, phase=p, from_data_step=data.schedule.phases[p].from_step)
                     phase = p
                 if step in windows:
                     rd.event("skipped_window", step, start=step, end=windows[step],
                              data_step=data.schedule.data_step(step))
+                canary_s = 0.0
                 if canary is not None and step % cfg.canary_every == 0:
                     hit = canary_fault if canary_fault is not None and step >= canary_fault.step else None
                     decision, seconds = canary.run(step, hit)
                     canary_seconds.append(seconds)
+                    canary_s = seconds
                     if decision.verdict.value != "acquitted":
                         log(f"WARNING: canary before step {step}: {decision.explanation}")
                         if cfg.canary_action == "stop":
-                            if step not in pending and not ckpt.is_committed(rd.checkpoints, step):
+                            if step not in pending_saves and not ckpt.is_committed(rd.checkpoints, step):
                                 save(step)
                             stopped = {"step": step, "reason": decision.explanation}
                             rd.event("stopped", step, reason="canary_mismatch", devices=list(decision.odd_devices))
                             break
+                c0 = compiled.seconds
                 t0 = time.perf_counter()
                 state, fp = trainer.train_step(state, batch, step, faults)
                 dt = time.perf_counter() - t0
+                compile_s = compiled.seconds - c0
                 rd.append_fingerprints(fp)
-                if fp.signals is not None:
-                    rd.append_signals(dataclasses.replace(
-                        fp.signals, step_time_s=round(dt, 6), loader_wait_s=round(float(metrics["wait_s_last_step"]), 6),
-                        loader_occupancy=int(metrics["prefetch_occupancy"])))
                 losses[step] = fp.router["loss"]
                 dropped_max = max((r.dropped_fraction for r in fp.signals.router), default=fp.router["dropped_fraction"]) \
                     if fp.signals is not None else fp.router["dropped_fraction"]
                 now_served = int(metrics["tokens_served"])
+                nxt = step + 1
+                if nxt % cfg.checkpoint_every == 0 or nxt == steps:
+                    blocked += save(nxt)
+                commit_events(wait=False)
+                if fp.signals is not None:
+                    rd.append_signals(dataclasses.replace(
+                        fp.signals, step_time_s=round(dt, 6), loader_wait_s=round(float(metrics["wait_s_last_step"]), 6),
+                        loader_occupancy=int(metrics["prefetch_occupancy"]), t=round(time.time(), 6),
+                        compile_s=round(min(compile_s, dt), 6), canary_s=round(canary_s, 6),
+                        checkpoint_s=round(blocked, 6), tokens=now_served - served))
+                blocked = 0.0
                 shown.update(step, tokens=now_served - served, step_s=dt, loss=fp.router["loss"], dropped=dropped_max)
                 served = now_served
                 if on_step is not None:
                     on_step(step, fp.router["loss"])
-                nxt = step + 1
-                if nxt % cfg.checkpoint_every == 0 or nxt == steps:
-                    save(nxt)
-                commit_events(wait=False)
                 if nxt >= steps:
                     break
+        t_wait = time.perf_counter()
         commit_events(wait=True)
+        final_wait = time.perf_counter() - t_wait
         finished = True
     except BaseException:
         bar.__exit__(*sys.exc_info())
@@ -644,20 +748,176 @@ def train(
     else:
         bar.close()
     finally:
+        compiled.close()
         try:
             mngr.close()  # waits for a save in flight
             commit_events(wait=False)
         except Exception:  # noqa: BLE001
             if finished:
                 raise  # else already failing: the original error is the one to see
-    rd.event("end", max(start, steps) if stopped is None else stopped["step"])
+    rd.event("end", max(start, steps) if stopped is None else stopped["step"], final_save_s=round(final_wait, 6))
     picture = None
     if plot and rd.primary:
         from replay.reference.plot import plot_training
 
         picture = plot_training(rd.path, title=f"training run {cfg.name} ({rd.path})")
     return {"start": start, "end": steps, "losses": losses, "stopped": stopped, "canary_seconds": canary_seconds,
-            "plot": picture}
+            "plot": picture, "attempt": attempt}
+
+
+class _CompileClock:
+    """Seconds of JAX tracing, lowering and XLA compilation since it was made, from JAX's own
+    monitoring events (``jax.monitoring``: ``/jax/core/compile/*_duration``), whatever thread compiles."""
+
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self):
+        import jax
+
+        self.seconds = 0.0
+
+        def listen(event, duration, **_):
+            if event in self.EVENTS:
+                self.seconds += float(duration)
+
+        self._listen = listen
+        jax.monitoring.register_event_duration_secs_listener(listen)
+
+    def close(self) -> None:
+        import jax
+
+        try:
+            jax.monitoring.unregister_event_duration_listener(self._listen)
+        except (AssertionError, ValueError):  # already gone
+            pass
+
+
+def _lineage(rd: RunDir):
+    """The run directory's lineage (``replay.run.lineage``) from its events and step log."""
+    from replay.run import lineage as lin
+
+    events = proto.read_events(rd.path) if os.path.exists(rd.file(proto.EVENTS_NAME)) else []
+    steps = _logged_steps(rd)
+    return lin.lineage_of_run(rd.path, events, steps)
+
+
+def _logged_steps(rd: RunDir) -> list[int]:
+    path = rd.file(proto.FINGERPRINTS_NAME)
+    out = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    out.append(int(json.loads(line)["step"]))
+                except (ValueError, KeyError, TypeError):
+                    continue
+    return out
+
+
+def _logged_end(rd: RunDir) -> int:
+    steps = _logged_steps(rd)
+    return max(steps) + 1 if steps else 0
+
+
+def _writer_of(lineage) -> Callable[[int], Optional[int]]:
+    """``step -> the attempt whose line of that step the step log holds``: the last attempt that trained it."""
+    def writer(step: int) -> Optional[int]:
+        for a in reversed(lineage.attempts):
+            end = a.trained_end if a.trained_end is not None else lineage.end
+            if a.start <= step < max(end, a.lineage[1]):
+                return a.id
+        return None
+
+    return writer
+
+
+def _lineage_checkpoints(lineage) -> list[int]:
+    return [int(e["step"]) for e in lineage.events if e.get("event") == "checkpoint" and isinstance(e.get("step"), int)]
+
+
+def _shifted_loader_state(state: Mapping[str, Any], next_step: int) -> dict[str, Any]:
+    """A drill's wrong loader state: ``state`` with another ``next_step`` (fingerprint unchanged: it covers
+    the schedule, not the step)."""
+    if next_step < 0:
+        raise RunConfigError(f"loader_shift: the shifted loader state would start at step {next_step} < 0")
+    return {**dict(state), "next_step": int(next_step)}
+
+
+def _model_info(trainer, global_batch: int, seq_len: int) -> dict[str, Any]:
+    """What ``replay goodput`` needs of the model, logged in the start and restore events: ``params``,
+    ``active_params`` (per token), ``tokens_per_step`` (global batch x seq_len slots) and
+    ``flops_per_step`` = ``6 * active_params * tokens_per_step``, the usual estimate of a decoder's
+    training FLOPs (forward 2, backward 4 per parameter and token: Kaplan et al. 2020, eq. 2.1;
+    attention's share is left out)."""
+    try:
+        counts = _parameter_counts(trainer.model)
+    except AttributeError:  # a trainer without a reference model: no FLOPs logged
+        return {}
+    tokens = int(global_batch) * int(seq_len)
+    return {"params": counts["total"], "active_params": counts["active"], "tokens_per_step": tokens,
+            "flops_per_step": 6 * counts["active"] * tokens}
+
+
+def _parameter_counts(model) -> dict[str, int]:
+    """``{"total", "active"}`` parameters of the reference model: an expert's weights count toward the
+    active parameters with the share ``top_k / n_experts`` (each token runs top_k of the experts)."""
+    import jax
+    import numpy as np
+
+    from replay.reference.model import init_params
+
+    abstract = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
+    total = active = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        n = int(np.prod(leaf.shape))
+        total += n
+        name = jax.tree_util.keystr(path)
+        expert = leaf.ndim >= 1 and leaf.shape[0] == model.n_experts and ("w_in" in name or "w_out" in name
+                                                                              or "expert" in name)
+        active += n * model.top_k // model.n_experts if expert else n
+    return {"total": total, "active": active}
+
+
+def _check_same_mixture(rd: RunDir, cfg: RunConfig) -> None:
+    """Refuses to resume with a mixture config that is not the one the run kept (``replay.run.inputs``)."""
+    from replay.run import inputs as run_inputs
+
+    rec = run_inputs.read_inputs(rd.path)
+    if rec is None:
+        return
+    copy = os.path.join(rd.path, rec["mixture"].get("copy") or proto.MIXTURE_COPY_NAME)
+    if os.path.abspath(cfg.mixture) == os.path.abspath(copy):
+        return
+    now = run_inputs.mixture_sha256(cfg.mixture)
+    if now != rec["mixture"]["sha256"]:
+        raise RunConfigError(
+            f"the mixture config {cfg.mixture} is not the one run {rd.path} trained with (sha256 "
+            f"{rec['mixture']['sha256'][:12]} then, {(now or 'unreadable')[:12]} now): the run kept its own copy, "
+            f"{copy}; resume with 'python -m replay.reference.train --run {rd.path}' (its own config and copy), "
+            "or train the new mixture in a new run directory")
+
+
+def _new_run_note(run_dir: str, existed: bool, seed: int) -> str:
+    """The line a new run starts with; for a folder that was not there, the nearest existing run
+    directory (a typo in ``--run`` would otherwise start a new run from step 0 without a word)."""
+    from replay.run.runlog import nearest_run_dir
+
+    near = None if existed else nearest_run_dir(run_dir)
+    where = (f"new run directory {run_dir} (it did not exist; the nearest existing run directory is {near}, in "
+             "case --run meant it)" if near else f"new run in {run_dir}")
+    return f"{where}: initializing the parameters (seed {seed}) and saving checkpoint 0"
+
+
+def _compiling_note(canary: bool) -> str:
+    """What the first step of an invocation waits for: XLA compiling its programs (or loading them
+    from JAX's persistent compilation cache, when one is set)."""
+    import jax
+
+    cached = bool(getattr(jax.config, "jax_compilation_cache_dir", None))
+    what = "the train step" + (" and the periodic canary" if canary else "")
+    return (f"compiling {what}" + (" (or loading from JAX's compilation cache)" if cached else "")
+            + ": the first step takes longer, the steps after it run at speed")
 
 
 def canary_batch(cfg: RunConfig, mesh) -> dict[str, Any]:

@@ -40,8 +40,10 @@ def make_setup(run: RunLog) -> RunSetup:
     axis_names, shape, run_ids = mesh_record(run)
     trainer = ReferenceTrainer(model, cfg.optimizer)
 
-    def make_loader(mesh):
-        return ref_run.build_loader(cfg, mesh)
+    def make_loader(mesh):  # checked against the inputs the run recorded (replay.run.inputs)
+        from replay.verify.engine import checked_loader
+
+        return checked_loader(run, ref_run.build_loader(cfg, mesh))
 
     return RunSetup(trainer=trainer, axis_names=axis_names, shape=shape, run_device_ids=run_ids,
                     make_loader=make_loader, seed=cfg.seed, global_batch=cfg.global_batch, mixture=cfg.mixture,

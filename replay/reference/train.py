@@ -1,12 +1,19 @@
 """Command line: train the reference MoE model and leave a run directory for replay.
 
     python -m replay.reference.train --run build/demo/run --config configs/runs/demo.yaml --steps 30
+    python -m replay.reference.train --run build/demo/run                  # resume: the run's own config
+    python -m replay.reference.train --run build/demo/run --from-checkpoint 10   # roll back to checkpoint 10
 
 ``--steps`` is the step to stop at (total): after a kill, the same command resumes from
-the last complete checkpoint and finishes the same run. Thin over
-:func:`replay.reference.run.train`. Exit codes: 0 done, 2 a config, data or file error, 3 stopped
-by a canary mismatch (``canary_action: stop``), 4 another process of the run died (this one
-stopped too: restart them all with the same commands; they resume from the last checkpoint).
+the last complete checkpoint and finishes the same run. On an existing run directory ``--config``
+and ``--steps`` may be left out: the run's own ``run_config.yaml`` (with its copy of the mixture,
+``mixture.yaml``) and the last target it was given. A rewind recorded by ``replay skip`` is
+followed: training resumes from its checkpoint with its data window skipped. ``--from-checkpoint``
+rolls back to an older checkpoint of the run; the steps after it are kept as a superseded attempt
+(``replay.run.lineage``). Thin over :func:`replay.reference.run.train`. Exit codes: 0 done, 2 a
+config, data or file error, 3 stopped by a canary mismatch (``canary_action: stop``), 4 another
+process of the run died (this one stopped too: restart them all with the same commands; they resume
+from the last checkpoint).
 
 Several processes (``jax.distributed``; on CPU with gloo collectives), one run directory: every
 process runs the same command with JAX's process settings (``replay.run.distributed``)::
@@ -30,21 +37,32 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Optional, Sequence
 
-from replay.run import distributed
-from replay.run.env import pin_determinism_flags
-from replay.reference.run import RunConfigError, load_run_config, train
+LAUNCHED_AT = time.time()  # the command's start: the start of its attempt's start-up (replay goodput)
+
+from replay.run import distributed  # noqa: E402  (after LAUNCHED_AT: imports are start-up)
+from replay.run.env import pin_determinism_flags  # noqa: E402
+from replay.run.progress import loss_text  # noqa: E402
+from replay.reference.run import RunConfigError, load_run_config, train  # noqa: E402
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m replay.reference.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", required=True, help="run directory (created; resumed when it holds checkpoints)")
-    parser.add_argument("--config", required=True, help="run config YAML (configs/runs/<name>.yaml)")
-    parser.add_argument("--steps", required=True, type=int, help="train until this global step (exclusive)")
+    parser.add_argument("--config", help="run config YAML (configs/runs/<name>.yaml); default on an existing run: "
+                                         "its own run_config.yaml and mixture copy")
+    parser.add_argument("--steps", type=int, help="train until this global step (exclusive); default on an existing "
+                                                  "run: the last --steps it was given")
+    parser.add_argument("--from-checkpoint", type=int, metavar="C",
+                        help="roll back: resume from checkpoint C of the run instead of the newest (the steps after "
+                             "it are kept as a superseded attempt)")
+    parser.add_argument("--reason", help="with --from-checkpoint: why (recorded in the rewind event)")
     distributed.add_arguments(parser)
     args = parser.parse_args(argv)
     pin_determinism_flags()  # before JAX starts its backend; recorded in env.json
+    start = LAUNCHED_AT if argv is None else time.time()
     try:
         dargs = distributed.from_args(args)
     except distributed.DistributedConfigError as e:
@@ -59,8 +77,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if dargs is not None:
             distributed.initialize(dargs)
-        cfg = load_run_config(args.config)
-        summary = train(args.run, cfg, args.steps)
+        cfg, steps = _config_and_steps(args)
+        args.config, args.steps = args.config or "(the run's own)", steps
+        summary = train(args.run, cfg, steps, rewind_to=args.from_checkpoint, rewind_reason=args.reason,
+                        launched_at=start)
     except (RunConfigError, FileNotFoundError, ValueError, distributed.DistributedConfigError) as e:
         print(f"error: {e}{_dataset_hint(e, args.config)}", file=sys.stderr)
         if argv is None:  # the command: a process of its own
@@ -80,7 +100,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 3
     if losses:
         first, last = min(losses), max(losses)
-        print(f"trained steps {summary['start']}..{summary['end'] - 1}: loss {losses[first]:.4f} -> {losses[last]:.4f}")
+        print(f"trained steps {summary['start']}..{summary['end'] - 1}: loss {loss_text(losses[first])} -> "
+              f"{loss_text(losses[last])}")
     else:
         print(f"nothing to do: run already at step {summary['start']} (--steps is the step to stop at: "
               f"--steps {summary['start'] + 10} trains 10 more)")
@@ -99,6 +120,49 @@ def _restart_hint(args, dargs) -> str:
     n = dargs.num_processes or "all"
     return (f"Restart all {n} processes of the run with the same commands (this one: python -m "
             f"replay.reference.train {' '.join(sys.argv[1:]) if sys.argv[1:] else '...'}): they resume from {where}.")
+
+
+def _config_and_steps(args):
+    """The run config and target step: ``--config``/``--steps``, else the run directory's own
+    ``run_config.yaml`` (mixture: the run's copy when it kept one) and the last target of its events.
+
+    Raises:
+      RunConfigError: neither is given for a new run directory, or the run's own config is unreadable.
+    """
+    import os
+
+    from replay.reference.run import RunConfigError, run_config_from_dict
+    from replay.run import protocol as proto
+
+    cfg = load_run_config(args.config) if args.config else None
+    steps = args.steps
+    own = os.path.join(args.run, proto.RUN_CONFIG_NAME)
+    if cfg is None or steps is None:
+        if not os.path.isfile(own):
+            missing = " and ".join(f for f, v in (("--config", args.config), ("--steps", args.steps)) if v is None)
+            raise RunConfigError(f"{args.run} is not a run directory yet: give {missing} to start one")
+    if cfg is None:
+        import yaml
+
+        from replay.run import inputs as run_inputs
+
+        with open(own, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+        if not isinstance(raw, dict):
+            raise RunConfigError(f"{own}: not a mapping")
+        resolved = run_inputs.resolve(args.run, raw)
+        raw = {**raw, "mixture": resolved.mixture}
+        for note in resolved.notes:
+            print(f"note: {note}", file=sys.stderr)
+        cfg = run_config_from_dict(raw, args.run)
+    if steps is None:
+        targets = [e.get("steps") for e in proto.read_events(args.run) if e.get("event") in ("start", "restore")
+                   and isinstance(e.get("steps"), int)] if os.path.exists(os.path.join(args.run, proto.EVENTS_NAME)) \
+            else []
+        if not targets:
+            raise RunConfigError(f"{args.run}: no earlier --steps is recorded; give --steps")
+        steps = targets[-1]
+    return cfg, steps
 
 
 def _dataset_hint(e: Exception, config: str) -> str:

@@ -6,9 +6,16 @@ A ``jax.sharding.Mesh`` with axes ``("data", "expert")`` (:func:`make_mesh`; dev
 order, data-major). The global batch ``[B, S]`` is split over both axes
 (``PartitionSpec(("data", "expert"))``): every device computes the forward and backward
 pass of its own ``B / n_devices`` rows. Expert weights (``w_in``, ``w_out``) and their AdamW
-moments are *stored* split over the ``expert`` axis (first dimension, when ``E`` divides);
-the step gathers them for compute (jit inserts the all-gather), so the per-device gradient
-is a full-size local contribution that can be fingerprinted before the reduction.
+moments are *stored* split over the ``expert`` axis (first dimension, when ``E`` divides).
+With ``model.dispatch == "gather"`` the step gathers them for compute (jit inserts the
+all-gather), so the per-device gradient is a full-size local contribution that can be
+fingerprinted before the reduction. With ``"all_to_all"`` (expert parallelism) they enter
+``shard_map`` split (``PartitionSpec("expert")``) and are never gathered: each device's tokens
+reach their experts' devices by ``lax.all_to_all`` and come back by a second one
+(``replay.reference.model``); a device's local gradient is then the whole gradient of the
+replicated weights from its rows and its own experts' shard, the shard is reduced over the
+other axes only, and each device also fingerprints what it sends at each all-to-all, forward
+and backward (``StepFingerprints.sends``; docs/trainer.md, "Expert parallelism").
 
 One step (``jax.jit`` with explicit in/out shardings; the per-device part in
 ``jax.shard_map`` so that each device's local gradient is visible)::
@@ -21,8 +28,10 @@ One step (``jax.jit`` with explicit in/out shardings; the per-device part in
         fp_leaf  = psum_d fingerprint(row block d of g)          # blocks add up mod 2^32
     grad_norm = ||g||_2 ; AdamW update (optax)
 
-The fault is a traced ``int32[5]`` input ``[enabled, device_id, leaf_index, element, bit]``,
-so a drill never recompiles. Fingerprints only read gradients: the update is bit-identical
+The fault is a traced ``int32[7]`` input ``[enabled, device_id, leaf_index, element, bit, site,
+layer]`` (:meth:`ReferenceTrainer.fault_array`; ``site`` may also plant the flip inside the
+computation: an expert output, an expert weight's gradient, an attention output), so a drill
+never recompiles. Fingerprints only read gradients: the update is bit-identical
 with and without them (tested).
 """
 
@@ -44,19 +53,26 @@ from replay.run import fingerprint as fpm
 from replay.run.protocol import (
     CHECKPOINTS_DIR,
     DriftSpec,
+    ExpertLoad,
     FaultSpec,
     ReplicaNorm,
     RouterLayerStats,
     StepFingerprints,
     StepSignals,
+    send_sites_in_program_order,
 )
 from replay.reference.model import (
     BATCH_KEYS,
+    FAULT_LEN,
+    SITE_CODE,
+    ExpertParallel,
+    Hooks,
     ModelConfig,
     count_target_tokens,
     did_you_mean,
     init_params,
     local_loss,
+    probe_fingerprints,
     router_bias_update,
 )
 
@@ -173,6 +189,19 @@ def _leaf_bits(dtype) -> int:
     return 8 * jnp.dtype(dtype).itemsize
 
 
+def is_expert_leaf(path: str) -> bool:
+    """True for an expert weight's leaf path (``...['w_in']`` or ``...['w_out']``)."""
+    return any(path.endswith(f"['{k}']") for k in EXPERT_LEAVES)
+
+
+def leaf_layer(path: str) -> Optional[int]:
+    """The layer index of a per-layer leaf path (``['layers'][3]['w_in']`` -> 3), else None."""
+    import re
+
+    m = re.match(r"\['layers'\]\[(\d+)\]", path)
+    return int(m.group(1)) if m else None
+
+
 class ReferenceTrainer:
     """The reference MoE trainer; implements :class:`replay.run.protocol.Trainer`.
 
@@ -184,8 +213,12 @@ class ReferenceTrainer:
         only loss, gradient-norm bits and the batch hash).
       signals: compute the screening signals (:class:`replay.run.protocol.StepSignals`: per-device
         and per-replica gradient norms before the reduction, non-finite counts per leaf and
-        device, per-layer router health) in the step; default: as ``fingerprints``, so that
+        device, per-layer router health and, under expert parallelism, the tokens each expert
+        device received) in the step; default: as ``fingerprints``, so that
         ``fingerprints=False`` is the plain step with none of the instrumentation.
+      sends: under expert parallelism, fingerprint what each device sends at each all-to-all
+        (``StepFingerprints.sends``, what localizes a fault through the exchanges); default: as
+        ``fingerprints`` (``False`` only to measure their cost: ``benchmarks/fingerprint.py --ep``).
 
     The train state is a dict ``{"params": ..., "opt_state": ..., "router_bias": float32 [L, E]}``
     of global ``jax.Array`` (``router_bias``: the loss-free balancing bias, zeros unless
@@ -193,12 +226,15 @@ class ReferenceTrainer:
     """
 
     def __init__(self, model: ModelConfig, optimizer: OptimizerConfig = OptimizerConfig(), *, fingerprints: bool = True,
-                 signals: Optional[bool] = None):
+                 signals: Optional[bool] = None, sends: Optional[bool] = None):
         self.model = model
         self.optimizer_config = optimizer
         self.optimizer = optimizer.build()
         self.fingerprints = fingerprints
         self.signals = fingerprints if signals is None else bool(signals)
+        self.sends = fingerprints if sends is None else bool(sends)
+        if self.sends and not fingerprints:
+            raise TrainerConfigError("sends: fingerprinting the all-to-all sends needs fingerprints=True")
         abstract = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
         self.leaf_paths = leaf_paths(abstract)
         flat = jax.tree_util.tree_leaves(abstract)
@@ -209,17 +245,66 @@ class ReferenceTrainer:
 
     # ------------------------------------------------------------------ shardings
 
+    def expert_parallel(self, mesh: Mesh) -> Optional[ExpertParallel]:
+        """The expert parallelism of the step on ``mesh`` (``model.dispatch == "all_to_all"``), else None.
+
+        Raises:
+          TrainerConfigError: ``n_experts`` does not divide by the mesh's ``expert`` size.
+        """
+        if self.model.dispatch != "all_to_all":
+            return None
+        X = int(mesh.shape["expert"])
+        if self.model.n_experts % X:
+            raise TrainerConfigError(
+                f"model.dispatch all_to_all: n_experts {self.model.n_experts} must divide by the mesh's expert "
+                f"axis size {X} (each device holds n_experts / expert experts)")
+        return ExpertParallel("expert", X)
+
     def param_shardings(self, mesh: Mesh) -> Any:
-        """NamedSharding per parameter: expert leaves split over ``expert`` (dim 0), rest replicated."""
+        """NamedSharding per parameter: expert leaves split over ``expert`` (dim 0), rest replicated.
+
+        With gather dispatch an expert leaf whose first dimension does not divide by the axis size
+        is replicated; with all-to-all dispatch that is an error (:meth:`expert_parallel`).
+        """
         n_expert = mesh.shape["expert"]
+        self.expert_parallel(mesh)
 
         def spec(path, x):
-            name = jax.tree_util.keystr(path[-1:]) if path else ""
-            if any(f"'{k}'" in name for k in EXPERT_LEAVES) and x.shape[0] % n_expert == 0:
+            if is_expert_leaf(jax.tree_util.keystr(path)) and x.shape[0] % n_expert == 0:
                 return NamedSharding(mesh, P("expert"))
             return NamedSharding(mesh, P())
 
         return jax.tree_util.tree_map_with_path(spec, self._abstract_params)
+
+    def local_leaf_shapes(self, mesh_shape: Mapping[str, int]) -> list[tuple[int, ...]]:
+        """Per leaf (in :attr:`leaf_paths` order) the shape of one device's local gradient
+        contribution on a mesh of ``mesh_shape`` (``{axis: size}``): the whole leaf, but an expert
+        leaf's ``1 / expert`` shard under all-to-all dispatch."""
+        X = int(mesh_shape["expert"])
+        shapes = [tuple(x.shape) for x in jax.tree_util.tree_leaves(self._abstract_params)]
+        if self.model.dispatch != "all_to_all":
+            return shapes
+        return [(s[0] // X, *s[1:]) if is_expert_leaf(p) else s for p, s in zip(self.leaf_paths, shapes)]
+
+    def local_leaf_sizes(self, mesh_shape: Mapping[str, int]) -> list[int]:
+        """Element counts of :meth:`local_leaf_shapes`: the range of ``FaultSpec.element`` per leaf."""
+        return [int(np.prod(s)) for s in self.local_leaf_shapes(mesh_shape)]
+
+    def activation_shapes(self, mesh_shape: Mapping[str, int], global_batch: int, seq_len: int
+                          ) -> dict[str, tuple[int, ...]]:
+        """One device's buffers that ``expert_forward`` and ``attention`` faults index (per layer).
+
+        ``B = global_batch / devices`` rows, ``C = model.capacity(seq_len)``:
+        ``expert_forward``: the experts' output, ``[X, E / X, B, C, D]`` under all-to-all dispatch
+        (what the device sends at the layer's combine: part ``x`` goes to the ``x``-th device of its
+        expert group and holds that device's tokens' slots of this device's ``E / X`` experts), or
+        ``[B, E, C, D]`` with gather dispatch; ``attention``: the attention block's output ``[B, S, D]``.
+        """
+        n = int(np.prod([int(v) for v in mesh_shape.values()]))
+        B, C, E, D = global_batch // n, self.model.capacity(seq_len), self.model.n_experts, self.model.d_model
+        X = int(mesh_shape["expert"])
+        fwd = (X, E // X, B, C, D) if self.model.dispatch == "all_to_all" else (B, E, C, D)
+        return {"expert_forward": fwd, "attention": (B, seq_len, D)}
 
     def state_shardings(self, mesh: Mesh) -> dict[str, Any]:
         """Shardings of the train state: AdamW moments follow their parameters."""
@@ -289,28 +374,58 @@ class ReferenceTrainer:
         finally:
             mngr.close()
 
-    def fault_array(self, fault: Optional[FaultSpec], step: Optional[int], mesh_ids: Sequence[int]) -> np.ndarray:
-        """``int32[5] = [enabled, device_id, leaf_index, element, bit]`` for the traced fault input.
+    def fault_array(self, fault: Optional[FaultSpec], step: Optional[int], mesh_ids: Sequence[int], *,
+                    sizes: Optional[Mapping[str, Any]] = None) -> np.ndarray:
+        """``int32[7] = [enabled, device_id, leaf_index, element, bit, site, layer]`` for the traced
+        fault input (``replay.reference.model.FAULT_LEN``; ``site``: the index of ``fault.where`` in
+        ``replay.run.protocol.FAULT_SITES``; ``layer``: the fault's layer, -1 for a local-gradient one).
 
         ``enabled`` is 1 when ``fault`` is given and (``step`` is None or ``fault.step == step``).
 
+        Args:
+          sizes: the step's buffer sizes (:meth:`fault_sizes`) to check ``element`` against; without
+            them a leaf's element is checked against the whole leaf and an activation's not at all
+            (``flip_bit`` clips it into range).
+
         Raises:
-          FaultSpecError: unknown leaf or device, element outside ``[0, leaf size)``, or bit
-            outside ``[0, bits of the leaf dtype)``.
+          FaultSpecError: unknown leaf, layer or device, an ``expert_backward`` leaf that is not an
+            expert weight, element outside the buffer, or bit outside ``[0, bits of the dtype)``.
         """
         if fault is None or (step is not None and fault.step != step):
-            return np.zeros(5, np.int32)
-        if fault.leaf not in self.leaf_paths:
-            raise FaultSpecError(f"fault.leaf {fault.leaf!r} is not a parameter leaf; leaves: {self.leaf_paths}")
-        i = self.leaf_paths.index(fault.leaf)
-        if not 0 <= fault.element < self.leaf_sizes[i]:
-            raise FaultSpecError(f"fault.element {fault.element} outside [0, {self.leaf_sizes[i]}) for {fault.leaf}")
-        bits = _leaf_bits(self.leaf_dtypes[i])
+            return np.zeros(FAULT_LEN, np.int32)
+        where = fault.where
+        if where in ("local_gradient", "expert_backward"):
+            if fault.leaf not in self.leaf_paths:
+                raise FaultSpecError(f"fault.leaf {fault.leaf!r} is not a parameter leaf; leaves: {self.leaf_paths}")
+            i = self.leaf_paths.index(fault.leaf)
+            if where == "expert_backward" and not is_expert_leaf(fault.leaf):
+                experts = [p for p in self.leaf_paths if is_expert_leaf(p)]
+                raise FaultSpecError(f"fault.leaf {fault.leaf!r}: an expert_backward fault hits an expert weight's "
+                                     f"gradient; expert leaves: {experts}")
+            size = (sizes or {}).get("leaves", self.leaf_sizes)[i]
+            layer = leaf_layer(fault.leaf) if where == "expert_backward" else -1
+            dtype, what = self.leaf_dtypes[i], fault.leaf
+        else:
+            i, layer = 0, int(fault.layer)
+            if not 0 <= layer < self.model.n_layers:
+                raise FaultSpecError(f"fault.layer {layer} outside [0, {self.model.n_layers})")
+            size = (sizes or {}).get(where)
+            dtype, what = self.model.dtype, f"the {where} buffer of layer {layer}"
+        if size is not None and not 0 <= fault.element < size:
+            raise FaultSpecError(f"fault.element {fault.element} outside [0, {size}) for {what}")
+        bits = _leaf_bits(dtype)
         if not 0 <= fault.bit < bits:
-            raise FaultSpecError(f"fault.bit {fault.bit} outside [0, {bits}) for {fault.leaf}")
+            raise FaultSpecError(f"fault.bit {fault.bit} outside [0, {bits}) for {what}")
         if fault.device_id not in mesh_ids:
             raise FaultSpecError(f"fault.device_id {fault.device_id} not in the mesh's devices {sorted(mesh_ids)}")
-        return np.asarray([1, fault.device_id, i, fault.element, fault.bit], np.int32)
+        return np.asarray([1, fault.device_id, i, fault.element, fault.bit, SITE_CODE[where], layer], np.int32)
+
+    def fault_sizes(self, mesh: Mesh, global_batch: int, seq_len: int) -> dict[str, Any]:
+        """What :meth:`fault_array` checks elements against on ``mesh`` for a ``[global_batch,
+        seq_len]`` batch: ``{"leaves": local leaf sizes, "expert_forward": n, "attention": n}``."""
+        shape = dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape)))
+        acts = self.activation_shapes(shape, global_batch, seq_len)
+        return {"leaves": self.local_leaf_sizes(shape), **{k: int(np.prod(v)) for k, v in acts.items()}}
 
     def drift_array(self, drift: Optional[DriftSpec], step: int, mesh_ids: Sequence[int]) -> np.ndarray:
         """``float32[4] = [enabled, device_id, kind (0 scale, 1 bias), magnitude]`` for the traced
@@ -343,7 +458,7 @@ class ReferenceTrainer:
 
     def _inject(self, grads, fault, device_id):
         leaves, treedef = jax.tree_util.tree_flatten(grads)
-        hit_dev = (fault[0] == 1) & (fault[1] == device_id)
+        hit_dev = (fault[0] == 1) & (fault[1] == device_id) & (fault[5] == SITE_CODE["local_gradient"])
         out = [fpm.flip_bit(g, fault[3], fault[4], hit_dev & (fault[2] == i)) for i, g in enumerate(leaves)]
         return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -374,7 +489,7 @@ class ReferenceTrainer:
         return lin
 
     def _step_fn(self, mesh: Mesh, global_batch: int, keep_local: bool = False):
-        key = ("step", mesh, global_batch, self.fingerprints, self.signals, keep_local)
+        key = ("step", mesh, global_batch, self.fingerprints, self.signals, self.sends, keep_local)
         if key in self._compiled:
             return self._compiled[key]
         axes = tuple(mesh.axis_names)
@@ -382,38 +497,79 @@ class ReferenceTrainer:
         dev_table = jnp.asarray([d.id for d in mesh.devices.reshape(-1)], jnp.int32)
         cfg = self.model
         with_fp, with_sig = self.fingerprints, self.signals
+        instrumented = with_fp or with_sig
         rate = cfg.router_bias_rate
         opt = self.optimizer
+        ep = self.expert_parallel(mesh)
+        treedef = jax.tree_util.tree_structure(self._abstract_params)
+        # Under expert parallelism an expert leaf is one shard per device of the expert axis, reduced
+        # over the other axes only; every other leaf is whole on every device, reduced over all.
+        sharded = [ep is not None and is_expert_leaf(p) for p in self.leaf_paths]
+        param_specs = jax.tree_util.tree_unflatten(treedef, [P("expert") if s else P() for s in sharded])
+        others = tuple(a for a in axes if a != "expert")
+        n_others = int(np.prod([mesh.shape[a] for a in others]))
+        shard_rows = cfg.n_experts // ep.size if ep is not None else 0
+        take_sends = with_fp and self.sends and ep is not None
+        n_layers = cfg.n_layers
+
+        def others_index():
+            lin = 0
+            for a in others:
+                lin = lin * mesh.shape[a] + jax.lax.axis_index(a)
+            return lin
 
         def per_device(params, bias, batch, fault, drift, total_tokens, total_rows):
-            (loss_c, aux), grads = jax.value_and_grad(local_loss, has_aux=True)(
-                params, batch, cfg, total_tokens, total_rows, bias if rate > 0 else None
-            )
+            dev = dev_table[self._linear_index(mesh)]
+            xi = jax.lax.axis_index("expert") if ep is not None else 0
+            hooks = Hooks(fault=fault if instrumented else None, device=dev)
+
+            def loss_fn(p, probes):
+                return local_loss(p, batch, cfg, total_tokens, total_rows, bias if rate > 0 else None, ep=ep,
+                                  hooks=dataclasses.replace(hooks, probes=probes))
+
+            if take_sends:  # the backward pass's send fingerprints come back as the probes' cotangents
+                (loss_c, aux), (grads, probe_ct) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+                    params, jnp.zeros((n_layers, 2, 4), jnp.float32))
+            else:
+                (loss_c, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, None)
+            aux = dict(aux)
+            fwd_sends, kept = aux.pop("sends", None), aux.pop("kept")
             out = {}
-            if with_fp or with_sig:
-                dev = dev_table[self._linear_index(mesh)]
+            if instrumented:
                 grads = self._drift(self._inject(grads, fault, dev), drift, dev)
             local = jax.tree_util.tree_leaves(grads)
             if with_fp:
-                out["devices"] = jnp.stack([fpm.fingerprint(g, counts=False) for g in local])[None]
+                out["devices"] = jnp.stack([
+                    fpm.fingerprint_row_block(g, 0, 1, counts=False, row_offset=xi * shard_rows) if s
+                    else fpm.fingerprint(g, counts=False) for g, s in zip(local, sharded)])[None]
+            if take_sends:  # [4L, 2] lanes, in program order (replay.run.protocol.send_sites_in_program_order)
+                bwd = probe_fingerprints(probe_ct)  # [L, (combine, dispatch), 2]
+                order = [fwd_sends[i, k] for i in range(n_layers) for k in (0, 1)]
+                order += [bwd[i, k] for i in reversed(range(n_layers)) for k in (0, 1)]
+                out["sends"] = jnp.stack(order)[None]
             if with_sig:  # the local contribution, before the reduction: float32 sums of squares
                 sq = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in local])
                 out["dev_norm_sq"] = jnp.sum(sq)[None]
                 out["dev_nonfinite"] = jnp.stack([jnp.sum(~jnp.isfinite(g), dtype=jnp.int32) for g in local])[None]
+                if ep is not None:  # tokens this device's experts received from its expert group, per layer
+                    group = jax.lax.psum(kept, "expert").reshape(n_layers, ep.size, shard_rows)
+                    out["recv_tokens"] = jnp.sum(jnp.take(group, xi, axis=1), axis=-1)[None]
             if keep_local:
                 out["local_grads"] = jax.tree_util.tree_map(lambda g: g[None], grads)
-            grads = jax.lax.psum(grads, axes)
+            reduced = [jax.lax.psum(g, others) if s else jax.lax.psum(g, axes) for g, s in zip(local, sharded)]
+            grads = jax.tree_util.tree_unflatten(treedef, reduced)
             if keep_local:
                 out["reduced_grads"] = grads
-            if with_sig:  # <g_d, g>: sums over devices to ||g||^2
-                dots = [jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32))
-                        for a, b in zip(local, jax.tree_util.tree_leaves(grads))]
+            if with_sig:  # <g_d, g> (over the part of g the device holds): sums over devices to ||g||^2
+                dots = [jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32)) for a, b in zip(local, reduced)]
                 out["dev_dot"] = jnp.sum(jnp.stack(dots))[None]
             if with_fp:
-                # each device fingerprints one row block of the reduced gradient; the
-                # uint32 partials add up to the whole leaf's fingerprint
-                lin = self._linear_index(mesh)
-                parts = [fpm.fingerprint_row_block(g, lin, n_dev) for g in jax.tree_util.tree_leaves(grads)]
+                # each device fingerprints one row block of the reduced gradient (of an expert leaf's
+                # shard: one block per device of the other axes); the uint32 partials add up to the
+                # whole leaf's fingerprint
+                lin, o = self._linear_index(mesh), others_index()
+                parts = [fpm.fingerprint_row_block(g, o, n_others, row_offset=xi * shard_rows) if s
+                         else fpm.fingerprint_row_block(g, lin, n_dev) for g, s in zip(reduced, sharded)]
                 out["leaves"] = jax.lax.psum(jnp.stack(parts), axes)
             out["loss"] = jax.lax.psum(loss_c, axes)
             out["stats"] = jax.lax.psum({k: v for k, v in aux.items() if k != "max_logit"}, axes)
@@ -423,15 +579,19 @@ class ReferenceTrainer:
         out_specs_extra = {"loss": P(), "stats": P(), "max_logit": P()}
         if with_fp:
             out_specs_extra.update(devices=P(axes), leaves=P())
+        if take_sends:
+            out_specs_extra.update(sends=P(axes))
         if with_sig:
             out_specs_extra.update(dev_norm_sq=P(axes), dev_nonfinite=P(axes), dev_dot=P(axes))
+            if ep is not None:
+                out_specs_extra.update(recv_tokens=P(axes))
         if keep_local:
-            out_specs_extra.update(local_grads=P(axes), reduced_grads=P())
-        sharded = jax.shard_map(
+            out_specs_extra.update(local_grads=P(axes), reduced_grads=param_specs)
+        sharded_fn = jax.shard_map(
             per_device,
             mesh=mesh,
-            in_specs=(P(), P(), P(axes), P(), P(), P(), P()),
-            out_specs=(P(), out_specs_extra),
+            in_specs=(param_specs, P(), P(axes), P(), P(), P(), P()),
+            out_specs=(param_specs, out_specs_extra),
             check_vma=False,  # grads of replicated params stay local until our psum
         )
 
@@ -441,7 +601,8 @@ class ReferenceTrainer:
             # Rows as a traced value, as local_gradients passes it (XLA may compile a
             # constant divisor as a multiply by its reciprocal, which rounds differently).
             total_rows = jnp.asarray(batch["inputs"].shape[0], jnp.float32) + fault[0].astype(jnp.float32) * 0
-            grads, out = sharded(state["params"], state["router_bias"], batch, fault, drift, total_tokens, total_rows)
+            grads, out = sharded_fn(state["params"], state["router_bias"], batch, fault, drift, total_tokens,
+                                    total_rows)
             grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree_util.tree_leaves(grads)))
             updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
@@ -463,9 +624,14 @@ class ReferenceTrainer:
         self._compiled[key] = fn
         return fn
 
-    def _fault_inputs(self, fault: Any, step: int, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    def _fault_inputs(self, fault: Any, step: int, ids: Sequence[int], mesh: Mesh, batch: Mapping[str, Any]
+                      ) -> tuple[np.ndarray, np.ndarray]:
         flip, drift = self.split_faults(fault, step)
-        fault_arr, drift_arr = self.fault_array(flip, step, ids), self.drift_array(drift, step, ids)
+        sizes = None
+        if flip is not None:
+            rows, seq_len = (int(n) for n in batch["inputs"].shape)
+            sizes = self.fault_sizes(mesh, rows, seq_len)
+        fault_arr, drift_arr = self.fault_array(flip, step, ids, sizes=sizes), self.drift_array(drift, step, ids)
         if (fault_arr[0] or drift_arr[0]) and not (self.fingerprints or self.signals):
             raise FaultSpecError("fault injection needs a trainer built with fingerprints or signals")
         return fault_arr, drift_arr
@@ -488,7 +654,7 @@ class ReferenceTrainer:
         mesh = jax.tree_util.tree_leaves(state["params"])[0].sharding.mesh
         ids = [int(d.id) for d in mesh.devices.reshape(-1)]
         rows = int(batch["inputs"].shape[0])
-        fault_arr, drift_arr = self._fault_inputs(fault, step, ids)
+        fault_arr, drift_arr = self._fault_inputs(fault, step, ids, mesh, batch)
         _, out = self._step_fn(mesh, rows, keep_local=True)(state, batch, fault_arr, drift_arr)
         out = jax.device_get(out)
         local, reduced = out.pop("local_grads"), out.pop("reduced_grads")
@@ -526,7 +692,7 @@ class ReferenceTrainer:
         if rows % mesh.size:
             raise ValueError(f"global batch {rows} must be a multiple of the device count {mesh.size}")
         ids = [int(d.id) for d in mesh.devices.reshape(-1)]
-        fault_arr, drift_arr = self._fault_inputs(fault, step, ids)
+        fault_arr, drift_arr = self._fault_inputs(fault, step, ids, mesh, batch)
         new_state, out = self._step_fn(mesh, rows)(state, batch, fault_arr, drift_arr)
         out = jax.device_get(out)
         return new_state, self._to_fingerprints(step, out, ids, device_coords(mesh), rows)
@@ -556,8 +722,14 @@ class ReferenceTrainer:
                             "nonfinite": {p: int(counts[i]) for i, p in enumerate(self.leaf_paths) if counts[i]}}
             replicas.append(ReplicaNorm(replica=r, devices=(dev,), norm_sq=float(out["dev_norm_sq"][r]),
                                         dot=float(out["dev_dot"][r])))
+        load = ()
+        if "recv_tokens" in out:
+            recv = np.asarray(out["recv_tokens"])  # [devices, L]
+            load = tuple(ExpertLoad.from_counts({dev: int(round(float(recv[r, i]))) for r, dev in enumerate(ids)})
+                         for i in range(recv.shape[1]))
         return StepSignals(step=int(step), loss=float(out["loss"]), grad_norm=float(out["grad_norm"]),
-                           replicas=tuple(replicas), devices=devices, router=self._router_layers(out, rows))
+                           replicas=tuple(replicas), devices=devices, router=self._router_layers(out, rows),
+                           expert_load=load)
 
     def _to_fingerprints(self, step, out, ids, coords, rows) -> StepFingerprints:
         stats = out["stats"]
@@ -579,6 +751,11 @@ class ReferenceTrainer:
                 dev: {p: fpm.fingerprint_int(out["devices"][r, i]) for i, p in enumerate(self.leaf_paths)}
                 for r, dev in enumerate(ids)
             }
+        sites, sends = (), {}
+        if "sends" in out:
+            sites = send_sites_in_program_order(self.model.n_layers)
+            sends = {dev: tuple(fpm.fingerprint_int(out["sends"][r, k]) for k in range(len(sites)))
+                     for r, dev in enumerate(ids)}
         return StepFingerprints(
             step=int(step),
             loss_bits=int(np.asarray(out["loss"], np.float32).view(np.uint32)),
@@ -588,6 +765,8 @@ class ReferenceTrainer:
             devices=devices,
             router=router,
             device_coords=coords,
+            send_sites=sites,
+            sends=sends,
             signals=self._signals(step, out, ids, rows) if "dev_norm_sq" in out else None,
         )
 
@@ -640,7 +819,7 @@ class ReferenceTrainer:
         mesh = jax.tree_util.tree_leaves(params)[0].sharding.mesh
         ids = [int(d.id) for d in mesh.devices.reshape(-1)]
         rows = int(np.asarray(batch["inputs"]).shape[0])
-        fault_arr = self.fault_array(fault, None, ids) if fault is not None else np.zeros(5, np.int32)
+        fault_arr = self.fault_array(fault, None, ids) if fault is not None else np.zeros(FAULT_LEN, np.int32)
         host = {k: np.asarray(batch[k], np.int32) for k in BATCH_KEYS}
         fps = np.asarray(jax.device_get(self._canary_fn(mesh, rows)(params, host, fault_arr)))
         return {dev: {p: fpm.fingerprint_int(fps[r, i]) for i, p in enumerate(self.leaf_paths)}
@@ -714,7 +893,7 @@ class ReferenceTrainer:
         if total_rows is None:
             total_rows = int(np.asarray(batch["inputs"]).shape[0])
         fault_arr = self.fault_array(fault, None, [device.id]) if fault is not None and fault.device_id == device.id \
-            else np.zeros(5, np.int32)
+            else np.zeros(FAULT_LEN, np.int32)
         fn, mesh1 = self._local_grad_fn(device)
         # Its own one-device mesh as the context mesh: inside a caller's ``jax.set_mesh(run mesh)``
         # shard_map would otherwise refuse a mesh that is not the context's.

@@ -24,6 +24,11 @@ class ExitCode(enum.IntEnum):
     DRILL_NOT_CAUGHT = 7  # a drill's injected fault was not convicted (range) or not named (canary)
     SUSPECTS = 8  # replay scan: the logs name suspects (devices, replicas, router layers, the loader, the run)
     CLEAN = 0  # replay scan: every available check is clear (an alias of ACQUITTED: exit code 0)
+    OPTIMIZATION_EVENT = 0  # replay triage: no check found a cause: rewind and skip (an alias: exit code 0)
+    TRIAGE_HARDWARE = 10  # replay triage: a device is convicted or suspect (silent data corruption)
+    TRIAGE_RESTART = 11  # replay triage: a restore repeated or skipped data (a restart or data-order fault)
+    TRIAGE_DATA = 12  # replay triage: bad data at the onset (shards and documents named)
+    TRIAGE_ROUTER = 13  # replay triage: router instability (layers named)
 
 
 class Verdict(enum.Enum):

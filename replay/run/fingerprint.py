@@ -1,4 +1,4 @@
-"""Order-independent integer fingerprints of arrays (DESIGN.md, "Gradient fingerprints").
+"""Order-independent integer fingerprints of arrays (docs/design.md, "Gradient fingerprints").
 
 A fingerprint says, in four integers, exactly which values an array (a gradient leaf, a
 batch of tokens) held, so that two runs, two devices or a run and its replay compare bit
@@ -291,7 +291,8 @@ def fingerprint_flat_chunk(flat: jnp.ndarray, start: Any, total: int) -> jnp.nda
     return _reduce(flat, _flatten, idx, (jnp.uint32(0), jnp.maximum(total - start, 0).astype(jnp.uint32)))
 
 
-def fingerprint_row_block(x: jnp.ndarray, block_index: Any, n_blocks: int, *, counts: bool = True) -> jnp.ndarray:
+def fingerprint_row_block(x: jnp.ndarray, block_index: Any, n_blocks: int, *, counts: bool = True,
+                          row_offset: Any = 0) -> jnp.ndarray:
     """Fingerprint of block ``block_index`` of ``n_blocks`` row blocks of ``x`` (global indices).
 
     Rows (first dimension, ``d0``) are split in ``n_blocks`` blocks of ``c = ceil(d0 / n_blocks)``
@@ -307,6 +308,10 @@ def fingerprint_row_block(x: jnp.ndarray, block_index: Any, n_blocks: int, *, co
       x: array of rank >= 1 (rank 0 is treated as shape ``(1,)``).
       block_index: int or traced int32 scalar in ``[0, n_blocks)``.
       n_blocks: number of blocks, >= 1.
+      row_offset: when ``x`` is itself the row shard ``[row_offset, row_offset + d0)`` of a larger
+        array (an expert-parallel weight's shard), its first row's index there (int or traced
+        int32): the indices are then those of the larger array, and the blocks of all shards add
+        up to its fingerprint.
 
     Returns:
       uint32[4].
@@ -327,7 +332,8 @@ def fingerprint_row_block(x: jnp.ndarray, block_index: Any, n_blocks: int, *, co
     def read(v):
         return jax.lax.dynamic_slice_in_dim(v, start, c, axis=0).reshape(-1)
 
-    idx = jax.lax.iota(jnp.uint32, c * row) + start.astype(jnp.uint32) * _u32(row)
+    first = start.astype(jnp.uint32) + jnp.asarray(row_offset).astype(jnp.uint32)
+    idx = jax.lax.iota(jnp.uint32, c * row) + first * _u32(row)
     span = None
     if d0 % n_blocks:
         span = tuple((v - start).astype(jnp.uint32) * _u32(row) for v in (lo, jnp.minimum(lo + c, d0)))

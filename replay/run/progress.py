@@ -11,8 +11,14 @@ and, when the loop ends, how long it took::
     train: steps 0:40 done in 21.3 s (1.9 steps/s, 15.6 k tokens/s)
 
 Counted work (``unit`` items that are not one step range, e.g. a replay's steps over several
-device assignments) reads ``replay 15:20: 12 of 20 steps (60%), ...`` and ``replay 15:20: 20 steps
-done in 6.4 s (3.1 steps/s)``.
+device placements) reads ``replay 15:20: 12 of 20 steps (10 steps from checkpoint 10 x 2
+placements, 60%), ...`` and ``replay 15:20: 20 steps (10 steps from checkpoint 10 x 2 placements)
+done in 6.4 s (3.1 steps/s)``: ``breakdown`` says what the count counts.
+
+Nothing is silent for long: what a command does before its first step shows at once (:func:`note`,
+``train: restoring checkpoint 20``), and ``first`` says what the first step waits for
+(``train: step 0 of 0:30: compiling the train step ...``); that step's time then reads
+``step 43.15 s (compiling included)``.
 
 Rates (steps/s, tokens/s) and the ETA count from the first update on: the first step of a JAX
 loop compiles, and its seconds say nothing of the steps after it. Progress goes to stderr by
@@ -66,9 +72,33 @@ def rate(n: float, unit: str) -> str:
     return f"{n:.2f} {unit}/s" if abs(n) < 1 else f"{n:.1f} {unit}/s"
 
 
+def loss_text(value: float) -> str:
+    """A loss as people read it: 4 decimals (``"5.0869"``; a float32 loss has about 7 significant
+    digits, and a spike shows in the first two), ``"nan"``/``"inf"`` as such, 4 significant digits
+    from 1000 on."""
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        return str(value)
+    return f"{value:.4f}" if abs(value) < 1000 else f"{value:.4g}"
+
+
+def note(label: str, text: str, stream: Optional[TextIO] = None) -> None:
+    """Prints ``"<label>: <text>"`` at once: what a command is doing before its steps start (loading,
+    restoring, compiling), so that no long wait is silent. Above a live Rich bar when there is one;
+    a failed stream is ignored (progress is a view, never the record)."""
+    line = f"{label}: {text}"
+    try:
+        if _LIVE and _LIVE[-1]._bar is not None:
+            _LIVE[-1]._bar.console.print(line, highlight=False, soft_wrap=True, markup=False)
+        else:
+            print(line, file=stream if stream is not None else sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 def _metric(name: str, value: Any) -> str:
     if isinstance(value, float):
-        return f"{name} {value:.4f}"
+        return f"{name} {loss_text(value) if name == 'loss' else f'{value:.4f}'}"
     if isinstance(value, int) and not isinstance(value, bool):
         return f"{name} {value:,}"
     return f"{name} {value}"
@@ -85,6 +115,11 @@ class StepProgress:
       interval: seconds between plain lines (:func:`line_interval`).
       terminal: force the Rich bar on (True) or off (False); default ``stream.isatty()``.
       counted: show ``12 of 20 steps`` instead of ``step 12 of 0:40``.
+      breakdown: counted: what the total counts, shown beside it (``"10 steps from checkpoint 10 x
+        2 placements"``).
+      first: what the first step waits for (``"compiling the train step"``): printed at once (on a
+        terminal: the bar's text until the first update), and the first update's step time
+        reads ``(compiling included)``.
       enabled: False: no bar or progress lines, only the closing line.
       clock: ``time.monotonic``, replaceable in tests.
 
@@ -94,10 +129,12 @@ class StepProgress:
 
     def __init__(self, label: str, start: int, stop: int, *, unit: str = "step", stream: Optional[TextIO] = None,
                  interval: Optional[float] = None, terminal: Optional[bool] = None, counted: bool = False,
-                 enabled: bool = True, clock: Callable[[], float] = time.monotonic):
+                 enabled: bool = True, clock: Callable[[], float] = time.monotonic,
+                 breakdown: Optional[str] = None, first: Optional[str] = None):
         if stop < start:
             raise ValueError(f"progress range {start}:{stop}: stop must be >= start")
         self.label, self.start, self.stop, self.unit, self.counted = label, int(start), int(stop), unit, counted
+        self.breakdown, self.first = breakdown, first
         self._stream = stream if stream is not None else sys.stderr
         self._interval = line_interval(interval)
         self._enabled = enabled
@@ -129,6 +166,14 @@ class StepProgress:
                     self._start_bar()
                 except (OSError, ValueError):
                     self._broken = True
+        if first and enabled and self.total and not self._terminal:
+            self._print(f"{label}: {self._waiting()}")
+
+    def _waiting(self) -> str:
+        """What the first step waits for: ``"step 0 of 0:30: compiling the train step"``."""
+        where = f"{self.unit} {self.start} of {self.start}:{self.stop}" if not self.counted else (
+            f"0 of {self.total:,} {self._plural(self.total)}" + (f" ({self.breakdown})" if self.breakdown else ""))
+        return f"{where}: {self.first}"
 
     @property
     def total(self) -> int:
@@ -173,7 +218,8 @@ class StepProgress:
         """``"step 12 of 0:40 (32%)"`` or ``"12 of 20 steps (60%)"``."""
         pct = f"{self.done / self.total:.0%}" if self.total else "100%"
         if self.counted:
-            return f"{self.done:,} of {self.total:,} {self._plural(self.total)} ({pct})"
+            what = f"{self.breakdown}, " if self.breakdown else ""
+            return f"{self.done:,} of {self.total:,} {self._plural(self.total)} ({what}{pct})"
         return f"{self.unit} {self.last} of {self.start}:{self.stop} ({pct})"
 
     def _details(self, now: float) -> list[str]:
@@ -183,8 +229,9 @@ class StepProgress:
             out.append(rate(steps_s, self._plural(2)))
         if tokens_s is not None:
             out.append(rate(tokens_s, "tokens"))
+        compiled = " (compiling included)" if self.first and self.done == 1 else ""
         for k, v in self.metrics.items():
-            out.append(f"{self.unit} {v:.2f} s" if k == "step_s" else _metric(k, v))
+            out.append(f"{self.unit} {v:.2f} s{compiled}" if k == "step_s" else _metric(k, v))
         return out
 
     def line(self, now: Optional[float] = None) -> str:
@@ -208,6 +255,7 @@ class StepProgress:
         tail = f" ({', '.join(rates)})" if rates else ""
         if self.counted:
             head = f"{self.done:,} {self._plural(self.done)}" + (f" of {self.total:,}" if self.done < self.total else "")
+            head += f" ({self.breakdown})" if self.breakdown else ""
             return f"{self.label}: {head} done in {spent}{tail}"
         if self.done == 0:
             return f"{self.label}: no {self._plural(2)} to run ({self.start}:{self.stop}), done in {spent}"
@@ -225,12 +273,13 @@ class StepProgress:
         )
         self._bar.start()
         _LIVE.append(self)
-        self._task = self._bar.add_task(self.label, total=max(self.total, 1), detail="")
+        self._task = self._bar.add_task(self.label, total=max(self.total, 1),
+                                        detail=self._waiting() if self.first else "")
 
     def _update_bar(self, now: float) -> None:
         if self._bar is None:
             self._start_bar()
-        where = (f"{self.done:,}/{self.total:,}" if self.counted
+        where = (f"{self.done:,}/{self.total:,}" + (f" ({self.breakdown})" if self.breakdown else "") if self.counted
                  else f"{self.unit} {self.last} of {self.start}:{self.stop}" if self.last is not None
                  else f"{self.unit}s {self.start}:{self.stop}")
         eta = self._eta(now)
@@ -301,11 +350,12 @@ class StepProgress:
 @contextlib.contextmanager
 def step_progress(label: str, start: int, stop: int, *, unit: str = "step", stream: Optional[TextIO] = None,
                   interval: Optional[float] = None, terminal: Optional[bool] = None, counted: bool = False,
-                  enabled: bool = True, clock: Callable[[], float] = time.monotonic) -> Iterator[StepProgress]:
+                  enabled: bool = True, clock: Callable[[], float] = time.monotonic,
+                  breakdown: Optional[str] = None, first: Optional[str] = None) -> Iterator[StepProgress]:
     """A :class:`StepProgress` for a ``with`` block: closes it at the end with the closing line
     (``done in``), or, when the block raises, with where it stopped (and the error propagates)."""
     progress = StepProgress(label, start, stop, unit=unit, stream=stream, interval=interval, terminal=terminal,
-                            counted=counted, enabled=enabled, clock=clock)
+                            counted=counted, enabled=enabled, clock=clock, breakdown=breakdown, first=first)
     try:
         yield progress
     except BaseException:

@@ -5,7 +5,7 @@ trainer in ``replay.reference`` is one implementation. Replay never imports a tr
 internals: it builds one from the run config, restores a checkpoint read-only, and calls
 :meth:`Trainer.train_step` on batches rebuilt by the loader.
 
-The run directory a training run leaves (DESIGN.md, "The run directory")::
+The run directory a training run leaves (docs/design.md, "The run directory")::
 
     <run>/
       run_config.yaml       # the run config as used (model, mixture, dataset, global batch, seed, mesh, ...,
@@ -21,15 +21,22 @@ The run directory a training run leaves (DESIGN.md, "The run directory")::
       quarantine.txt        # optional: device ids (one a line, '#' comments) held suspect
       suspects.json         # written by `replay scan`: its report, with "suspect_devices"
       canary/golden.json    # golden canary values per environment (replay canary, periodic canary)
+      mixture.yaml          # the run's copy of the mixture config it trained with (paths made absolute)
+      inputs.json           # what it trained with: the mixture's sha256 and path, the dataset's manifest sha256
+      superseded/           # steps abandoned by a restore, rollback or rewind (replay.run.lineage): their
+                            # step-log lines (tagged attempt, superseded_by) and checkpoints
 
 Every ``*.jsonl`` file is append-only, one JSON object a line, flushed line by line
 (:func:`append_line`): a process killed mid-write leaves at most a torn last line, which every
-reader skips. On a restart from checkpoint ``c`` the trainer drops the lines of steps ``>= c`` from
-the step logs before appending again, so each holds the uninterrupted history. Events a trainer
-writes: ``start``, ``restore``, ``checkpoint`` (only once the checkpoint has *committed*: with an
+reader skips. On a restart from checkpoint ``c`` the trainer moves the lines of steps ``>= c`` from
+the step logs into ``superseded/`` before appending again (``RunDir.supersede``), so each step log
+holds the run's lineage, one line a step. Events a trainer writes, each with ``attempt`` (the
+attempt that wrote it: ``replay.run.lineage``) and ``t`` (Unix seconds): ``start`` and ``restore``
+(each begins an attempt), ``checkpoint`` (only once the checkpoint has *committed*: with an
 asynchronous save, after the commit, never at the call to save), ``checkpoint_failed``,
 ``phase_change``, ``skipped_window``, ``canary_mismatch`` (``devices``, ``verdict``), ``stopped``,
-``end``.
+``end``. ``replay skip`` appends ``skip_window`` and ``rewind`` requests, which the next training
+run follows.
 
 Screening signals, for a user's own trainer (what ``replay scan`` reads; each optional, and a
 check whose signal is missing says "not available"): inside the step, before the data-parallel
@@ -48,7 +55,7 @@ count of non-finite elements; after the reduction, optionally, ``<g_local, g_red
 Glossary: *step* is the global training step (the batch of step ``s`` holds global rows
 ``[s*B, (s+1)*B)``); *device id* is ``jax.Device.id``; *leaf path* is
 ``jax.tree_util.keystr`` of a parameter leaf; a *fingerprint* is the order-independent
-integer fingerprint of DESIGN.md ("Gradient fingerprints").
+integer fingerprint of docs/design.md ("Gradient fingerprints").
 """
 
 from __future__ import annotations
@@ -58,17 +65,44 @@ import json
 from typing import Any, Mapping, Optional, Protocol, runtime_checkable
 
 
+FAULT_SITES = ("local_gradient", "expert_forward", "expert_backward", "attention")
+"""Where a :class:`FaultSpec` flips its bit, in one device's computation of one step:
+
+* ``local_gradient``: the device's finished local gradient contribution, after all communication
+  of the step and before the data-parallel reduction (``leaf``, ``element``: flat index into the
+  device's local shard of that leaf's gradient).
+* ``expert_forward``: the output of the device's experts in MoE layer ``layer``, in the forward
+  pass: under expert parallelism the buffer the device sends back at that layer's combine
+  all-to-all (``element``: flat index into it; the trainer documents its layout).
+* ``expert_backward``: the gradient of an expert weight (``leaf``: a layer's expert leaf, e.g.
+  ``['layers'][1]['w_in']``) where the backward pass computes it on the device, before any
+  reduction (``element``: flat index into the device's shard of that weight).
+* ``attention``: the output of the attention block of layer ``layer`` (before the residual add)
+  in the forward pass (``element``: flat index into the device's ``[rows, S, D]`` activation).
+
+The last three plant the error *inside* the computation, so that under expert parallelism it
+reaches other devices through the all-to-alls within the same step."""
+
+
 @dataclasses.dataclass(frozen=True)
 class FaultSpec:
-    """A simulated silent data corruption: flip one bit of one device's local gradient.
+    """A simulated silent data corruption: flip one bit in one device's computation of one step.
 
     Attributes:
       step: the global step at which the fault fires.
-      device_id: ``jax.Device.id`` of the device whose local gradient contribution (before
-        the data-parallel reduction) is corrupted.
-      leaf: leaf path (``jax.tree_util.keystr``) of the parameter whose gradient is hit.
-      element: flat index into that device's local shard of the gradient leaf.
+      device_id: ``jax.Device.id`` of the device whose computation is corrupted.
+      leaf: leaf path (``jax.tree_util.keystr``) of the parameter whose gradient is hit
+        (``local_gradient``, ``expert_backward``); ``""`` for an activation (``expert_forward``,
+        ``attention``).
+      element: flat index into the corrupted buffer on that device (see :data:`FAULT_SITES`).
       bit: bit position in the element's bit pattern (0 = lowest mantissa bit).
+      where: one of :data:`FAULT_SITES` (default ``local_gradient``, the drills' first kind).
+      layer: the MoE layer of an ``expert_forward`` or ``attention`` fault (0-based); None for the
+        others (an ``expert_backward`` fault's layer is its leaf's).
+
+    Raises:
+      ValueError: ``where`` is not a known site, or ``layer`` is missing (or given) where it must
+        be given (or not).
     """
 
     step: int
@@ -76,6 +110,26 @@ class FaultSpec:
     leaf: str
     element: int
     bit: int
+    where: str = "local_gradient"
+    layer: Optional[int] = None
+
+    def __repr__(self) -> str:
+        """The dataclass form, leaving out ``where`` and ``layer`` at their defaults (a local-gradient
+        flip reads as it always has)."""
+        extra = "" if self.where == "local_gradient" and self.layer is None else \
+            f", where={self.where!r}" + (f", layer={self.layer!r}" if self.layer is not None else "")
+        return (f"FaultSpec(step={self.step!r}, device_id={self.device_id!r}, leaf={self.leaf!r}, "
+                f"element={self.element!r}, bit={self.bit!r}{extra})")
+
+    def __post_init__(self):
+        if self.where not in FAULT_SITES:
+            raise ValueError(f"FaultSpec.where: must be one of {list(FAULT_SITES)}, got {self.where!r}")
+        needs_layer = self.where in ("expert_forward", "attention")
+        if needs_layer and (self.layer is None or int(self.layer) < 0):
+            raise ValueError(f"FaultSpec.layer: a {self.where} fault needs a layer >= 0, got {self.layer!r}")
+        if not needs_layer and self.layer is not None:
+            raise ValueError(f"FaultSpec.layer: only expert_forward and attention faults take a layer "
+                             f"(a {self.where} fault's is its leaf's), got {self.layer!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +166,56 @@ class DriftSpec:
         return self.start <= step and (self.stop is None or step < self.stop)
 
 
+SEND_COLLECTIVES = ("dispatch", "combine")
+SEND_DIRECTIONS = ("forward", "backward")
+
+
+def send_site(layer: int, collective: str, direction: str) -> str:
+    """The name of an all-to-all *send site*: ``"layer{layer}.{collective}.{direction}"``.
+
+    Under expert parallelism every MoE layer exchanges four buffers per step, each device sending
+    one to every device of its expert group (``StepFingerprints.sends`` fingerprints what each
+    device sent at each site):
+
+    * ``dispatch.forward``: a device sends its tokens' capacity slots to the devices of their experts;
+    * ``combine.forward``: a device sends its experts' outputs back to the tokens' devices;
+    * ``combine.backward``: a device sends the cotangent of the expert outputs it received (the
+      transpose of the combine) to the experts' devices;
+    * ``dispatch.backward``: a device sends the cotangent of the tokens it received (the transpose
+      of the dispatch) back to the tokens' devices.
+
+    Raises:
+      ValueError: a negative layer, or an unknown collective or direction.
+    """
+    if int(layer) < 0 or collective not in SEND_COLLECTIVES or direction not in SEND_DIRECTIONS:
+        raise ValueError(f"send site: layer >= 0, collective in {list(SEND_COLLECTIVES)} and direction in "
+                         f"{list(SEND_DIRECTIONS)}; got {layer!r}, {collective!r}, {direction!r}")
+    return f"layer{int(layer)}.{collective}.{direction}"
+
+
+def parse_send_site(name: str) -> tuple[int, str, str]:
+    """Inverse of :func:`send_site`: ``(layer, collective, direction)``.
+
+    Raises:
+      ValueError: ``name`` is not a send site's name.
+    """
+    parts = str(name).split(".")
+    if len(parts) == 3 and parts[0].startswith("layer") and parts[0][5:].isdigit():
+        layer, collective, direction = int(parts[0][5:]), parts[1], parts[2]
+        if collective in SEND_COLLECTIVES and direction in SEND_DIRECTIONS:
+            return layer, collective, direction
+    raise ValueError(f"not a send site name: {name!r} (expected 'layer<L>.<dispatch|combine>.<forward|backward>')")
+
+
+def send_sites_in_program_order(n_layers: int) -> tuple[str, ...]:
+    """The send sites of an ``n_layers`` MoE model in the order one step executes them: the forward
+    pass layer by layer (dispatch, then combine), then the backward pass from the last layer down
+    (the combine's transpose, then the dispatch's)."""
+    fwd = [send_site(i, c, "forward") for i in range(n_layers) for c in SEND_COLLECTIVES]
+    bwd = [send_site(i, c, "backward") for i in reversed(range(n_layers)) for c in reversed(SEND_COLLECTIVES)]
+    return tuple(fwd + bwd)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepFingerprints:
     """What one train step computed, in integers that compare bit for bit.
@@ -128,6 +232,13 @@ class StepFingerprints:
         z-loss), floats, for humans; never compared bit for bit.
       device_coords: per device id, its mesh coordinates ``{axis name: index}``, so that a
         replay on another device set can match shards by position (added; default empty).
+      send_sites: the all-to-all send sites of the step in program order (:func:`send_site`,
+        :func:`send_sites_in_program_order`); empty when the trainer exchanges nothing (gather
+        dispatch) or does not fingerprint its sends.
+      sends: per device id, aligned with ``send_sites``, the 64-bit fingerprint of the whole buffer
+        the device sent there (every destination's part). The first site, in program order, at
+        which a device's send differs from a replay's names the device that computed wrong: the
+        others' later differences follow from what it sent them (``replay.verify.localize``).
       signals: the step's screening signals (:class:`StepSignals`) when the trainer computes
         them; not part of ``fingerprints.jsonl`` (the training loop writes them, with its
         timings, to ``signals.jsonl``), never compared.
@@ -141,11 +252,14 @@ class StepFingerprints:
     devices: Mapping[int, Mapping[str, int]]
     router: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     device_coords: Mapping[int, Mapping[str, int]] = dataclasses.field(default_factory=dict)
+    send_sites: tuple[str, ...] = ()
+    sends: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     signals: Optional["StepSignals"] = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict; device ids become string keys (JSON objects key by str)."""
-        return {
+        """Plain JSON-ready dict; device ids become string keys (JSON objects key by str). The send
+        fields appear only when the step has send sites (a gather-dispatch line is unchanged)."""
+        out = {
             "step": int(self.step),
             "loss_bits": int(self.loss_bits),
             "grad_norm_bits": int(self.grad_norm_bits),
@@ -155,6 +269,10 @@ class StepFingerprints:
             "router": dict(self.router),
             "device_coords": {str(dev): {a: int(i) for a, i in c.items()} for dev, c in self.device_coords.items()},
         }
+        if self.send_sites:
+            out["send_sites"] = list(self.send_sites)
+            out["sends"] = {str(dev): [int(v) for v in fps] for dev, fps in self.sends.items()}
+        return out
 
     def to_json(self) -> str:
         """One line of ``fingerprints.jsonl`` (keys sorted, no newline)."""
@@ -176,6 +294,8 @@ class StepFingerprints:
             devices={int(dev): {k: int(v) for k, v in x.items()} for dev, x in d["devices"].items()},
             router=dict(d.get("router", {})),
             device_coords={int(dev): dict(c) for dev, c in d.get("device_coords", {}).items()},
+            send_sites=tuple(str(x) for x in d.get("send_sites", ())),
+            sends={int(dev): tuple(int(v) for v in fps) for dev, fps in (d.get("sends") or {}).items()},
         )
 
     @classmethod
@@ -230,13 +350,49 @@ class RouterLayerStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertLoad:
+    """How many tokens each expert device received in one MoE layer at one step (expert parallelism).
+
+    Attributes:
+      received: per device id, the capacity slots of the device's experts that the layer's dispatch
+        all-to-all filled with tokens, counted over every device of its expert group (assignments
+        kept after capacity; an int).
+      max_over_mean: ``max_d received[d] / mean_d received[d]`` over the layer's devices: 1 when the
+        load is even; the device with the most tokens is the layer's slowest expert group (its
+        expert matmuls are the longest once the exchange is ragged, and with capacity padding it
+        is the one that drops first); 0.0 when no token was routed.
+    """
+
+    received: Mapping[int, int]
+    max_over_mean: float
+
+    @classmethod
+    def from_counts(cls, received: Mapping[int, int]) -> "ExpertLoad":
+        """Computes ``max_over_mean`` from the counts."""
+        vals = [int(v) for v in received.values()]
+        mean = sum(vals) / len(vals) if vals else 0.0
+        return cls(received={int(d): int(v) for d, v in received.items()},
+                   max_over_mean=(max(vals) / mean) if mean > 0 else 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"received": {str(d): int(v) for d, v in self.received.items()}, "max_over_mean": self.max_over_mean}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ExpertLoad":
+        return cls(received={int(k): int(v) for k, v in d["received"].items()},
+                   max_over_mean=_float(d["max_over_mean"]))
+
+
+@dataclasses.dataclass(frozen=True)
 class ReplicaNorm:
     """One data-parallel replica's local gradient contribution at one step.
 
     A *replica* is the set of devices that together compute one contribution, over their own
     rows of the global batch, before the data-parallel reduction. In the reference trainer the
     batch is split over every mesh axis and expert weights are gathered for compute, so each
-    device is a replica of its own; in a trainer with tensor or pipeline parallelism a replica
+    device is a replica of its own (under expert parallelism too: a device's contribution is then
+    the gradient of the replicated weights from its rows and its own experts' shard, and screening
+    compares those per device); in a trainer with tensor or pipeline parallelism a replica
     spans devices that each hold a disjoint shard of it, and its ``norm_sq`` is the sum of
     theirs.
 
@@ -279,10 +435,23 @@ class StepSignals:
         contribution before the reduction, "nonfinite": {leaf path: NaN + Inf count}}`` (only
         leaves with a non-zero count are listed).
       router: per MoE layer, in layer order, :class:`RouterLayerStats`.
+      expert_load: per MoE layer, in layer order, :class:`ExpertLoad` (expert parallelism only;
+        empty when the experts are not on their own devices).
       step_time_s: wall seconds of the train step (dispatch to results on the host), or None.
       loader_wait_s: seconds the step waited for its batch (the loader's
         ``metrics()["wait_s_last_step"]``), or None; loader_occupancy: batches ready in the
         prefetch buffer after the step's batch was taken (a stall shows here first), or None.
+      t: wall clock (Unix seconds) when the step's work ended, after its checkpoint save call:
+        consecutive steps' ``t`` bound the interval that ``replay goodput`` splits into the parts
+        below (None: not recorded).
+      compile_s: seconds of JAX tracing, lowering and compilation inside the train step (the first
+        step of an attempt compiles), or None.
+      canary_s: seconds of the periodic canary run before the step (0 when none ran), or None.
+      checkpoint_s: seconds the loop was blocked saving a checkpoint after the step (the
+        asynchronous save's device-to-host copy; 0 when none), or None.
+      tokens: non-padding tokens of the step's batch that this process read (the loader's
+        ``tokens_served`` difference; the global count in a single-process run, and in a multi-process
+        run once the readers have added the other processes' lines: ``read_signals``), or None.
     """
 
     step: int
@@ -291,19 +460,28 @@ class StepSignals:
     replicas: tuple[ReplicaNorm, ...] = ()
     devices: Mapping[int, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     router: tuple[RouterLayerStats, ...] = ()
+    expert_load: tuple[ExpertLoad, ...] = ()
     step_time_s: Optional[float] = None
     loader_wait_s: Optional[float] = None
     loader_occupancy: Optional[int] = None
+    t: Optional[float] = None
+    compile_s: Optional[float] = None
+    canary_s: Optional[float] = None
+    checkpoint_s: Optional[float] = None
+    tokens: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
+        timing = {k: getattr(self, k) for k in ("t", "compile_s", "canary_s", "checkpoint_s", "tokens")
+                  if getattr(self, k) is not None}
         return {
             "step": int(self.step), "loss": self.loss, "grad_norm": self.grad_norm,
             "step_time_s": self.step_time_s, "loader_wait_s": self.loader_wait_s,
-            "loader_occupancy": self.loader_occupancy,
+            "loader_occupancy": self.loader_occupancy, **timing,
             "replicas": [r.to_dict() for r in self.replicas],
             "devices": {str(d): {"norm_sq": v["norm_sq"], "nonfinite": dict(v.get("nonfinite", {}))}
                         for d, v in self.devices.items()},
             "router": [r.to_dict() for r in self.router],
+            **({"expert_load": [e.to_dict() for e in self.expert_load]} if self.expert_load else {}),
         }
 
     def to_json(self) -> str:
@@ -317,8 +495,10 @@ class StepSignals:
         Raises:
           KeyError, TypeError, ValueError: a required field is missing or malformed.
         """
-        opt = {k: (None if d.get(k) is None else _float(d[k])) for k in ("step_time_s", "loader_wait_s")}
+        opt = {k: (None if d.get(k) is None else _float(d[k]))
+               for k in ("step_time_s", "loader_wait_s", "t", "compile_s", "canary_s", "checkpoint_s")}
         occ = d.get("loader_occupancy")
+        tokens = d.get("tokens")
         return cls(
             step=int(d["step"]), loss=_float(d["loss"]), grad_norm=_float(d["grad_norm"]),
             replicas=tuple(ReplicaNorm.from_dict(r) for r in d.get("replicas", [])),
@@ -326,7 +506,8 @@ class StepSignals:
                               "nonfinite": {p: int(c) for p, c in (v.get("nonfinite") or {}).items()}}
                      for k, v in (d.get("devices") or {}).items()},
             router=tuple(RouterLayerStats.from_dict(r) for r in d.get("router", [])),
-            loader_occupancy=None if occ is None else int(occ), **opt,
+            expert_load=tuple(ExpertLoad.from_dict(e) for e in d.get("expert_load") or []),
+            loader_occupancy=None if occ is None else int(occ), tokens=None if tokens is None else int(tokens), **opt,
         )
 
 
@@ -407,6 +588,9 @@ CANARY_NAME = "canary.jsonl"
 SUSPECTS_NAME = "suspects.json"
 CHECKPOINTS_DIR = "checkpoints"
 QUARANTINE_NAME = "quarantine.txt"
+SUPERSEDED_DIR = "superseded"  # step-log lines and checkpoints of superseded steps (replay.run.lineage)
+INPUTS_NAME = "inputs.json"  # what the run trained with: its mixture's and manifest's hashes (replay.run.inputs)
+MIXTURE_COPY_NAME = "mixture.yaml"  # the run's copy of its mixture config (paths absolute)
 
 
 def append_line(path: str, line: str) -> None:
@@ -463,8 +647,8 @@ def read_raw_lines(path: str) -> list[dict]:
 
 def merge_step_parts(main: Mapping[str, Any], parts: list[Mapping[str, Any]]) -> dict[str, Any]:
     """One step's record from the primary's line and the other processes' lines of that step (their
-    per-device ``devices`` entries, and for signals their ``replicas``): the record one process would
-    have written."""
+    per-device ``devices`` and ``sends`` entries, and for signals their ``replicas``): the record one
+    process would have written."""
     out = dict(main)
     if parts:
         out["devices"] = dict(main.get("devices") or {})
@@ -472,6 +656,10 @@ def merge_step_parts(main: Mapping[str, Any], parts: list[Mapping[str, Any]]) ->
         for p in parts:
             out["devices"].update(p.get("devices") or {})
             reps += list(p.get("replicas") or [])
+            if p.get("sends"):  # all-to-all send fingerprints, per device like ``devices``
+                out["sends"] = {**(out.get("sends") or {}), **p["sends"]}
+            if p.get("tokens") is not None and out.get("tokens") is not None:  # each process its own reads
+                out["tokens"] = int(out["tokens"]) + int(p["tokens"])
         if "replicas" in main or any("replicas" in p for p in parts):
             out["replicas"] = sorted(reps, key=lambda r: r.get("replica", 0))
     return out

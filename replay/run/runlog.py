@@ -3,9 +3,13 @@
 :func:`load_run` reads everything replay needs, once, and checks it, so that a broken run
 directory is reported before any device work starts::
 
-    run_config.yaml      -> RunLog.config  (dict)
+    run_config.yaml      -> RunLog.config  (dict; as in force: the mixture is the run's own copy
+                            when it kept one, and skip windows requested by `replay skip` are added;
+                            RunLog.config_file is the file as written)
     env.json             -> RunLog.env     (dict)
-    events.jsonl         -> RunLog.events  (list of dicts, in order)
+    events.jsonl         -> RunLog.lineage (replay.run.lineage: attempts, lineage, superseded steps);
+                            RunLog.events  (the lineage's events, in order: superseded ones left out);
+                            RunLog.all_events (every event)
     fingerprints.jsonl   -> RunLog.fingerprints  {step: StepFingerprints}; a step logged twice
                             (a run killed and resumed) keeps its last line; lines that disagree
                             are listed in RunLog.relogged_conflicts
@@ -29,7 +33,9 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
+from replay.run import inputs as run_inputs
 from replay.run.devices import QUARANTINE_NAME, DeviceSpecError, read_quarantine
+from replay.run.lineage import Lineage, lineage_of_run
 from replay.run.protocol import StepFingerprints, log_files, merge_step_parts, shard_name
 
 RUN_CONFIG = "run_config.yaml"
@@ -43,7 +49,16 @@ RUN_ENV_VAR = "REPLAY_RUN"  # the run directory when --run is not given
 
 
 class RunDirError(ValueError):
-    """The run directory is missing, incomplete or unreadable; the message names the file."""
+    """The run directory is missing, incomplete or unreadable; the message names the file.
+
+    Attributes:
+      nearest: for a run directory that is not there, or a folder that is not one, the nearest
+        existing run directory (:func:`nearest_run_dir`), also named in the message; else None.
+    """
+
+    def __init__(self, message: str, *, nearest: Optional[str] = None):
+        super().__init__(message)
+        self.nearest = nearest
 
 
 class MissingCheckpointError(RunDirError):
@@ -170,6 +185,11 @@ class RunLog:
     quarantine: frozenset[int]
     malformed: dict[int, str] = dataclasses.field(default_factory=dict)  # step -> why its line is unusable
     suspects: frozenset[int] = frozenset()  # devices named by the last `replay scan` (suspects.json)
+    lineage: Optional[Lineage] = None  # attempts and lineage (replay.run.lineage); None: not computed
+    all_events: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # events of every attempt
+    config_file: dict[str, Any] = dataclasses.field(default_factory=dict)  # run_config.yaml as written
+    notes: list[str] = dataclasses.field(default_factory=list)  # what a command should tell (inputs used)
+    pending_superseded: list[int] = dataclasses.field(default_factory=list)  # logged steps past a pending rewind
 
     @property
     def held_suspect(self) -> frozenset[int]:
@@ -243,6 +263,81 @@ def is_run_dir(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, name)) for name in RUN_DIR_FILES)
 
 
+_NOT_SEARCHED = frozenset({CHECKPOINTS, "node_modules", "__pycache__", "site-packages", "proc", "sys", "dev"})
+
+
+def nearest_run_dir(path: str, *, depth: int = 3, max_folders: int = 2000,
+                    siblings: bool = True) -> Optional[str]:
+    """The existing run directory (:func:`is_run_dir`) nearest to ``path``, a run directory that is
+    not there or a folder that is not one; None when there is none near.
+
+    Where it looks: from the nearest existing folder at or above ``path``, that folder and its two
+    parents when they are run directories, and the folders up to ``depth`` levels below it; when
+    none is there and ``path`` is itself a folder (e.g. a dataset beside the run), the same below
+    its parent (with ``siblings``). Never below the file system's root; at most ``max_folders``
+    folders in all, breadth first; hidden folders, ``checkpoints`` and run directories' insides
+    are not entered. Of the run directories found, the one whose path is most like ``path``
+    (``difflib`` ratio; then the shallower), spelled as ``path`` is: relative when it is relative.
+    Never ``path`` itself.
+
+    Args:
+      path: the run directory asked for.
+      depth, max_folders: the search's bounds (a typo next to a large tree costs at most this).
+      siblings: also look below an existing ``path``'s parent.
+
+    Returns:
+      the run directory's path, or None.
+    """
+    import difflib
+
+    given = os.path.normpath(path or ".")
+    base = given
+    while base and not os.path.isdir(base):
+        parent = os.path.dirname(base)
+        base = parent if parent != base else ""
+    base = base or ("/" if os.path.isabs(given) else ".")
+    found: list[str] = []
+    up = base
+    for _ in range(3):
+        if os.path.normpath(up) != given and is_run_dir(up):
+            found.append(os.path.normpath(up))
+        up = os.path.join(up, os.pardir)
+    budget = [max_folders]
+    top = base
+    for _ in range(2 if siblings and base == given else 1):
+        if found:
+            break
+        if os.path.dirname(os.path.abspath(top)) == os.path.abspath(top):  # the root: too far to guess
+            return None
+        found = [c for c in _run_dirs_below(top, depth, budget) if c != given]
+        top = os.path.normpath(os.path.join(top, os.pardir))
+    if not found:
+        return None
+    return max(found, key=lambda c: (difflib.SequenceMatcher(None, given, c).ratio(), -c.count(os.sep)))
+
+
+def _run_dirs_below(folder: str, depth: int, budget: list[int]) -> list[str]:
+    """The run directories up to ``depth`` levels below ``folder``, breadth first, entering at most
+    ``budget[0]`` folders (decremented)."""
+    found, level = [], [folder]
+    for _ in range(depth):
+        below = []
+        for here in level:
+            try:
+                with os.scandir(here) as entries:
+                    names = sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
+            except OSError:
+                continue
+            for name in names:
+                if name in _NOT_SEARCHED or budget[0] <= 0:
+                    continue
+                budget[0] -= 1
+                child = os.path.normpath(os.path.join(here, name))
+                (found if is_run_dir(child) else below).append(child)
+        level = below
+    return found
+
+
 def resolve_run_dir(given: Optional[str], environ: Optional[Mapping[str, str]] = None,
                     cwd: Optional[str] = None) -> tuple[str, str]:
     """The run directory a command works on, and where it came from.
@@ -271,9 +366,11 @@ def resolve_run_dir(given: Optional[str], environ: Optional[Mapping[str, str]] =
     if is_run_dir(here):
         return here, "the current folder"
     lacking = ", ".join(n for n in RUN_DIR_FILES if not os.path.isfile(os.path.join(here, n)))
+    near = nearest_run_dir(here if cwd is not None else ".", siblings=False)  # relative to where the user is
     raise RunNotGivenError(
         f"no run directory: pass --run DIR, set {RUN_ENV_VAR}=DIR, or run replay from inside a run "
-        f"directory (the current folder {here} is not one: it lacks {lacking})")
+        f"directory (the current folder {here} is not one: it lacks {lacking})"
+        + (f"; the nearest run directory is {near}" if near else ""))
 
 
 def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
@@ -288,11 +385,15 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
         missing or unreadable, or no step was logged; a quarantine file is malformed.
     """
     if not os.path.isdir(run_dir):
-        raise RunDirError(f"run directory not found: {run_dir}")
+        near = nearest_run_dir(run_dir)
+        raise RunDirError(f"run directory not found: {run_dir}"
+                          + (f"; the nearest run directory is {near}" if near else ""), nearest=near)
     paths = {name: os.path.join(run_dir, name) for name in (RUN_CONFIG, ENV_JSON, EVENTS, FINGERPRINTS)}
     for name in RUN_DIR_FILES:
         if not os.path.isfile(paths[name]):
-            raise RunDirError(f"{run_dir} is not a run directory: {name} is missing")
+            near = nearest_run_dir(run_dir)
+            raise RunDirError(f"{run_dir} is not a run directory: {name} is missing"
+                              + (f"; the nearest run directory is {near}" if near else ""), nearest=near)
     try:
         config = yaml.safe_load(_read_text(paths[RUN_CONFIG]))
     except yaml.YAMLError as e:
@@ -338,6 +439,32 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
         raise RunDirError(f"{paths[FINGERPRINTS]}: no step was logged"
                           + (f" ({len(malformed)} malformed entries, e.g. {next(iter(malformed.values()))})"
                              if malformed else ""))
+    lineage = lineage_of_run(run_dir, events, set(fingerprints) | set(malformed))
+    pending = sorted(s for s in fingerprints if s >= lineage.end)  # past a pending rewind: superseded
+    for s in pending:
+        fingerprints.pop(s)
+    for s in [s for s in malformed if s >= lineage.end]:
+        malformed.pop(s)
+    conflicts = {s for s in conflicts if s < lineage.end}
+    if not fingerprints:
+        raise RunDirError(f"{run_dir}: every logged step is past the rewind to checkpoint "
+                          f"{(lineage.pending_rewind or {}).get('checkpoint')} that 'replay skip' recorded: "
+                          "nothing is left to read until training resumes (python -m replay.reference.train --run "
+                          f"{run_dir})")
+    notes: list[str] = []
+    in_force = dict(config)
+    try:
+        resolved = run_inputs.resolve(run_dir, config)
+    except run_inputs.InputsChangedError as e:
+        raise RunDirError(str(e)) from None
+    if config.get("mixture") is not None:
+        in_force["mixture"] = resolved.mixture
+    notes += resolved.notes
+    if lineage.skip_windows:
+        windows = [tuple(w) for w in config.get("skip_windows") or []]
+        extra = [list(w) for w in lineage.skip_windows if tuple(w) not in windows]
+        if extra:
+            in_force["skip_windows"] = sorted([list(w) for w in windows] + extra)
     ckpt_dir = os.path.join(run_dir, CHECKPOINTS)
     checkpoints = sorted(
         int(name) for name in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else [])
@@ -361,9 +488,10 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
         where = quarantine_file or os.path.join(run_dir, QUARANTINE_NAME)
         raise RunDirError(f"quarantine file {where}: cannot read ({e.strerror or e})") from None
     return RunLog(
-        run_dir=run_dir, config=config, env=env, events=events, fingerprints=fingerprints,
-        relogged_conflicts=sorted(conflicts), checkpoints=checkpoints, quarantine=quarantine,
-        malformed=malformed, suspects=read_suspects(run_dir),
+        run_dir=run_dir, config=in_force, env=env, events=list(lineage.events), fingerprints=fingerprints,
+        relogged_conflicts=sorted(conflicts), checkpoints=[c for c in checkpoints if c <= lineage.end],
+        quarantine=quarantine, malformed=malformed, suspects=read_suspects(run_dir), lineage=lineage, all_events=events,
+        config_file=config, notes=notes, pending_superseded=pending,
     )
 
 

@@ -28,6 +28,15 @@ is there: the readers merge the files by step (``replay.run.protocol.read_finger
 ``replay.run.runlog.load_run``), and a step a process did not log is set aside as malformed, naming
 that process's file, never compared. A single-process run writes the same files as before, without
 ``.pNNNNN`` shards.
+
+Attempts (``replay.run.lineage``): the training loop sets :attr:`RunDir.attempt` when it starts or
+restores, and every event it writes then carries ``attempt``. Every event carries ``t``, the wall
+clock in Unix seconds (microseconds), besides the readable ``time``: ``replay goodput`` accounts
+for the run's time from these. On a restore, :meth:`RunDir.supersede` moves the step-log lines of
+the steps the restore abandons into ``superseded/`` (each tagged with the attempt that wrote it and
+the one that superseded it; each process its own files' lines) and :meth:`RunDir.supersede_checkpoints`
+moves abandoned checkpoints to ``superseded/attempt-<b>/checkpoints/`` (process 0): history is kept,
+never deleted, and the step logs hold the lineage alone.
 """
 
 from __future__ import annotations
@@ -37,9 +46,12 @@ import datetime
 import json
 import os
 import re
-from typing import Any, Iterable, Mapping, Optional
+import shutil
+import time
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from replay.run import protocol as proto
+from replay.run.protocol import SUPERSEDED_DIR
 
 
 class RunDir:
@@ -47,6 +59,7 @@ class RunDir:
 
     Args:
       path: the run directory (created).
+      attempt: the attempt the writer belongs to (written into every event), or None.
       process_index, process_count: this process and the run's processes (``jax.process_index()``,
         ``jax.process_count()``); defaults: one process.
       local_devices: global ids of this process's devices in the mesh; their per-device entries go to
@@ -54,11 +67,12 @@ class RunDir:
         this process's files (one process, or a trainer whose records hold only its own devices).
     """
 
-    def __init__(self, path: str, *, process_index: int = 0, process_count: int = 1,
+    def __init__(self, path: str, attempt: Optional[int] = None, *, process_index: int = 0, process_count: int = 1,
                  local_devices: Optional[Iterable[int]] = None):
         if not 0 <= process_index < process_count:
             raise ValueError(f"process_index {process_index} must be in [0, process_count={process_count})")
         self.path = os.path.abspath(path)
+        self.attempt = attempt
         self.process_index, self.process_count = int(process_index), int(process_count)
         self.local_devices = None if local_devices is None else frozenset(int(d) for d in local_devices)
         os.makedirs(self.path, exist_ok=True)
@@ -81,9 +95,13 @@ class RunDir:
         return self.file(proto.CHECKPOINTS_DIR)
 
     def event(self, event: str, step: int, **fields: Any) -> dict[str, Any]:
-        """Appends one event to events.jsonl (process 0 only: events are written once) and returns it."""
-        rec = {"event": event, "step": int(step), **fields,
-               "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        """Appends one event ``{"event", "step", **fields, "attempt" (when set), "t" (Unix s), "time"}`` to
+        events.jsonl (process 0 only: events are written once) and returns it."""
+        now = time.time()
+        rec = {"event": event, "step": int(step), **fields, "t": round(now, 6),
+               "time": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(timespec="seconds")}
+        if self.attempt is not None and "attempt" not in fields:
+            rec["attempt"] = int(self.attempt)
         if self.primary:
             proto.append_line(self.file(proto.EVENTS_NAME), json.dumps(rec, sort_keys=True))
         return rec
@@ -128,6 +146,70 @@ class RunDir:
         _atomic_write(path, "".join(keep))
         return dropped
 
+    def supersede(self, from_step: int, writer_of: Callable[[int], Optional[int]], by_attempt: int,
+                  names: tuple[str, ...] = (proto.FINGERPRINTS_NAME, proto.SIGNALS_NAME, proto.CANARY_NAME)
+                  ) -> dict[str, int]:
+        """Moves the lines of steps ``>= from_step`` of each of this process's step logs into
+        ``superseded/<its file name>``, each with ``attempt`` (``writer_of(step)``: the attempt that wrote
+        it) and ``superseded_by`` (``by_attempt``), then keeps only the earlier lines in the step log
+        (atomic rewrite; a torn line is dropped).
+
+        Crash-safe: the lines are appended to the superseded file before the step log is rewritten;
+        a kill in between moves them again on the next restore, and readers count a line once
+        (``replay.run.lineage.read_superseded``).
+
+        Returns:
+          per step log, the lines moved.
+        """
+        moved: dict[str, int] = {}
+        for name in names:
+            path = self.own_file(name)
+            if not os.path.exists(path):
+                continue
+            keep, out = [], []
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = json.loads(line)
+                        step = int(rec["step"])
+                    except (ValueError, KeyError, TypeError):  # a line torn by a kill
+                        continue
+                    if step < from_step:
+                        keep.append(line if line.endswith("\n") else line + "\n")
+                    else:
+                        rec["attempt"], rec["superseded_by"] = writer_of(step), int(by_attempt)
+                        out.append(json.dumps(rec, sort_keys=True) + "\n")
+            if out:
+                os.makedirs(self.file(SUPERSEDED_DIR), exist_ok=True)
+                with open(os.path.join(self.file(SUPERSEDED_DIR), os.path.basename(path)), "a",
+                          encoding="utf-8") as f:
+                    f.writelines(out)
+                    f.flush()
+                    os.fsync(f.fileno())
+            _atomic_write(path, "".join(keep))
+            moved[name] = len(out)
+        return moved
+
+    def supersede_checkpoints(self, after_step: int, by_attempt: int) -> list[int]:
+        """Moves the checkpoints of steps ``> after_step`` to ``superseded/attempt-<by_attempt>/checkpoints/``
+        (a rename each: nothing is deleted, and the restored lineage can save those steps again);
+        returns their steps. Process 0's task: the other processes move nothing."""
+        moved = []
+        if not self.primary or not os.path.isdir(self.checkpoints):
+            return moved
+        dest = os.path.join(self.file(SUPERSEDED_DIR), f"attempt-{int(by_attempt)}", proto.CHECKPOINTS_DIR)
+        for name in sorted((n for n in os.listdir(self.checkpoints) if n.isdigit()), key=int):
+            if int(name) > after_step:
+                os.makedirs(dest, exist_ok=True)
+                target = os.path.join(dest, name)
+                if os.path.exists(target):  # a second rewind over the same step by the same attempt
+                    target = f"{target}.{len(os.listdir(dest))}"
+                shutil.move(os.path.join(self.checkpoints, name), target)
+                moved.append(int(name))
+        return moved
+
     def _own(self, devices: Iterable[int]) -> list[int]:
         return [int(d) for d in devices if self.local_devices is None or int(d) in self.local_devices]
 
@@ -135,13 +217,18 @@ class RunDir:
         """Appends the step's fingerprints: the primary the global record with its own devices' entries,
         another process its own devices' entries (:meth:`RunDir` docstring)."""
         own = self._own(fp.devices)
+        sends = getattr(fp, "sends", None) or {}
         if self.primary:
-            rec = fp if self.local_devices is None else dataclasses.replace(fp, devices={d: fp.devices[d] for d in own})
+            rec = fp if self.local_devices is None else dataclasses.replace(
+                fp, devices={d: fp.devices[d] for d in own}, **({"sends": {d: sends[d] for d in own if d in sends}}
+                                                                 if sends else {}))
             proto.append_line(self.file(proto.FINGERPRINTS_NAME), rec.to_json())
         else:
-            proto.append_line(self.own_file(proto.FINGERPRINTS_NAME), json.dumps(
-                {"step": int(fp.step), "process": self.process_index,
-                 "devices": {str(d): {k: int(v) for k, v in fp.devices[d].items()} for d in own}}, sort_keys=True))
+            line = {"step": int(fp.step), "process": self.process_index,
+                    "devices": {str(d): {k: int(v) for k, v in fp.devices[d].items()} for d in own}}
+            if sends:  # the all-to-all send fingerprints of its devices (replay.verify.localize)
+                line["sends"] = {str(d): [int(v) for v in sends[d]] for d in own if d in sends}
+            proto.append_line(self.own_file(proto.FINGERPRINTS_NAME), json.dumps(line, sort_keys=True))
 
     def append_signals(self, signals: proto.StepSignals) -> None:
         """Appends the step's screening signals, split like the fingerprints (a replica goes with its first device)."""
@@ -154,9 +241,11 @@ class RunDir:
         else:
             full = dataclasses.replace(signals, devices={d: v for d, v in signals.devices.items() if d in own},
                                        replicas=replicas).to_dict()
-            proto.append_line(self.own_file(proto.SIGNALS_NAME), json.dumps(
-                {"step": full["step"], "process": self.process_index, "devices": full["devices"],
-                 "replicas": full["replicas"]}, sort_keys=True))
+            line = {"step": full["step"], "process": self.process_index, "devices": full["devices"],
+                    "replicas": full["replicas"]}
+            if getattr(signals, "tokens", None) is not None:  # its own reads: the readers add them up
+                line["tokens"] = int(signals.tokens)
+            proto.append_line(self.own_file(proto.SIGNALS_NAME), json.dumps(line, sort_keys=True))
 
     def append_canary(self, record: proto.CanaryRecord) -> None:
         """Appends one device's canary record, when the device is this process's."""

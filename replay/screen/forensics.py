@@ -1,6 +1,6 @@
 """Data forensics (``replay inspect``): which documents were in the batches of a step range.
 
-A batch is a pure function of the step (DESIGN.md), so this is a lookup, with no pass over
+A batch is a pure function of the step (docs/design.md), so this is a lookup, with no pass over
 earlier data: the loader says where each row of a step comes from (``rows_at``: phase, source,
 epoch, shuffled record, shard, record in shard) and reads the stored rows (``read_rows``: tokens,
 segment lengths, document keys, chunk indices). For each row this lists its documents::
@@ -78,7 +78,8 @@ def inspect_steps(data: Any, start: int, stop: int, *, text: bool = False, token
       The report; ``rows[i]`` has ``step``, ``position`` (row in the batch), ``global_row``,
       ``phase``, ``source``, ``epoch``, ``record``, ``shard``, ``record_in_shard``, ``tokens``,
       ``padding`` and ``documents`` (each ``key``, ``chunk``, ``span`` ``[begin, end)`` in row
-      slots, ``tokens`` (a count), optionally ``text`` (str) and ``token_ids`` (list of int)).
+      slots, ``tokens`` (a count), ``id`` (str: the document's own id, the source's ``id_field``, when the
+      dataset carries one), optionally ``text`` (str) and ``token_ids`` (list of int)).
 
     Raises:
       TokenizerUnavailableError: ``text`` without a usable tokenizer.
@@ -100,6 +101,8 @@ def inspect_steps(data: Any, start: int, stop: int, *, text: bool = False, token
             for i, key in enumerate(row.doc_keys):
                 b, e = int(ends[i] - row.segment_lengths[i]), int(ends[i])
                 doc = {"key": key, "chunk": int(row.chunk_indices[i]), "span": [b, e], "tokens": e - b}
+                if row.doc_ids[i]:  # the document's own id (the source's id_field), as the input gave it
+                    doc["id"] = row.doc_ids[i]
                 ids = [int(t) for t in row.tokens[b:e]] if sp is not None or token_ids else None
                 if sp is not None:
                     doc["text"] = sp.decode(ids)

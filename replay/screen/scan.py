@@ -17,6 +17,9 @@ numbers and words the findings::
     norm_drift    replica norms, robust CUSUM              the replica's devices, from the change's onset
     router        signals.jsonl router[layer]              the layer (dropped fraction or an expert's share
                   vs run config router_health               out of bounds after warm-up)
+    expert_load   signals.jsonl expert_load[layer]:        the layer, naming its most loaded expert device
+                  tokens each expert device received        (max / mean over the layer's devices above
+                  (expert parallelism)                      router_health.max_expert_load_ratio after warm-up)
     loss_spike    loss (fingerprints.jsonl loss bits)      the run (unless an event explains it: a phase
                                                             change, skip window or restore at that step)
     loader_stall  signals.jsonl loader_wait_s              the loader (a wait above stall_fraction of the
@@ -42,7 +45,7 @@ from replay.run import protocol as proto
 from replay.screen import screening as sc
 from replay.run.runlog import RunDirError, RunLog
 
-CHECKS = ("canary", "nonfinite", "norm_spike", "norm_drift", "router", "loss_spike", "loader_stall")
+CHECKS = ("canary", "nonfinite", "norm_spike", "norm_drift", "router", "expert_load", "loss_spike", "loader_stall")
 DEVICE_CHECKS = ("canary", "nonfinite", "norm_spike", "norm_drift")
 EXPLAINING_EVENTS = ("phase_change", "skipped_window", "skip_window_added", "restore", "start")
 STRENGTH_CAP = 1e6  # a non-finite score is reported as this
@@ -92,6 +95,7 @@ class Suspect:
       first_step: the earliest step of its evidence.
       strength: its strongest evidence's strength (>= 1 means at or past that check's threshold).
       evidence: every finding about it, strongest kind first.
+      next: what to do about it, ``{"command": str or None, "sentence": str}`` (:func:`next_step`).
     """
 
     kind: str
@@ -100,6 +104,7 @@ class Suspect:
     first_step: int
     strength: float
     evidence: tuple[Evidence, ...]
+    next: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # {"command", "sentence"}: what to do next
     named: tuple[dict, ...] = ()  # its devices as an operator finds them (replay.run.devices.name_devices)
 
     def rank_key(self) -> tuple:
@@ -109,7 +114,8 @@ class Suspect:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "subject": self.subject, "devices": list(self.devices),
                 "first_step": self.first_step, "strength": _num(self.strength),
-                "evidence": [e.to_dict() for e in self.evidence], "named": list(self.named)}
+                "evidence": [e.to_dict() for e in self.evidence], "next": dict(self.next),
+                "named": list(self.named)}
 
 
 def _num(v: float) -> Any:
@@ -129,6 +135,7 @@ class ScanReport:
     figures: dict[str, Any]
     series: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     limits: dict[str, Any] = dataclasses.field(default_factory=dict)
+    lineage: list[str] = dataclasses.field(default_factory=list)  # the superseded attempts, a sentence each
 
     @property
     def suspect_devices(self) -> list[int]:
@@ -160,7 +167,7 @@ class ScanReport:
             "suspects": [dict(s.to_dict(), rank=i + 1) for i, s in enumerate(self.suspects)],
             "checks": self.checks, "explained": self.explained, "suggested_replay": self.suggestion,
             "onset": self.onset,
-            "figures": self.figures, "limits": self.limits,
+            "figures": self.figures, "limits": self.limits, "lineage": self.lineage,
         }
 
 
@@ -184,6 +191,18 @@ def read_screening_logs(run_dir: str) -> tuple[Optional[dict[int, proto.StepSign
         except (ValueError, OSError) as e:
             raise RunDirError(f"{path}: unreadable ({e})") from None
     return out[0], out[1]
+
+
+def lineage_screening_logs(run: RunLog) -> tuple[Optional[dict[int, proto.StepSignals]],
+                                                  Optional[list[proto.CanaryRecord]]]:
+    """:func:`read_screening_logs` cut to the run's lineage: no step at or past its end (steps past a
+    pending rewind are superseded: ``replay.run.lineage``), no canary after it."""
+    signals, canary = read_screening_logs(run.run_dir)
+    end = run.lineage.end if run.lineage is not None else None
+    if end is not None:
+        signals = None if signals is None else {s: v for s, v in signals.items() if s < end}
+        canary = None if canary is None else [c for c in canary if c.step <= end]
+    return signals, canary
 
 
 def _run_thresholds(run: RunLog) -> tuple[sc.RouterHealth, sc.ScreeningConfig]:
@@ -404,6 +423,46 @@ def _router(signals, steps, start, health: sc.RouterHealth):
     return {"status": "found" if out else "clear", "detail": detail}, out, series
 
 
+def _expert_load(signals, steps, start, health: sc.RouterHealth):
+    """Per MoE layer, the tokens each expert device received (``StepSignals.expert_load``), judged as the
+    most loaded device's share over the mean (``screening.expert_load_ratio``, over ``window_steps``)."""
+    if signals is None or not any(signals[s].expert_load for s in steps):
+        return {"status": "not available",
+                "detail": "no expert-load figures in signals.jsonl: the run's experts are not on their own "
+                          "devices (model.dispatch is not all_to_all), or it predates them"}, [], {}
+    layers = max(len(signals[s].expert_load) for s in steps)
+    W, limit = int(health.window_steps), health.max_expert_load_ratio
+    series = {"steps": steps, "ratio": np.full((len(steps), layers), np.nan),
+              "each": np.full((len(steps), layers), np.nan), "window": W}
+    out, worst_all = [], {}
+    for i in range(layers):
+        devs = sorted({d for s in steps if i < len(signals[s].expert_load) for d in signals[s].expert_load[i].received})
+        counts = np.array([[signals[s].expert_load[i].received.get(d, np.nan) if i < len(signals[s].expert_load)
+                            else np.nan for d in devs] for s in steps], np.float64)
+        bad, worst = [], (0.0, -1, -1)
+        for t, s in enumerate(steps):
+            ratio, top = sc.expert_load_ratio(counts[max(0, t - W + 1):t + 1])
+            series["ratio"][t, i] = ratio
+            series["each"][t, i] = sc.expert_load_ratio(counts[t:t + 1])[0]
+            if s < health.warmup_steps:
+                continue
+            if ratio > worst[0]:
+                worst = (ratio, devs[top] if top >= 0 else -1, s)
+            if ratio > limit:
+                bad.append(s)
+        worst_all[i] = worst
+        if bad and max(bad) >= start:
+            out.append((("layer", ()), i, _evidence(
+                "expert_load", min(bad), max(bad), worst[0] / limit,
+                f"layer {i}: the expert devices' load was out of bounds at {len(bad)} step(s) after warm-up (worst: "
+                f"device {worst[1]} received {worst[0]:.2f}x the mean of the layer's {len(devs)} expert devices at "
+                f"step {worst[2]}; limit {limit:g}x)")))
+    detail = "; ".join(f"layer {i}: worst {r:.2f}x the mean (device {d})" for i, (r, d, _) in sorted(worst_all.items()))
+    detail += f" (after {health.warmup_steps} warm-up steps; limit {limit:g}x" + \
+              (f", over {W}-step windows" if W > 1 else "") + ")"
+    return {"status": "found" if out else "clear", "detail": detail}, out, series
+
+
 def _loss(run: RunLog, steps, start, cfg: sc.ScreeningConfig, explaining: Mapping[int, str]):
     loss = np.array([np.uint32(run.fingerprints[s].loss_bits).view(np.float32) if s in run.fingerprints else np.nan
                      for s in steps], np.float64)
@@ -415,7 +474,7 @@ def _loss(run: RunLog, steps, start, cfg: sc.ScreeningConfig, explaining: Mappin
             continue
         why = explaining.get(s) or explaining.get(s - 1)
         rec = {"check": "loss_spike", "step": s, "loss": float(loss[i]), "z": _num(z)}
-        if why:
+        if why and math.isfinite(loss[i]):  # an event may explain a finite spike, never a NaN or Inf loss
             explained.append(dict(rec, explained_by=why))
         else:
             found.append(rec)
@@ -472,7 +531,7 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     from replay.run.runlog import StepRangeError
 
     health, cfg = _run_thresholds(run)
-    signals, canary = read_screening_logs(run.run_dir)
+    signals, canary = lineage_screening_logs(run)
     first, end = run.logged_steps
     start = first if start is None else start
     stop = end if stop is None else stop
@@ -481,7 +540,7 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     steps_fp = sorted(s for s in run.fingerprints if s < stop)
     steps_sig = sorted(s for s in (signals or {}) if s < stop)
     explaining = {}
-    for e in run.events:
+    for e in run.events:  # the lineage's events: a superseded attempt's restore explains nothing
         if e.get("event") in EXPLAINING_EVENTS and isinstance(e.get("step"), int):
             explaining.setdefault(int(e["step"]), e["event"])
     restarts = {int(e["step"]) for e in run.events if e.get("event") in ("start", "restore")
@@ -497,6 +556,8 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     checks["norm_spike"], checks["norm_drift"], dev, rep_series = _replicas(sig, steps_sig, start, cfg)
     findings += dev
     checks["router"], layer_found, router_series = _router(sig, steps_sig, start, health)
+    checks["expert_load"], load_found, load_series = _expert_load(sig, steps_sig, start, health)
+    layer_found += load_found
     checks["loss_spike"], loss_found, explained, loss_series = _loss(run, steps_fp, start, cfg, explaining)
     findings += loss_found
     checks["loader_stall"], loader_found, loader_series = _loader(sig, steps_sig, start, cfg, restarts)
@@ -521,12 +582,15 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
                                 first_step=min(e.first_step for e in evs), strength=max(e.strength for e in evs),
                                 evidence=tuple(evs)))
     suspects.sort(key=Suspect.rank_key)
+    suspects = [dataclasses.replace(x, next=next_step(run, x)) for x in suspects]
     report = ScanReport(run_dir=run.run_dir, steps=(start, stop), checks=checks, suspects=suspects,
                         explained=explained, suggestion=None,
                         figures=_figures(sig, steps_sig, canary),
-                        series={"replicas": rep_series, "router": router_series, "loss": loss_series,
+                        series={"replicas": rep_series, "router": router_series, "expert_load": load_series,
+                                "loss": loss_series,
                                 "loader": loader_series, "canary": canary or []},
-                        limits={**health.to_dict(), "screening": cfg.to_dict()})
+                        limits={**health.to_dict(), "screening": cfg.to_dict()},
+                        lineage=run.lineage.describe() if run.lineage is not None else [])
     report.suggestion = suggest_replay(run, report)
     return report
 
@@ -545,6 +609,39 @@ def _figures(signals, steps, canary) -> dict[str, Any]:
         out["canaries"] = len(by_step)
         out["median_canary_s"] = round(float(np.median(secs)), 6)
     return out
+
+
+def next_step(run: RunLog, suspect: Suspect) -> dict[str, Any]:
+    """What to do about a suspect: ``{"command": a command or None, "sentence": what it is for}``.
+
+    A device or replica: the range replay of its checkpoint segment on good devices (a conviction
+    names the device). A router layer or a loss spike: ``replay triage`` at its last step (events,
+    replicas, data and router, in order). The loader: a sentence (the loader is fed too slowly).
+    """
+    import shlex
+
+    quoted = shlex.quote(run.run_dir)
+    last = max(e.last_step for e in suspect.evidence)
+    if suspect.kind in ("device", "replica"):
+        first, end = run.logged_steps
+        a = max(suspect.first_step, first)
+        later = [c for c in run.checkpoints if c > a]
+        b = max(min(later[0] if later else end, end), min(a + 1, end))
+        return {"command": f"replay --run {quoted} --steps {a}:{b} --devices good",
+                "sentence": f"replay the steps from {a} on good devices: a conviction names the device, step and "
+                            f"tensor; then quarantine {_device_names(suspect.devices)}"}
+    if suspect.kind == "layer":
+        return {"command": f"replay triage --run {quoted} --step {last}",
+                "sentence": f"{suspect.subject}'s routing is out of bounds from step {suspect.first_step}: triage "
+                            "tells router instability (lower the router's learning rate or restore its z-loss, and "
+                            "rewind) from a data or hardware cause"}
+    if suspect.kind == "loader":
+        return {"command": None,
+                "sentence": "the trainer waited for data: raise the loader's prefetch or workers, or look at the "
+                            "storage's read latency at those steps (the data is not wrong, only late)"}
+    return {"command": f"replay triage --run {quoted} --step {last}",
+            "sentence": f"walk the spike at step {last}: events, replicas, data and router, in order; with no "
+                        "cause found it prints the rewind and skip"}
 
 
 def suggest_replay(run: RunLog, report: ScanReport) -> Optional[str]:
@@ -571,3 +668,74 @@ def write_suspects(report: ScanReport) -> str:
     path = os.path.join(report.run_dir, proto.SUSPECTS_NAME)
     write_json(report.to_dict(), path)
     return path
+
+
+# ----------------------------------------------------------------------------- follow
+
+
+def suspect_key(s: Mapping[str, Any]) -> tuple:
+    """A suspect's identity across looks at a growing run (its subject and kinds of evidence)."""
+    return (s["kind"], s["subject"], tuple(sorted({e["check"] for e in s["evidence"]})))
+
+
+def follow(run_dir: str, *, on_new: Any, on_first: Any = None, interval: float = 2.0, timeout: Optional[float] = None,
+           on_look: Any = None, sleep: Any = None, clock: Any = None) -> dict[str, Any]:
+    """Watches a run directory as it grows (``replay scan --follow``): each time new steps have landed,
+    scans the lineage again and reports each suspect not seen before.
+
+    Args:
+      on_new: called with ``(suspect dict, report dict)`` for each new suspect.
+      on_first: called once, with the first suspect ever seen and the report (``--on-suspect``).
+      interval: seconds between looks; timeout: stop after this many seconds (None: when the run ends).
+      on_look: called with ``(report dict or None, steps scored)`` after each look that scanned.
+      sleep, clock: ``time.sleep`` and ``time.monotonic`` (tests pass their own).
+
+    Returns:
+      ``{"looks", "steps", "suspects" (every suspect seen, in order), "ended" (the run logged its end),
+      "report" (the last scan's dict or None)}``.
+
+    The run has ended when the lineage's current attempt logged ``end`` or ``stopped`` at or after
+    its last step; a directory that is not a run yet (no step logged) is waited for.
+    """
+    import time
+
+    from replay.run.runlog import load_run
+
+    sleep = sleep or time.sleep
+    clock = clock or time.monotonic
+    t0 = clock()
+    seen: dict[tuple, dict[str, Any]] = {}
+    last_steps, looks, last, ended, first_done = -1, 0, None, False, False
+    while True:
+        looks += 1
+        try:
+            run = load_run(run_dir)
+        except RunDirError:
+            run = None
+        if run is not None:
+            steps = len(run.fingerprints)
+            if steps != last_steps:
+                last_steps = steps
+                last = scan_run(run).to_dict()
+                for sus in last["suspects"]:
+                    key = suspect_key(sus)
+                    if key in seen:
+                        continue
+                    seen[key] = sus
+                    on_new(sus, last)
+                    if on_first is not None and not first_done:
+                        first_done = True
+                        on_first(sus, last)
+                if on_look is not None:
+                    on_look(last, steps)
+            cur = run.lineage.current if run.lineage else None
+            ends = [e for e in run.events if e.get("event") in ("end", "stopped")
+                    and (cur is None or e.get("attempt") in (None, cur.id))]
+            ended = bool(ends) and max(int(e["step"]) for e in ends) >= run.logged_steps[1] - 1
+            if ended:
+                break
+        if timeout is not None and clock() - t0 >= timeout:
+            break
+        sleep(interval)
+    return {"looks": looks, "steps": max(last_steps, 0), "suspects": list(seen.values()), "ended": ended,
+            "report": last}

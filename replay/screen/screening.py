@@ -1,7 +1,7 @@
 """Screening statistics of ``replay scan``: pure functions over the run log's numbers (NumPy only;
 no JAX, no I/O).
 
-Layer 1 of SDC detection (DESIGN.md, "Screening and triage") is continuous and nearly free: the
+Layer 1 of SDC detection (docs/design.md, "Screening and triage") is continuous and nearly free: the
 gradient norm of each data-parallel replica's local contribution, before the reduction. The
 replicas see different rows, so their norms never match; what a faulty replica changes is the
 *distribution of its ratio to the others*. Glossary and formulas::
@@ -87,12 +87,17 @@ class RouterHealth:
         steps' shares (1: that step's alone). A small global batch makes one step's shares follow
         its rows' mix of sources; a window of steps judges the router rather than the batch.
         The dropped fraction is judged step by step. >= 1.
+      max_expert_load_ratio: under expert parallelism (``model.dispatch: all_to_all``), per layer,
+        the tokens the most loaded expert device received over the mean of the layer's devices
+        (:func:`expert_load_ratio`, over the same ``window_steps``), after warm-up: the slowest
+        expert group, in counts. >= 1.
     """
 
     max_dropped_fraction: float = 0.01
     max_share_ratio: float = 3.0
     warmup_steps: int = 10
     window_steps: int = 1
+    max_expert_load_ratio: float = 2.0
 
     def __post_init__(self):
         s = "router_health"
@@ -102,6 +107,7 @@ class RouterHealth:
                self.warmup_steps, "an int >= 0")
         _check(float(self.window_steps).is_integer() and self.window_steps >= 1, s, "window_steps",
                self.window_steps, "an int >= 1")
+        _check(self.max_expert_load_ratio >= 1, s, "max_expert_load_ratio", self.max_expert_load_ratio, ">= 1")
 
     @classmethod
     def from_dict(cls, d: Optional[Mapping[str, Any]]) -> "RouterHealth":
@@ -187,6 +193,29 @@ class ScreeningConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- expert load
+
+
+def expert_load_ratio(received: np.ndarray) -> tuple[float, int]:
+    """The load of a layer's most loaded expert device over the mean: ``(max_d m_d / mean_d m_d,
+    argmax d)`` with ``m_d`` the mean over the window's steps of the tokens device ``d`` received.
+
+    Args:
+      received: float ``[W, n]``: tokens each of the ``n`` expert devices received at each of ``W``
+        steps (NaN where a device was not logged).
+
+    Returns:
+      ``(ratio, index of the most loaded device)``; ``(0.0, -1)`` when no token was received.
+    """
+    m = np.nanmean(np.asarray(received, np.float64), axis=0) if np.size(received) else np.zeros(0)
+    m = np.where(np.isfinite(m), m, 0.0)
+    mean = float(m.mean()) if m.size else 0.0
+    if mean <= 0:
+        return 0.0, -1
+    top = int(np.argmax(m))
+    return float(m[top] / mean), top
 
 
 # ----------------------------------------------------------------------------- replica norms

@@ -32,6 +32,7 @@ import struct
 from typing import Any, Mapping, Optional, Sequence
 
 from replay.run.protocol import StepFingerprints
+from replay.verify.localize import Localization, localize, send_differences
 from replay.verify.verdict import Divergence, DivergenceKind, Evidence
 
 
@@ -119,6 +120,11 @@ class StepDiff:
       evidence: the comparison mode.
       loss: ``(logged, replayed)`` float32 values, for reports.
       grad_norm: ``(logged, replayed)`` float32 values.
+      sends: ``{logged device id: send sites}`` whose all-to-all send fingerprint differs (expert
+        parallelism; ``replay.verify.localize.send_differences``).
+      localization: where the step's error first appeared, when the log has send fingerprints
+        (``replay.verify.localize.localize``); its producers, not every differing device, are the
+        step's suspects. None for a run without sends (each device's contribution is its own).
     """
 
     step: int
@@ -131,10 +137,20 @@ class StepDiff:
     evidence: Evidence
     loss: tuple[float, float]
     grad_norm: tuple[float, float]
+    sends: Mapping[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    localization: Optional[Localization] = None
 
     @property
     def ok(self) -> bool:
         return self.kind is None
+
+    @property
+    def suspects(self) -> tuple[int, ...]:
+        """The logged devices a divergence at this step points at: the producers of the first
+        divergent buffer when localized, else every device whose contribution differs."""
+        if self.localization is not None:
+            return self.localization.producers
+        return tuple(sorted(self.devices))
 
     @property
     def kind(self) -> Optional[DivergenceKind]:
@@ -143,8 +159,8 @@ class StepDiff:
             return DivergenceKind.DATA
         if self.evidence is Evidence.TOLERANCE:
             return None if self.loss_match and self.grad_norm_match else DivergenceKind.TOLERANCE
-        if self.devices:
-            return DivergenceKind.ALL_DEVICES if len(self.devices) >= self.num_devices else DivergenceKind.DEVICE
+        if self.devices or self.sends:
+            return DivergenceKind.ALL_DEVICES if len(self.suspects) >= self.num_devices else DivergenceKind.DEVICE
         if self.leaves or not self.loss_match or not self.grad_norm_match:
             return DivergenceKind.GLOBAL
         return None
@@ -156,7 +172,10 @@ class StepDiff:
         leaves = set(self.leaves)
         for ls in self.devices.values():
             leaves.update(ls)
-        return Divergence(self.step, kind, tuple(sorted(self.devices)), tuple(sorted(leaves)))
+        loc = self.localization
+        return Divergence(self.step, kind, self.suspects, tuple(sorted(leaves)),
+                          site=None if loc is None else loc.site, reached=() if loc is None else loc.reached,
+                          site_label=None if loc is None else loc.label())
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -168,6 +187,8 @@ class StepDiff:
             "grad_norm_match": self.grad_norm_match,
             "leaves": list(self.leaves),
             "devices": {str(d): list(ls) for d, ls in sorted(self.devices.items())},
+            **({"sends": {str(d): list(ss) for d, ss in sorted(self.sends.items())}} if self.sends else {}),
+            **({"localization": self.localization.to_dict()} if self.localization is not None else {}),
             "evidence": self.evidence.value,
             "loss": {"logged": _jsonable(self.loss[0]), "replayed": _jsonable(self.loss[1])},
             "grad_norm": {"logged": _jsonable(self.grad_norm[0]), "replayed": _jsonable(self.grad_norm[1])},
@@ -223,6 +244,8 @@ def compare_step(
             bad = tuple(sorted(p for p in set(la) | set(ra) if la.get(p) != ra.get(p)))
             if bad:
                 devices[ldev] = bad
+    sends = send_differences(logged, replayed, pairing) if evidence is not Evidence.TOLERANCE else {}
+    loc = localize(logged, sends, devices) if logged.send_sites and evidence is not Evidence.TOLERANCE else None
     return StepDiff(
         step=logged.step,
         batch_match=logged.batch_hash == replayed.batch_hash,
@@ -234,6 +257,8 @@ def compare_step(
         evidence=evidence,
         loss=(f32(logged.loss_bits), f32(replayed.loss_bits)),
         grad_norm=(f32(logged.grad_norm_bits), f32(replayed.grad_norm_bits)),
+        sends=sends,
+        localization=loc,
     )
 
 
@@ -259,6 +284,9 @@ def positional(fp: StepFingerprints, coords: Mapping[int, Position]) -> dict[str
             position_label(coords[d]): {p: int(v) for p, v in sorted(fp.devices[d].items())}
             for d in sorted(fp.devices, key=lambda d: coords[d])
         },
+        **({"sends": {position_label(coords[d]): [int(v) for v in fp.sends[d]]
+                      for d in sorted(fp.sends, key=lambda d: coords[d])}, "send_sites": list(fp.send_sites)}
+           if fp.send_sites else {}),
     }
 
 
@@ -293,7 +321,8 @@ def disagreement(
         if pa == pb:
             continue
         pos = sorted(k for k in set(pa["devices"]) | set(pb["devices"])
-                     if pa["devices"].get(k) != pb["devices"].get(k))
+                     if pa["devices"].get(k) != pb["devices"].get(k)
+                     or pa.get("sends", {}).get(k) != pb.get("sends", {}).get(k))
         devices_a = [inv_a.get(k) for k in pos]
         devices_b = [inv_b.get(k) for k in pos]
         return {

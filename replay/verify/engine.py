@@ -47,6 +47,7 @@ from replay.run.protocol import FaultSpec, StepFingerprints
 from replay.run.runlog import RunDirError, RunLog, missing_steps
 from replay.run.codes import Verdict
 from replay.run.setup import RunSetup
+from replay.verify.localize import describe_site
 from replay.verify.verdict import Decision, Evidence, ReplayOutcome, decide
 
 PREFETCH_MIN_STEPS = 8  # stretches this long read batches through the loader's prefetch
@@ -95,6 +96,24 @@ def skip_windows(run: RunLog) -> list[tuple[int, int]]:
 def phase_changes(run: RunLog) -> list[dict[str, Any]]:
     """The run's logged mixture phase changes (events of kind ``phase``/``phase_change``)."""
     return run.events_of("phase", "phase_change", "mixture_phase")
+
+
+def checked_loader(run: RunLog, data: Any) -> Any:
+    """``data`` (a loader rebuilt for ``run``) once its dataset and mixture schedule are checked to be
+    those the run trained with (``replay.run.inputs.check_rebuilt``); every trainer's ``make_loader``
+    should return it through this.
+
+    Raises:
+      RunDirError: the dataset's manifest or the schedule differs (each difference named).
+    """
+    from replay.run import inputs as run_inputs
+
+    try:
+        run_inputs.check_rebuilt(run.run_dir, data.manifest_sha256, data.schedule.to_dict(), data.dataset,
+                                 run.checkpoints)
+    except run_inputs.InputsChangedError as e:
+        raise RunDirError(str(e)) from None
+    return data
 
 
 def default_setup(run: RunLog) -> RunSetup:
@@ -521,6 +540,13 @@ class RangeReport:
             if tuple(p["devices"]) == r.assignment:
                 return int(p["index"])
         return r.index
+    def _site_leaves(self) -> tuple[str, ...]:
+        """The localized leaves of the first divergence (a local-gradient site's layer comes from them)."""
+        for r in self.replays:
+            for diff in r.diffs:
+                if diff.step == self.decision.step and diff.localization is not None:
+                    return diff.localization.leaves
+        return ()
 
     def to_dict(self) -> dict[str, Any]:
         d = self.decision
@@ -552,6 +578,8 @@ class RangeReport:
             "first_divergent_step": d.step,
             "convicted_devices": list(d.devices),
             "convicted": self.convicted,
+            "first_divergent_site": describe_site(d.site, self._site_leaves()),
+            "reached_devices": list(d.reached),
             "leaves": list(d.leaves),
             "differing_elements": self.differing_elements,
             "independent_replays": d.independent_replays,
@@ -695,6 +723,7 @@ def replay_range(
         raise EnvDriftError(diffs_env)
     if onset == "auto":
         onset = scan_onset(run, ckpt, stop)
+    suspected = sorted(set(getattr(run, "held_suspect", ())) & set(setup.run_device_ids))
     segs = plan.segments(ckpt, stop, run.checkpoints)
     order = plan.rounds(segs, onset, exhaustive)
     process_of = {i: d.process_index for i, d in session.jax_devices.items()}
@@ -738,7 +767,7 @@ def replay_range(
         for k in seg_ids:
             replayed[k] = rnd
         runs = _assemble(results, assignments, repeats, segs)
-        decision = decide([x.outcome() for x in runs], setup.mesh_size)
+        decision = decide([x.outcome() for x in runs], setup.mesh_size, suspected=suspected)
         if decision.verdict is Verdict.CONVICTED and not exhaustive:
             break
     wall = time.perf_counter() - t0

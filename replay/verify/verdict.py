@@ -7,7 +7,7 @@ in one function (:func:`decide`) over comparison outcomes, with no I/O and no JA
 The rules (issue 5, "Verdicts")::
 
     replays disagree with each other                   -> AMBIGUOUS  (flaky hardware in the replay set)
-    all replays reproduce the log                      -> ACQUITTED  (cause: data or software; see inspect)
+    all replays reproduce the log                      -> ACQUITTED  (a suspicion's cause: data or software)
     the rebuilt batch differs from the logged batch    -> ACQUITTED  (cause: data/order difference)
     >= 2 independent replays agree, and differ from the
       log at one step on some (not all) device shards  -> CONVICTED  (those devices of the original run)
@@ -63,14 +63,23 @@ class Divergence:
     Attributes:
       step: global step.
       kind: what differs.
-      devices: device ids of the original run whose contributions differ (sorted).
-      leaves: leaf paths whose fingerprints differ (reduced or on those devices; sorted).
+      devices: device ids of the original run the divergence points at (sorted): whose
+        contributions differ or, when the log has all-to-all send fingerprints, the producers of
+        the first divergent buffer in program order (``replay.verify.localize``).
+      leaves: leaf paths whose fingerprints differ (reduced or on any device; sorted).
+      site: the first divergent send site (``"layer1.combine.forward"``) or ``"local_gradient"``;
+        None when the log has no send fingerprints.
+      reached: every device that differs at the step (the producers' error spread to them).
+      site_label: ``site`` for humans (``"the combine all-to-all of layer 1 (forward pass)"``).
     """
 
     step: int
     kind: DivergenceKind
     devices: tuple[int, ...] = ()
     leaves: tuple[str, ...] = ()
+    site: Optional[str] = None
+    reached: tuple[int, ...] = ()
+    site_label: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +111,8 @@ class Decision:
       leaves: differing leaf paths at ``step``.
       independent_replays: how many replays ran on pairwise independent device assignments.
       explanation: one sentence for humans, with what to do next.
+      site: where the error first appeared at ``step`` (``Divergence.site``), or None.
+      reached: the devices that differ at ``step`` (``Divergence.reached``).
     """
 
     verdict: Verdict
@@ -112,6 +123,8 @@ class Decision:
     leaves: tuple[str, ...]
     independent_replays: int
     explanation: str
+    site: Optional[str] = None
+    reached: tuple[int, ...] = ()
 
 
 def count_independent(assignments: Sequence[Sequence[int]]) -> int:
@@ -123,12 +136,15 @@ def count_independent(assignments: Sequence[Sequence[int]]) -> int:
     return len(kept)
 
 
-def decide(outcomes: Sequence[ReplayOutcome], num_devices: int) -> Decision:
+def decide(outcomes: Sequence[ReplayOutcome], num_devices: int, *, suspected: Sequence[int] = ()) -> Decision:
     """Returns the verdict over the replays of one step range.
 
     Args:
       outcomes: one per replay (repeats included), in the order they ran; >= 1.
       num_devices: devices in the run's mesh (a divergence on all of them is not one device's fault).
+      suspected: devices of the run held suspect before the replay (quarantined, or named by
+        ``replay scan``). Only an acquittal's explanation uses them: with none, there is nothing
+        for the data or the software to have caused, and the explanation does not say it did.
 
     Raises:
       ValueError: ``outcomes`` is empty.
@@ -143,7 +159,8 @@ def decide(outcomes: Sequence[ReplayOutcome], num_devices: int) -> Decision:
             verdict=verdict, cause=cause, evidence=evidence,
             step=None if div is None else div.step, devices=tuple(devices),
             leaves=() if div is None else div.leaves, independent_replays=independent,
-            explanation=explanation,
+            explanation=explanation, site=None if div is None else div.site,
+            reached=() if div is None else div.reached,
         )
 
     if len({o.signature for o in outcomes}) > 1:
@@ -156,10 +173,15 @@ def decide(outcomes: Sequence[ReplayOutcome], num_devices: int) -> Decision:
     div = outcomes[0].divergence
     if div is None:
         weak = " (within tolerance only: weaker evidence)" if evidence is Evidence.TOLERANCE else ""
+        if not suspected:
+            return make(Verdict.ACQUITTED, Cause.REPRODUCED,
+                        f"the replay reproduces the log{weak}: no device "
+                        + ("is shown to have computed" if weak else "computed") + " wrong numbers in these steps")
         return make(
             Verdict.ACQUITTED, Cause.REPRODUCED,
-            f"the replay reproduces the log{weak}: the devices are acquitted; the cause is in the data or "
-            "the software; run 'replay inspect' on the steps of interest",
+            f"the replay reproduces the log{weak}: the devices are acquitted, suspect device(s) "
+            f"{sorted(suspected)} included; what made them suspect is in the data or the software, not in "
+            "these steps' computations: run 'replay inspect' on the steps of interest",
         )
     if div.kind is DivergenceKind.DATA:
         return make(
@@ -177,10 +199,16 @@ def decide(outcomes: Sequence[ReplayOutcome], num_devices: int) -> Decision:
         )
     if div.kind is DivergenceKind.DEVICE and 0 < len(div.devices) < num_devices:
         if independent >= 2:
+            where = ""
+            if div.site is not None:
+                spread = [d for d in div.reached if d not in div.devices]
+                where = (f"; the error first appeared in what device(s) {list(div.devices)} computed at "
+                         f"{div.site_label or div.site}"
+                         + (f", and reached device(s) {spread} only through what they received" if spread else ""))
             return make(
                 Verdict.CONVICTED, Cause.DEVICE_FAULT,
                 f"step {div.step}: {independent} independent replays agree with each other and not with the "
-                f"log on device(s) {list(div.devices)}: convicted of silent data corruption",
+                f"log on device(s) {list(div.devices)}{where}: convicted of silent data corruption",
                 div, div.devices,
             )
         return make(

@@ -1,0 +1,493 @@
+"""``replay goodput``: where a run's wall time and tokens went, from its own log, to the step and the token.
+
+The training loop is the recorder (ml-goodput-measurement's split: recorder, calculator, monitor):
+it writes timestamps and durations into the run directory (``replay.run.protocol``: every event's
+``t``; each start or restore event's ``launched_at`` and ``restore_s``; each step's ``t``,
+``step_time_s``, ``compile_s``, ``loader_wait_s``, ``canary_s``, ``checkpoint_s`` and ``tokens`` in
+``signals.jsonl``, superseded steps' lines kept in ``superseded/``; the end event's
+``final_save_s``). This module is the calculator. It never measures anything itself.
+
+Time. The wall time runs from the first attempt's launch to the last record of the last attempt.
+Every instant of it belongs to exactly one part, computed in integer microseconds so that the
+parts add up to the wall time exactly::
+
+    launch ──start-up── start/restore event ──step─step─ ... ─step──tail── last record ──gap── next launch
+                (restore_s: restore)           each step's interval, from the previous record's t:
+                                               loader wait + canary + compile + step compute
+                                               + checkpoint save stall + other (the remainder)
+
+    part             what                                               ml-goodput-measurement
+    productive       step compute of the lineage's steps                 goodput
+    startup          launch to the first step, restores excepted         TPU_INITIALIZATION + TRAINING_PREP
+    compile          JAX tracing, lowering, compilation inside steps     PROGRAM_STARTUP
+    checkpoint_save  the loop blocked by checkpoint saves                UNPRODUCTIVE_CHECKPOINT_SAVE_TIME
+    restore          checkpoint restores                                 UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME
+    lost             steps trained, then lost to a crash (resumed)       WASTED_PROGRESS_FROM_DISRUPTION
+    rewound          steps abandoned by a rollback or rewind             (ours: a deliberate step back)
+    skipped_window   steps trained on data later skipped                 (ours)
+    loader_wait      the step waited for its batch                       DATA_LOADING_SYNC
+    canary           the periodic canary                                 CUSTOM_BADPUT_EVENTS
+    gap              between attempts: scheduling, crash detection, and  INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION
+                     an attempt's work after its last record
+    other            the loop's own host time (logging, bookkeeping)     OTHER
+    unknown          a stretch the log has no timestamps for (an old     -
+                     run directory, a trainer that logs no timings)
+
+Compute of a superseded step counts as lost, rewound or skipped_window by the cut that abandoned
+it (``replay.run.lineage``: a resume, a rollback or rewind, and a rewind's requested window);
+its loader wait, canary, compile and save stalls keep their own parts.
+
+Tokens. Every trained step is one global batch of ``B`` rows of ``L`` slots (``tokens_per_step``,
+logged by the trainer: rows x seq_len). Trained steps split the same way: the lineage's, lost,
+rewound, trained on a later-skipped window; plus the data the lineage skipped (rows never
+trained). They reconcile with the loader's arithmetic (``loader.index.data_step``): the lineage's
+steps and the skipped data steps are exactly the data steps ``[first, data_step(end - 1) + 1)``.
+Non-padding tokens come from each step's logged ``tokens`` (unknown where not logged).
+
+Program goodput (MFU): model FLOPs per step (the trainer logs ``flops_per_step``: 6 x active
+parameters x tokens for the reference model, Kaplan et al. 2020) over the step's compute time,
+the device count and the devices' peak FLOP/s (``--peak-flops``, or :data:`PEAK_FLOPS` by device
+kind; on CPU an illustrative nominal figure, said so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from replay.run.runlog import RunDirError, RunLog
+
+PARTS = ("productive", "startup", "compile", "checkpoint_save", "restore", "lost", "rewound", "skipped_window",
+         "loader_wait", "canary", "gap", "other", "unknown")
+PART_TEXT = {
+    "productive": "productive step compute of the lineage",
+    "startup": "start-up (launch to first step, restores excepted)",
+    "compile": "compilation inside steps",
+    "checkpoint_save": "checkpoint save stalls",
+    "restore": "checkpoint restores",
+    "lost": "lost work: steps redone after a crash",
+    "rewound": "rewound work: steps abandoned by a rollback or rewind",
+    "skipped_window": "steps trained on data later skipped",
+    "loader_wait": "loader waits",
+    "canary": "canary",
+    "gap": "gaps between attempts",
+    "other": "other host time in the loop",
+    "unknown": "not recorded (no timestamps)",
+}
+GOODPUT_KIND = {  # ml-goodput-measurement's BadputType for each part (docs/replay.md maps them)
+    "productive": "goodput", "startup": "TPU_INITIALIZATION + TRAINING_PREP", "compile": "PROGRAM_STARTUP",
+    "checkpoint_save": "UNPRODUCTIVE_CHECKPOINT_SAVE_TIME", "restore": "UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME",
+    "lost": "WASTED_PROGRESS_FROM_DISRUPTION", "rewound": "(ours; WASTED_PROGRESS_FROM_DISRUPTION is the nearest)",
+    "skipped_window": "(ours)", "loader_wait": "DATA_LOADING_SYNC", "canary": "CUSTOM_BADPUT_EVENTS",
+    "gap": "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION", "other": "OTHER", "unknown": "-"}
+STEP_PARTS = ("productive", "lost", "rewound", "skipped_window")
+REQUESTS = ("rewind", "skip_window")
+# Peak dense FLOP/s per device (bf16 unless said), from the vendors' data sheets; a device kind not
+# listed needs --peak-flops. "cpu" is a nominal figure so that the demo shows the arithmetic: an
+# XLA CPU device is a share of a host's cores, and its MFU is illustrative only.
+PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
+              "TPU v6 lite": 918e12, "TPU v6e": 918e12, "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12,
+              "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "cpu": 5e10}
+
+
+class GoodputError(RunDirError):
+    """The log holds nothing to account for (no attempt)."""
+
+
+def _us(x: Any) -> int:
+    return int(round(float(x) * 1_000_000))
+
+
+def _iso_us(text: Any) -> Optional[int]:
+    """Microseconds since the epoch of an event's ISO ``time``, or None."""
+    import datetime
+
+    try:
+        return _us(datetime.datetime.fromisoformat(str(text)).timestamp())
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclasses.dataclass
+class GoodputReport:
+    """What ``replay goodput`` found (``to_dict`` is the JSON report).
+
+    Attributes:
+      wall_us: the wall time in microseconds; time_us: per part (:data:`PARTS`), microseconds,
+        summing to ``wall_us`` exactly; steps, tokens: per step part (:data:`STEP_PARTS` and
+        ``skipped_data``), trained steps and slot tokens; nonpad_tokens: per step part, non-padding
+        tokens (None: not logged); reconcile: the loader arithmetic's check; mfu: program goodput;
+        attempts: per attempt its span and parts; unknown: why each unknown stretch is unknown;
+        young: the checkpoint interval check; timeline: (time s, cumulative productive s, kind) for
+        the picture; events: (time s, event, step) of restores and rewinds.
+    """
+
+    run_dir: str
+    wall_us: int
+    time_us: dict[str, int]
+    steps: dict[str, int]
+    tokens: dict[str, int]
+    nonpad_tokens: dict[str, Optional[int]]
+    reconcile: dict[str, Any]
+    mfu: dict[str, Any]
+    attempts: list[dict[str, Any]]
+    unknown: list[str]
+    young: dict[str, Any]
+    timeline: list[tuple[float, float]] = dataclasses.field(default_factory=list, repr=False)
+    events: list[tuple[float, str, int]] = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def goodput(self) -> float:
+        """Productive time over wall time (0 to 1)."""
+        return self.time_us["productive"] / self.wall_us if self.wall_us else math.nan
+
+    @property
+    def token_goodput(self) -> float:
+        """The lineage's tokens over every token trained (0 to 1)."""
+        trained = sum(self.tokens[p] for p in STEP_PARTS)
+        return self.tokens["productive"] / trained if trained else math.nan
+
+    def to_dict(self) -> dict[str, Any]:
+        wall = self.wall_us
+        return {
+            "kind": "goodput", "run": self.run_dir, "wall_s": wall / 1e6,
+            "goodput": round(self.goodput, 6) if wall else None,
+            "token_goodput": round(self.token_goodput, 6) if not math.isnan(self.token_goodput) else None,
+            "time": {p: {"s": self.time_us[p] / 1e6, "us": self.time_us[p],
+                         "share": round(self.time_us[p] / wall, 6) if wall else None, "what": PART_TEXT[p],
+                         "ml_goodput_measurement": GOODPUT_KIND[p]} for p in PARTS},
+            "time_adds_up": sum(self.time_us.values()) == wall,
+            "steps": dict(self.steps), "tokens": dict(self.tokens), "nonpad_tokens": dict(self.nonpad_tokens),
+            "reconcile": self.reconcile, "mfu": self.mfu, "attempts": self.attempts, "unknown": self.unknown,
+            "young": self.young,
+        }
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+@dataclasses.dataclass
+class _Step:
+    step: int
+    attempt: int
+    t: Optional[float]
+    step_s: Optional[float]
+    wait_s: Optional[float]
+    compile_s: Optional[float]
+    canary_s: Optional[float]
+    checkpoint_s: Optional[float]
+    tokens: Optional[int]
+
+
+def _step_of(d: Mapping[str, Any], attempt: int) -> _Step:
+    def f(k):
+        v = d.get(k)
+        return None if v is None else float(v)
+
+    tok = d.get("tokens")
+    return _Step(step=int(d["step"]), attempt=attempt, t=f("t"), step_s=f("step_time_s"), wait_s=f("loader_wait_s"),
+                 compile_s=f("compile_s"), canary_s=f("canary_s"), checkpoint_s=f("checkpoint_s"),
+                 tokens=None if tok is None else int(tok))
+
+
+def _steps_by_attempt(run: RunLog) -> dict[int, list[_Step]]:
+    """Each attempt's logged steps (lineage lines attributed by the lineage, superseded lines by their tag)."""
+    import json
+
+    from replay.run import lineage as lin
+    from replay.run.protocol import SIGNALS_NAME
+
+    out: dict[int, dict[int, _Step]] = {}
+    path = os.path.join(run.run_dir, SIGNALS_NAME)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    d = json.loads(line)
+                    s = int(d["step"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+                a = run.lineage.attempt_of(s)
+                if a is None:  # past a pending rewind: the lines of the head attempt, superseded
+                    a = run.lineage.current.id
+                out.setdefault(a, {})[s] = _step_of(d, a)
+    for d in lin.read_superseded(run.run_dir, SIGNALS_NAME):
+        a = d.get("attempt")
+        if isinstance(a, int):
+            out.setdefault(a, {}).setdefault(int(d["step"]), _step_of(d, a))
+    return {a: [v[s] for s in sorted(v)] for a, v in out.items()}
+
+
+# ----------------------------------------------------------------------------- calculator
+
+
+def step_part(run: RunLog, attempt_id: int, step: int) -> str:
+    """The part a step's compute belongs to (module docstring)."""
+    lineage = run.lineage
+    if lineage.attempt_of(step) == attempt_id:
+        return "productive"
+    att = next(a for a in lineage.attempts if a.id == attempt_id)
+    by = att.cut_of(step)
+    if by is None:
+        return "rewound" if lineage.pending_rewind is not None else "lost"
+    kind = "rewind" if by == 0 else next((a.kind for a in lineage.attempts if a.id == by), "resume")
+    if kind == "resume":
+        return "lost"
+    if any(a <= step <= b for a, b in lineage.skip_windows):
+        return "skipped_window"
+    return "rewound"
+
+
+def account(run: RunLog, *, peak_flops: Optional[float] = None) -> GoodputReport:
+    """The goodput of ``run`` (module docstring).
+
+    Args:
+      run: a loaded run directory (its lineage: ``RunLog.lineage``).
+      peak_flops: peak FLOP/s of one device (default: :data:`PEAK_FLOPS` by the env.json device kind).
+
+    Raises:
+      GoodputError: the log has no attempt to account for.
+    """
+    lineage = run.lineage
+    attempts = [a for a in lineage.attempts if a.index >= 0]
+    if not attempts:
+        raise GoodputError(f"{run.run_dir}: no start or restore event: nothing to account for")
+    from replay.run.lineage import event_attempts
+
+    events = run.all_events
+    ids = event_attempts(events)
+    per_steps = _steps_by_attempt(run)
+    time_us = {p: 0 for p in PARTS}
+    unknown: list[str] = []
+    att_out = []
+    timeline: list[tuple[float, float]] = []
+    marks: list[tuple[float, str, int]] = []
+    t_first = None
+    prev_last: Optional[int] = None
+    untimed: Optional[int] = None  # an attempt before this one whose time is not recorded
+    productive_so_far = 0
+    step_compute: dict[int, int] = {}  # lineage step -> compute microseconds (MFU)
+    for a in attempts:
+        ev = a.event
+        # an attempt's own records: requests (a rewind, a skip window) are written by a command or by
+        # the next attempt's start-up, not by this attempt's work
+        mine = [e for e, i in zip(events, ids) if i == a.id and e.get("event") not in REQUESTS]
+        launched = ev.get("launched_at")
+        t0 = ev.get("t")
+        parts = {p: 0 for p in PARTS}
+        if t0 is None:
+            unknown.append(f"attempt {a.id}: its {ev.get('event')} event has no 't' (a run directory from before "
+                           "timings were logged): its time is not split, and lies in the unknown part")
+            att_out.append({"attempt": a.id, "kind": a.kind, "start": a.start, "split": False})
+            untimed = a.id
+            continue
+        begin = _us(launched) if launched is not None else _us(t0)
+        if t_first is None:
+            t_first = begin
+        if prev_last is not None:
+            gap = begin - prev_last
+            known = launched is not None and untimed is None
+            parts["gap" if known else "unknown"] += gap
+            if not known:
+                unknown.append(f"attempt {a.id}: the {gap / 1e6:.3f} s before its {ev.get('event')} event are a gap, "
+                               + ("its start-up (no launched_at)" if launched is None else
+                                  f"or attempt {untimed}'s untimed work") + ", not told apart")
+        untimed = None
+        if launched is not None:
+            restore = min(_us(ev.get("restore_s") or 0.0), max(0, _us(t0) - begin))
+            parts["restore"] += restore
+            parts["startup"] += _us(t0) - begin - restore
+        else:
+            unknown.append(f"attempt {a.id}: no launched_at: its start-up is not known")
+        marks.append(((begin - (t_first or begin)) / 1e6, ev.get("event", "?"), a.start))
+        cursor = _us(t0)
+        steps = per_steps.get(a.id, [])
+        split = all(s.t is not None for s in steps)
+        if not split:
+            unknown.append(f"attempt {a.id}: steps without a 't' in signals.jsonl: its steps' time is not split")
+        for s in steps if split else []:
+            t = _us(s.t)
+            interval = t - cursor
+            comp = {"loader_wait": _us(s.wait_s or 0), "canary": _us(s.canary_s or 0),
+                    "compile": _us(s.compile_s or 0), "checkpoint_save": _us(s.checkpoint_s or 0)}
+            compute = _us(s.step_s or 0) - comp["compile"]
+            part = step_part(run, a.id, s.step)
+            for k, v in comp.items():
+                parts[k] += v
+            parts[part] += compute
+            parts["other"] += interval - compute - sum(comp.values())
+            if part == "productive":
+                productive_so_far += compute
+                step_compute[s.step] = compute
+            cursor = t
+            timeline.append(((t - t_first) / 1e6, productive_so_far / 1e6))
+        ends = [e for e in mine if e.get("event") in ("end", "stopped") and isinstance(e.get("t"), (int, float))]
+        tail_end = max([cursor] + [_us(e["t"]) for e in mine if isinstance(e.get("t"), (int, float))])
+        if not split:
+            parts["unknown"] += tail_end - cursor
+        else:
+            final = min(sum(_us(e.get("final_save_s") or 0) for e in ends), max(0, tail_end - cursor))
+            parts["checkpoint_save"] += final
+            parts["other"] += tail_end - cursor - final
+        for p in PARTS:
+            time_us[p] += parts[p]
+        prev_last = tail_end
+        att_out.append({"attempt": a.id, "kind": a.kind, "start": a.start, "trained_end": a.trained_end,
+                        "lineage": list(a.lineage) if a.lineage_steps else None, "split": split,
+                        "begin_s": (begin - t_first) / 1e6, "end_s": (tail_end - t_first) / 1e6,
+                        "ended": bool(ends), "time_s": {p: parts[p] / 1e6 for p in PARTS if parts[p]}})
+    for e in lineage.requests:
+        if isinstance(e.get("t"), (int, float)) and t_first is not None:
+            marks.append(((_us(e["t"]) - t_first) / 1e6, e.get("event", "?"), int(e.get("step", 0))))
+    if t_first is None:  # nothing timed (a run directory from before timings were logged): the events' clock
+        stamps = [_iso_us(e.get("time")) for e in events]
+        stamps = [x for x in stamps if x is not None]
+        if stamps:
+            t_first, prev_last = min(stamps), max(stamps)
+            time_us["unknown"] = prev_last - t_first
+            unknown.append("the wall time comes from the events' 'time' (whole seconds): the run logged no "
+                           "timestamps to split it by")
+    wall = (prev_last - t_first) if t_first is not None and prev_last is not None else 0
+    steps, tokens, nonpad, rec = _ledger(run, per_steps)
+    return GoodputReport(run_dir=run.run_dir, wall_us=wall, time_us=time_us, steps=steps, tokens=tokens,
+                         nonpad_tokens=nonpad, reconcile=rec, mfu=_mfu(run, step_compute, peak_flops),
+                         attempts=att_out, unknown=unknown, young=_young(run, time_us, wall), timeline=timeline,
+                         events=marks)
+
+
+def _tokens_per_step(run: RunLog) -> tuple[Optional[int], str]:
+    """``(global batch x seq_len, where it came from)``."""
+    for e in run.all_events:
+        if e.get("event") in ("start", "restore") and isinstance(e.get("tokens_per_step"), int):
+            return int(e["tokens_per_step"]), "the trainer's start event (tokens_per_step)"
+    gb = run.config.get("global_batch")
+    try:
+        from contract.config import load_mixture
+
+        seq = load_mixture(str(run.config.get("mixture"))).seq_len
+    except Exception:  # noqa: BLE001 - a missing or invalid mixture: unknown
+        seq = None
+    if isinstance(gb, int) and seq:
+        return gb * seq, "run config global_batch x the mixture's seq_len"
+    return None, "not known: no tokens_per_step logged and no mixture to read seq_len from"
+
+
+def _ledger(run: RunLog, per_steps: Mapping[int, Sequence[_Step]]) -> tuple[dict, dict, dict, dict]:
+    """Steps and tokens per part, and the reconciliation with the loader's arithmetic."""
+    from loader import index as ix
+
+    lineage = run.lineage
+    steps = {p: 0 for p in STEP_PARTS}
+    steps["productive"] = max(0, lineage.end - lineage.first)
+    for a in lineage.attempts:
+        if a.superseded is None:
+            continue
+        for s in range(*a.superseded):
+            steps[step_part(run, a.id, s)] += 1
+    windows = sorted((int(w[0]), int(w[1])) for w in run.config.get("skip_windows") or [])
+    passed = [(lo, hi) for lo, hi in windows if lo < lineage.end]
+    steps["skipped_data"] = sum(hi - lo + 1 for lo, hi in passed)
+    tps, source = _tokens_per_step(run)
+    tokens = {p: (n * tps if tps is not None else None) for p, n in steps.items()}
+    nonpad: dict[str, Optional[int]] = {p: 0 for p in STEP_PARTS}
+    nonpad["skipped_data"] = None  # never read by the trainer; the loader's rows would tell
+    for a, ss in per_steps.items():
+        for s in ss:
+            p = step_part(run, a, s.step)
+            if nonpad[p] is not None:
+                nonpad[p] = None if s.tokens is None else nonpad[p] + s.tokens
+    trained = sum(steps[p] for p in STEP_PARTS)
+    by_attempts = sum((a.trained_end or a.start) - a.start for a in lineage.attempts)
+    last = lineage.end - 1
+    data_end = ix.data_step(last, [ix.SkipWindow(lo, hi) for lo, hi in windows]) + 1 if last >= 0 else 0
+    rec = {"tokens_per_step": tps, "tokens_per_step_from": source,
+           "trained_steps": trained, "trained_steps_by_attempt": by_attempts,
+           "trained_adds_up": trained == by_attempts if all(a.trained_end is not None for a in lineage.attempts)
+           else None,
+           "lineage_data_steps": [lineage.first, data_end],
+           "data_steps_add_up": data_end - lineage.first == steps["productive"] + steps["skipped_data"],
+           "formula": "data_step(end - 1) + 1 - first == lineage steps + skipped data steps (loader.index.data_step)"}
+    return steps, tokens, nonpad, rec
+
+
+def _mfu(run: RunLog, compute_us: Mapping[int, int], peak_flops: Optional[float]) -> dict[str, Any]:
+    flops = next((e.get("flops_per_step") for e in run.all_events if e.get("event") in ("start", "restore")
+                  and isinstance(e.get("flops_per_step"), (int, float))), None)
+    kind = ((run.env.get("backend") or {}).get("device_kind") or "")
+    devices = run.mesh_size or len(run.mesh.get("device_ids") or []) or None
+    illustrative = peak_flops is None and kind.lower().startswith("cpu")
+    peak = peak_flops if peak_flops is not None else PEAK_FLOPS.get(kind) or PEAK_FLOPS.get(kind.lower())
+    out: dict[str, Any] = {"flops_per_step": flops, "device_kind": kind, "devices": devices, "peak_flops": peak,
+                           "peak_from": "--peak-flops" if peak_flops is not None else (
+                               "the table of known device kinds" if peak else None),
+                           "illustrative": bool(illustrative)}
+    if flops is None or not peak or not devices or not compute_us:
+        out["status"] = "not available: " + ", ".join(
+            w for w, ok in (("no flops_per_step logged by the trainer", flops is not None),
+                            (f"no peak FLOP/s for device kind {kind!r} (give --peak-flops)", bool(peak)),
+                            ("no device count in env.json", bool(devices)),
+                            ("no timed lineage step", bool(compute_us))) if not ok)
+        return out
+    per = {s: flops / (us / 1e6) / (devices * peak) for s, us in compute_us.items() if us > 0}
+    vals = np.asarray(list(per.values()))
+    out.update(status="ok", median=float(np.median(vals)), mean=float(np.mean(vals)),
+               per_step={str(s): round(v, 6) for s, v in sorted(per.items())},
+               formula="flops_per_step / (step compute s x devices x peak FLOP/s per device)")
+    if illustrative:
+        out["note"] = ("illustrative only: on CPU devices the peak is a nominal 5e10 FLOP/s per XLA device "
+                       "(a share of the host's cores), not a measured or vendor figure")
+    return out
+
+
+def _young(run: RunLog, time_us: Mapping[str, int], wall_us: int) -> dict[str, Any]:
+    """Young's optimal checkpoint interval sqrt(2 * checkpoint cost * MTBF) (Young 1974) from this run:
+    the cost is the mean save stall per committed checkpoint, the MTBF the wall time over the
+    crashes (restores that resumed)."""
+    saves = sum(1 for e in run.all_events if e.get("event") == "checkpoint")
+    crashes = sum(1 for a in run.lineage.attempts if a.kind == "resume")
+    out: dict[str, Any] = {"checkpoints": saves, "crashes": crashes, "formula": "sqrt(2 * checkpoint cost * MTBF)"}
+    if not saves:
+        out["status"] = "not available: no committed checkpoint"
+        return out
+    cost = time_us["checkpoint_save"] / 1e6 / saves
+    out["checkpoint_cost_s"] = cost
+    every = run.config.get("checkpoint_every")
+    steps = [v for v in _median_step(run)]
+    if isinstance(every, int) and steps:
+        out["interval_s"] = every * steps[0]
+    if not crashes:
+        out["status"] = "not available: no crash in this run to estimate the MTBF from"
+        return out
+    mtbf = wall_us / 1e6 / crashes
+    out.update(status="ok", mtbf_s=mtbf, optimal_interval_s=math.sqrt(2 * cost * mtbf))
+    return out
+
+
+def _median_step(run: RunLog) -> list[float]:
+    from replay.screen.scan import lineage_screening_logs
+
+    signals, _ = lineage_screening_logs(run)
+    st = [s.step_time_s for s in (signals or {}).values() if s.step_time_s is not None]
+    return [float(np.median(st))] if st else []
+
+
+def headline(report: Mapping[str, Any]) -> str:
+    """The one line that sums a goodput report (``GoodputReport.to_dict()``) up, e.g. ``goodput 71.2%
+    of 134.0 s; 100.0% of the tokens trained are in the lineage; MFU 3.10% (illustrative on CPU);
+    effective 2.21% (MFU x goodput)``."""
+    wall = report["wall_s"]
+    g = report.get("goodput")
+    out = f"goodput {g:.1%} of {wall:.1f} s" if g is not None and report.get("wall_s") else \
+        "goodput not available (no timestamps)"
+    if report.get("token_goodput") is not None:
+        out += f"; {report['token_goodput']:.1%} of the tokens trained are in the lineage"
+    mfu = report.get("mfu") or {}
+    if mfu.get("status") == "ok":
+        out += f"; MFU {mfu['median']:.2%}" + (" (illustrative on CPU)" if mfu.get("illustrative") else "")
+        if g is not None:
+            out += f"; effective {mfu['median'] * g:.2%} (MFU x goodput)"
+    return out

@@ -1,0 +1,328 @@
+"""What a user's own corpus needs (issue 22): exact duplicates (dataprep.dedup, FindDuplicates,
+dedup: report | exact), document ids carried from the input to the packed rows and the loader,
+and the epochs of each source in a planned run, at pack time and from the loader."""
+
+import json
+import pathlib
+
+import apache_beam as beam
+import pytest
+import sentencepiece as spm
+import yaml
+from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+from array_record.python.array_record_module import ArrayRecordReader
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from contract.codec import decode_row
+from contract.hashing import key_position
+from contract.manifest import Manifest
+from dataprep import dedup, pack, pipeline, staging, summary, testing
+
+RUNNER = ["--runner=FnApiRunner"]
+
+
+def test_normalized_text_and_its_hash_are_pinned():
+    assert dedup.normalize("  Call me\tIshmael.\r\n\n") == "Call me Ishmael."
+    assert dedup.normalize("Cafe\u0301") == "Caf\u00e9"  # NFC
+    assert dedup.text_hash("Call me Ishmael.") == dedup.text_hash(" Call  me\nIshmael. ")
+    assert dedup.text_hash("Call me Ishmael.") != dedup.text_hash("call me Ishmael.")  # case is kept
+    # pinned: a change to the normalization or the hash changes every duplicate report
+    assert dedup.text_hash("Call me Ishmael.").hex() == "4f26d467074725bab34186ddb7128579"  # blake2b, person moe-dedup-v1
+    assert dedup.dedup_bucket(dedup.text_hash("Call me Ishmael."), 7) == 1
+
+
+def test_key_position_is_file_order():
+    keys = ["s/a.jsonl:10", "s/a.jsonl:2", "s/b.jsonl:1", "s/a.jsonl:file", "s/a.jsonl:9"]
+    assert sorted(keys) == ["s/a.jsonl:10", "s/a.jsonl:2", "s/a.jsonl:9", "s/a.jsonl:file", "s/b.jsonl:1"]
+    assert sorted(keys, key=key_position) == ["s/a.jsonl:2", "s/a.jsonl:9", "s/a.jsonl:10", "s/a.jsonl:file",
+                                              "s/b.jsonl:1"]
+    assert key_position("web/dir/x:y.jsonl:3") == ("dir/x:y.jsonl", 0, 3)
+
+
+def test_the_worked_example_from_the_docstring():
+    keys = ["web/a.jsonl:10", "web/a.jsonl:2", "books/m.txt:0", "web/a.jsonl:3"]
+    texts = ["Call me Ishmael.", "Call me  Ishmael.\n", "Call me Ishmael.", "Something else."]
+    assert dedup.groups(keys, [dedup.text_hash(t) for t in texts], [0, 0, 1, 0]) == [[1, 0, 2]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 30), st.sampled_from(["a", "b", "a ", "\tb", "c"])),
+                max_size=40, unique_by=lambda d: (d[0], d[1])))
+def test_groups_equal_a_plain_reference(docs):
+    keys = [f"s{src}/f.jsonl:{line}" for src, line, _ in docs]
+    sources = [src for src, _, _ in docs]
+    digests = [dedup.text_hash(t) for _, _, t in docs]
+    by_hash = {}
+    for i, d in enumerate(digests):
+        by_hash.setdefault(d, []).append(i)
+    expected = [sorted(m, key=lambda i: (sources[i], docs[i][1])) for _, m in sorted(by_hash.items()) if len(m) > 1]
+    assert dedup.groups(keys, digests, sources) == expected
+
+
+def test_find_duplicates_alone():
+    """The DoFn on two staged values of one dedup bucket: counts by (source, kept source), the
+    examples, and with drop the drop lists routed to each dropped document's packing bucket."""
+    docs = [("web/a.jsonl:2", "x", 0, 5), ("web/a.jsonl:10", "x", 0, 5), ("books/b.txt:0", "x", 1, 7),
+            ("books/b.txt:1", "y", 1, 3), ("web/a.jsonl:4", "y", 0, 3), ("web/a.jsonl:5", "z", 0, 1)]
+    values = []
+    for part in (docs[:3], docs[3:]):
+        stager = staging.Stager(None)
+        for key, text, src, tokens in part:
+            stager.add(0, key, dedup.RECORD.pack(dedup.text_hash(text), src, tokens))
+        values += [v for _, v in stager.flush()]
+    x, y = dedup.text_hash("x").hex(), dedup.text_hash("y").hex()
+    shards = {"web": 3, "books": 2}
+    with BeamTestPipeline(argv=RUNNER) as p:
+        out = (p | beam.Create([(0, values)])
+               | beam.ParDo(pipeline.FindDuplicates(["web", "books"], 0, shards, drop=True)).with_outputs(
+                   pipeline.STATS, main="drops"))
+        assert_that(out[pipeline.STATS], equal_to([
+            ("duplicates", "web", "web", 1, 5), ("duplicates", "books", "web", 2, 10),
+            ("duplicate_example", x, 3, ["web/a.jsonl:2", "web/a.jsonl:10", "books/b.txt:0"]),
+            ("duplicate_example", y, 2, ["web/a.jsonl:4", "books/b.txt:1"]),
+        ]), "stats")
+        bucket = {k: pipeline.packing.bucket_of(0, k.split("/")[0], k, shards[k.split("/")[0]])
+                  for k in ("web/a.jsonl:10", "books/b.txt:0", "books/b.txt:1")}
+        assert_that(out.drops | beam.Map(lambda kv: (kv[0], kv[1][0], sorted(staging.StagedGroup([kv[1][1]]).keys))),
+                    equal_to(_expected_drops(bucket)), "drops")
+
+
+def _expected_drops(bucket):
+    by = {}
+    for key, b in bucket.items():
+        by.setdefault((key.split("/")[0], b), []).append(key)
+    return [(g, pipeline.DROP, sorted(keys)) for g, keys in by.items()]
+
+
+# --------------------------------------------------------------------------- end to end
+
+SHARED = [f"Paragraph {i} of the shared text: the same words in both sources, byte for byte." for i in range(10)]
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory):
+    """Two sources holding the same 10 documents (the issue's case), one duplicate within "web"
+    that differs only in whitespace, and ids (URLs) on "web" only."""
+    d = tmp_path_factory.mktemp("twins")
+    tok = d / "tok.model"
+    sha = testing.train_small_tokenizer(str(tok))
+    own = [f"Only on the web, number {i}, with words of its own." for i in range(20)]
+    web = own[:5] + SHARED + own[5:] + ["  Only on the web, number 3,\nwith words of its own.  "]
+    (d / "web").mkdir()
+    with open(d / "web/w.jsonl", "w") as f:
+        for i, t in enumerate(web):
+            f.write(json.dumps({"url": f"https://example.org/{i}", "text": t}) + "\n")
+    (d / "mirror").mkdir()
+    with open(d / "mirror/m.jsonl", "w") as f:
+        for t in ["A document only the mirror has."] + SHARED:
+            f.write(json.dumps({"text": t}) + "\n")
+    config = {"name": "twins", "version": 1, "seq_len": 64, "seed": 1, "shards_per_source": 2,
+              "tokenizer": {"path": "tok.model", "sha256": sha},
+              "sources": [{"name": "web", "paths": ["web/*.jsonl"], "format": "jsonl", "id_field": "url",
+                           "weight": 0.5},
+                          {"name": "mirror", "paths": ["mirror/*.jsonl"], "format": "jsonl", "weight": 0.5}]}
+    for mode in ("report", "exact"):
+        (d / f"{mode}.yaml").write_text(yaml.safe_dump({**config, "dedup": mode}))
+    sp = spm.SentencePieceProcessor(model_file=str(tok))
+    return d, web, lambda text: len(sp.encode(text)) + 1  # tokens with EOS
+
+
+def _rows(out):
+    m = Manifest.from_json((out / "manifest.json").read_text())
+    rows = []
+    for entry in m.sources.values():
+        for shard in entry.shards:
+            reader = ArrayRecordReader(str(out / shard.path))
+            rows += [decode_row(r) for r in reader.read_all()]
+            reader.close()
+    return m, rows
+
+
+def test_duplicates_are_reported_and_all_packed(twins, tmp_path):
+    d, web, tokens = twins
+    out = tmp_path / "ds"
+    result = pack.run(["--config", str(d / "report.yaml"), "--output", str(out)], print_summary=False)
+    m, rows = _rows(out)
+    shared_tokens = sum(tokens(t) for t in SHARED)
+    assert m.duplicates == {
+        "mode": "report",
+        "normalization": dedup.NORMALIZATION,
+        "documents": 11,
+        "tokens": shared_tokens + tokens(web[-1]),
+        "by_source": {"web": {"documents": 1, "tokens": tokens(web[-1]), "of": {"web": 1}},
+                      "mirror": {"documents": 10, "tokens": shared_tokens, "of": {"web": 10}}},
+        "examples": m.duplicates["examples"],
+    }
+    examples = m.duplicates["examples"]
+    assert len(examples) == 5 and [e["hash"] for e in examples] == sorted(e["hash"] for e in examples)
+    for e in examples:
+        assert e["copies"] == 2 and e["keys"][0].startswith("web/") and len(e["keys"]) == 2
+    assert {n: (e.ledger.read, e.ledger.packed, e.ledger.duplicates_dropped) for n, e in m.sources.items()} == {
+        "web": (31, 31, 0), "mirror": (11, 11, 0)}
+    # the closing table says so
+    table = summary.summary_table(result.manifest)
+    assert [c.header for c in table.columns][4] == "duplicates"
+    assert list(table.columns[4].cells) == ["10 (of web)", "1", "11"]  # sources sorted: mirror, web
+    # ids: the web's URLs in the rows' provenance, none for the mirror
+    ids = {k: i for r in rows for k, i in zip(r.doc_keys, r.doc_ids)}
+    assert {k: v for k, v in ids.items() if k.startswith("web/")} == {
+        f"web/w.jsonl:{i + 1}": f"https://example.org/{i}" for i in range(31)}
+    assert {v for k, v in ids.items() if k.startswith("mirror/")} == {""}
+
+
+def test_dedup_exact_drops_every_copy_but_the_first(twins, tmp_path):
+    import io
+
+    from rich.console import Console
+
+    d, web, tokens = twins
+    out = tmp_path / "ds"
+    result = pack.run(["--config", str(d / "exact.yaml"), "--output", str(out)], print_summary=False)
+    text = io.StringIO()
+    summary.print_summary(result, Console(file=text, width=200))
+    assert "ledger: documents read = packed + rejected + duplicates dropped, tokens in = tokens packed + tokens " \
+           "dropped: reconciled" in text.getvalue()
+    assert list(summary.summary_table(result.manifest).columns[4].cells) == ["10 dropped (of web)", "1 dropped",
+                                                                              "11 dropped"]
+    m, rows = _rows(out)
+    assert m.problems() == []
+    keys = {k for r in rows for k in r.doc_keys}
+    # web line 31 (line 4 again, but for whitespace) and the mirror's 10 copies of web lines 6-15 are left out
+    assert keys == {f"web/w.jsonl:{i}" for i in range(1, 31)} | {"mirror/m.jsonl:1"}
+    led = {n: e.ledger for n, e in m.sources.items()}
+    assert (led["web"].read, led["web"].packed, led["web"].duplicates_dropped, led["web"].tokens_dropped) == (
+        31, 30, 1, tokens(web[-1]))
+    assert (led["mirror"].read, led["mirror"].packed, led["mirror"].duplicates_dropped) == (11, 1, 10)
+    assert led["mirror"].tokens_dropped == sum(tokens(t) for t in SHARED)
+    assert led["mirror"].tokens_in == led["mirror"].tokens_packed + led["mirror"].tokens_dropped
+    assert m.duplicates["mode"] == "exact" and m.duplicates["documents"] == 11
+    # the same bytes from two worker processes
+    out2 = tmp_path / "ds2"
+    pack.run(["--config", str(d / "exact.yaml"), "--output", str(out2), "--direct_num_workers=2",
+              "--direct_running_mode=multi_processing", "--no-report"], print_summary=False)
+    files = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file() and p.name != "report.png")
+    assert files == sorted(p.relative_to(out2) for p in out2.rglob("*") if p.is_file())
+    assert all((out / f).read_bytes() == (out2 / f).read_bytes() for f in files)
+
+
+def test_dedup_off_hashes_nothing(twins, tmp_path):
+    d, _, _ = twins
+    raw = yaml.safe_load((d / "report.yaml").read_text())
+    (d / "off.yaml").write_text(yaml.safe_dump({**raw, "dedup": "off"}))
+    out = tmp_path / "ds"
+    result = pack.run(["--config", str(d / "off.yaml"), "--output", str(out), "--no-report"], print_summary=False)
+    assert result.manifest.duplicates is None and "duplicates" not in json.loads((out / "manifest.json").read_text())
+    ref = tmp_path / "ref"
+    pack.run(["--config", str(d / "report.yaml"), "--output", str(ref), "--no-report"], print_summary=False)
+    shards = sorted(pathlib.Path(p).relative_to(out) for p in out.rglob("*.array_record"))
+    assert all((out / s).read_bytes() == (ref / s).read_bytes() for s in shards)  # report drops nothing
+
+
+def test_the_loader_answers_with_the_users_ids(twins, tmp_path):
+    """"Which documents were in step N": the rows the loader reads carry the input's ids."""
+    import loader
+
+    d, _, _ = twins
+    out = tmp_path / "ds"
+    pack.run(["--config", str(d / "report.yaml"), "--output", str(out), "--no-report"], print_summary=False)
+    data = loader.build(str(d / "report.yaml"), str(out), global_batch=8)
+    seen = {}
+    for step in range(4):
+        for ref, row in zip(data.rows_at(step), data.read_rows(step)):
+            for key, doc_id in zip(row.doc_keys, row.doc_ids):
+                seen[key] = doc_id
+                if ref.source == "web":
+                    assert doc_id == f"https://example.org/{int(key.rsplit(':', 1)[1]) - 1}"
+                else:
+                    assert doc_id == ""
+    assert any(k.startswith("web/") for k in seen)
+    # replay inspect answers with them too: in its report, and as a column of its table
+    import io
+
+    from rich.console import Console
+
+    from replay import report
+    from replay.screen.forensics import inspect_steps
+
+    rep = inspect_steps(data, 0, 4).to_dict()
+    docs = [doc for r in rep["rows"] for doc in r["documents"]]
+    assert {doc["key"]: doc.get("id", "") for doc in docs} == seen
+    assert all(("id" in doc) == doc["key"].startswith("web/") for doc in docs)
+    out_text = io.StringIO()
+    report.render_inspect(rep, Console(file=out_text, width=200))
+    table = out_text.getvalue()
+    assert "document id" in table
+    assert all(doc["id"] in table for doc in docs if "id" in doc)
+
+
+def test_pack_prints_the_epochs_of_a_planned_run_and_warns(twins, tmp_path, capsys):
+    d, _, _ = twins
+    out = tmp_path / "ds"
+    result = pack.run(["--config", str(d / "report.yaml"), "--output", str(out), "--no-report",
+                       "--train-steps", "100", "--global-batch", "8"], print_summary=False)
+    records = {n: e.records for n, e in result.manifest.sources.items()}
+    err = capsys.readouterr().err
+    # 100 steps x 8 rows x weight 0.5 = 400 rows of each source; an epoch every records / 4 steps
+    lines = [f"{n}: {records[n]:,} rows, {400 / records[n]:,.2f} epochs in 100 steps of 8 rows (an epoch every "
+             f"{records[n] / 4:,.1f} steps at its highest weight)" for n in ("web", "mirror")]
+    assert "pack: epochs of each source in the planned run (100 steps of 8 rows):\n  " + "\n  ".join(lines) in err
+    assert [e.epochs for e in result.epochs] == [400 / records["web"], 400 / records["mirror"]]
+    warnings = [ln for ln in err.splitlines() if ln.startswith("warning: ")]
+    assert warnings == [
+        f"warning: source {n!r} repeats {400 / records[n]:,.1f} times in the planned 100 steps (an epoch every "
+        f"{records[n] / 4:,.1f} steps), over 4 epochs, beyond which repeated data helps less and less "
+        "(Muennighoff et al. 2023); lower its weight, add documents to it, or plan fewer steps"
+        for n in ("web", "mirror") if 400 / records[n] > 4]
+    assert warnings  # the mirror's few rows repeat
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--global-batch", "8"], "error: --global-batch goes with --train-steps or --train-tokens: give both, to see "
+                              "how many epochs of each source the planned run sees\n"),
+    (["--train-steps", "5", "--train-tokens", "9", "--global-batch", "8"],
+     "error: --train-steps and --train-tokens: give one of them, not both\n"),
+    (["--train-tokens", "0", "--global-batch", "8"], "error: --train-tokens: must be an integer >= 1, got 0\n"),
+    (["--train-steps", "10", "--global-batch", "8", "--max-epochs", "0"], "error: --max-epochs: must be > 0, got 0.0\n"),
+])
+def test_a_bad_plan_exits_2_before_any_work(twins, tmp_path, capsys, args, message):
+    d, _, _ = twins
+    assert pack.main(["--config", str(d / "report.yaml"), "--output", str(tmp_path / "ds"), *args]) == 2
+    assert capsys.readouterr().err == message
+    assert not (tmp_path / "ds").exists()
+
+
+def test_the_loader_counts_the_epochs_exactly_and_warns(twins, tmp_path, caplog):
+    import logging
+
+    import loader
+
+    d, _, _ = twins
+    out = tmp_path / "ds"
+    m = pack.run(["--config", str(d / "report.yaml"), "--output", str(out), "--no-report"],
+                 print_summary=False).manifest
+    records = {n: e.records for n, e in m.sources.items()}
+    with caplog.at_level(logging.INFO, logger="loader"):
+        data = loader.build(str(d / "report.yaml"), str(out), global_batch=8, planned_steps=100)
+    got = {e.source: e for e in data.epochs(100)}
+    # weights 1/2 and 1/2: the interleave alternates, so exactly 400 rows each
+    assert {n: e.rows for n, e in got.items()} == {"web": 400.0, "mirror": 400.0}
+    assert {n: e.epochs for n, e in got.items()} == {n: 400 / records[n] for n in records}
+    # the same as rows_at over the steps, source by source
+    drawn = {"web": 0, "mirror": 0}
+    for step in range(100):
+        for ref in data.rows_at(step):
+            drawn[ref.source] += 1
+    assert drawn == {"web": 400, "mirror": 400}
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [f"source {n!r} repeats {400 / records[n]:,.1f} times in the planned 100 steps (an epoch "
+                      f"every {records[n] / 4:,.1f} steps), over 4 epochs, beyond which repeated data helps less "
+                      "and less (Muennighoff et al. 2023); lower its weight, add documents to it, or plan fewer steps"
+                      for n in ("web", "mirror") if 400 / records[n] > 4]
+    assert any(r.getMessage().startswith("epochs: web: ") for r in caplog.records)
+    # with a skip window, the skipped data steps are not drawn
+    skipping = loader.build(str(d / "report.yaml"), str(out), global_batch=8, skip_windows=[(10, 19)])
+    assert sum(e.rows for e in skipping.epochs(100)) == 800
+    assert {e.source: e.rows for e in skipping.epochs(100)} == {
+        n: float(sum(1 for s in range(100) for r in skipping.rows_at(s) if r.source == n)) for n in records}

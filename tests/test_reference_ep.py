@@ -1,0 +1,307 @@
+"""Expert parallelism in the reference trainer (``model.dispatch: all_to_all``) and the verdicts that
+still name the one faulty device when the all-to-alls spread its error (issue 18).
+
+One module-scoped run: the tiny model with 4 experts on a ``{data: 2, expert: 4}`` mesh of the 8 CPU
+devices (one expert per device), drop-free capacity, balanced (aux loss, loss-free bias), 40 steps
+(killed after step 24 and resumed from checkpoint 20), checkpoints every 10, a canary every 5 steps.
+"""
+
+import dataclasses
+import json
+import os
+import random
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from replay.reference.testing import random_batch, tiny_model_config, write_tiny_run
+from replay.reference.trainer import ReferenceTrainer, make_mesh
+from replay.run.codes import Verdict
+from replay.run.protocol import FaultSpec, read_fingerprints, read_signals, send_sites_in_program_order
+from replay.verify import compare
+
+EP_MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "head_dim": 8, "n_experts": 4, "top_k": 2, "d_ff": 32,
+            "capacity_factor": 2.0, "aux_loss_weight": 0.1, "router_bias_rate": 0.02, "dispatch": "all_to_all"}
+MESH = {"data": 2, "expert": 4}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(gather trainer, all-to-all trainer, mesh, state of each from one seed, a fixed batch)."""
+    mesh = make_mesh(MESH)
+    cfg = tiny_model_config(n_experts=8, capacity_factor=4.0)  # C = S: nothing can drop
+    tg, ta = ReferenceTrainer(cfg), ReferenceTrainer(dataclasses.replace(cfg, dispatch="all_to_all"))
+    return tg, ta, mesh, tg.init_state(mesh, 0), ta.init_state(mesh, 0), random_batch(0, 8, 32, 128)
+
+
+def test_all_to_all_agrees_with_gather_on_a_fixed_batch(pair):
+    tg, ta, mesh, sg, sa, batch = pair
+    for x, y in zip(jax.tree_util.tree_leaves(sg), jax.tree_util.tree_leaves(sa)):  # same initial state
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    _, red_g, fp_g = tg.device_contributions(sg, batch, 0)
+    _, red_a, fp_a = ta.device_contributions(sa, batch, 0)
+    assert fp_g.router["dropped_fraction"] == fp_a.router["dropped_fraction"] == 0.0
+    assert fp_g.router["expert_share"] == fp_a.router["expert_share"]  # same routing, bit for bit
+    loss = [compare.f32(f.loss_bits) for f in (fp_g, fp_a)]
+    assert loss[1] == pytest.approx(loss[0], rel=1e-6)
+    for (path, g), a in zip(jax.tree_util.tree_flatten_with_path(red_g)[0], jax.tree_util.tree_leaves(red_a)):
+        g, a = np.asarray(g), np.asarray(a)
+        scale = float(np.max(np.abs(g))) or 1.0
+        assert np.max(np.abs(g - a)) <= 1e-5 * scale, jax.tree_util.keystr(path)  # float32 rounding
+    assert fp_a.send_sites == send_sites_in_program_order(2) and not fp_g.send_sites
+
+
+def _all_gather_shapes(trainer, mesh, state, batch):
+    fn = trainer._step_fn(mesh, batch["inputs"].shape[0])
+    sh = trainer.batch_sharding(mesh)
+    text = fn.lower(state, {k: jax.device_put(v, sh) for k, v in batch.items()}, np.zeros(7, np.int32),
+                    np.zeros(4, np.float32)).compile().as_text()
+    return {tuple(int(n) for n in dims.split(",") if n) for dims in re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", text)}
+
+
+def test_expert_weights_and_moments_are_never_gathered(pair):
+    _, ta, mesh, _, sa, batch = pair
+    expert_shapes = {tuple(x.shape) for p, x in zip(ta.leaf_paths, jax.tree_util.tree_leaves(sa["params"]))
+                     if p.endswith("['w_in']") or p.endswith("['w_out']")}
+    gathered = _all_gather_shapes(ta, mesh, sa, batch)
+    assert gathered and not expert_shapes & gathered  # the step's all-gathers: fingerprints and scalars only
+    new, _ = ta.train_step(sa, batch, 0)
+    for tree in (new["params"], new["opt_state"]):
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if tuple(x.shape) in expert_shapes:  # parameters and AdamW moments stay split over 'expert'
+                assert x.sharding.spec[0] == "expert", jax.tree_util.keystr(path)
+                assert {s.data.shape[0] for s in x.addressable_shards} == {x.shape[0] // 4}
+
+
+def test_two_runs_and_a_fresh_compile_are_bit_identical(pair):
+    _, ta, mesh, _, sa, batch = pair
+    _, a = ta.train_step(sa, batch, 3)
+    _, b = ta.train_step(sa, batch, 3)
+    _, c = ReferenceTrainer(ta.model).train_step(sa, batch, 3)
+    assert a.bits_equal(b) and a.bits_equal(c) and a.sends == c.sends and len(a.sends[0]) == 8
+    assert len(set(a.sends[0])) == 8  # every site's buffer has its own fingerprint
+
+
+def test_fingerprints_and_send_fingerprints_do_not_change_the_update(pair):
+    _, ta, mesh, _, sa, batch = pair
+    plain = ReferenceTrainer(ta.model, fingerprints=False)
+    a, _ = ta.train_step(sa, batch, 2)
+    b, fp = plain.train_step(sa, batch, 2)
+    assert not fp.sends and fp.signals is None
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint32), np.asarray(y).view(np.uint32))
+
+
+def test_signals_reconcile_and_count_the_tokens_each_expert_device_received(pair):
+    _, ta, mesh, _, sa, batch = pair
+    _, fp = ta.train_step(sa, batch, 0)
+    sig = fp.signals
+    assert sum(r.dot for r in sig.replicas) == pytest.approx(sig.grad_norm ** 2, rel=1e-4)
+    assert len(sig.expert_load) == 2
+    routed = int(np.sum(batch["inputs_segmentation"] != 0))
+    for layer, load in zip(sig.router, sig.expert_load):
+        assert sorted(load.received) == list(range(8)) and layer.dropped_fraction == 0.0
+        # each of a token's top-2 assignments is received by exactly one expert device
+        assert sum(load.received.values()) == 2 * routed
+        vals = list(load.received.values())
+        assert load.max_over_mean == pytest.approx(max(vals) / (sum(vals) / len(vals)))
+
+
+def test_localization_of_each_fault_kind_on_one_step(pair):
+    """Faults planted inside one device's computation: the first divergent buffer names it alone, even
+    when its error reached the other devices of its expert group within the step."""
+    _, ta, mesh, _, sa, batch = pair
+    _, clean = ta.train_step(sa, batch, 5)
+    ident = {d: d for d in clean.devices}
+    sizes = ta.fault_sizes(mesh, 8, 32)
+    seg = batch["inputs_segmentation"]
+    row, pos = np.argwhere(seg[2:3] != 0)[5]  # device 2's first row, a token that is not padding
+    cases = [
+        (FaultSpec(5, 2, "", (row * 32 + pos) * 32 + 3, 22, where="attention", layer=1), "layer1.dispatch.forward"),
+        (FaultSpec(5, 6, "", 123, 26, where="expert_forward", layer=0), "layer0.combine.forward"),
+        (FaultSpec(5, 1, "['layers'][0]['w_out']", 17, 3, where="expert_backward"), "local_gradient"),
+        (FaultSpec(5, 7, "['layers'][1]['wq']", 5, 0), "local_gradient"),
+    ]
+    for fault, site in cases:
+        _, bad = ta.train_step(sa, batch, 5, fault)
+        diff = compare.compare_step(bad, clean, ident)
+        assert diff.localization.site == site and diff.suspects == (fault.device_id,), (fault, diff.localization)
+        div = diff.divergence()
+        assert div.devices == (fault.device_id,) and div.site == site
+    # the attention fault reached its whole expert group (devices 0-3), through what device 2 sent
+    _, bad = ta.train_step(sa, batch, 5, cases[0][0])
+    diff = compare.compare_step(bad, clean, ident)
+    assert diff.localization.reached == (0, 1, 2, 3) and set(diff.devices) == {0, 1, 2, 3}
+    assert sizes["expert_forward"] == 4 * 2 * 1 * 32 * 32 and sizes["attention"] == 32 * 32  # [X, E/X, B, C, D]
+
+
+def test_bad_in_computation_faults_are_clear_errors(pair):
+    _, ta, mesh, _, sa, batch = pair
+    from replay.reference.trainer import FaultSpecError
+
+    with pytest.raises(FaultSpecError, match="expert weight"):
+        ta.train_step(sa, batch, 0, FaultSpec(0, 1, "['layers'][0]['wq']", 0, 0, where="expert_backward"))
+    with pytest.raises(FaultSpecError, match=r"outside \[0, 2\)"):
+        ta.train_step(sa, batch, 0, FaultSpec(0, 1, "", 0, 0, where="attention", layer=2))
+    with pytest.raises(FaultSpecError, match="element"):
+        ta.train_step(sa, batch, 0, FaultSpec(0, 1, "", 10 ** 9, 0, where="expert_forward", layer=0))
+    with pytest.raises(FaultSpecError, match="element"):  # an expert leaf's local shard is 1/4 of it
+        n = ta.leaf_sizes[ta.leaf_paths.index("['layers'][0]['w_in']")]
+        ta.train_step(sa, batch, 0, FaultSpec(0, 1, "['layers'][0]['w_in']", n // 4, 0))
+    with pytest.raises(ValueError, match="layer"):
+        FaultSpec(0, 1, "", 0, 0, where="attention")
+
+
+def test_run_config_refuses_experts_that_do_not_split(tmp_path):
+    from replay.reference import run as runm
+
+    path = write_tiny_run(str(tmp_path), mesh={"data": 2, "expert": 4}, model={**EP_MODEL, "n_experts": 6})
+    with pytest.raises(runm.RunConfigError, match="n_experts 6 must divide by the mesh's expert axis size 4"):
+        runm.load_run_config(path)
+
+
+# ----------------------------------------------------------------------------- a trained run
+
+
+@pytest.fixture(scope="module")
+def ep_run(tmp_path_factory):
+    """(session, trainer, mesh, cfg, folder) of the module docstring's run."""
+    from replay.reference import run as runm
+    from replay.run.runlog import load_run
+    from replay.verify import engine
+
+    folder = tmp_path_factory.mktemp("ep_run")
+    path = write_tiny_run(str(folder), seq_len=32, global_batch=16, rows={"a": 300, "b": 150}, checkpoint_every=10,
+                          phases=(), mesh=MESH, model=EP_MODEL,
+                          extra={"canary_every": 5, "router_health": {"window_steps": 10}})
+    cfg = runm.load_run_config(path)
+    trainer, mesh, _ = runm.make_trainer(cfg)
+    run_dir = str(folder / "run")
+    runm.train(run_dir, cfg, 25, trainer=trainer, mesh=mesh, log=lambda s: None, plot=False)
+    import shutil
+
+    shutil.rmtree(os.path.join(run_dir, "checkpoints", "25"))  # killed before checkpoint 25 committed:
+    runm.train(run_dir, cfg, 40, trainer=trainer, mesh=mesh, log=lambda s: None, plot=False)  # resumed from 20
+    run = load_run(run_dir)
+    session = engine.Session(run, dataclasses.replace(engine.default_setup(run), trainer=trainer))
+    return session, trainer, mesh, cfg, folder
+
+
+def test_resume_gives_the_uninterrupted_runs_fingerprints(ep_run):
+    from replay.reference import run as runm
+
+    session, trainer, mesh, cfg, folder = ep_run
+    straight = str(folder / "straight")
+    runm.train(straight, cfg, 40, trainer=trainer, mesh=mesh, log=lambda s: None, plot=False)
+    a = open(os.path.join(session.run.run_dir, "fingerprints.jsonl"), "rb").read()
+    b = open(os.path.join(straight, "fingerprints.jsonl"), "rb").read()
+    assert a == b and b.count(b"\n") == 40
+    assert [e["step"] for e in session.run.events_of("restore")] == [20]
+    line = read_fingerprints(straight)[33]
+    assert line.send_sites == send_sites_in_program_order(2) and sorted(line.sends) == list(range(8))
+
+
+def test_replay_on_another_placement_reproduces_the_log(ep_run):
+    from replay.verify import engine
+    from replay.verify.verdict import Evidence
+
+    session = ep_run[0]
+    rep = engine.replay_range(session, 31, 34, device_spec="all")
+    assert rep.verdict is Verdict.ACQUITTED
+    exact, rotated = rep.replays
+    assert exact.assignment == tuple(range(8)) and rotated.assignment != exact.assignment
+    assert {d.evidence for d in rotated.diffs} == {Evidence.PER_SHARD} and all(d.ok for d in rotated.diffs)
+
+
+@pytest.mark.parametrize("where,seed", [("expert_forward", 1), ("expert_forward", 2), ("expert_backward", 3),
+                                        ("attention", 4), ("attention", 5), ("local_gradient", 6)])
+def test_each_drill_kind_convicts_the_faulty_device_alone(ep_run, where, seed):
+    from replay import drill
+
+    session = ep_run[0]
+    rng = random.Random(seed)
+    fault = drill.random_fault(session, rng, step=rng.choice([30, 31, 32]), where=where,
+                               bit=rng.randrange(20, 31) if where == "attention" else None)
+    res = drill.run_drill(session, fault, canary=False)
+    d = res.range_report.decision
+    assert res.convicted_ok and d.devices == (fault.device_id,) and d.step == fault.step, (fault, d)
+    assert res.site_ok, (fault, d.site, drill.expected_site(fault))
+    out = res.range_report.to_dict()
+    assert out["first_divergent_site"]["site"] == drill.expected_site(fault)
+    if where != "local_gradient" and where != "expert_backward":
+        assert out["first_divergent_site"]["layer"] == fault.layer
+    else:
+        assert out["first_divergent_site"]["layer"] == int(fault.leaf.split("]")[1].strip("["))
+
+
+def test_drill_command_takes_where(ep_run, capsys, monkeypatch, tmp_path):
+    from replay.cli import main
+    from replay.verify import engine
+
+    session = ep_run[0]
+    monkeypatch.setattr(engine, "default_setup", lambda run: dataclasses.replace(session.setup))
+    code = main(["drill", "--run", session.run.run_dir, "--where", "expert_forward", "--layer", "1", "--step", "31",
+                 "--device", "5", "--seed", "3", "--json", str(tmp_path / "d.json"), "--no-progress"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "first divergent buffer: layer1.combine.forward" in text and "NOT where planted" not in text
+    got = json.loads((tmp_path / "d.json").read_text())["drills"][0]
+    assert got["fault"]["where"] == "expert_forward" and got["site_as_planted"] is True
+
+
+def test_expert_load_is_logged_and_judged_by_scan(ep_run, tmp_path):
+    import shutil
+
+    import yaml
+
+    from replay.run.runlog import load_run
+    from replay.screen.scan import scan_run
+
+    session = ep_run[0]
+    sig = read_signals(session.run.run_dir)
+    assert all(len(s.expert_load) == 2 and len(s.expert_load[0].received) == 8 for s in sig.values())
+    rep = scan_run(session.run)
+    assert rep.checks["expert_load"]["status"] == "clear" and "limit 2x" in rep.checks["expert_load"]["detail"]
+    from replay import report
+
+    fig = report.scan_figure(rep)  # the board's expert-load row, between the router's and the loader's
+    assert len(fig.axes) >= 6 and any(ax.get_title().startswith("expert load (clear)") for ax in fig.axes)
+    worst = max(s.expert_load[0].max_over_mean for k, s in sig.items() if k >= 10)
+    # the same logs against a limit under the layer's worst load: the layer is named, with its device
+    low = str(tmp_path / "low")
+    shutil.copytree(session.run.run_dir, low)
+    raw = yaml.safe_load(open(os.path.join(low, "run_config.yaml")))
+    raw["router_health"] = {**raw.get("router_health", {}), "max_expert_load_ratio": 1.0, "window_steps": 1}
+    yaml.safe_dump(raw, open(os.path.join(low, "run_config.yaml"), "w"))
+    rep = scan_run(load_run(low))
+    assert rep.checks["expert_load"]["status"] == "found" and worst > 1.0
+    layer = [s for s in rep.suspects if s.kind == "layer" and any(e.check == "expert_load" for e in s.evidence)]
+    assert layer and not layer[0].devices and "received" in layer[0].evidence[-1].detail
+    assert rep.suspect_devices == []  # a load imbalance is the router's, not a device's fault
+
+
+def test_drift_on_an_expert_device_is_named_by_scan(ep_run, tmp_path):
+    """Replica-norm screening under expert parallelism: each device's local contribution (its rows'
+    gradient of the replicated weights, and its experts' shard) is one replica; a drift of one
+    expert device's contribution is named, and only it."""
+    from replay import drill
+
+    session = ep_run[0]
+    res = drill.run_scenario(session, "drift", str(tmp_path / "drift"), rng=random.Random(7), device=6,
+                             magnitude=1.0, start=22)
+    assert res.caught, (res.named, res.scan["suspects"])
+    assert res.named["devices"] == [6] and res.scan["suspect_devices"] == [6]
+
+
+def test_canary_under_expert_parallelism_names_a_faulty_device(ep_run):
+    session, trainer, mesh, cfg, _ = ep_run
+    from replay.run.protocol import read_canary
+
+    assert {c.status for c in read_canary(session.run.run_dir)} == {"ok"}
+    params = trainer.init_params(mesh, 1234)
+    batch = {k: v[:1] for k, v in session.numpy_batch(0, tuple(range(8))).items()}
+    fps = trainer.canary_fingerprints(params, batch, FaultSpec(0, 3, "['layers'][0]['w_in']", 4, 7))
+    sig = {d: json.dumps(v, sort_keys=True) for d, v in fps.items()}
+    assert len({sig[d] for d in sig if d != 3}) == 1 and sig[3] != sig[0]
