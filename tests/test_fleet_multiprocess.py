@@ -23,6 +23,7 @@ import time
 
 import pytest
 
+from replay.run import protocol as proto
 from replay.run import runlog
 from replay.verify import compare as cmp
 
@@ -169,14 +170,14 @@ def test_two_processes_resumed_after_the_kill_equal_one_process_bit_for_bit(flee
     # Same mesh shape and device order, ids 0..7 against 0..3, 2048..2051 (JAX numbers process p's CPU
     # devices from p * 2048): every field of every step bit for bit, devices by mesh position.
     assert _positional(r2) == _positional(r1)
-    assert [e["event"] for e in r2.events_of("start", "restore", "end")] == ["start", "restore", "end"]
+    raw = [e["event"] for e in proto.read_events(fleet["r2"])]  # every event, written once, by process 0
+    assert [e for e in raw if e in ("start", "restore", "end")] == ["start", "restore", "end"]
     assert r2.env["backend"]["collectives"] == r1.env["backend"]["collectives"] == "gloo"
     assert [p["devices"] for p in r2.env["processes"]] == [[0, 1, 2, 3], [2048, 2049, 2050, 2051]]
     assert r2.env["devices"]["2049"] == {"process": 1, "local": 1, "host": r2.env["processes"][1]["host"], "kind": "cpu"}
     # each process wrote its own devices' entries; events once
     names = sorted(os.listdir(fleet["r2"]))
     assert "fingerprints.p00001.jsonl" in names and "signals.p00001.jsonl" in names
-    assert len(r2.events_of("start")) == 1
 
 
 def test_a_one_by_eight_run_replayed_by_two_by_four_convicts_and_names_the_process(fleet):
