@@ -347,12 +347,19 @@ class RunWriter:
 
     def start(self, checkpoint: Optional[int]) -> int:
         """Begins (``checkpoint`` None: step 0, a fresh env.json and a ``start`` event) or resumes from
-        ``checkpoint`` (drops this process's step-log lines of steps ``>= checkpoint``, a ``restore``
-        event listing what differs from the recorded environment). Returns the first step to train."""
+        ``checkpoint`` (moves this process's step-log lines of steps ``>= checkpoint`` into ``superseded/``,
+        a ``restore`` event listing what differs from the recorded environment); either begins an
+        attempt (``replay.run.lineage``), which every later event carries. Returns the first step to train."""
+        from replay.run import lineage as lin
         from replay.run.env import compare_environment
 
         self.dir.drop_torn_event()
         logs = (proto.FINGERPRINTS_NAME, proto.SIGNALS_NAME, proto.CANARY_NAME)
+        events = proto.read_events(self.dir.path) if os.path.exists(self.dir.file(proto.EVENTS_NAME)) else []
+        steps = [int(d["step"]) for d in proto.read_raw_lines(self.dir.file(proto.FINGERPRINTS_NAME))] \
+            if os.path.exists(self.dir.file(proto.FINGERPRINTS_NAME)) else []
+        lineage = lin.lineage_of_run(self.dir.path, events, steps)
+        self.dir.attempt = lineage.next_attempt()  # each start or restore begins an attempt (replay.run.lineage)
         if checkpoint is None:
             for name in logs:
                 self.dir.truncate_log(name, 0)
@@ -363,8 +370,10 @@ class RunWriter:
         if os.path.exists(self.dir.file(proto.ENV_NAME)):
             with open(self.dir.file(proto.ENV_NAME), encoding="utf-8") as f:
                 recorded = json.load(f)
-        dropped = sum(self.dir.truncate_log(name, checkpoint) for name in logs)
-        self.dir.event("restore", checkpoint, checkpoint=checkpoint, dropped_lines=dropped,
+        last = lineage.attempts[-1].id if lineage.attempts else None  # a loop that only resumes: the last wrote them
+        moved = self.dir.supersede(checkpoint, lambda _step: last, self.dir.attempt, logs)
+        self.dir.event("restore", checkpoint, checkpoint=checkpoint, superseded={"lines": moved},
+                       dropped_fingerprint_lines=moved.get(proto.FINGERPRINTS_NAME, 0),
                        env_differences=compare_environment(recorded, self.env))
         return int(checkpoint)
 
