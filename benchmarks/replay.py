@@ -158,16 +158,22 @@ def concurrent(tmp: str, quick: bool, rounds: int) -> dict:
         session = engine.Session(runlog.load_run(run_dir))
         for flag in (True, False):  # compile and restore once per placement
             engine.replay_range(session, 0, 4 * every, device_spec=spec, onset=None, concurrent=flag)
-        walls = {True: [], False: []}
+        walls, cores = {True: [], False: []}, {True: [], False: []}
         for _ in range(rounds):
             for flag in (True, False):
-                t0 = time.perf_counter()
+                c0, t0 = os.times(), time.perf_counter()
                 rep = engine.replay_range(session, 0, 4 * every, device_spec=spec, onset=None, concurrent=flag)
                 walls[flag].append(time.perf_counter() - t0)
+                c1 = os.times()
+                cores[flag].append((c1.user - c0.user + c1.system - c0.system) / walls[flag][-1])
                 assert rep.verdict.value == "acquitted", rep.decision.explanation
         out[name] = {"placements": [p["devices"] for p in rep.placements], "concurrent_s": round(min(walls[True]), 4),
                      "sequential_s": round(min(walls[False]), 4),
                      "ratio": round(min(walls[True]) / min(walls[False]), 4),
+                     # cores busy (process CPU seconds / wall seconds): one placement alone already keeps
+                     # more than one core busy when XLA:CPU's intra-op threads run its ops
+                     "cores_busy": {"concurrent": round(statistics.median(cores[True]), 2),
+                                    "sequential": round(statistics.median(cores[False]), 2)},
                      "rounds_s": {"concurrent": [round(x, 4) for x in walls[True]],
                                   "sequential": [round(x, 4) for x in walls[False]]}}
     out["concurrent_wall_ratio"] = out["one_device_mesh"]["ratio"]
