@@ -19,9 +19,26 @@ Prints ONE JSON object:
                       steps (1 ..): a batch is a pure function of the step, so the goal is ~1.
   train_s, replay_s, restore_s, replay_compile_s, batch_early_ms, batch_late_ms, k, mesh, ...
 
-Usage:  python benchmarks/replay.py [--quick] [--steps K] [--rounds R] [--seq-len L]
+Targeted and concurrent replay (issue 19; ``--part targeted`` / ``--part concurrent`` alone):
+
+  targeted            a run with checkpoints every K steps (``checkpoint_every``), 4 segments, mesh
+                      {data: 2, expert: 2} on devices 0-3 (the demo's), replayed on 0-3 and 4-7:
+    flip.steps_replayed_to_verdict   steps each placement replayed before the conviction of a bit flip
+                      at a known step (``--onset``: the drill's), against ``exhaustive_steps`` (every
+                      segment, what range replay did before); goal <= K + 1 per placement.
+    drift.steps_replayed_to_verdict  the same for a drift drill (``replay drill --scenario drift``)
+                      whose onset is the one ``replay scan`` found (suspects.json), with the planted and
+                      the found onset and its range.
+  concurrent_wall_ratio  wall seconds of a 4-segment range replayed on 2 placements concurrently
+                      (threads over disjoint devices) over the same replay run sequentially, on
+                      1-device meshes (goal <= 0.65 on 2 cores); ``concurrent_wall_ratio_demo_mesh``: the
+                      same on the demo's 4-device mesh. Compiled and restored once before timing; best
+                      of ``--rounds`` alternating rounds.
+
+Usage:  python benchmarks/replay.py [--quick] [--part all|ratio|targeted|concurrent] [--steps K]
+        [--rounds R] [--seq-len L]
 The dataset is synthetic (``loader.testing``); the model is the reference MoE, small; the mesh
-is {data: 4, expert: 2} over the 8 (CPU) devices.
+is {data: 4, expert: 2} over the 8 (CPU) devices (the ratio), as said above otherwise.
 """
 
 from __future__ import annotations
@@ -54,6 +71,7 @@ from replay.reference.trainer import ReferenceTrainer, make_mesh
 
 
 def make_run(tmp: str, *, seq_len: int, model: dict, global_batch: int, rows: int):
+    os.makedirs(tmp, exist_ok=True)
     mix = lt.synthetic_mixture({"web": 0.7, "code": 0.3}, seq_len=seq_len)
     mix_path = os.path.join(tmp, "mixture.yaml")
     with open(mix_path, "w") as f:
@@ -76,13 +94,117 @@ def timed_train(run_dir, cfg, stop, trainer, mesh) -> dict[int, float]:
     return stamps
 
 
+def targeted(tmp: str, quick: bool) -> dict:
+    """Steps replayed to a verdict with a known onset: a flip drill (onset: its step) and a drift drill
+    (onset: what ``replay scan`` found), on a run of 4 checkpoint segments (module docstring)."""
+    import random
+
+    from replay import drill
+    from replay.screen import scan
+    from replay.verify import plan
+
+    every, seq_len = 8, (32 if quick else 64)
+    model = {"d_model": 32, "n_layers": 1, "n_heads": 2, "head_dim": 16, "n_experts": 4, "top_k": 2, "d_ff": 64,
+             "capacity_factor": 2.0}
+    cfg = make_run(os.path.join(tmp, "t"), seq_len=seq_len, model=model, global_batch=8, rows=600)
+    cfg = dataclasses.replace(cfg, mesh=(("data", 2), ("expert", 2)), checkpoint_every=every)
+    run_dir = os.path.join(tmp, "t", "run")
+    ref_run.train(run_dir, cfg, 6 * every, log=lambda s: None, plot=False, progress=open(os.devnull, "w"))
+    session = engine.Session(runlog.load_run(run_dir))
+    out = {"checkpoint_every": every, "range": [0, 4 * every], "segments": 4, "placements": [[0, 1, 2, 3], [4, 5, 6, 7]]}
+    onset = 2 * every + 3
+    fault = drill.random_fault(session, random.Random(0), step=onset, device=2)
+    log = drill.drilled_log(session, fault)
+    rep = engine.replay_range(session, 0, 4 * every, device_spec="all", log=log, onset=plan.Onset.at(onset))
+    full = engine.replay_range(session, 0, 4 * every, device_spec="all", log=log, onset=None, exhaustive=True)
+    out["flip"] = {"onset": onset, "verdict": rep.verdict.value, "convicted": list(rep.decision.devices),
+                   "steps_replayed_to_verdict": rep.steps_per_placement(),
+                   "unreplayed_segments": rep.to_dict()["unreplayed_segments"],
+                   "exhaustive_steps": full.steps_per_placement(), "exhaustive_verdict": full.verdict.value}
+    planted = 2 * every + 2
+    scen = drill.run_scenario(session, "drift", os.path.join(tmp, "t", "drift"), rng=random.Random(1), device=1,
+                              start=planted, magnitude=1.0)
+    drifted = runlog.load_run(scen.run_dir)
+    found = scan.scan_run(drifted)
+    scan.write_suspects(found)
+    target = engine.Session(runlog.load_run(scen.run_dir), session.setup)
+    first, end = target.run.checkpoints[0], target.run.logged_steps[1]  # the drilled run: from checkpoint 2K
+    rep = engine.replay_range(target, first, end, device_spec="all", allow_env_drift=True)
+    out["drift"] = {"planted_onset": planted, "scan_onset": found.onset, "verdict": rep.verdict.value,
+                    "convicted": list(rep.decision.devices), "first_divergent_step": rep.decision.step,
+                    "replayed_range": [first, end], "steps_replayed_to_verdict": rep.steps_per_placement(),
+                    "unreplayed_segments": rep.to_dict()["unreplayed_segments"]}
+    worst = max(max(out["flip"]["steps_replayed_to_verdict"].values()),
+                max(out["drift"]["steps_replayed_to_verdict"].values()))
+    out["goal"] = f"steps_replayed_to_verdict <= checkpoint_every + 1 = {every + 1} per placement: " \
+                  f"{'met' if worst <= every + 1 else 'NOT met'} (worst {worst})"
+    return out
+
+
+def concurrent(tmp: str, quick: bool, rounds: int) -> dict:
+    """Wall time of a 4-segment range on 2 placements, concurrent over sequential (module docstring)."""
+    every = 2 if quick else 4
+    model = ({"d_model": 32, "n_layers": 1, "n_heads": 2, "head_dim": 16, "n_experts": 4, "top_k": 2, "d_ff": 64}
+             if quick else
+             {"d_model": 64, "n_layers": 2, "n_heads": 4, "head_dim": 16, "n_experts": 4, "top_k": 2, "d_ff": 128})
+    seq_len = 64 if quick else 256
+    out = {"segments": 4, "checkpoint_every": every, "model": model, "seq_len": seq_len}
+    for name, mesh, spec in (("one_device_mesh", (("data", 1), ("expert", 1)), "0-1"),
+                             ("demo_mesh", (("data", 2), ("expert", 2)), "all")):
+        cfg = make_run(os.path.join(tmp, name), seq_len=seq_len, model=model, global_batch=8, rows=600)
+        cfg = dataclasses.replace(cfg, mesh=mesh, checkpoint_every=every)
+        run_dir = os.path.join(tmp, name, "run")
+        ref_run.train(run_dir, cfg, 4 * every, log=lambda s: None, plot=False, progress=open(os.devnull, "w"))
+        session = engine.Session(runlog.load_run(run_dir))
+        for flag in (True, False):  # compile and restore once per placement
+            engine.replay_range(session, 0, 4 * every, device_spec=spec, onset=None, concurrent=flag)
+        walls, cores = {True: [], False: []}, {True: [], False: []}
+        for _ in range(rounds):
+            for flag in (True, False):
+                c0, t0 = os.times(), time.perf_counter()
+                rep = engine.replay_range(session, 0, 4 * every, device_spec=spec, onset=None, concurrent=flag)
+                walls[flag].append(time.perf_counter() - t0)
+                c1 = os.times()
+                cores[flag].append((c1.user - c0.user + c1.system - c0.system) / walls[flag][-1])
+                assert rep.verdict.value == "acquitted", rep.decision.explanation
+        out[name] = {"placements": [p["devices"] for p in rep.placements], "concurrent_s": round(min(walls[True]), 4),
+                     "sequential_s": round(min(walls[False]), 4),
+                     "ratio": round(min(walls[True]) / min(walls[False]), 4),
+                     # cores busy (process CPU seconds / wall seconds): one placement alone already keeps
+                     # more than one core busy when XLA:CPU's intra-op threads run its ops
+                     "cores_busy": {"concurrent": round(statistics.median(cores[True]), 2),
+                                    "sequential": round(statistics.median(cores[False]), 2)},
+                     "rounds_s": {"concurrent": [round(x, 4) for x in walls[True]],
+                                  "sequential": [round(x, 4) for x in walls[False]]}}
+    out["concurrent_wall_ratio"] = out["one_device_mesh"]["ratio"]
+    out["concurrent_wall_ratio_demo_mesh"] = out["demo_mesh"]["ratio"]
+    out["goal"] = "concurrent_wall_ratio <= 0.65 on 2 cores (1-device meshes)"
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes, under a minute")
+    p.add_argument("--part", choices=("all", "ratio", "targeted", "concurrent"), default="all",
+                   help="which measurements (default all)")
     p.add_argument("--steps", type=int, default=None, help="k, steps replayed and trained")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds; each side's best is kept")
     p.add_argument("--seq-len", type=int, default=None)
     args = p.parse_args(argv)
+    if args.part != "ratio":
+        with tempfile.TemporaryDirectory() as tmp:
+            extra = {}
+            if args.part in ("all", "targeted"):
+                extra["targeted"] = targeted(tmp, args.quick)
+            if args.part in ("all", "concurrent"):
+                c = concurrent(tmp, args.quick, args.rounds or (2 if args.quick else 3))
+                extra.update(concurrent_wall_ratio=c.pop("concurrent_wall_ratio"),
+                             concurrent_wall_ratio_demo_mesh=c.pop("concurrent_wall_ratio_demo_mesh"), concurrent=c)
+        if args.part != "all":
+            print(json.dumps({"benchmark": "replay", "quick": bool(args.quick), "part": args.part, **extra}))
+            return 0
+    else:
+        extra = {}
     k = args.steps or (8 if args.quick else 30)
     rounds = args.rounds or (2 if args.quick else 3)
     seq_len = args.seq_len or (64 if args.quick else 256)
@@ -170,6 +292,7 @@ def main(argv=None) -> int:
             "replay_rounds_s": [round(t, 4) for t in replay_times],
             "median_ratio": round(statistics.median(replay_times) / statistics.median(train_times), 4),
             "goal": "replay_train_ratio < 1.2; late_early_ratio ~ 1",
+            **extra,
         }
     print(json.dumps(out))
     return 0

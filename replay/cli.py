@@ -13,6 +13,7 @@ import sys
 import traceback
 from typing import Optional, Sequence
 
+from replay.run import distributed
 from replay.run.codes import ExitCode
 
 DEVICE_SPEC_HELP = """\
@@ -194,6 +195,7 @@ def _common(p: argparse.ArgumentParser, devices_default: str) -> None:
     p.add_argument("--json", metavar="OUT", help="write the full report as JSON here")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar or progress lines (the closing 'done in' line stays)")
+    distributed.add_arguments(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay even if library versions, XLA flags, device kind or mesh differ from env.json")
     r.add_argument("--tolerance", type=float, metavar="RTOL",
                    help="compare loss and gradient norm within RTOL only (weaker evidence: can acquit, never convict)")
+    r.add_argument("--onset", type=int, metavar="STEP",
+                   help="the first suspect step: replay its checkpoint segment first and stop at a conviction there "
+                        "(default: the onset 'replay scan' wrote to suspects.json, if any)")
+    r.add_argument("--exhaustive", action="store_true",
+                   help="replay every segment of the range, even after a conviction")
+    r.add_argument("--sequential", action="store_true",
+                   help="run the placements one after the other (default: placements on disjoint devices at once)")
 
     c = sub.add_parser("canary", prog="replay canary", help="run the fixed canary batch on each device",
                        description="Forward and backward of a fixed, versioned canary batch with fixed weights on "
@@ -259,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    f"at most {MAX_INSPECT_STEPS} steps a call.",
                        epilog=INSPECT_TEXT_HELP + "\n" + INSPECT_EXIT_HELP, formatter_class=fmt)
     i.add_argument("--run", metavar="DIR", help=RUN_HELP + " (its run config names the dataset)")
+    distributed.add_arguments(i)
     i.add_argument("--steps", metavar="A:B", required=True, help="A:B (half-open) or A")
     i.add_argument("--text", action="store_true",
                    help="decode each document's tokens with the dataset's tokenizer (normalized text: below); the "
@@ -277,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "replay to run.",
                         epilog=SCAN_EXIT_HELP, formatter_class=fmt)
     sc.add_argument("--run", metavar="DIR", help=RUN_HELP)
+    distributed.add_arguments(sc)
     sc.add_argument("--steps", metavar="A:B", help="A:B: report findings in steps A..B-1 (earlier steps serve as history)")
     sc.add_argument("--json", metavar="OUT", help="write the full report as JSON here")
     sc.add_argument("--plot", metavar="OUT.png", help="write the per-step signals with the suspects marked")
@@ -427,23 +438,30 @@ def _cmd_range(args, console) -> int:
             raise _Usage(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.tolerance is not None and not 0 < args.tolerance < 1:
         raise _Usage(f"--tolerance must be in (0, 1), got {args.tolerance}")
+    if args.onset is not None and args.onset < 0:
+        raise _Usage(f"--onset must be a step >= 0, got {args.onset}")
     run = _load(args.run, args.quarantine)
     _check_outputs(run.run_dir, json=args.json, plot=args.plot)
     run.check_range(start, stop)
     ckpt = run.checkpoint_for(start)
     session = engine.Session(run)
     n, times = stop - ckpt, f" x {args.repeats} repeats" if args.repeats > 1 else ""
+    from replay.verify.plan import Onset
+
+    onset = "auto" if args.onset is None else Onset.at(args.onset)
     rep = _with_progress(args, f"replay {start}:{stop}", lambda factory: engine.replay_range(
         session, start, stop, device_spec=args.devices, repeats=args.repeats, tolerance=args.tolerance,
-        allow_env_drift=args.allow_env_drift, progress=factory, replays=args.placements),
+        allow_env_drift=args.allow_env_drift, progress=factory, replays=args.placements, onset=onset,
+        exhaustive=args.exhaustive, concurrent=not args.sequential),
         breakdown=f"{n} step{'s' if n > 1 else ''} from checkpoint {ckpt} x "
-                  f"{args.placements} placement{'s' if args.placements > 1 else ''}{times}",
+                  f"{args.placements} placement{'s' if args.placements > 1 else ''}{times}"
+                  + (", the onset's segment first" if args.onset is not None else ""),
         first=f"restoring checkpoint {ckpt} and compiling the step: the first step takes longer")
     out = rep.to_dict()
     report.render_range(out, console)
-    if args.json:
+    if args.json and _primary():
         report.write_json(out, args.json)
-    if args.plot:
+    if args.plot and _primary():
         report.plot_range(out, args.plot)
     return rep.exit_code
 
@@ -470,7 +488,7 @@ def _cmd_canary(args, console) -> int:
         progress=factory), unit="run")
     out = rep.to_dict()
     report.render_canary(out, console)
-    if args.json:
+    if args.json and _primary():
         report.write_json(out, args.json)
     return rep.exit_code
 
@@ -493,7 +511,7 @@ def _cmd_inspect(args, console) -> int:
                                   dataset=session.setup.dataset, token_ids=bool(args.json))
     out = rep.to_dict()
     report.render_inspect(out, console, max_rows=args.max_rows)
-    if args.json:
+    if args.json and _primary():
         report.write_json(out, args.json)
     return int(ExitCode.ACQUITTED)
 
@@ -513,6 +531,8 @@ def _cmd_scan(args, console) -> int:
     rep = scan.scan_run(run, start, stop)
     out = rep.to_dict()
     report.render_scan(out, console)
+    if not _primary():  # process 0 writes the run's files and the outputs
+        return rep.exit_code
     try:
         where = scan.write_suspects(rep)
         console.print(f"suspects.json: {where}")
@@ -659,6 +679,9 @@ def _cmd_drill(args, console) -> int:
         raise _Usage(f"--count must be >= 1, got {args.count}")
     if args.to_disk and os.path.exists(args.to_disk) and (not os.path.isdir(args.to_disk) or os.listdir(args.to_disk)):
         raise _Usage(f"--to-disk {args.to_disk}: must be a new or empty folder")
+    if args.to_disk and not args.scenario and distributed.is_initialized() and distributed.process_count() > 1:
+        raise _Usage("--to-disk (a drill written as a short training run) runs as one process: start it without the "
+                     "process flags")
     run = _load(args.run, args.quarantine)
     _check_outputs(run.run_dir, json=args.json, to_disk=args.to_disk)
     session = engine.Session(run)
@@ -710,9 +733,11 @@ def _flip_drills(args, console, session, rng, shown) -> int:
         res = drill.run_drill(session, fault, device_spec=args.devices, canary=not args.no_canary, to_disk=to_disk)
         results.append(res)
         mark = "[green]caught[/]" if res.caught else "[red]NOT caught[/]"
-        console.print(f"drill {fault}: {mark} (range: {res.range_report.verdict.value} "
-                      f"{list(res.range_report.decision.devices)} at step {res.range_report.decision.step}; "
-                      f"canary: {None if res.canary_report is None else list(res.canary_report.decision.odd_devices)}"
+        named = "; ".join(d["label"] for d in res.range_report.convicted) or list(res.range_report.decision.devices)
+        odd = None if res.canary_report is None else (
+            "; ".join(d["label"] for d in res.canary_report.to_dict()["odd"]) or "none")
+        console.print(f"drill {fault}: {mark} (range: {res.range_report.verdict.value} {named} at step "
+                      f"{res.range_report.decision.step}; canary: {odd}"
                       + (f"; first divergent buffer: {res.range_report.decision.site}"
                          f"{'' if res.site_ok else ' (NOT where planted)'}" if res.site_ok is not None else "") + ")"
                       + (f"; differing elements after the step: {res.range_report.differing_elements}"
@@ -720,7 +745,7 @@ def _flip_drills(args, console, session, rng, shown) -> int:
         shown.update(n + 1)
     caught = sum(r.caught for r in results)
     console.print(f"{caught} of {len(results)} drill(s) caught")
-    if args.json:
+    if args.json and _primary():
         report.write_json({"kind": "drills", "caught": caught, "total": len(results),
                            "drills": [r.to_dict() for r in results]}, args.json)
     return int(ExitCode.ACQUITTED) if caught == len(results) else DRILL_NOT_CAUGHT
@@ -734,7 +759,7 @@ def _scenario_drills(args, console, session, rng, shown) -> int:
 
     if args.magnitude <= 0 or args.flips < 1:
         raise _Usage(f"--magnitude must be > 0 and --flips >= 1, got {args.magnitude} and {args.flips}")
-    root = args.to_disk or tempfile.mkdtemp(prefix="replay-drill-")
+    root = args.to_disk or distributed_first(lambda: tempfile.mkdtemp(prefix="replay-drill-"))
     results = []
     for n in range(args.count):
         out = os.path.join(root, f"{args.scenario}-{n}")
@@ -750,7 +775,7 @@ def _scenario_drills(args, console, session, rng, shown) -> int:
         shown.update(n + 1)
     caught = sum(r.caught for r in results)
     console.print(f"{caught} of {len(results)} {args.scenario} drill(s) caught")
-    if args.json:
+    if args.json and _primary():
         report.write_json({"kind": "scenario_drills", "scenario": args.scenario, "caught": caught,
                            "total": len(results), "drills": [r.to_dict() for r in results]}, args.json)
     return int(ExitCode.ACQUITTED) if caught == len(results) else DRILL_NOT_CAUGHT
@@ -758,6 +783,21 @@ def _scenario_drills(args, console, session, rng, shown) -> int:
 
 class _Usage(ValueError):
     pass
+
+
+def distributed_first(make):
+    """``make()`` on process 0, the same value on every process of a multi-process command."""
+    if "jax" not in sys.modules or not distributed.is_initialized() or distributed.process_count() == 1:
+        return make()
+    return distributed.gather_json(make() if distributed.process_index() == 0 else None)[0]
+
+
+def _primary() -> bool:
+    """Whether this process writes the command's outputs and prints its report (process 0 of a
+    multi-process replay; the only process otherwise)."""
+    if "jax" not in sys.modules or not distributed.is_initialized():
+        return True
+    return distributed.process_index() == 0
 
 
 def _load(run_dir: str, quarantine: Optional[str] = None):
@@ -839,6 +879,30 @@ def _pin_determinism_flags(run_dir: Optional[str]) -> list[str]:
     return added
 
 
+def _start_processes(args, err) -> None:
+    """Joins the replay's processes (``--coordinator-address``/``--num-processes``/``--process-id``, or
+    the cluster JAX detects: ``replay.run.distributed``) before JAX starts; as one process, reduces as
+    the run recorded (a run that reduced with gloo replays under a one-process ``jax.distributed`` with
+    gloo: the collectives decide a step's bits). Does nothing when JAX's backend has started (a test
+    calling ``main`` in-process) or for commands without devices."""
+    import json
+
+    dargs = distributed.from_args(args)
+    if dargs is not None:
+        if not distributed.is_initialized():
+            distributed.initialize(dargs)
+        return
+    if args.command not in ("range", "canary", "drill"):
+        return
+    try:
+        with open(os.path.join(args.run, "env.json"), encoding="utf-8") as f:
+            recorded = json.load(f)
+    except Exception:  # noqa: BLE001 - load_run reports an unreadable run directory
+        return
+    if distributed.match_collectives(recorded):
+        err.print("collectives: gloo in one process, as the run reduced (replay.run.distributed)")
+
+
 def _with_steps(typed: Sequence[str], steps: str, option: str = "--steps") -> list[str]:
     """The command line ``typed`` (as the user gave it, without ``replay``) with ``--steps`` (or
     ``option``) set to ``steps``."""
@@ -892,9 +956,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from replay.run.runlog import RunDirError, RunNotGivenError, StepRangeError, StepsSpecError, resolve_run_dir
 
     if argv is None:  # the console script: a whole process of its own
+        from replay.run.quiet import exit_quietly_after_failed_restore
+
         code = main(sys.argv[1:])
-        if "replay.reference.checkpoint" in sys.modules:
-            sys.modules["replay.reference.checkpoint"].exit_quietly_after_failed_restore(code)
+        exit_quietly_after_failed_restore(code)
         return code
     typed = list(argv)
     argv = list(argv)
@@ -923,6 +988,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.run_source != "--run":
         err.print(f"run: {escape(args.run)} (from {args.run_source})")
     _pin_determinism_flags(args.run)
+    try:
+        _start_processes(args, err)
+    except distributed.DistributedConfigError as e:
+        err.print(f"[red]usage error:[/] {escape(str(e))}")
+        return int(ExitCode.USAGE)
+    if not _primary():  # one report, from process 0; every process shows its own progress and errors
+        import io
+
+        console.file = io.StringIO()
     import logging
 
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on read-only restores are not news

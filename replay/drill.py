@@ -80,6 +80,7 @@ class DrillReport:
             "kind": "drill",
             "fault": dataclasses.asdict(self.fault),
             "caught": self.caught,
+            "device": next(iter(self.range_report.convicted), None) if self.convicted_ok else None,
             "range_convicted_right_device_and_step": self.convicted_ok,
             "first_divergent_site": getattr(self.range_report.decision, "site", None),
             "expected_site": expected_site(self.fault) if self.site_ok is not None else None,
@@ -233,18 +234,51 @@ def expected_site(fault: FaultSpec) -> Optional[str]:
     return "local_gradient"
 
 
+def on_home(session: Any, fault: FaultSpec) -> FaultSpec:
+    """``fault`` moved to the replay job's device at the faulty run device's mesh position on the home
+    placement (``Session.home_assignment``): the same fault when the job has the run's devices; on a
+    job of another shape (a 2 x 4 run replayed by 1 x 8 devices) the device that stands in for it."""
+    ids = list(session.setup.run_device_ids)
+    home = session.home_assignment()
+    if fault.device_id in home or fault.device_id not in ids:
+        return fault
+    return dataclasses.replace(fault, device_id=home[ids.index(fault.device_id)])
+
+
 def drilled_log(session: Any, fault: FaultSpec, extra_steps: int = 0) -> dict[int, Any]:
     """The run's log with steps ``fault.step .. fault.step + extra_steps`` recomputed with the fault
-    injected, from the checkpoint before it, on the run's own mesh."""
+    injected, from the checkpoint before it, on the run's own mesh shape (the home placement; every
+    process of it computes them, the others receive them), relabelled with the run's device ids."""
+    from replay.run import distributed
+    from replay.run.protocol import StepFingerprints
+
     run = session.run
     ckpt = run.checkpoint_for(fault.step)
     stop = min(fault.step + 1 + extra_steps, run.logged_steps[1])
-    fps, _, _ = session.run_steps(session.home_assignment(), ckpt, stop, fault=fault)
+    home = session.home_assignment()
+    fps = None
+    if session.participates(home):
+        fps, _, _ = session.run_steps(home, ckpt, stop, fault=on_home(session, fault))
+    if session.process_count > 1:
+        parts = distributed.gather_json(None if fps is None else [fp.to_dict() for fp in fps])
+        fps = [StepFingerprints.from_dict(x) for x in next(p for p in parts if p is not None)]
+    ids = list(session.setup.run_device_ids)
+    to_run = {h: r for h, r in zip(home, ids)} if ids else {}
     log = dict(run.fingerprints)
     for fp in fps:
         if fp.step >= fault.step:
-            log[fp.step] = fp
+            log[fp.step] = relabel(fp, to_run)
     return log
+
+
+def relabel(fp: Any, mapping: dict[int, int]) -> Any:
+    """``fp`` with its device ids renamed by ``mapping`` (ids it lacks stay): what the run would have
+    logged for the same mesh positions."""
+    if not mapping or all(mapping.get(d, d) == d for d in fp.devices):
+        return fp
+    extra = {"sends": {mapping.get(d, d): v for d, v in fp.sends.items()}} if getattr(fp, "sends", None) else {}
+    return dataclasses.replace(fp, devices={mapping.get(d, d): v for d, v in fp.devices.items()},
+                               device_coords={mapping.get(d, d): c for d, c in fp.device_coords.items()}, **extra)
 
 
 def write_drilled_run(session: Any, fault: FaultSpec, out_dir: str) -> str:
@@ -259,7 +293,6 @@ def write_drilled_run(session: Any, fault: FaultSpec, out_dir: str) -> str:
       FileExistsError: ``out_dir`` exists.
     """
     from replay.run.protocol import CHECKPOINTS_DIR
-    from replay.reference import checkpoint as ckpt
     from replay.run.runlog import ENV_JSON, EVENTS, FINGERPRINTS, RUN_CONFIG
 
     run = session.run
@@ -276,13 +309,10 @@ def write_drilled_run(session: Any, fault: FaultSpec, out_dir: str) -> str:
             f.write(run.fingerprints[step].to_json() + "\n")
         for fp in fps:
             f.write(fp.to_json() + "\n")
-    _, loader_state = session.setup.trainer.restore(run.run_dir, c, session.mesh(home))
-    mngr = ckpt.manager(os.path.join(out_dir, CHECKPOINTS_DIR))
-    try:
-        ckpt.save(mngr, fault.step + 1, kept[fault.step], {**dict(loader_state), "next_step": fault.step + 1})
-        mngr.wait_until_finished()
-    finally:
-        mngr.close()
+    trainer = session.setup.trainer
+    if callable(getattr(trainer, "save", None)):  # optional: the state after the step, for differing_elements
+        _, loader_state = trainer.restore(run.run_dir, c, session.mesh(home))
+        trainer.save(out_dir, fault.step + 1, kept[fault.step], {**dict(loader_state), "next_step": fault.step + 1})
     with open(os.path.join(out_dir, EVENTS), "a", encoding="utf-8") as f:
         f.write(json.dumps({"event": "drill", "step": fault.step, **dataclasses.asdict(fault)}, sort_keys=True) + "\n")
     return out_dir
@@ -318,10 +348,12 @@ def run_drill(session: Any, fault: FaultSpec, *, device_spec: str = "all", repla
             site_ok = _site_leaves(rep) == (fault.leaf,)
     can, can_ok = None, None
     if canary and fault.where == "local_gradient":
-        # The faulty device must be among the canary's devices, whatever the spec chose for replay.
-        can = run_canary(session, device_spec=f"{device_spec}+{fault.device_id}", repeats=canary_repeats,
-                         golden_path=None, fault=dataclasses.replace(fault, step=0))
-        can_ok = can.decision.verdict is Verdict.CONVICTED and can.decision.odd_devices == (fault.device_id,)
+        # The faulty device (or, on a job of another shape, the one at its mesh position) must be among
+        # the canary's devices, whatever the spec chose for replay.
+        chip = on_home(session, fault)
+        can = run_canary(session, device_spec=f"{device_spec}+{chip.device_id}", repeats=canary_repeats,
+                         golden_path=None, fault=dataclasses.replace(chip, step=0))
+        can_ok = can.decision.verdict is Verdict.CONVICTED and can.decision.odd_devices == (chip.device_id,)
     return DrillReport(fault, rep, can, ok, can_ok, site_ok)
 
 
@@ -387,13 +419,21 @@ def top_device_suspect(scan: dict[str, Any]) -> Optional[dict[str, Any]]:
 def judge_scan(scan: dict[str, Any], scenario: str, device: int, first_step: int, tolerance: int = 0) -> bool:
     """True when the scan names exactly ``device`` among the device suspects, with evidence of the
     scenario's kind (drift: ``norm_drift``; flip: ``norm_spike`` or ``nonfinite``; canary:
-    ``canary``) whose first step is within ``tolerance`` of ``first_step``."""
+    ``canary``) whose first step is within ``tolerance`` of ``first_step`` or, for a drift, whose
+    onset is marked uncertain with a range that holds ``first_step``."""
     if scan.get("suspect_devices") != [device]:
         return False
+
+    def right(e) -> bool:
+        if abs(e["first_step"] - first_step) <= tolerance:
+            return True
+        lo_hi = e.get("onset_range")
+        return scenario == "drift" and bool(e.get("onset_uncertain")) and lo_hi is not None \
+            and lo_hi[0] <= first_step <= lo_hi[1]
+
     for s in scan.get("suspects", []):
         if s["kind"] in ("device", "replica") and s["devices"] == [device]:
-            return any(e["check"] in EXPECTED_CHECK[scenario] and abs(e["first_step"] - first_step) <= tolerance
-                       for e in s["evidence"])
+            return any(e["check"] in EXPECTED_CHECK[scenario] and right(e) for e in s["evidence"])
     return False
 
 
@@ -457,8 +497,8 @@ def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Rando
       DrillError: the run is too short, or ``device``/``start`` are out of range.
       FileExistsError: ``out_dir`` exists and is not empty.
     """
-    from replay.run.protocol import CHECKPOINTS_DIR
-    from replay.reference import run as ref_run
+    from replay.run import distributed
+    from replay.run import protocol as proto
     from replay.run.runlog import ENV_JSON, EVENTS, RUN_CONFIG, load_run
     from replay.screen.scan import scan_run
 
@@ -479,44 +519,95 @@ def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Rando
         start = rng.randrange(c, latest) if latest > c else c
     if not c <= start < end:
         raise DrillError(f"--step {start}: must be in [{c}, {end}) (after checkpoint {c}, before the run's end)")
-    cfg = ref_run.run_config_from_dict(run.config, run.run_dir)
-    period = canary_every if canary_every is not None else (cfg.canary_every or 5)
-    cfg = dataclasses.replace(cfg, canary_every=period if scenario == "canary" or cfg.canary_every else 0)
+    period = canary_every if canary_every is not None else (setup.canary_every or 5)
+    period = period if scenario == "canary" or setup.canary_every else 0
     trainer = setup.trainer
     faults, canary_fault, first_step = scenario_faults(
         scenario, device=device, start=start, stop=end, magnitude=magnitude, kind=kind, flips=flips, bit=bit,
         leaf_paths=trainer.leaf_paths, leaf_sizes=_local_leaf_sizes(session), rng=rng)
     if scenario == "canary":
-        first_step = -(-start // cfg.canary_every) * cfg.canary_every
+        first_step = -(-start // period) * period
         if first_step >= end:
-            raise DrillError(f"no canary runs between step {start} and the run's end {end} (canary_every "
-                             f"{cfg.canary_every})")
+            raise DrillError(f"no canary runs between step {start} and the run's end {end} (canary_every {period})")
+    home = session.home_assignment()
+    if session.process_count > 1 and not all(session.participates([d for d in home if
+                                                                   session.jax_devices[d].process_index == p])
+                                              for p in range(session.process_count)):
+        raise DrillError("a screening drill retrains the run on its own mesh shape, which must span every process "
+                         "of the replay here: run it as one process (without the process flags)")
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f"{out_dir} exists and is not empty")
-    os.makedirs(out_dir, exist_ok=True)
-    for name in (ENV_JSON, EVENTS, "fingerprints.jsonl", "signals.jsonl", "canary.jsonl"):
-        if os.path.exists(os.path.join(run.run_dir, name)):
-            shutil.copy(os.path.join(run.run_dir, name), out_dir)
-    shutil.copytree(os.path.join(run.run_dir, CHECKPOINTS_DIR, str(c)), os.path.join(out_dir, CHECKPOINTS_DIR, str(c)))
-    import yaml
-
-    with open(os.path.join(out_dir, RUN_CONFIG), "w", encoding="utf-8") as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
     as_dicts = [dataclasses.asdict(f) | {"type": type(f).__name__}
                 for f in ([] if faults is None else faults if isinstance(faults, list) else [faults])]
     if canary_fault is not None:
         as_dicts.append(dataclasses.asdict(canary_fault) | {"type": "canary FaultSpec"})
-    with open(os.path.join(out_dir, EVENTS), "a", encoding="utf-8") as f:
-        f.write(json.dumps({"event": "drill", "step": start, "scenario": scenario, "device": device,
-                            "faults": as_dicts}, sort_keys=True) + "\n")
-    mesh = session.mesh(session.home_assignment())
-    import warnings
-
-    with warnings.catch_warnings():  # the drill's own canary mismatches are its point, not news
-        warnings.simplefilter("ignore", ref_run.CanaryMismatchWarning)
-        ref_run.train(out_dir, cfg, end, trainer=trainer, mesh=mesh, log=log or (lambda s: None), faults=faults,
-                      canary_fault=canary_fault)
+    if session.process_index == 0:  # process 0 copies the run up to checkpoint c; the others wait for it
+        os.makedirs(out_dir, exist_ok=True)
+        logs = [path for name in (proto.FINGERPRINTS_NAME, proto.SIGNALS_NAME, proto.CANARY_NAME)
+                for _, path in proto.log_files(run.run_dir, name)]
+        for path in [os.path.join(run.run_dir, n) for n in (RUN_CONFIG, ENV_JSON, EVENTS)] + logs:
+            if os.path.exists(path):
+                shutil.copy(path, out_dir)
+        shutil.copytree(os.path.join(run.run_dir, proto.CHECKPOINTS_DIR, str(c)),
+                        os.path.join(out_dir, proto.CHECKPOINTS_DIR, str(c)))
+        with open(os.path.join(out_dir, EVENTS), "a", encoding="utf-8") as f:
+            f.write(json.dumps({"event": "drill", "step": start, "scenario": scenario, "device": device,
+                                "faults": as_dicts}, sort_keys=True) + "\n")
+    distributed.sync("replay-drill-copied")
+    mesh = session.mesh(home)
+    if setup.retrain is not None:  # the trainer's own training loop
+        setup.retrain(out_dir, end, trainer=trainer, mesh=mesh, faults=faults, canary_fault=canary_fault,
+                      canary_every=period, log=log)
+    else:
+        retrain_through_protocol(session, out_dir, c, end, faults=faults, canary_fault=canary_fault,
+                                 canary_every=period)
+    distributed.sync("replay-drill-retrained")
     scan = scan_run(load_run(out_dir)).to_dict()
     return ScenarioReport(scenario=scenario, device=device, first_step=first_step, faults=as_dicts,
                           run_dir=out_dir, scan=scan, named=top_device_suspect(scan),
                           tolerance=DRIFT_TOLERANCE if scenario == "drift" else 0)
+
+
+def retrain_through_protocol(session: Any, out_dir: str, checkpoint: int, stop: int, *, faults: Any = None,
+                             canary_fault: Optional[FaultSpec] = None, canary_every: int = 0) -> None:
+    """Retrains the run copied into ``out_dir`` from ``checkpoint`` to ``stop`` through the trainer protocol
+    alone (any trainer): the run's checkpoint restored, its batches rebuilt, ``train_step`` with the
+    drill's ``faults``, each step's fingerprints and signals written through ``replay.run.writer``; every
+    ``canary_every`` steps the canary (the run's canary batch and weights, ``single_device_fingerprints``
+    on each device of the run's mesh, ``canary_fault`` from its step on), one record per device."""
+    from replay.run import canary as cn
+    from replay.run import distributed
+    from replay.run.protocol import CanaryRecord
+
+    setup, trainer = session.setup, session.setup.trainer
+    home = session.home_assignment()
+    rd = session.run_dir_writer(out_dir, home)
+    for name in ("fingerprints.jsonl", "signals.jsonl", "canary.jsonl"):
+        rd.truncate_log(name, checkpoint)
+    rd.event("restore", checkpoint, checkpoint=checkpoint, drill=True)
+    state = session.restore(checkpoint, home)
+    canary = None
+    if canary_every:
+        batch = session.canary_batch()
+        canary = (session.init_state(home, setup.canary_seed), batch, cn.batch_sha256(batch))
+    for step, batch in session.batches(checkpoint, stop, home):
+        if canary is not None and step % canary_every == 0:
+            hit = canary_fault if canary_fault is not None and step >= canary_fault.step else None
+            mine = {d: cn.fingerprints_signature(trainer.single_device_fingerprints(canary[0], canary[1],
+                                                                                    session.jax_devices[d], hit))
+                    for d in home if session.is_local(d)}
+            every = {int(d): sig for part in distributed.gather_json({str(k): v for k, v in mine.items()})
+                     for d, sig in part.items()}
+            results = [cn.DeviceResult(d, (every[d],), {}) for d in home]
+            decision = cn.decide_canary(results, None)
+            for r in results:
+                rd.append_canary(CanaryRecord(step=step, device=r.id, signature=r.signatures[0],
+                                              status=decision.statuses[r.id], golden=decision.golden_status,
+                                              canary=f"drill:{canary[2][:12]}", seconds=0.0))
+            if decision.odd_devices:
+                rd.event("canary_mismatch", step, devices=list(decision.odd_devices), verdict=decision.verdict.value)
+        state, fp = trainer.train_step(state, batch, step, faults)
+        rd.append_fingerprints(fp)
+        if fp.signals is not None:
+            rd.append_signals(fp.signals)
+    rd.event("end", stop)

@@ -48,7 +48,10 @@ def _verdict_panel(report: Mapping[str, Any]) -> Panel:
     verdict = report["verdict"]
     lines = [(f"[{_VERDICT_STYLE[verdict]}]{verdict.upper()}[/] (exit code {report['exit_code']}): "
               f"{report['explanation']}")]
-    if report.get("convicted_devices"):
+    if report.get("convicted"):
+        for dev in report["convicted"]:
+            lines.append(f"convicted: {dev['label']} at step {report['first_divergent_step']}")
+    elif report.get("convicted_devices"):
         lines.append(f"convicted device(s): {report['convicted_devices']} at step {report['first_divergent_step']}")
     site = report.get("first_divergent_site")
     if site:
@@ -67,7 +70,36 @@ def _verdict_panel(report: Mapping[str, Any]) -> Panel:
         q = report.get("quarantine") or []
         lines.append(f"devices: {report['device_spec']!r} -> {report['devices']}; "
                      + (f"quarantined (left out of 'good'): {q}" if q else "no device quarantined"))
+    lines += segment_lines(report)
     return Panel("\n".join(lines), title="verdict")
+
+
+def segment_lines(report: Mapping[str, Any]) -> list[str]:
+    """What a range replay replayed: the onset it started from, the segments per round, those left out."""
+    segs = report.get("segments") or []
+    if not segs:
+        return []
+    out = []
+    onset = report.get("targeted")
+    if onset:
+        where = (f"{onset['step']}" if not onset.get("uncertain")
+                 else f"{onset['step']} (uncertain: steps {onset['range'][0]}..{onset['range'][1]})")
+        out.append(f"onset: step {where}, from {onset['source']}")
+    rounds: dict[int, list[str]] = {}
+    for s in segs:
+        if s["replayed"]:
+            rounds.setdefault(s["round"], []).append(f"{s['start']}:{s['stop']}")
+    for r in sorted(rounds):
+        out.append(f"segments replayed{f' in round {r + 1}' if len(rounds) > 1 or onset else ''}: "
+                   f"{', '.join(rounds[r])}")
+    left = report.get("unreplayed_segments") or []
+    if left:
+        out.append(f"not replayed (stopped at the conviction): {', '.join(f'{a}:{b}' for a, b in left)}; "
+                   f"--exhaustive replays them")
+    per = (report.get("timing") or {}).get("steps_replayed_per_placement") or {}
+    if per:
+        out.append("steps replayed per placement: " + ", ".join(f"{k}: {v}" for k, v in sorted(per.items())))
+    return out
 
 
 def render_environment(env: Mapping[str, Any], console: Console) -> None:
@@ -91,8 +123,12 @@ def render_range(report: Mapping[str, Any], console: Optional[Console] = None, m
                         f"from checkpoint(s) {report.get('checkpoints')}")
     table.add_column("step", justify="right")
     table.add_column("loss (logged)", justify="right")
+    where = {tuple(p["devices"]): p for p in report.get("placements") or []}
     for r in replays:
-        table.add_column(f"replay {r['index']} on {r['assignment']}")
+        p = where.get(tuple(r["assignment"]))
+        procs = f" (process{'es' if p and len(p['processes']) > 1 else ''} {','.join(map(str, p['processes']))})" \
+            if p and p.get("processes") else ""
+        table.add_column(f"replay {r['index']} on {r['assignment']}{procs}")
     rows: dict[int, list[str]] = {}
     losses: dict[int, str] = {}
     for col, r in enumerate(replays):
@@ -114,7 +150,8 @@ def render_range(report: Mapping[str, Any], console: Optional[Console] = None, m
         line = (f"[yellow]replays {dis.get('replay_a')} and {dis.get('replay_b')} disagree[/] at step {dis['step']}, "
                 f"mesh position(s) {dis['positions']}: devices {dis['devices_a']} vs {dis['devices_b']}")
         if dis.get("suspects"):
-            line += f"; suspect device(s) (on both sides): {dis['suspects']}"
+            named = "; ".join(n["label"] for n in dis.get("suspects_named") or []) or dis["suspects"]
+            line += f"; suspect device(s) (on both sides): {named}"
         console.print(line)
     console.print(_verdict_panel(report), soft_wrap=False)  # a panel wraps its lines inside its border
 
@@ -132,11 +169,12 @@ def render_canary(report: Mapping[str, Any], console: Optional[Console] = None) 
         style = "green" if d["status"] == "ok" else "red"
         runs = len(d.get("signatures") or [d["signature"]])
         agree = f"{d['repeats_agree']} ({runs} runs)" if runs > 1 else "n/a (1 run)"
-        table.add_row(str(d["id"]), d["signature"][:16], agree, f"[{style}]{d['status']}[/]")
+        table.add_row(d.get("label") or str(d["id"]), d["signature"][:16], agree, f"[{style}]{d['status']}[/]")
     console.print(table)
     verdict = report["verdict"]
+    odd = "".join(f"\nodd device: {o['label']}" for o in report.get("odd") or [])
     console.print(Panel(f"[{_VERDICT_STYLE[verdict]}]{verdict.upper()}[/] (exit code {report['exit_code']}): "
-                        f"{report['explanation']}", title="canary verdict"), soft_wrap=False)
+                        f"{report['explanation']}{odd}", title="canary verdict"), soft_wrap=False)
 
 
 INSPECT_TEXT_CHARS = 80  # characters of a document's text (its repr) shown in the inspect table
@@ -332,7 +370,8 @@ def render_scan(report: Mapping[str, Any], console: Optional[Console] = None) ->
         for s in report["suspects"]:
             ev = "\n".join(escape(f"[{e['check']}] {e['detail']}") for e in s["evidence"])
             nxt = s.get("next") or {}
-            table.add_row(str(s["rank"]), s["subject"], str(s["first_step"]), f"{s['strength']:.2f}", ev,
+            who = "\n".join(n["label"] for n in s.get("named") or []) or s["subject"]
+            table.add_row(str(s["rank"]), who, str(s["first_step"]), f"{s['strength']:.2f}", ev,
                           escape(nxt.get("sentence") or ""))
         console.print(table)
     for e in report.get("explained", []):

@@ -132,18 +132,18 @@ def test_flaky_replay_device_is_ambiguous(session):
     """A replay device that computes one wrong bit (a fault in the replay, not the log): replays disagree."""
     fault = FaultSpec(step=5, device_id=6, leaf=session.setup.trainer.leaf_paths[0], element=3, bit=2)
     first = engine.replay_range(session, 5, 6, device_spec="all")
-    orig = session.run_steps
+    orig = session.replay_segment
 
     def flaky(assignment, *a, **kw):
         if 6 in assignment:
             kw["fault"] = fault
         return orig(assignment, *a, **kw)
 
-    session.run_steps = flaky
+    session.replay_segment = flaky
     try:
         rep = engine.replay_range(session, 5, 6, device_spec="all")
     finally:
-        del session.run_steps
+        del session.replay_segment
     assert first.verdict is Verdict.ACQUITTED
     assert rep.verdict is Verdict.AMBIGUOUS and rep.decision.cause is Cause.REPLAYS_DISAGREE
     assert rep.disagreement["step"] == 5 and rep.disagreement["devices_b"] == [6]
@@ -284,17 +284,17 @@ def test_persistently_faulty_replay_device_is_named_as_suspect(session):
     """A replay device that is wrong wherever it sits: the rotated placements disagree at two mesh
     positions, and the one device on both sides of the disagreement is the suspect."""
     fault = FaultSpec(step=5, device_id=2, leaf=session.setup.trainer.leaf_paths[2], element=7, bit=0)
-    orig = session.run_steps
+    orig = session.replay_segment
 
     def bad_chip(assignment, *a, **kw):
         kw["fault"] = fault
         return orig(assignment, *a, **kw)
 
-    session.run_steps = bad_chip
+    session.replay_segment = bad_chip
     try:
         rep = engine.replay_range(session, 5, 6, device_spec="0-3")
     finally:
-        del session.run_steps
+        del session.replay_segment
     assert [r.assignment for r in rep.replays] == [(0, 1, 2, 3), (1, 2, 3, 0)]
     assert rep.verdict is Verdict.AMBIGUOUS and rep.decision.cause is Cause.REPLAYS_DISAGREE
     assert rep.disagreement["suspects"] == [2]
@@ -306,7 +306,8 @@ def test_persistently_faulty_replay_device_is_named_as_suspect(session):
     console = Console(record=True, width=200)
     report.render_range(rep.to_dict(), console)
     text = console.export_text()
-    assert "suspect device(s) (on both sides): [2]" in text and "AMBIGUOUS (exit code 4)" in text
+    assert "suspect device(s) (on both sides): device 2 (host " in text and "AMBIGUOUS (exit code 4)" in text
+    assert rep.disagreement["suspects_named"][0]["local_device"] == 2
 
 
 def test_repeats_rerun_each_placement(session):

@@ -107,7 +107,9 @@ def test_a_drifting_replica_is_named_with_its_onset_and_the_replay_to_run(tmp_pa
     top = rep.suspects[0]
     assert top.subject == f"device {replica}" and top.evidence[0].check == "norm_drift"
     assert abs(top.first_step - start) <= 3 and top.strength >= 1
-    assert rep.suggestion == f"replay --run {root} --steps {top.first_step}:80 --devices good"
+    lo, hi = rep.onset["range"]  # the suggested replay starts where the onset could first lie
+    assert lo <= top.first_step <= hi and rep.onset["step"] == top.first_step
+    assert rep.suggestion == f"replay --run {root} --steps {lo}:80 --devices good"
     assert rep.exit_code == ExitCode.SUSPECTS == 8
 
 

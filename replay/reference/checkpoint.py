@@ -12,21 +12,29 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import orbax.checkpoint as ocp
+
+from replay.run import quiet
+from replay.run.quiet import exit_quietly_after_failed_restore, quiet_aborted_reads  # noqa: F401  (re-exported)
 
 ITEMS = ("state", "loader")
 
 
-def manager(directory: str, *, read_only: bool = False, max_to_keep: Optional[int] = None) -> ocp.CheckpointManager:
+def manager(directory: str, *, read_only: bool = False, max_to_keep: Optional[int] = None,
+            processes: Optional[Iterable[int]] = None) -> ocp.CheckpointManager:
     """An Orbax ``CheckpointManager`` for ``directory`` (created unless ``read_only``).
 
     Saves are asynchronous (``enable_async_checkpointing``); call ``wait_until_finished()``
     before exit. ``read_only`` managers never write, delete or clean up (replay uses them).
+    ``processes``: for a read-only manager in a multi-process job, the processes that restore
+    together (those of the target mesh); Orbax's barriers then wait for them only, so that
+    placements on other processes restore on their own (``MultiprocessingOptions.active_processes``).
+    Default: every process.
     """
     with (quiet_orbax_notes() if read_only else contextlib.nullcontext()):
-        return _manager(directory, read_only, max_to_keep)
+        return _manager(directory, read_only, max_to_keep, processes)
 
 
 @contextlib.contextmanager
@@ -45,13 +53,27 @@ def quiet_orbax_notes() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _manager(directory: str, read_only: bool, max_to_keep: Optional[int]) -> ocp.CheckpointManager:
+_RESTORES: dict[tuple[int, ...], int] = {}  # restores per set of processes: unique, agreed barrier names
+
+
+def _manager(directory: str, read_only: bool, max_to_keep: Optional[int],
+             processes: Optional[Iterable[int]] = None) -> ocp.CheckpointManager:
+    import jax
+
+    extra = {}
+    if read_only and processes is not None and jax.process_count() > 1:
+        active = tuple(sorted(set(int(p) for p in processes)))
+        _RESTORES[active] = _RESTORES.get(active, 0) + 1  # the same count on each of them: they restore in step
+        extra["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
+            primary_host=active[0], active_processes=set(active),
+            barrier_sync_key_prefix=f"restore-{'-'.join(map(str, active))}-{_RESTORES[active]}")
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         create=not read_only,
         read_only=read_only,
         cleanup_tmp_directories=not read_only,
         enable_async_checkpointing=not read_only,
+        **extra,
     )
     return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_names=ITEMS)
 
@@ -106,112 +128,23 @@ def restore(directory: str, step: int, abstract_state: Any) -> tuple[Any, dict[s
     steps = all_steps(directory)
     if step not in steps:
         raise FileNotFoundError(f"no complete checkpoint at step {step} under {directory}; present: {steps}")
-    global restore_failed
     quiet_aborted_reads()  # a damaged checkpoint must give one clear error, not a traceback per array
-    m = manager(directory, read_only=True)
+    import jax
+
+    shardings = [x.sharding for x in jax.tree_util.tree_leaves(abstract_state) if getattr(x, "sharding", None)]
+    processes = {d.process_index for sh in shardings[:1] for d in sh.device_set}
+    m = manager(directory, read_only=True, processes=processes or None)
     try:
         out = m.restore(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), loader=ocp.args.JsonRestore()),
         )
     except BaseException:
-        restore_failed = True
+        quiet.restore_failed = True
         raise
     finally:
         m.close()
     return out["state"], dict(out["loader"] or {})
-
-
-restore_failed = False  # set when a restore failed: aborted reads may still call back at exit
-
-
-def exit_quietly_after_failed_restore(code: int) -> None:
-    """For a command's ``main``: after a failed restore, TensorStore's aborted reads print a
-    traceback each while the interpreter shuts down (past any hook); the error has been reported,
-    so flush and leave without that teardown. Does nothing when no restore failed."""
-    if restore_failed:
-        import sys
-
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
-        os._exit(code)
-
-
-class _QuietStderr:
-    """``sys.stderr`` for a process whose restore may fail: output of the main thread passes through
-    untouched; another thread's output is collected per traceback and dropped when it is exactly the
-    ``RuntimeError: Event loop is closed`` of an aborted TensorStore read (printed directly, past
-    ``sys.excepthook``), else passed on."""
-
-    _DROP = "RuntimeError: Event loop is closed"
-
-    def __init__(self, stream):
-        import threading
-
-        self._stream = stream
-        self._pending: dict[int, str] = {}
-        self._main = threading.main_thread()
-
-    def write(self, text):
-        import threading
-
-        me = threading.current_thread()
-        if me is self._main:
-            return self._stream.write(text)
-        buf = self._pending.get(me.ident, "") + text
-        out = []
-        while "\n" in buf:
-            line, buf = buf.split("\n", 1)
-            block = self._pending.pop(("block", me.ident), None)
-            if block is None and not line.startswith("Traceback (most recent call last):"):
-                out.append(line + "\n")
-                continue
-            block = (block or "") + line + "\n"
-            if line.startswith((" ", "\t", "Traceback (most recent call last):")):
-                self._pending[("block", me.ident)] = block
-            elif line.strip() != self._DROP:  # the exception line ends the traceback
-                out.append(block)
-        self._pending[me.ident] = buf
-        if out:
-            self._stream.write("".join(out))
-        return len(text)
-
-    def flush(self):
-        import threading
-
-        partial = self._pending.pop(threading.current_thread().ident, "")
-        if partial and ("block", threading.current_thread().ident) not in self._pending:
-            self._stream.write(partial)
-        return self._stream.flush()
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-
-def quiet_aborted_reads() -> None:
-    """When a restore fails, TensorStore's still-running reads of the other arrays call back into
-    Orbax's closed event loop and each prints a ``RuntimeError: Event loop is closed`` traceback
-    (from their threads, and through ``sys.excepthook`` at exit). The failure is reported as one
-    clear error: drop exactly those tracebacks, pass everything else on."""
-    import sys
-
-    if not isinstance(sys.stderr, _QuietStderr):
-        sys.stderr = _QuietStderr(sys.stderr)
-    previous = sys.excepthook
-    if getattr(previous, "_quiet_aborted_reads", False):
-        return
-
-    def hook(kind, value, tb):
-        if kind is RuntimeError and str(value) == "Event loop is closed":
-            return
-        previous(kind, value, tb)
-
-    hook._quiet_aborted_reads = True
-    sys.excepthook = hook
-
 
 
 def is_committed(directory: str, step: int) -> bool:

@@ -25,6 +25,7 @@ Run config (YAML; relative paths are resolved against the config file's folder):
     router_health: {max_dropped_fraction: 0.01, max_share_ratio: 3.0, warmup_steps: 10,
                     max_expert_load_ratio: 2.0}
     screening: {}                          # replay.screen.screening.ScreeningConfig overrides (replay scan)
+    trainer: replay.reference.setup:make_setup  # the factory replay rebuilds the run with (this one when absent)
 
 The full reference table of the fields is in docs/trainer.md ("Run config").
 
@@ -54,12 +55,13 @@ import yaml
 from replay.reference.model import ModelConfig, did_you_mean
 from replay.reference.trainer import OptimizerConfig
 from replay.run import protocol as proto
+from replay.run.setup import REFERENCE_FACTORY
 from replay.run.writer import RunDir
 from replay.screen.screening import RouterHealth, ScreeningConfig
 
 _KEYS = {
     "name", "mixture", "dataset", "global_batch", "seed", "mesh", "model", "optimizer", "checkpoint_every",
-    "skip_windows", "loader", "canary", "canary_every", "canary_action", "router_health", "screening",
+    "skip_windows", "loader", "canary", "canary_every", "canary_action", "router_health", "screening", "trainer",
 }
 CANARY_ACTIONS = ("warn", "stop")
 _REQUIRED = ("name", "mixture", "dataset", "global_batch")
@@ -135,6 +137,7 @@ class RunConfig:
             "canary_action": self.canary_action,
             "router_health": self.router_health.to_dict(),
             "screening": self.screening.to_dict(),
+            "trainer": REFERENCE_FACTORY,
         }
 
 
@@ -218,6 +221,9 @@ def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConf
     canary_rows = _int(canary_raw.get("rows", 1), "canary.rows", 1)
     if canary_rows > global_batch:
         raise RunConfigError(f"canary.rows: must be <= global_batch {global_batch}, got {canary_rows}")
+    if raw.get("trainer", REFERENCE_FACTORY) != REFERENCE_FACTORY:
+        raise RunConfigError(f"trainer: this is the reference trainer's run config, whose factory is "
+                             f"{REFERENCE_FACTORY!r} (or leave the key out), got {raw['trainer']!r}")
     name = raw["name"]
     if not isinstance(name, str) or not name:
         raise RunConfigError(f"name: must be a non-empty string, got {name!r}")
@@ -283,7 +289,8 @@ def _check_same_config(rd: RunDir, cfg: RunConfig, write_grown: bool = True) -> 
     path = rd.file(proto.RUN_CONFIG_NAME)
     new = cfg.to_dict()
     if not os.path.exists(path):
-        _write_config(path, new)
+        if rd.primary:  # process 0 writes the run's single files
+            _write_config(path, new)
         return None
     try:
         with open(path, encoding="utf-8") as f:
@@ -292,6 +299,7 @@ def _check_same_config(rd: RunDir, cfg: RunConfig, write_grown: bool = True) -> 
         raise RunConfigError(f"{path}: the run directory's config is unreadable ({e}); use a new --run") from None
     if not isinstance(old, Mapping):
         raise RunConfigError(f"{path}: the run directory's config is not a mapping; use a new --run")
+    old = {"trainer": REFERENCE_FACTORY, **old}  # a run started before the key was written
     if os.path.abspath(str(new["mixture"])) == rd.file(proto.MIXTURE_COPY_NAME):
         new["mixture"] = old.get("mixture")  # the run's own copy stands for the path it was copied from
     diffs = sorted(k for k in set(old) | set(new) if k != "skip_windows" and old.get(k) != new.get(k))
@@ -300,7 +308,7 @@ def _check_same_config(rd: RunDir, cfg: RunConfig, write_grown: bool = True) -> 
             f"run directory {rd.path} was started with another config (differs in {diffs}); use a new --run"
         )
     if old.get("skip_windows") != new["skip_windows"]:
-        if write_grown:
+        if write_grown and rd.primary:
             _write_config(path, new)  # (the mixture path as written: ``new`` has it)
         return new["skip_windows"]
     return None
@@ -341,7 +349,15 @@ def run_devices(axes: Mapping[str, int]) -> list:
     need = math.prod(sizes)
     if need > len(devices):
         raise RunConfigError(f"mesh: {dict(axes)} needs {need} devices, {len(devices)} available")
-    return devices[:need]
+    chosen = devices[:need]
+    idle = sorted({d.process_index for d in devices} - {d.process_index for d in chosen})
+    if idle:  # a process without a device in the mesh would have no part in the run
+        raise RunConfigError(
+            f"mesh: {dict(axes)} takes the {need} lowest device ids, all on process(es) "
+            f"{sorted({d.process_index for d in chosen})}: process(es) {idle} would have no device in it; use all "
+            f"{len(devices)} devices of the {len({d.process_index for d in devices})} processes (a size of -1), or "
+            f"start each process with fewer devices (XLA_FLAGS=--xla_force_host_platform_device_count on CPU)")
+    return chosen
 
 
 def make_trainer(cfg: RunConfig, *, fingerprints: bool = True):
@@ -413,13 +429,15 @@ class PeriodicCanary:
         from replay.run import canary as cn
         from replay.run.codes import Verdict
 
+        # Read before the canary's collective program, written by process 0 after it: every process of
+        # the run decides from the same golden value.
+        golden = (cn.read_golden(self.golden_path).get(self.env_key) or {}).get("signature")
         t0 = time.perf_counter()
         fps = self.trainer.canary_fingerprints(self.params, self.batch, fault)
         seconds = time.perf_counter() - t0
         results = [cn.DeviceResult(d, (cn.fingerprints_signature(f),), f) for d, f in fps.items()]
-        golden = (cn.read_golden(self.golden_path).get(self.env_key) or {}).get("signature")
         decision = cn.decide_canary(results, golden)
-        if decision.golden_status == "created":
+        if decision.golden_status == "created" and self.rd.primary:
             try:
                 cn.update_golden(self.golden_path, self.env_key,
                                  {"signature": decision.reference, "canary": self.spec.to_dict(),
@@ -515,7 +533,7 @@ def train(
         say(f"run config {cfg.name}: starting JAX, building the mesh and the model")
         trainer, mesh, _ = make_trainer(cfg)
     existed = os.path.isdir(run_dir)
-    rd = RunDir(run_dir)
+    rd = run_dir_of(run_dir, mesh)
     rd.drop_torn_event()
     lineage = _lineage(rd)
     requested = [w for w in lineage.skip_windows if tuple(w) not in {tuple(x) for x in cfg.skip_windows}]
@@ -552,8 +570,7 @@ def train(
     restore_s = 0.0
     if latest is None:
         say(_new_run_note(run_dir, existed, cfg.seed))
-        with open(env_path, "w", encoding="utf-8") as f:
-            json.dump(env, f, indent=1, sort_keys=True)
+        rd.write_whole(proto.ENV_NAME, json.dumps(env, indent=1, sort_keys=True))
         state = trainer.init_state(mesh, cfg.seed)
         start = 0
         for name in step_logs:
@@ -593,12 +610,13 @@ def train(
     data_start = start + (loader_shift if loader_state is not None else 0)
     if not loader_shift and loader_state is not None and int(loader_state.get("next_step", start)) != start:
         raise RunConfigError(f"checkpoint {start} holds loader state for step {loader_state['next_step']}")
-    if grown is not None:  # accepted by the loader: now the run's config
+    if grown is not None and rd.primary:  # accepted by the loader: now the run's config
         with open(rd.file(proto.RUN_CONFIG_NAME), encoding="utf-8") as f:
             written = yaml.safe_load(f)
         _write_config(rd.file(proto.RUN_CONFIG_NAME), {**cfg.to_dict(), "mixture": written["mixture"]})
-    run_inputs.record_inputs(rd.path, data.mixture, cfg.mixture, cfg.dataset, data.manifest_sha256,
-                             data.schedule.to_dict())
+    if rd.primary:  # process 0 writes the run's single files
+        run_inputs.record_inputs(rd.path, data.mixture, cfg.mixture, cfg.dataset, data.manifest_sha256,
+                                 data.schedule.to_dict())
     info = _model_info(trainer, cfg.global_batch, data.seq_len)
     loader_rec = {"next_step": data_start, "data_step": data.schedule.data_step(data_start),
                   "fingerprint": data.state().fingerprint}
@@ -609,8 +627,11 @@ def train(
     else:
         previous_end = max(lineage.end, _logged_end(rd))
         by_step = _writer_of(lineage)
-        moved = rd.supersede(start, by_step, attempt)
-        moved_ckpts = rd.supersede_checkpoints(start, attempt)
+        moved = rd.supersede(start, by_step, attempt)  # each process its own step-log files
+        moved_ckpts = rd.supersede_checkpoints(start, attempt) if rd.primary else []
+        from replay.run import distributed
+
+        distributed.sync("replay-train-superseded")  # every process past it before any saves again
         reason = str(pending.get("kind") or "rewind") if pending is not None else ("rollback" if start < lineage.end and any(
             c > start for c in _lineage_checkpoints(lineage)) else "resume")
         rd.event("restore", start, checkpoint=latest, reason=reason, previous_end=previous_end,
@@ -736,7 +757,7 @@ def train(
                 raise  # else already failing: the original error is the one to see
     rd.event("end", max(start, steps) if stopped is None else stopped["step"], final_save_s=round(final_wait, 6))
     picture = None
-    if plot:
+    if plot and rd.primary:
         from replay.reference.plot import plot_training
 
         picture = plot_training(rd.path, title=f"training run {cfg.name} ({rd.path})")
@@ -900,11 +921,30 @@ def _compiling_note(canary: bool) -> str:
 
 
 def canary_batch(cfg: RunConfig, mesh) -> dict[str, Any]:
-    """The canary batch of the run: the global batch of step ``cfg.canary.step`` (host NumPy)."""
-    from replay.reference.trainer import numpy_batch
+    """The canary batch of the run: the global batch of step ``cfg.canary.step`` (host NumPy, int32 ``[B, S]``).
 
-    data = build_loader(cfg, mesh)
-    return numpy_batch(data.batch_at(cfg.canary.step))
+    Read through a loader on a one-device mesh of one of this process's devices (the batch is a pure
+    function of the step, whatever the mesh), so that every process of a multi-process run has the
+    whole batch without gathering it.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    local = [d for d in mesh.devices.reshape(-1) if d.process_index == jax.process_index()] or jax.local_devices()
+    one = Mesh(np.asarray(local[:1], dtype=object).reshape((1,) * len(mesh.axis_names)), mesh.axis_names)
+    return {k: np.asarray(v, np.int32) for k, v in build_loader(cfg, one).host_batch(cfg.canary.step).items()}
+
+
+def run_dir_of(path: str, mesh) -> RunDir:
+    """The run directory as this process writes it: process 0 the run's single files, each process its
+    own devices' step-log entries (``replay.run.writer``)."""
+    import jax
+
+    me = jax.process_index()
+    local = [int(d.id) for d in mesh.devices.reshape(-1) if d.process_index == me]
+    count = jax.process_count()
+    return RunDir(path, process_index=me, process_count=count, local_devices=local if count > 1 else None)
 
 
 def canary_state(cfg: RunConfig, trainer, mesh):

@@ -11,7 +11,23 @@ and ``--steps`` may be left out: the run's own ``run_config.yaml`` (with its cop
 followed: training resumes from its checkpoint with its data window skipped. ``--from-checkpoint``
 rolls back to an older checkpoint of the run; the steps after it are kept as a superseded attempt
 (``replay.run.lineage``). Thin over :func:`replay.reference.run.train`. Exit codes: 0 done, 2 a
-config, data or file error, 3 stopped by a canary mismatch (``canary_action: stop``).
+config, data or file error, 3 stopped by a canary mismatch (``canary_action: stop``), 4 another
+process of the run died (this one stopped too: restart them all with the same commands; they resume
+from the last checkpoint).
+
+Several processes (``jax.distributed``; on CPU with gloo collectives), one run directory: every
+process runs the same command with JAX's process settings (``replay.run.distributed``)::
+
+    python -m replay.reference.train --run RUN --config run.yaml --steps 30 \
+        --coordinator-address 127.0.0.1:1234 --num-processes 2 --process-id 0 &
+    python -m replay.reference.train --run RUN --config run.yaml --steps 30 \
+        --coordinator-address 127.0.0.1:1234 --num-processes 2 --process-id 1
+
+or none of them inside a cluster JAX detects (Slurm, Open MPI, multi-host Cloud TPU, Kubernetes,
+``JAX_COORDINATOR_ADDRESS``). With several processes each one runs its training in a worker child
+and watches it: when another process dies, JAX's coordination service stops the worker (after the
+``--heartbeat-timeout``, default 10 s, or at once when process 0 died) and the command ends with one
+clear error and exit code 4.
 
 Progress goes to stderr (a Rich bar on a terminal; a line every ``$REPLAY_PROGRESS_EVERY`` seconds,
 default 10, otherwise); the summary and the path of ``<run>/train.png`` go to stdout.
@@ -26,7 +42,8 @@ from typing import Optional, Sequence
 
 LAUNCHED_AT = time.time()  # the command's start: the start of its attempt's start-up (replay goodput)
 
-from replay.run.env import pin_determinism_flags  # noqa: E402  (after LAUNCHED_AT: imports are start-up)
+from replay.run import distributed  # noqa: E402  (after LAUNCHED_AT: imports are start-up)
+from replay.run.env import pin_determinism_flags  # noqa: E402
 from replay.run.progress import loss_text  # noqa: E402
 from replay.reference.run import RunConfigError, load_run_config, train  # noqa: E402
 
@@ -42,15 +59,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="roll back: resume from checkpoint C of the run instead of the newest (the steps after "
                              "it are kept as a superseded attempt)")
     parser.add_argument("--reason", help="with --from-checkpoint: why (recorded in the rewind event)")
+    distributed.add_arguments(parser)
     args = parser.parse_args(argv)
     pin_determinism_flags()  # before JAX starts its backend; recorded in env.json
     start = LAUNCHED_AT if argv is None else time.time()
     try:
+        dargs = distributed.from_args(args)
+    except distributed.DistributedConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if dargs is not None and dargs.num_processes != 1 and argv is None and not distributed.supervised():
+        # One of several processes: run as a watched worker, so that the death of another process ends
+        # this one with a clear error (replay.run.distributed.supervise).
+        return distributed.supervise([sys.executable, "-m", "replay.reference.train", *sys.argv[1:]],
+                                     what_next=lambda: _restart_hint(args, dargs),
+                                     heartbeat_timeout_s=dargs.heartbeat_timeout_s)
+    try:
+        if dargs is not None:
+            distributed.initialize(dargs)
         cfg, steps = _config_and_steps(args)
         args.config, args.steps = args.config or "(the run's own)", steps
         summary = train(args.run, cfg, steps, rewind_to=args.from_checkpoint, rewind_reason=args.reason,
                         launched_at=start)
-    except (RunConfigError, FileNotFoundError, ValueError) as e:
+    except (RunConfigError, FileNotFoundError, ValueError, distributed.DistributedConfigError) as e:
         print(f"error: {e}{_dataset_hint(e, args.config)}", file=sys.stderr)
         if argv is None:  # the command: a process of its own
             from replay.reference import checkpoint
@@ -77,6 +108,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if summary.get("plot"):
         print(f"loss, gradient norm and router drops per step: {summary['plot']}")
     return 0
+
+
+def _restart_hint(args, dargs) -> str:
+    """What to do after a process of the run died: restart them all; from which checkpoint."""
+    import os
+
+    folder = os.path.join(args.run, "checkpoints")
+    done = sorted(int(n) for n in (os.listdir(folder) if os.path.isdir(folder) else []) if n.isdigit())
+    where = f"checkpoint {done[-1]}, the last committed one in {folder}" if done else "step 0 (no checkpoint yet)"
+    n = dargs.num_processes or "all"
+    return (f"Restart all {n} processes of the run with the same commands (this one: python -m "
+            f"replay.reference.train {' '.join(sys.argv[1:]) if sys.argv[1:] else '...'}): they resume from {where}.")
 
 
 def _config_and_steps(args):

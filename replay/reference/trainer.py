@@ -362,6 +362,18 @@ class ReferenceTrainer:
 
         return checkpoint.restore(os.path.join(run_dir, CHECKPOINTS_DIR), step, self.abstract_state(mesh))
 
+    def save(self, run_dir: str, step: int, state: Mapping[str, Any], loader_state: Mapping[str, Any]) -> None:
+        """Saves ``state`` and ``loader_state`` as checkpoint ``step`` under ``<run_dir>/checkpoints`` and
+        waits for its commit (the optional protocol method drills write a faulty run's state with)."""
+        from replay.reference import checkpoint
+
+        mngr = checkpoint.manager(os.path.join(run_dir, CHECKPOINTS_DIR))
+        try:
+            checkpoint.save(mngr, step, state, loader_state)
+            mngr.wait_until_finished()
+        finally:
+            mngr.close()
+
     def fault_array(self, fault: Optional[FaultSpec], step: Optional[int], mesh_ids: Sequence[int], *,
                     sizes: Optional[Mapping[str, Any]] = None) -> np.ndarray:
         """``int32[7] = [enabled, device_id, leaf_index, element, bit, site, layer]`` for the traced

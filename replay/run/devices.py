@@ -24,7 +24,7 @@ import dataclasses
 import difflib
 import os
 import re
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 QUARANTINE_NAME = "quarantine.txt"
 
@@ -35,11 +35,74 @@ class DeviceSpecError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class DeviceInfo:
-    """What replay needs of a device: its id, its process and its kind (e.g. ``cpu``, ``TPU v5``)."""
+    """A device as an operator finds it.
+
+    Attributes:
+      id: the global device id (``jax.Device.id``: unique across the processes of a run; on CPU,
+        process p's devices are numbered from ``p * 2048``).
+      process_index: the process that drives it.
+      kind: the device kind (e.g. ``cpu``, ``TPU v5``).
+      host: the host name of its process (empty when not recorded).
+      local_index: its index among its process's devices (``jax.local_devices()`` order), or None.
+    """
 
     id: int
     process_index: int = 0
     kind: str = ""
+    host: str = ""
+    local_index: Optional[int] = None
+
+    def label(self, coords: Optional[Mapping[str, int]] = None) -> str:
+        """``"device 2049 (host h1, process 1, local device 1, mesh data=1,expert=0)"``: how an operator
+        finds the chip (``coords``: its mesh coordinates, when it had a mesh position)."""
+        parts = [f"host {self.host}" if self.host else None, f"process {self.process_index}",
+                 None if self.local_index is None else f"local device {self.local_index}",
+                 None if not coords else "mesh " + ",".join(f"{a}={int(i)}" for a, i in coords.items())]
+        return f"device {self.id} ({', '.join(p for p in parts if p)})"
+
+    def to_dict(self, coords: Optional[Mapping[str, int]] = None) -> dict:
+        """The report form: ``id``, ``host``, ``process``, ``local_device``, ``mesh`` (coordinates), ``label``."""
+        return {"id": self.id, "host": self.host, "process": self.process_index, "local_device": self.local_index,
+                "mesh": dict(coords or {}), "label": self.label(coords)}
+
+
+def device_table(env: Mapping) -> dict[int, DeviceInfo]:
+    """Per global device id, the :class:`DeviceInfo` of an environment record (``env.json``: its
+    ``devices`` table, ``replay.run.env.record_environment``). A record written before the table
+    existed (one process) gives the mesh's devices with the record's host name, process 0 and the
+    id as the local index (one process numbers its devices 0, 1, ...). Pure."""
+    table = env.get("devices") if isinstance(env, Mapping) else None
+    out: dict[int, DeviceInfo] = {}
+    if isinstance(table, Mapping) and table:
+        for k, v in table.items():
+            try:
+                out[int(k)] = DeviceInfo(int(k), int(v.get("process", 0)), str(v.get("kind", "")),
+                                         str(v.get("host", "")), None if v.get("local") is None else int(v["local"]))
+            except (TypeError, ValueError, AttributeError):
+                continue
+        return out
+    mesh = env.get("mesh") if isinstance(env, Mapping) else None
+    backend = env.get("backend") if isinstance(env, Mapping) and isinstance(env.get("backend"), Mapping) else {}
+    ids = (mesh or {}).get("device_ids") or [] if isinstance(mesh, Mapping) else []
+    for i in ids:
+        try:
+            out[int(i)] = DeviceInfo(int(i), 0, str(backend.get("device_kind", "")), str(env.get("hostname", "")),
+                                     int(i) if int(backend.get("process_count", 1) or 1) == 1 else None)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def describe(device: int, table: Mapping[int, DeviceInfo]) -> DeviceInfo:
+    """The :class:`DeviceInfo` of ``device`` from ``table`` (a bare id's when the table lacks it)."""
+    return table.get(int(device)) or DeviceInfo(int(device))
+
+
+def name_devices(ids: Iterable[int], table: Mapping[int, DeviceInfo],
+                 coords: Optional[Mapping[int, Mapping[str, int]]] = None) -> list[dict]:
+    """The report form (:meth:`DeviceInfo.to_dict`) of each device of ``ids``, with its mesh coordinates."""
+    coords = coords or {}
+    return [describe(d, table).to_dict(coords.get(int(d))) for d in ids]
 
 
 def read_quarantine(path: str) -> frozenset[int]:

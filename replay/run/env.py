@@ -69,15 +69,22 @@ def record_environment(mesh: Any = None) -> dict[str, Any]:
       ml_dtypes, and ``fingerprint``: replay.run.fingerprint.FINGERPRINT_VERSION), ``env``
       (:data:`RELEVANT_ENV_VARS` that are set), ``jax_config``
       (:data:`RELEVANT_JAX_FLAGS`), ``backend`` (platform, device kind, device count, local
-      device count, process index and count, platform version), ``mesh`` (axis names, shape,
-      device ids in mesh order, per device id its coordinates) and ``hostname``.
+      device count, process index and count, platform version, ``collectives``: what reduces
+      across devices, ``replay.run.distributed.collectives``), ``mesh`` (axis names, shape, device
+      ids in mesh order, per device id its coordinates), ``hostname`` (this process's), ``processes``
+      (per process index: its host name and device ids) and ``devices`` (per global device id:
+      ``process``, ``local`` (its index among its process's devices), ``host``, ``kind``): what a
+      report names a device by (``replay.run.devices.device_table``). With several processes the first
+      call is a collective (the host names are gathered): every process calls it.
     """
     import jax
     import numpy as np
 
+    from replay.run import distributed
     from replay.run.fingerprint import FINGERPRINT_VERSION
 
     devices = jax.devices()
+    hosts = distributed.process_hosts()
     backend = jax.extend.backend.get_backend() if hasattr(jax, "extend") else None
     rec: dict[str, Any] = {
         "versions": {
@@ -101,10 +108,12 @@ def record_environment(mesh: Any = None) -> dict[str, Any]:
             "process_index": jax.process_index(),
             "process_count": jax.process_count(),
             "platform_version": getattr(backend, "platform_version", None),
+            "collectives": distributed.collectives(),
         },
         "hostname": platform.node(),
         "python_executable": sys.executable,
     }
+    rec["devices"], rec["processes"] = device_records(devices, hosts)
     for flag in RELEVANT_JAX_FLAGS:
         try:
             value = getattr(jax.config, flag)
@@ -125,15 +134,47 @@ def record_environment(mesh: Any = None) -> dict[str, Any]:
     return rec
 
 
+def device_records(devices: Any, hosts: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``({device id: {"process", "local", "host", "kind"}}, [{"index", "host", "devices"}])`` of the
+    global devices (``jax.devices()``) and the processes' host names (by process index). ``local`` is
+    the device's index among its process's devices in id order (``jax.local_devices()``'s order)."""
+    by_proc: dict[int, list[int]] = {}
+    for d in sorted(devices, key=lambda d: d.id):
+        by_proc.setdefault(int(d.process_index), []).append(int(d.id))
+    table = {}
+    for d in devices:
+        p = int(d.process_index)
+        table[str(int(d.id))] = {"process": p, "local": by_proc[p].index(int(d.id)),
+                                 "host": hosts[p] if p < len(hosts) else "", "kind": d.device_kind}
+    procs = [{"index": p, "host": hosts[p] if p < len(hosts) else "", "devices": ids}
+             for p, ids in sorted(by_proc.items())]
+    return table, procs
+
+
+# Keys that never decide a step's bits: the processes and where they ran (a 2 x 4 run replayed by
+# 1 x 8 devices computes the same program; the mesh shape and order, compared, are what count).
+PLACEMENT_KEYS = ("backend.process_index", "backend.process_count", "backend.device_count",
+                  "backend.local_device_count", "devices", "processes")
+
+
 def _flatten(rec: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in rec.items():
         name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and key != "device_coords":
+        if isinstance(value, Mapping) and key not in ("device_coords", "devices"):
             out.update(_flatten(value, name + "."))
         else:
             out[name] = value
     return out
+
+
+# Flags that say how many devices a process has, not what they compute: a run of 2 processes x 4 CPU
+# devices is replayed by one process of 8 (the mesh shape and device order are compared apart).
+PLACEMENT_FLAGS = ("--xla_force_host_platform_device_count",)
+
+
+def _flags(value: str) -> list[str]:
+    return sorted(f for f in value.split() if f.split("=")[0] not in PLACEMENT_FLAGS)
 
 
 def compare_environment(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
@@ -156,10 +197,13 @@ def compare_environment(recorded: Mapping[str, Any], current: Mapping[str, Any])
             continue  # implied by mesh.device_ids and mesh.shape
         va = a.get(key, "<unset>")
         vb = b.get(key, "<unset>")
-        if key in _FLAG_LISTS and isinstance(va, str) and isinstance(vb, str) and sorted(va.split()) == sorted(vb.split()):
+        if key == "backend.collectives" and "<unset>" in (va, vb):
+            continue  # a record from before the field: its collectives are not known
+        if key in _FLAG_LISTS and isinstance(va, str) and isinstance(vb, str) and _flags(va) == _flags(vb):
             continue  # the same flags in another order (or spacing) compile the same program
         if va != vb:
-            prefix = "note: " if key in _INFORMATIONAL else ""
+            prefix = "note: " if key in _INFORMATIONAL or key.split(".")[0] in ("devices", "processes") \
+                or key in PLACEMENT_KEYS else ""
             out.append(f"{prefix}{key}: recorded {va!r}, current {vb!r}")
     return out
 

@@ -8,12 +8,15 @@ internals: it builds one from the run config, restores a checkpoint read-only, a
 The run directory a training run leaves (docs/design.md, "The run directory")::
 
     <run>/
-      run_config.yaml       # the run config as used (model, mixture, dataset, global batch, seed, mesh, ...)
+      run_config.yaml       # the run config as used (model, mixture, dataset, global batch, seed, mesh, ...,
+                            # trainer: the factory replay rebuilds the run with, replay.run.setup)
       env.json              # environment record (see replay.reference / env module)
       events.jsonl          # one JSON object a line: {"event": ..., "step": ..., ...}
       fingerprints.jsonl    # one StepFingerprints.to_json() a line, appended every step
       signals.jsonl         # one StepSignals.to_json() a line, appended every step (screening)
       canary.jsonl          # one CanaryRecord a line per device, every canary_every steps (optional)
+      *.pNNNNN.jsonl        # a run of several processes: process N >= 1's own devices' entries of the
+                            # step logs above (replay.run.writer: who writes what; the readers merge)
       checkpoints/<step>/   # Orbax checkpoints: params, optimizer state, loader state
       quarantine.txt        # optional: device ids (one a line, '#' comments) held suspect
       suspects.json         # written by `replay scan`: its report, with "suspect_devices"
@@ -447,7 +450,8 @@ class StepSignals:
       checkpoint_s: seconds the loop was blocked saving a checkpoint after the step (the
         asynchronous save's device-to-host copy; 0 when none), or None.
       tokens: non-padding tokens of the step's batch that this process read (the loader's
-        ``tokens_served`` difference; the global count in a single-process run), or None.
+        ``tokens_served`` difference; the global count in a single-process run, and in a multi-process
+        run once the readers have added the other processes' lines: ``read_signals``), or None.
     """
 
     step: int
@@ -597,70 +601,152 @@ def append_line(path: str, line: str) -> None:
         f.flush()
 
 
-def _read_lines(path: str, parse) -> list:
-    """``parse(dict)`` of each line; a torn (or otherwise unparsable) *last* line is skipped, an
-    unparsable line elsewhere raises ``ValueError`` naming the file and line."""
+def shard_name(name: str, process: int) -> str:
+    """The file of process ``process`` (>= 1) of the step log ``name``: ``fingerprints.p00001.jsonl``
+    (``replay.run.writer``: process 0 writes the main file, each other process its own)."""
+    stem, _, ext = name.rpartition(".")
+    return f"{stem}.p{int(process):05d}.{ext}"
+
+
+def log_files(run_dir: str, name: str) -> list[tuple[int, str]]:
+    """``(process, path)`` of every existing file of the step log ``name`` (``fingerprints.jsonl``,
+    ``signals.jsonl``, ``canary.jsonl``): the main file (process 0) first, then the other processes'
+    shards in process order."""
+    import os
+    import re
+
+    stem, _, ext = name.rpartition(".")
+    pattern = re.compile(rf"^{re.escape(stem)}\.p(\d{{5}})\.{re.escape(ext)}$")
+    out = [(0, os.path.join(run_dir, name))] if os.path.exists(os.path.join(run_dir, name)) else []
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        names = []
+    shards = sorted((int(m.group(1)), os.path.join(run_dir, n)) for n in names if (m := pattern.match(n)))
+    return out + [x for x in shards if x[0] > 0]
+
+
+def read_raw_lines(path: str) -> list[dict]:
+    """The JSON objects of a step log file, one a line; a torn (or otherwise unparsable) *last* line is
+    skipped, an unparsable line elsewhere raises ``ValueError`` naming the file and line."""
     with open(path, encoding="utf-8") as f:
         lines = [(n, x) for n, x in enumerate(f.read().split("\n"), 1) if x.strip()]
     out = []
     for i, (n, line) in enumerate(lines):
         try:
-            out.append(parse(json.loads(line)))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            d = json.loads(line)
+            if not isinstance(d, dict) or "step" not in d:
+                raise ValueError("not an object with a step")
+            out.append(d)
+        except ValueError as e:
             if i == len(lines) - 1:
                 break
             raise ValueError(f"{path}:{n}: not a valid entry ({e!r})") from None
     return out
 
 
+def merge_step_parts(main: Mapping[str, Any], parts: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """One step's record from the primary's line and the other processes' lines of that step (their
+    per-device ``devices`` and ``sends`` entries, and for signals their ``replicas``): the record one
+    process would have written."""
+    out = dict(main)
+    if parts:
+        out["devices"] = dict(main.get("devices") or {})
+        reps = list(main.get("replicas") or [])
+        for p in parts:
+            out["devices"].update(p.get("devices") or {})
+            reps += list(p.get("replicas") or [])
+            if p.get("sends"):  # all-to-all send fingerprints, per device like ``devices``
+                out["sends"] = {**(out.get("sends") or {}), **p["sends"]}
+            if p.get("tokens") is not None and out.get("tokens") is not None:  # each process its own reads
+                out["tokens"] = int(out["tokens"]) + int(p["tokens"])
+        if "replicas" in main or any("replicas" in p for p in parts):
+            out["replicas"] = sorted(reps, key=lambda r: r.get("replica", 0))
+    return out
+
+
+def read_merged_steps(run_dir: str, name: str) -> tuple[dict[int, dict], dict[int, dict[int, dict]]]:
+    """``({step: the primary's line}, {process: {step: its line}})`` of the step log ``name`` (a later line
+    for a step wins, as after a resume).
+
+    Raises:
+      FileNotFoundError: the main file does not exist. ValueError: a malformed line (not the last of its file).
+    """
+    import os
+
+    files = log_files(run_dir, name)
+    if not files or files[0][0] != 0:
+        raise FileNotFoundError(os.path.join(run_dir, name))
+    main = {int(d["step"]): d for d in read_raw_lines(files[0][1])}
+    shards = {p: {int(d["step"]): d for d in read_raw_lines(path)} for p, path in files[1:]}
+    return main, shards
+
+
+def _read_merged(run_dir: str, name: str, parse) -> dict[int, Any]:
+    main, shards = read_merged_steps(run_dir, name)
+    return {s: parse(merge_step_parts(d, [sh[s] for sh in shards.values() if s in sh])) for s, d in main.items()}
+
+
+def _read_lines(path: str, parse) -> list:
+    """``parse(dict)`` of each line of ``path`` (:func:`read_raw_lines`); an entry that does not parse is
+    skipped when it is the last (torn), else a ``ValueError`` naming the file and entry."""
+    rows = read_raw_lines(path)
+    out = []
+    for i, d in enumerate(rows):
+        try:
+            out.append(parse(d))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            if i == len(rows) - 1:
+                break
+            raise ValueError(f"{path}: entry {i + 1} is not valid ({e!r})") from None
+    return out
+
+
 def read_signals(run_dir: str) -> dict[int, StepSignals]:
-    """Reads ``<run_dir>/signals.jsonl`` into ``{step: StepSignals}`` (a later line for a step wins).
+    """Reads ``<run_dir>/signals.jsonl`` (and the other processes' ``signals.pNNNNN.jsonl``) into
+    ``{step: StepSignals}`` (a later line for a step wins).
 
     Raises:
       FileNotFoundError: the file does not exist. ValueError: a malformed line (not the last).
     """
-    import os
-
-    return {s.step: s for s in _read_lines(os.path.join(run_dir, SIGNALS_NAME), StepSignals.from_dict)}
+    try:
+        return _read_merged(run_dir, SIGNALS_NAME, StepSignals.from_dict)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{run_dir}/{SIGNALS_NAME}: not a valid entry ({e!r})") from None
 
 
 def read_canary(run_dir: str) -> list[CanaryRecord]:
-    """Reads ``<run_dir>/canary.jsonl`` (in order).
+    """Reads ``<run_dir>/canary.jsonl`` and the other processes' ``canary.pNNNNN.jsonl`` (by step, then device).
 
     Raises:
       FileNotFoundError: the file does not exist. ValueError: a malformed line (not the last).
     """
     import os
 
-    return _read_lines(os.path.join(run_dir, CANARY_NAME), CanaryRecord.from_dict)
+    files = log_files(run_dir, CANARY_NAME)
+    if not files or files[0][0] != 0:
+        raise FileNotFoundError(os.path.join(run_dir, CANARY_NAME))
+    out = []
+    for _, path in files:
+        try:
+            out += _read_lines(path, CanaryRecord.from_dict)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a valid entry ({e!r})") from None
+    return sorted(out, key=lambda c: (c.step, c.device)) if len(files) > 1 else out
 
 
 def read_fingerprints(run_dir: str) -> dict[int, StepFingerprints]:
-    """Reads ``<run_dir>/fingerprints.jsonl`` into ``{step: StepFingerprints}``.
+    """Reads ``<run_dir>/fingerprints.jsonl`` (with the other processes' ``fingerprints.pNNNNN.jsonl``)
+    into ``{step: StepFingerprints}``.
 
     A later line for the same step replaces an earlier one (the trainer truncates on
     restart, so this only matters for files written by other tools). A torn last line (a
     process killed mid-write) is skipped.
 
     Raises:
-      FileNotFoundError: the file does not exist.
+      FileNotFoundError: the file does not exist. ValueError: a malformed line (not the last).
     """
-    import os
-
-    out: dict[int, StepFingerprints] = {}
-    with open(os.path.join(run_dir, FINGERPRINTS_NAME), encoding="utf-8") as f:
-        lines = f.read().split("\n")
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            fp = StepFingerprints.from_json(line)
-        except (ValueError, KeyError):
-            if i >= len(lines) - 2:  # torn final line
-                continue
-            raise
-        out[fp.step] = fp
-    return out
+    return _read_merged(run_dir, FINGERPRINTS_NAME, StepFingerprints.from_dict)
 
 
 def read_events(run_dir: str) -> list[dict[str, Any]]:

@@ -36,7 +36,7 @@ import yaml
 from replay.run import inputs as run_inputs
 from replay.run.devices import QUARANTINE_NAME, DeviceSpecError, read_quarantine
 from replay.run.lineage import Lineage, lineage_of_run
-from replay.run.protocol import StepFingerprints
+from replay.run.protocol import StepFingerprints, log_files, merge_step_parts, shard_name
 
 RUN_CONFIG = "run_config.yaml"
 ENV_JSON = "env.json"
@@ -413,12 +413,19 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
     fingerprints: dict[int, StepFingerprints] = {}
     malformed: dict[int, str] = {}
     conflicts = set()
+    shards, expected = _fingerprint_shards(run_dir, env)
     for n, raw in enumerate(_read_jsonl(paths[FINGERPRINTS]), 1):
+        step = raw.get("step") if isinstance(raw, dict) else None
+        lacking = [p for p in expected if step not in shards.get(p, {})]
         try:
+            raw = merge_step_parts(raw, [sh[step] for sh in shards.values() if step in sh])
             fp = StepFingerprints.from_dict(raw)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise RunDirError(f"{paths[FINGERPRINTS]}: entry {n} is not a StepFingerprints ({e!r})") from None
         problem = _inconsistency(fp)
+        if problem is not None and lacking:  # a process stopped before it logged this step
+            problem = (f"process {lacking[0]}'s {shard_name(FINGERPRINTS, lacking[0])} has no line for step "
+                       f"{fp.step} (that process stopped before logging it?): {problem}")
         if problem is not None:  # a structurally damaged line would read as a device fault: set aside
             malformed[fp.step] = f"{paths[FINGERPRINTS]} entry {n}: {problem}"
             fingerprints.pop(fp.step, None)
@@ -486,6 +493,28 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
         quarantine=quarantine, malformed=malformed, suspects=read_suspects(run_dir), lineage=lineage, all_events=events,
         config_file=config, notes=notes, pending_superseded=pending,
     )
+
+
+def _fingerprint_shards(run_dir: str, env: Mapping[str, Any]) -> tuple[dict[int, dict[int, dict]], list[int]]:
+    """The other processes' fingerprint lines ``{process: {step: line}}`` (``replay.run.writer``: process
+    p >= 1 writes its devices' entries to ``fingerprints.pNNNNN.jsonl``), and the processes >= 1 that
+    env.json says the run had (each must have logged every step).
+
+    Raises:
+      RunDirError: a shard file is unreadable or has a malformed line (not its last).
+    """
+    out: dict[int, dict[int, dict]] = {}
+    for p, path in log_files(run_dir, FINGERPRINTS)[1:]:
+        out[p] = {}
+        for raw in _read_jsonl(path):
+            if isinstance(raw, dict) and isinstance(raw.get("step"), int):
+                out[p][raw["step"]] = raw
+    backend = env.get("backend") if isinstance(env.get("backend"), dict) else {}
+    try:
+        count = int(backend.get("process_count", 1) or 1)
+    except (TypeError, ValueError):
+        count = 1
+    return out, list(range(1, count))
 
 
 def read_suspects(run_dir: str) -> frozenset[int]:

@@ -40,6 +40,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from replay.run import devices as dv
 from replay.run import protocol as proto
 from replay.screen import screening as sc
 from replay.run.runlog import RunDirError, RunLog
@@ -52,17 +53,35 @@ STRENGTH_CAP = 1e6  # a non-finite score is reported as this
 
 @dataclasses.dataclass(frozen=True)
 class Evidence:
-    """One check's finding about one subject."""
+    """One check's finding about one subject.
+
+    Attributes:
+      check: the check (``CHECKS``); first_step, last_step: the steps it spans; strength: >= 1 at or
+        past the check's threshold; detail: in words.
+      onset_range: ``(lo, hi)``, the steps the fault's first step could lie in (a drift's change point
+        is an estimate; a canary mismatch says only that the device went wrong since its last clean
+        canary), or None when ``first_step`` is exact. Never before scoring began.
+      before_scoring: the range starts where the check began scoring: the fault may be older.
+    """
 
     check: str
     first_step: int
     last_step: int
     strength: float
     detail: str
+    onset_range: Optional[tuple[int, int]] = None
+    before_scoring: bool = False
+
+    @property
+    def uncertain(self) -> bool:
+        """Whether the first step is an estimate with a range of more than one step (or may be older)."""
+        return self.onset_range is not None and (self.onset_range[1] > self.onset_range[0] or self.before_scoring)
 
     def to_dict(self) -> dict[str, Any]:
         return {"check": self.check, "first_step": self.first_step, "last_step": self.last_step,
-                "strength": _num(self.strength), "detail": self.detail}
+                "strength": _num(self.strength), "detail": self.detail,
+                "onset_range": None if self.onset_range is None else list(self.onset_range),
+                "onset_uncertain": self.uncertain, "before_scoring": self.before_scoring}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +105,7 @@ class Suspect:
     strength: float
     evidence: tuple[Evidence, ...]
     next: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # {"command", "sentence"}: what to do next
+    named: tuple[dict, ...] = ()  # its devices as an operator finds them (replay.run.devices.name_devices)
 
     def rank_key(self) -> tuple:
         best = min(CHECKS.index(e.check) for e in self.evidence)
@@ -94,7 +114,8 @@ class Suspect:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "subject": self.subject, "devices": list(self.devices),
                 "first_step": self.first_step, "strength": _num(self.strength),
-                "evidence": [e.to_dict() for e in self.evidence], "next": dict(self.next)}
+                "evidence": [e.to_dict() for e in self.evidence], "next": dict(self.next),
+                "named": list(self.named)}
 
 
 def _num(v: float) -> Any:
@@ -121,6 +142,18 @@ class ScanReport:
         return sorted({d for s in self.suspects if s.kind in ("device", "replica") for d in s.devices})
 
     @property
+    def onset(self) -> Optional[dict[str, Any]]:
+        """Where a range replay should look first: the top device suspect's earliest evidence, its first
+        step and the range it could lie in (``replay.verify.plan.Onset``), or None without one."""
+        top = next((s for s in self.suspects if s.kind in ("device", "replica")), None)
+        if top is None:
+            return None
+        e = min(top.evidence, key=lambda x: x.first_step)
+        lo, hi = e.onset_range or (e.first_step, e.first_step)
+        return {"step": e.first_step, "range": [lo, hi], "uncertain": e.uncertain, "check": e.check,
+                "devices": list(top.devices)}
+
+    @property
     def exit_code(self) -> int:
         from replay.run.codes import ExitCode
 
@@ -133,6 +166,7 @@ class ScanReport:
             "suspect_devices": self.suspect_devices,
             "suspects": [dict(s.to_dict(), rank=i + 1) for i, s in enumerate(self.suspects)],
             "checks": self.checks, "explained": self.explained, "suggested_replay": self.suggestion,
+            "onset": self.onset,
             "figures": self.figures, "limits": self.limits, "lineage": self.lineage,
         }
 
@@ -203,9 +237,13 @@ def _canary(canary: Optional[list[proto.CanaryRecord]], start: int, stop: int):
         if max(steps) < start:
             continue
         total = len({c.step for c in recs if c.device == dev})
-        found.append((("device", (dev,)), _evidence("canary", min(steps), max(steps), float(len(steps)),
-                      f"canary differs from the others' bits at {len(steps)} of {total} canaries "
-                      f"(first before step {min(steps)})")))
+        clean = [c.step for c in recs if c.device == dev and c.status == "ok" and c.step < min(steps)]
+        since = max(clean) if clean else None  # the device went wrong after its last clean canary
+        found.append((("device", (dev,)), dataclasses.replace(_evidence(
+            "canary", min(steps), max(steps), float(len(steps)),
+            f"canary differs from the others' bits at {len(steps)} of {total} canaries (first before step "
+            f"{min(steps)}" + (f"; clean before step {since}" if since is not None else "") + ")"),
+            onset_range=None if since is None else (since, min(steps)))))
     run_level = []
     if ambiguous and max(ambiguous) >= start:
         run_level.append((("run", ()), _evidence("canary", min(ambiguous), max(ambiguous), float(len(ambiguous)),
@@ -302,13 +340,21 @@ def _replicas(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig):
             f"{st[:5]}{' ...' if len(st) > 5 else ''} ({worst}; threshold {cfg.spike_z:g})")))
     for a in res.drifts:
         onset, alarm = steps[a.onset], steps[a.alarm]  # a drift lasts to the last step: it reaches the range
+        lo = steps[a.onset if a.onset_lo is None else a.onset_lo]
+        hi = steps[a.onset if a.onset_hi is None else a.onset_hi]
+        scored = steps[a.scoring_start] if a.scoring_start is not None else lo
+        older = lo <= scored and scored > steps[0]  # the range starts where scoring began
         kind = "device" if len(devs[rid_of[a.replica]]) == 1 else "replica"
         rel = math.expm1(a.shift_log)
-        found.append(((kind, devs[rid_of[a.replica]]), _evidence(
+        where = f"from step {onset}"
+        if hi > lo or older:
+            where += (f" (uncertain: between steps {lo} and {hi}" + (f", or earlier: scoring began at step {scored}"
+                                                                      if older else "") + ")")
+        found.append(((kind, devs[rid_of[a.replica]]), dataclasses.replace(_evidence(
             "norm_drift", onset, steps[-1], a.strength,
             f"replica {rid_of[a.replica]}'s gradient norm {'rose' if a.direction > 0 else 'fell'} against the "
-            f"other replicas from step {onset} (alarm at step {alarm}; shift {a.shift:+.1f} sigma, about "
-            f"{rel:+.1%} in norm)")))
+            f"other replicas {where} (alarm at step {alarm}; shift {a.shift:+.1f} sigma, about "
+            f"{rel:+.1%} in norm)"), onset_range=(lo, hi), before_scoring=older)))
     judged = f"{res.judged} replica-steps scored ({R} replicas, {T} steps; scoring starts once the replicas " \
              f"have more than min_history {cfg.min_history} accepted steps of their own history; robust sigma " \
              f"of the log-ratio " \
@@ -526,10 +572,13 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     for _, layer, ev in layer_found:
         grouped.setdefault(("layer", f"layer {layer}"), []).append(ev)
         devices_of[("layer", f"layer {layer}")] = ()
+    table = dv.device_table(run.env)
+    coords = {int(k): dict(v) for k, v in (run.mesh.get("device_coords") or {}).items()}
     suspects = []
     for (kind, subject), evs in grouped.items():
         evs = sorted(evs, key=lambda e: (CHECKS.index(e.check), -e.strength))
         suspects.append(Suspect(kind=kind, subject=subject, devices=devices_of[(kind, subject)],
+                                named=tuple(dv.name_devices(devices_of[(kind, subject)], table, coords)),
                                 first_step=min(e.first_step for e in evs), strength=max(e.strength for e in evs),
                                 evidence=tuple(evs)))
     suspects.sort(key=Suspect.rank_key)
@@ -596,14 +645,16 @@ def next_step(run: RunLog, suspect: Suspect) -> dict[str, Any]:
 
 
 def suggest_replay(run: RunLog, report: ScanReport) -> Optional[str]:
-    """The range replay to run for the top device suspect: from its first step to the end of that
-    checkpoint segment (at most), on the good devices; None without a device suspect."""
-    top = next((s for s in report.suspects if s.kind in ("device", "replica")), None)
-    if top is None:
+    """The range replay to run for the top device suspect: from the start of its onset's range (never
+    before scoring began) to the end of the checkpoint segment holding the range's end, on the good
+    devices (the replay starts with the onset's segment: suspects.json carries the onset); None
+    without a device suspect."""
+    onset = report.onset
+    if onset is None:
         return None
     first, end = run.logged_steps
-    a = max(top.first_step, first)
-    later = [c for c in run.checkpoints if c > a]
+    a = max(onset["range"][0], first)
+    later = [c for c in run.checkpoints if c > max(onset["range"][1], a)]
     b = min(later[0] if later else end, end)
     if b <= a:
         b = min(a + 1, end)

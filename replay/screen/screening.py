@@ -26,7 +26,8 @@ replicas see different rows, so their norms never match; what a faulty replica c
     drift (persistent): a two-sided CUSUM (Page 1954) of the clipped scores
         S+[t] = max(0, S+[t-1] + min(z, c) - k),   S-[t] = max(0, S-[t-1] - max(z, -c) - k)
       alarms when S > h; its onset is the maximum-likelihood change point of the scores before
-      the alarm (``change_point``: Hinkley 1971), its strength S / h. While a replica's CUSUM is above zero its baseline is
+      the alarm, from the first scored step on, with the range it could lie in (``change_point_range``:
+      Hinkley 1971, 1970), its strength S / h. While a replica's CUSUM is above zero its baseline is
       frozen (the rolling median must not absorb the drift it is measuring).
     spike (intermittent): |z| > spike_z, or a non-finite norm: that step only.
 
@@ -257,6 +258,8 @@ class DriftAlarm:
       shift: the median score from the onset on (sigma units), and shift_log: the median of the
         log-ratio's departure from the baseline from the onset on (``~ ln(1 + relative error)``
         for a scaled gradient).
+      onset_lo, onset_hi: the range the onset could lie in (:func:`change_point_range`), indices;
+        scoring_start: the index of the replica's first scored step (no onset is placed before it).
     """
 
     replica: int
@@ -266,6 +269,9 @@ class DriftAlarm:
     strength: float
     shift: float
     shift_log: float
+    onset_lo: Optional[int] = None
+    onset_hi: Optional[int] = None
+    scoring_start: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,33 +428,62 @@ def screen_replicas(norm_sq: np.ndarray, present: Optional[np.ndarray] = None,
             cnt[r] += 1
     drifts = []
     for r, (alarm, onset, direction) in sorted(first.items()):
-        onset = change_point(direction * z_all[:, r], alarm, W, onset, c)
+        onset, lo, hi = change_point_range(direction * z_all[:, r], alarm, W, onset, c)
         span, dspan = z_all[onset:, r], resid[onset:, r]
         shift = float(np.median(span[np.isfinite(span)])) if np.isfinite(span).any() else 0.0
         shift_log = float(np.median(dspan[np.isfinite(dspan)])) if np.isfinite(dspan).any() else 0.0
+        scored = np.nonzero(np.isfinite(z_all[:, r]))[0]
         drifts.append(DriftAlarm(replica=r, onset=onset, alarm=alarm, direction=direction,
-                                 strength=float(peak[r]), shift=shift, shift_log=shift_log))
+                                 strength=float(peak[r]), shift=shift, shift_log=shift_log, onset_lo=lo,
+                                 onset_hi=hi, scoring_start=int(scored[0]) if scored.size else onset))
     return ReplicaScreen(drifts=tuple(drifts), spikes=tuple(spikes), z=z_all, sigma=sigma, judged=judged)
 
 
+CHANGE_POINT_KAPPA = 3.0  # log-likelihood units: the onset range holds every step within this of the best
+
+
 def change_point(z: np.ndarray, alarm: int, lookback: int, default: int, clip: float = math.inf) -> int:
-    """The most likely first step of an upward mean shift in the scores ``z`` that alarmed at
-    ``alarm`` (Hinkley 1971): for a shift from 0 to ``d`` at ``tau``, the log-likelihood ratio of
-    the scores up to the alarm is ``d * sum_{t >= tau} (z_t - d/2)``, largest where the cumulative
-    sum of ``z - d/2`` is smallest just before ``tau``. ``d`` is the median score from the current
-    ``tau`` (first ``default``, the CUSUM's own onset) to the alarm, and the two are refined in
-    turn (up to 3 rounds); the search covers ``[alarm - lookback, alarm]``; scores are clipped to ``+-clip`` and NaN counts as no evidence either way. Using
-    ``d/2`` rather than 0 matters: the scores' mean is not exactly 0 before a change (they are
-    median-centred and log norms are skewed), and a cumulative sum of raw scores drifts away
-    from the true onset."""
-    lo = max(0, alarm - lookback)
+    """The most likely first step of an upward mean shift in the scores ``z`` that alarmed at ``alarm``
+    (:func:`change_point_range`'s estimate)."""
+    return change_point_range(z, alarm, lookback, default, clip)[0]
+
+
+def change_point_range(z: np.ndarray, alarm: int, lookback: int, default: int, clip: float = math.inf,
+                       kappa: float = CHANGE_POINT_KAPPA) -> tuple[int, int, int]:
+    """``(tau, lo, hi)``: the most likely first step ``tau`` of an upward mean shift in the scores ``z`` that
+    alarmed at ``alarm``, and the range ``[lo, hi]`` it could lie in.
+
+    The estimate is Hinkley's (1971): for a shift from 0 to ``d`` at ``tau``, the log-likelihood ratio of
+    the scores up to the alarm is ``d * sum_{t >= tau} (z_t - d/2)``, largest where the cumulative sum
+    of ``z - d/2`` is smallest just before ``tau``. ``d`` is the median score from the current ``tau``
+    (first ``default``, the CUSUM's own onset) to the alarm, and the two are refined in turn (up to 3
+    rounds); scores are clipped to ``+-clip``. Using ``d/2`` rather than 0 matters: the scores' mean is
+    not exactly 0 before a change (they are median-centred and log norms are skewed), and a cumulative
+    sum of raw scores drifts away from the true onset.
+
+    The search covers ``[alarm - lookback, alarm]`` *from the first scored step on*: before it the
+    scores are NaN (no baseline yet), which is no evidence of a change, and a search over them put the
+    onset of a drift that began after scoring started at the first step of the run. ``[lo, hi]`` is
+    the likelihood-ratio set of the change point (Hinkley 1970): every ``t`` whose log-likelihood is
+    within ``kappa`` of the best's (``d * (c[t] - c[tau]) <= kappa``, ``c`` the cumulative sum above; the
+    scores are in sigma units). It never starts before scoring began; when it starts there the
+    change may be older than the scores can tell.
+    """
+    lo0 = max(0, alarm - lookback)
+    window = np.asarray(z[lo0:alarm + 1], np.float64)
+    finite = np.nonzero(np.isfinite(window))[0]
+    if not finite.size:
+        t = min(max(default, lo0), alarm)
+        return t, t, t
+    lo = lo0 + int(finite[0])  # scoring began here
     seg = np.clip(np.asarray(z[lo:alarm + 1], np.float64), -clip, clip)
     tau = min(max(default, lo), alarm)
+    d, c = 0.0, np.zeros(seg.size + 1)
     for _ in range(3):  # estimate d from the scores after tau, then tau from d (each improves the other)
         post = seg[tau - lo:]
         post = post[np.isfinite(post)]
         if not post.size:
-            return tau
+            return tau, tau, tau
         d = max(float(np.median(post)), 0.0)
         inc = np.where(np.isfinite(seg), seg - d / 2, 0.0)
         c = np.concatenate([[0.0], np.cumsum(inc)])  # c[i] = sum of inc[:i]
@@ -456,7 +491,8 @@ def change_point(z: np.ndarray, alarm: int, lookback: int, default: int, clip: f
         if new == tau:
             break
         tau = new
-    return tau
+    within = np.nonzero(d * (c[:-1] - c[tau - lo]) <= kappa)[0]
+    return tau, lo + int(within.min()), lo + int(within.max())
 
 
 def _column_medians(buf: np.ndarray, filled: np.ndarray) -> np.ndarray:

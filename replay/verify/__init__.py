@@ -1,4 +1,5 @@
-"""Range replay, comparison with the log, verdicts, and the canary on chosen devices.
+"""Range replay (its plan: ``plan``; the engine: ``engine``), comparison with the log, verdicts, and the
+canary on chosen devices.
 
 Reads what a training run wrote (``replay.run``) and rebuilds its steps through the run's
 ``RunSetup``; imports only the ground room.

@@ -13,6 +13,7 @@ import os
 from typing import Any, Optional
 
 from replay.run import devices as dv
+from replay.run import distributed
 from replay.run.canary import (
     GOLDEN_DEFAULT,
     CanaryDecision,
@@ -36,6 +37,7 @@ class CanaryReport:
     decision: CanaryDecision
     golden_path: Optional[str]
     repeats: int
+    table: dict = dataclasses.field(default_factory=dict)  # device id -> replay.run.devices.DeviceInfo
 
     @property
     def exit_code(self) -> int:
@@ -51,12 +53,14 @@ class CanaryReport:
             "repeats": self.repeats,
             "devices": [
                 {"id": r.id, "signature": r.signatures[0], "signatures": list(r.signatures),
-                 "repeats_agree": r.repeats_agree, "status": d.statuses[r.id]}
+                 "repeats_agree": r.repeats_agree, "status": d.statuses[r.id],
+                 "label": dv.describe(r.id, self.table).label()}
                 for r in self.devices
             ],
             "verdict": d.verdict.value,
             "exit_code": self.exit_code,
             "odd_devices": list(d.odd_devices),
+            "odd": dv.name_devices(d.odd_devices, self.table),
             "explanation": d.explanation,
         }
 
@@ -114,8 +118,7 @@ def run_canary(
     path = os.path.join(run.run_dir, GOLDEN_DEFAULT) if golden_path == "default" else golden_path
     if not reset_golden:
         read_golden(path)  # a corrupt golden file is reported before any device work
-    home = session.home_assignment()
-    host = session.numpy_batch(step, home)
+    host = session.numpy_batch(step)
     row_len = int(next(iter(host.values())).shape[1])
     if seq_len is not None and not 2 <= seq_len <= row_len:
         raise ValueError(f"canary seq_len must be in [2, {row_len}] (the row length), got {seq_len}")
@@ -127,30 +130,35 @@ def run_canary(
             from replay.run.runlog import MissingCheckpointError
 
             raise MissingCheckpointError(f"no checkpoint {checkpoint}; checkpoints: {run.checkpoints or 'none'}")
-        state = session.restore(checkpoint, home)
+        state = session.restore(checkpoint, "local")  # on one device of this process: copied to each device
         weights = f"checkpoint:{checkpoint}"
     else:
-        state = session.init_state(home, setup.canary_seed)
+        state = session.init_state("local", setup.canary_seed)
         weights = f"init:{setup.canary_seed}"
     spec = CanarySpec(step=step, rows=rows, weights=weights, batch_sha256=batch_sha256(batch), seq_len=seq_len)
     env_key = environment_key(spec, run.env)
+    mine = [d for d in chosen if session.is_local(d.id)]  # each process runs its own devices
     if progress is not None:
-        advance = progress(len(chosen) * repeats)
-    results = []
-    for d in chosen:
+        advance = progress(len(mine) * repeats)
+    # Read before any device work, written after (by process 0): every process decides from the same value.
+    golden = None if reset_golden else (read_golden(path).get(env_key) or {}).get("signature")
+    local = []
+    for d in mine:
         dev = session.jax_devices[d.id]
         sigs, fps = [], {}
         for _ in range(repeats):
             fps = setup.trainer.single_device_fingerprints(state, batch, dev, fault)
             sigs.append(fingerprints_signature(fps))
             advance(1)
-        results.append(DeviceResult(d.id, tuple(sigs), dict(fps)))
-    if reset_golden:
-        golden = None
-    else:
-        golden = (read_golden(path).get(env_key) or {}).get("signature")
+        local.append([d.id, sigs, {k: int(v) for k, v in fps.items()}])
+    by_id = {}
+    for part in (distributed.gather_json(local) if session.process_count > 1 else [local]):
+        for i, sigs, fps in part:
+            by_id[int(i)] = DeviceResult(int(i), tuple(sigs), dict(fps))
+    results = [by_id[d.id] for d in chosen]
     decision = decide_canary(results, golden)
-    if path is not None and decision.golden_status == "created" and fault is None:
+    if (path is not None and decision.golden_status == "created" and fault is None
+            and session.process_index == 0):
         try:
             update_golden(path, env_key, {"signature": decision.reference, "canary": spec.to_dict(),
                                            "created_from": f"majority of {len(results)} device(s)"}, reset_golden)
@@ -159,4 +167,4 @@ def run_canary(
                 decision, golden_status="created-not-saved",
                 explanation=f"{decision.explanation} (the golden value could not be saved to {path}: "
                             f"{e.strerror or e}; pass --golden FILE)")
-    return CanaryReport(spec, env_key, results, decision, path, repeats)
+    return CanaryReport(spec, env_key, results, decision, path, repeats, session.device_table())

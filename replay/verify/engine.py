@@ -7,17 +7,21 @@ functions; tests call them directly.
 Range replay (issue 5, points 2 to 4)::
 
     run dir --load_run--> RunLog (config, env, events, fingerprints, checkpoints, quarantine)
-    device spec --select_devices--> good devices --independent_assignments--> meshes M_1, M_2
-    for each mesh M_i (and each repeat):
-        c   = newest checkpoint <= start           restored read-only (Orbax) onto M_i
-        for step in c .. stop-1:                   steps before the range are checked too
-            batch = loader batch of step           rebuilt on M_i (batch_at, or the prefetching
+    run config's trainer: --make_setup--> RunSetup (trainer, mesh, loader: the run's factory)
+    device spec --select_devices--> good devices --independent_assignments--> placements M_1, M_2
+    c .. stop-1 --plan.segments--> checkpoint segments; --plan.rounds--> the onset's first
+    for each round:
+        for each lane of placements (threads; in each process, the placements holding its devices):
+          for each repeat, placement M_i of the lane, segment [s, e) of the round:
+            state = checkpoint s                   restored read-only (Orbax) onto M_i
+            for step in s .. e-1:                  steps before the range are checked too
+                batch = loader batch of step       rebuilt on M_i (batch_at, or the prefetching
                                                    iterate for long stretches), skip windows followed
-            state, fp = trainer.train_step(state, batch, step)
-            diff = compare_step(log[step], fp)     bit-exact / per-shard / tolerance
-            a divergence ends the checkpoint segment: the replay jumps to the next
-            checkpoint in the range (the rest of the segment is contaminated)
-    decide(outcomes) -> verdict (replay.verify.verdict)
+                state, fp = trainer.train_step(state, batch, step)
+                diff = compare_step(log[step], fp) bit-exact / per-shard / tolerance
+                a divergence ends the segment (the rest of it is contaminated)
+        gather the round's fingerprints across processes; decide(outcomes) -> verdict
+        a conviction after a targeted first round ends the replay (unless exhaustive)
 
 Honesty about "independent devices": on one host of 8 CPU devices the devices share the same
 physical CPU, so two device sets are independent only as XLA devices. What the engine
@@ -37,6 +41,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import numpy as np
 
 from replay.verify import compare as cmp
+from replay.verify import plan
 from replay.run import devices as dv
 from replay.run.protocol import FaultSpec, StepFingerprints
 from replay.run.runlog import RunDirError, RunLog, missing_steps
@@ -57,8 +62,13 @@ class EnvDriftError(RuntimeError):
 
     def __init__(self, differences: Sequence[str]):
         self.differences = list(differences)
+        hint = ""
+        if any(d.startswith("backend.collectives") for d in self.differences):
+            hint = ("\nthe collectives sum an all-reduce in their own order, so they decide the bits: replay a run that "
+                    "reduced in-process as one process without jax.distributed, and a run that reduced with gloo "
+                    "under jax.distributed (one process or several)")
         super().__init__(
-            "the environment differs from the run's env.json:\n  " + "\n  ".join(self.differences)
+            "the environment differs from the run's env.json:\n  " + "\n  ".join(self.differences) + hint
             + "\nrefusing a bit-exact claim; pass --allow-env-drift to replay anyway (the report lists the "
             "differences), or --tolerance RTOL for a weaker comparison"
         )
@@ -107,49 +117,16 @@ def checked_loader(run: RunLog, data: Any) -> Any:
 
 
 def default_setup(run: RunLog) -> RunSetup:
-    """Builds the :class:`RunSetup` of a reference-trainer run from its run config and env.json.
-
-    The trainer, model sizes (vocab size from the dataset's manifest), optimizer, loader
-    arguments and skip windows are those ``replay.reference.run`` trains with; the mesh shape,
-    axis names and device order are the run's record in env.json.
+    """The run's :class:`RunSetup`, from the trainer factory its run config names (``trainer:``; the
+    reference trainer's when it names none): ``replay.run.setup.make_setup``.
 
     Raises:
-      RunDirError: the run config is invalid, names a dataset that is missing, or no mesh was recorded.
+      replay.run.setup.TrainerFactoryError: the factory cannot be imported or returns the wrong type.
+      RunDirError: the factory cannot rebuild the run (invalid config, missing dataset, no mesh recorded).
     """
-    from loader.dataset import read_manifest
-    from replay.reference import run as ref_run
-    from replay.reference.trainer import ReferenceTrainer
+    from replay.run.setup import make_setup
 
-    where = os.path.join(run.run_dir, "run_config.yaml")
-    try:
-        cfg = ref_run.run_config_from_dict(run.config, run.run_dir)
-        manifest, _ = read_manifest(cfg.dataset)
-        model = cfg.model_config(int(manifest.tokenizer["vocab_size"]))
-    except ValueError as e:  # RunConfigError, DatasetError, ModelConfigError
-        raise RunDirError(f"{where}: cannot rebuild the run: {e}") from None
-    mesh_rec = run.mesh
-    if not (mesh_rec.get("axis_names") and mesh_rec.get("shape")):
-        raise RunDirError(f"{os.path.join(run.run_dir, 'env.json')}: no mesh recorded (axis_names, shape)")
-    env_path = os.path.join(run.run_dir, "env.json")
-    try:
-        axis_names = tuple(str(a) for a in mesh_rec["axis_names"])
-        shape = tuple(int(s) for s in mesh_rec["shape"])
-        run_ids = tuple(int(i) for i in mesh_rec.get("device_ids", ()) or ())
-    except (TypeError, ValueError) as e:
-        raise RunDirError(f"{env_path}: malformed mesh record {dict(mesh_rec)!r} ({e})") from None
-    if len(axis_names) != len(shape) or any(s < 1 for s in shape):
-        raise RunDirError(f"{env_path}: malformed mesh record: axis_names {list(axis_names)}, shape {list(shape)}")
-    if run_ids and len(run_ids) != int(np.prod(shape)):
-        raise RunDirError(f"{env_path}: mesh device_ids {list(run_ids)} do not fill the mesh shape {list(shape)}")
-    trainer = ReferenceTrainer(model, cfg.optimizer)
-
-    def make_loader(mesh):
-        return checked_loader(run, ref_run.build_loader(cfg, mesh))
-
-    return RunSetup(trainer=trainer, axis_names=axis_names, shape=shape, run_device_ids=run_ids,
-                    make_loader=make_loader, seed=cfg.seed, global_batch=cfg.global_batch, mixture=cfg.mixture,
-                    dataset=cfg.dataset, canary_step=cfg.canary.step, canary_seed=cfg.canary.seed,
-                    canary_rows=cfg.canary.rows, canary_seq_len=cfg.canary.seq_len)
+    return make_setup(run)
 
 
 # ----------------------------------------------------------------------------- session
@@ -158,61 +135,115 @@ def default_setup(run: RunLog) -> RunSetup:
 class Session:
     """A run opened for replay: caches meshes, loaders, compiled steps and restored checkpoints.
 
+    The devices are every device of the replay job (``jax.devices()``: with several processes, those
+    of every process); a process computes only on placements that hold some of its own devices
+    (:meth:`participates`). The caches are safe to use from several threads (placements on disjoint
+    devices replay concurrently: :func:`replay_range`).
+
     Args:
       run: the loaded run directory.
-      setup: how to rebuild trainer and loader (default: :func:`default_setup`).
+      setup: how to rebuild trainer and loader (default: :func:`default_setup`, the run's trainer factory).
     """
 
     def __init__(self, run: RunLog, setup: Optional[RunSetup] = None):
+        import threading
+
         import jax
 
         self.run = run
         self.setup = setup or default_setup(run)
         self.jax_devices = {d.id: d for d in jax.devices()}
+        self.process_index = jax.process_index()
+        self.process_count = jax.process_count()
         self._meshes: dict[tuple[int, ...], Any] = {}
         self._loaders: dict[Any, Any] = {}
         self._states: dict[tuple[int, tuple[int, ...]], Any] = {}
         self._batches: dict[tuple[int, tuple[int, ...]], Any] = {}
+        self._lock = threading.RLock()
+        self._restore_lock = threading.Lock()  # one Orbax restore at a time
         self.restore_seconds = 0.0
 
     def device_infos(self) -> list[dv.DeviceInfo]:
-        return [dv.DeviceInfo(d.id, d.process_index, d.device_kind) for d in self.jax_devices.values()]
+        """The replay job's devices as an operator finds them (host, process, local index, global id)."""
+        from replay.run import distributed
+
+        hosts = distributed.process_hosts()
+        by_proc: dict[int, list[int]] = {}
+        for i in sorted(self.jax_devices):
+            by_proc.setdefault(self.jax_devices[i].process_index, []).append(i)
+        out = []
+        for i, d in self.jax_devices.items():
+            p = int(d.process_index)
+            out.append(dv.DeviceInfo(i, p, d.device_kind, hosts[p] if p < len(hosts) else "", by_proc[p].index(i)))
+        return out
+
+    def device_table(self) -> dict[int, dv.DeviceInfo]:
+        """``device_infos`` by id: names the replay job's devices (canary, placements)."""
+        return {d.id: d for d in self.device_infos()}
+
+    def run_device_table(self) -> dict[int, dv.DeviceInfo]:
+        """The run's devices as its env.json recorded them: names a convicted device of the original run."""
+        return dv.device_table(self.run.env)
+
+    def is_local(self, device: int) -> bool:
+        """Whether ``device`` is one of this process's devices."""
+        return self.jax_devices[int(device)].process_index == self.process_index
+
+    def participates(self, assignment: Sequence[int]) -> bool:
+        """Whether this process holds a device of ``assignment`` (and so runs the placement's programs)."""
+        return any(self.is_local(d) for d in assignment)
 
     def mesh(self, assignment: Sequence[int]):
         """The run's mesh shape with ``assignment`` (device ids, row-major) placed on it."""
         from jax.sharding import Mesh
 
         key = tuple(assignment)
-        if key not in self._meshes:
-            devs = np.asarray([self.jax_devices[i] for i in key], dtype=object).reshape(self.setup.shape)
-            self._meshes[key] = Mesh(devs, self.setup.axis_names)
-        return self._meshes[key]
+        with self._lock:
+            if key not in self._meshes:
+                devs = np.asarray([self.jax_devices[i] for i in key], dtype=object).reshape(self.setup.shape)
+                self._meshes[key] = Mesh(devs, self.setup.axis_names)
+            return self._meshes[key]
+
+    def local_mesh(self):
+        """A mesh of the run's axes on one device of this process (``(1, 1, ...)``): for host-side work
+        every process can do alone (lookups, canary weights)."""
+        import jax
+        from jax.sharding import Mesh
+
+        with self._lock:
+            if "local" not in self._meshes:
+                first = jax.local_devices()[0]
+                self._meshes["local"] = Mesh(np.asarray([first], dtype=object).reshape(
+                    (1,) * len(self.setup.axis_names)), self.setup.axis_names)
+            return self._meshes["local"]
 
     def loader(self, assignment: Sequence[int]):
         key = tuple(assignment)
-        if key not in self._loaders:
-            self._loaders[key] = self.setup.make_loader(self.mesh(key))
-        return self._loaders[key]
+        with self._lock:
+            if key not in self._loaders:
+                self._loaders[key] = self.setup.make_loader(self.mesh(key))
+            return self._loaders[key]
 
     def lookup_loader(self):
-        """A loader for lookups only (``rows_at``, ``read_rows``: ``replay inspect``), on a mesh of the
-        run's axes with one device, so it works on any machine whatever its device count."""
-        from jax.sharding import Mesh
-
-        if "lookup" not in self._loaders:
-            first = self.jax_devices[min(self.jax_devices)]
-            mesh = Mesh(np.asarray([first], dtype=object).reshape((1,) * len(self.setup.axis_names)),
-                        self.setup.axis_names)
-            self._loaders["lookup"] = self.setup.make_loader(mesh)
-        return self._loaders["lookup"]
+        """A loader for lookups only (``rows_at``, ``read_rows``, whole host batches: ``replay inspect``,
+        the canary), on a one-device mesh of this process (:meth:`local_mesh`), so it works on any
+        machine whatever its device count, in any process of a replay job."""
+        with self._lock:
+            if "lookup" not in self._loaders:
+                self._loaders["lookup"] = self.setup.make_loader(self.local_mesh())
+            return self._loaders["lookup"]
 
     def batch(self, step: int, assignment: Sequence[int]):
         key = (step, tuple(assignment))
-        if key not in self._batches:
-            if len(self._batches) > 256:
-                self._batches.clear()
-            self._batches[key] = self.loader(assignment).batch_at(step)
-        return self._batches[key]
+        with self._lock:
+            hit = self._batches.get(key)
+        if hit is None:
+            hit = self.loader(assignment).batch_at(step)
+            with self._lock:
+                if len(self._batches) > 256:
+                    self._batches.clear()
+                self._batches[key] = hit
+        return hit
 
     def run_coords(self) -> dict[int, Any]:
         """``device id -> mesh position`` of the run, from env.json (for logs without ``device_coords``)."""
@@ -220,43 +251,64 @@ class Session:
         return {int(d): cmp.position_key(c) for d, c in raw.items()}
 
     def home_assignment(self) -> tuple[int, ...]:
-        """The run's own device order when this process has those devices, else the first devices."""
+        """The run's own device order when this job has those devices, else the first devices."""
         ids = tuple(self.setup.run_device_ids)
         if ids and all(i in self.jax_devices for i in ids):
             return ids
         avail = sorted(self.jax_devices)
         if len(avail) < self.setup.mesh_size:
             raise dv.DeviceSpecError(
-                f"this process has {len(avail)} device(s), the run's mesh needs {self.setup.mesh_size}")
+                f"this replay has {len(avail)} device(s), the run's mesh needs {self.setup.mesh_size}")
         return tuple(avail[: self.setup.mesh_size])
 
-    def numpy_batch(self, step: int, assignment: Sequence[int]) -> dict[str, np.ndarray]:
-        """The global batch of ``step`` as host NumPy arrays (int32 ``[B, L]``)."""
-        import jax
+    def numpy_batch(self, step: int, assignment: Sequence[int] = ()) -> dict[str, np.ndarray]:
+        """The global batch of ``step`` as host NumPy arrays (int32 ``[B, L]``), read whole by this
+        process (:meth:`lookup_loader`; a batch is a pure function of the step, whatever the mesh)."""
+        return {k: np.asarray(v, np.int32) for k, v in self.lookup_loader().host_batch(step).items()}
 
-        return {k: np.array(jax.device_get(v)) for k, v in self.batch(step, assignment).items()}
+    def canary_batch(self, step: Optional[int] = None, rows: Optional[int] = None,
+                     seq_len: Optional[int] = None) -> dict[str, np.ndarray]:
+        """The canary batch: the first ``rows`` rows of step ``step``'s batch, each cut to its first
+        ``seq_len`` slots (defaults: the set-up's ``canary_*``; the whole batch and whole rows)."""
+        s = self.setup
+        step = s.canary_step if step is None else step
+        rows = min(s.canary_rows or s.global_batch, s.global_batch) if rows is None else rows
+        seq_len = s.canary_seq_len if seq_len is None else seq_len
+        return {k: v[:rows, :seq_len] for k, v in self.numpy_batch(step).items()}
 
-    def init_state(self, assignment: Sequence[int], seed: int):
-        """The trainer's initialization from ``seed`` on ``assignment``'s mesh (cached)."""
-        key = (-1 - seed, tuple(assignment))
-        if key not in self._states:
-            self._states[key] = self.setup.trainer.init_state(self.mesh(assignment), seed)
-        return self._states[key]
+    def init_state(self, assignment: Any, seed: int):
+        """The trainer's initialization from ``seed`` on ``assignment``'s mesh, or on :meth:`local_mesh`
+        when ``assignment`` is ``"local"`` (cached)."""
+        key = (-1 - seed, assignment if assignment == "local" else tuple(assignment))
+        with self._lock:
+            hit = self._states.get(key)
+        if hit is None:
+            mesh = self.local_mesh() if assignment == "local" else self.mesh(assignment)
+            hit = self.setup.trainer.init_state(mesh, seed)
+            with self._lock:
+                self._states[key] = hit
+        return hit
 
-    def restore(self, checkpoint: int, assignment: Sequence[int]):
-        """The train state of ``checkpoint`` on ``assignment``'s mesh (restored once, then cached).
+    def restore(self, checkpoint: int, assignment: Any):
+        """The train state of ``checkpoint`` on ``assignment``'s mesh (``"local"``: :meth:`local_mesh`),
+        restored once, then cached.
 
         The reference trainer's step does not donate its input, so a cached state stays valid.
         """
-        key = (checkpoint, tuple(assignment))
-        if key not in self._states:
+        key = (checkpoint, assignment if assignment == "local" else tuple(assignment))
+        with self._lock:
+            hit = self._states.get(key)
+        if hit is not None:
+            return hit
+        mesh = self.local_mesh() if assignment == "local" else self.mesh(assignment)
+        with self._restore_lock:
             t0 = time.perf_counter()
             try:
-                state, _ = self.setup.trainer.restore(self.run.run_dir, checkpoint, self.mesh(assignment))
+                state, _ = self.setup.trainer.restore(self.run.run_dir, checkpoint, mesh)
             except FileNotFoundError as e:
                 raise RunDirError(str(e)) from None
             except Exception as e:  # noqa: BLE001 - Orbax/TensorStore report a damaged checkpoint many ways
-                from replay.reference.checkpoint import quiet_aborted_reads
+                from replay.run.quiet import quiet_aborted_reads
 
                 quiet_aborted_reads()
                 first = (str(e).strip().splitlines() or [""])[0][:400]
@@ -267,10 +319,20 @@ class Session:
                     + (f"; replay from an older checkpoint ({older}) with --steps C:B" if older else "")
                 ) from None
             self.restore_seconds += time.perf_counter() - t0
+        with self._lock:
             if len(self._states) > 16:
                 self._states.clear()
             self._states[key] = state
-        return self._states[key]
+        return state
+
+    def run_dir_writer(self, path: str, assignment: Sequence[int]):
+        """A ``replay.run.writer.RunDir`` for ``path`` as this process writes it, with ``assignment``'s
+        devices split among the processes (drills write runs through it)."""
+        from replay.run.writer import RunDir
+
+        local = [d for d in assignment if self.is_local(d)]
+        return RunDir(path, process_index=self.process_index, process_count=self.process_count,
+                      local_devices=local if self.process_count > 1 else None)
 
     def run_steps(
         self,
@@ -294,46 +356,56 @@ class Session:
           ``(replayed fingerprints, diffs against log, {step: state after that step})`` where the
           last holds only ``keep_state_at`` when given.
         """
+        fps, diffs, kept = [], [], {}
+        bounds = [checkpoint, *sorted(c for c in checkpoints if checkpoint < c < stop), stop]
+        for a, b in zip(bounds, bounds[1:]):
+            f, d, k = self.replay_segment(assignment, a, b, log=log, tolerance=tolerance, fault=fault,
+                                          advance=advance, keep_state_at=keep_state_at)
+            fps += f
+            diffs += d
+            kept.update(k)
+            advance(b - a - len(f))
+        return fps, diffs, kept
+
+    def replay_segment(self, assignment: Sequence[int], checkpoint: int, stop: int, *,
+                       log: Optional[Mapping[int, StepFingerprints]] = None, tolerance: Optional[float] = None,
+                       fault: Any = None, advance: Callable[[int], None] = lambda n=1: None,
+                       keep_state_at: Optional[int] = None,
+                       ) -> tuple[list[StepFingerprints], list[cmp.StepDiff], dict[int, Any]]:
+        """Replays the checkpoint segment ``checkpoint .. stop-1`` on ``assignment``: restores checkpoint
+        ``checkpoint`` and steps until ``stop``, or until the first step that differs from ``log`` (the
+        rest of the segment is contaminated by the wrong state)."""
         trainer = self.setup.trainer
         state = self.restore(checkpoint, assignment)
         fps, diffs, kept = [], [], {}
-        later = sorted(c for c in checkpoints if checkpoint < c < stop)
-        step = checkpoint
-        while step < stop:
-            batches = self._batches_from(step, stop, assignment)
-            try:
-                for step, batch in batches:
-                    state, fp = trainer.train_step(state, batch, step, fault)
-                    fps.append(fp)
-                    advance(1)
-                    if keep_state_at is not None and step == keep_state_at:
-                        kept[step] = state
-                    if log is None:
-                        continue
-                    logged = log[step]
-                    pairing = cmp.pair_devices(cmp.coords_of(logged) or self.run_coords(), cmp.coords_of(fp))
-                    diff = cmp.compare_step(logged, fp, pairing, tolerance)
-                    diffs.append(diff)
-                    if not diff.ok:
-                        break
-                else:
-                    step = stop
+        batches = self.batches(checkpoint, stop, assignment)
+        try:
+            for step, batch in batches:
+                state, fp = trainer.train_step(state, batch, step, fault)
+                fps.append(fp)
+                advance(1)
+                if keep_state_at is not None and step == keep_state_at:
+                    kept[step] = state
+                if log is None:
                     continue
-            finally:
-                batches.close()
-            nxt = [c for c in later if c > step]
-            if not nxt:
-                break
-            advance(nxt[0] - step - 1)
-            step = nxt[0]
-            state = self.restore(step, assignment)
+                diff = self.compare(log[step], fp, tolerance)
+                diffs.append(diff)
+                if not diff.ok:
+                    break
+        finally:
+            batches.close()
         return fps, diffs, kept
 
-    def _batches_from(self, start: int, stop: int, assignment: Sequence[int]) -> Iterator[tuple[int, Any]]:
+    def compare(self, logged: StepFingerprints, fp: StepFingerprints, tolerance: Optional[float]) -> cmp.StepDiff:
+        """The logged step against its replay, devices paired by mesh position (pure)."""
+        pairing = cmp.pair_devices(cmp.coords_of(logged) or self.run_coords(), cmp.coords_of(fp))
+        return cmp.compare_step(logged, fp, pairing, tolerance)
+
+    def batches(self, start: int, stop: int, assignment: Sequence[int]) -> Iterator[tuple[int, Any]]:
         """``(step, batch)`` for ``start .. stop-1``: through the loader's prefetching ``iterate`` for
         long stretches (data overlaps compute, as in training), one cached ``batch_at`` each otherwise."""
         if stop - start >= PREFETCH_MIN_STEPS:
-            it = self.loader(assignment).iterate(start)
+            it = self.loader(assignment).iterate(start)  # one placement's loader: one thread uses it
             try:
                 for step, batch in it:
                     if step >= stop:
@@ -344,6 +416,8 @@ class Session:
         else:
             for step in range(start, stop):
                 yield step, self.batch(step, assignment)
+
+    _batches_from = batches  # the former name
 
 
 # ----------------------------------------------------------------------------- environment
@@ -368,7 +442,7 @@ def environment_differences(run: RunLog, mesh: Any) -> list[str]:
 
 @dataclasses.dataclass
 class ReplayRun:
-    """One replay of a range on one device assignment."""
+    """One replay of a range on one device assignment (its replayed segments, in step order)."""
 
     index: int
     repeat: int
@@ -400,6 +474,7 @@ class ReplayRun:
                 "step": div.step, "kind": div.kind.value, "devices": list(div.devices), "leaves": list(div.leaves)},
             "signature": self.outcome().signature,
             "steps": [d.to_dict() for d in self.diffs],
+            "steps_replayed": len(self.fingerprints),
             "seconds": round(self.seconds, 4),
         }
 
@@ -431,6 +506,14 @@ class RangeReport:
     restore_seconds: float
     replay_seconds: float
     scan_suspects: list[int] = dataclasses.field(default_factory=list)
+    segments: list[plan.Segment] = dataclasses.field(default_factory=list)
+    replayed_in_round: dict[int, int] = dataclasses.field(default_factory=dict)  # segment index -> round
+    onset: Optional[plan.Onset] = None
+    exhaustive: bool = False
+    concurrent: bool = True
+    placements: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    convicted: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    wall_seconds: float = 0.0
 
     @property
     def verdict(self) -> Verdict:
@@ -440,6 +523,23 @@ class RangeReport:
     def exit_code(self) -> int:
         return int(self.decision.verdict.exit_code)
 
+    @property
+    def unreplayed(self) -> list[plan.Segment]:
+        """Segments the replay left out (it stopped at a conviction in an earlier round)."""
+        return [s for i, s in enumerate(self.segments) if i not in self.replayed_in_round]
+
+    def steps_per_placement(self) -> dict[int, int]:
+        """Steps replayed on each placement (summed over repeats), by placement index."""
+        out: dict[int, int] = {}
+        for r in self.replays:
+            out[self.replay_placement(r)] = out.get(self.replay_placement(r), 0) + len(r.fingerprints)
+        return out
+
+    def replay_placement(self, r: ReplayRun) -> int:
+        for p in self.placements:
+            if tuple(p["devices"]) == r.assignment:
+                return int(p["index"])
+        return r.index
     def _site_leaves(self) -> tuple[str, ...]:
         """The localized leaves of the first divergence (a local-gradient site's layer comes from them)."""
         for r in self.replays:
@@ -450,6 +550,7 @@ class RangeReport:
 
     def to_dict(self) -> dict[str, Any]:
         d = self.decision
+        unreplayed = self.unreplayed
         return {
             "kind": "range",
             "run": self.run_dir,
@@ -467,6 +568,7 @@ class RangeReport:
                             "allow_env_drift": self.allow_env_drift},
             "tolerance": self.tolerance,
             "evidence": d.evidence.value,
+            "placements": self.placements,
             "replays": [r.to_dict() for r in self.replays],
             "replay_disagreement": self.disagreement,
             "verdict": d.verdict.value,
@@ -475,6 +577,7 @@ class RangeReport:
             "explanation": d.explanation,
             "first_divergent_step": d.step,
             "convicted_devices": list(d.devices),
+            "convicted": self.convicted,
             "first_divergent_site": describe_site(d.site, self._site_leaves()),
             "reached_devices": list(d.reached),
             "leaves": list(d.leaves),
@@ -483,8 +586,17 @@ class RangeReport:
             "relogged_conflicts": self.relogged_conflicts,
             "skip_windows": [list(w) for w in self.skip_windows],
             "phase_changes": self.phase_changes,
+            "segments": [{"start": s.start, "stop": s.stop, "round": self.replayed_in_round.get(i),
+                          "replayed": i in self.replayed_in_round} for i, s in enumerate(self.segments)],
+            "targeted": None if self.onset is None else self.onset.to_dict(),
+            "exhaustive": self.exhaustive,
+            "stopped_early": bool(unreplayed),
+            "unreplayed_segments": [[s.start, s.stop] for s in unreplayed],
+            "concurrent": self.concurrent,
             "timing": {"restore_s": round(self.restore_seconds, 4), "replay_s": round(self.replay_seconds, 4),
-                       "steps_replayed": sum(len(r.fingerprints) for r in self.replays)},
+                       "wall_s": round(self.wall_seconds, 4),
+                       "steps_replayed": sum(len(r.fingerprints) for r in self.replays),
+                       "steps_replayed_per_placement": {str(k): v for k, v in self.steps_per_placement().items()}},
         }
 
 
@@ -505,6 +617,34 @@ def count_differing(a: Any, b: Any) -> dict[str, int]:
     return out
 
 
+def scan_onset(run: RunLog, start: int, stop: int) -> Optional[plan.Onset]:
+    """The onset ``replay scan`` left in the run's suspects.json (its ``onset``: the top device suspect's
+    first step and the range it could lie in), when it falls in ``[start, stop)``; else None."""
+    import json
+
+    path = os.path.join(run.run_dir, "suspects.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            rec = (json.load(f) or {}).get("onset")
+        if not rec:
+            return None
+        lo, hi = (int(x) for x in rec.get("range") or (rec["step"], rec["step"]))
+        onset = plan.Onset(int(rec["step"]), lo, hi, f"suspects.json: {rec.get('check', 'scan')} of "
+                           f"device(s) {rec.get('devices', [])}", tuple(int(d) for d in rec.get("devices", [])))
+    except (ValueError, KeyError, TypeError, OSError):
+        return None  # read_suspects reports a malformed suspects.json; a missing onset only means no targeting
+    return onset if onset.hi >= start and onset.lo < stop else None
+
+
+def _placement_record(session: Session, index: int, assignment: Sequence[int]) -> dict[str, Any]:
+    table = session.device_table()
+    infos = [table.get(d) or dv.DeviceInfo(d) for d in assignment]
+    return {"index": index, "devices": list(assignment), "processes": sorted({i.process_index for i in infos}),
+            "hosts": sorted({i.host for i in infos if i.host})}
+
+
 def replay_range(
     session: Session,
     start: int,
@@ -518,8 +658,17 @@ def replay_range(
     progress: Optional[Callable[[int], Callable[[int], None]]] = None,
     replays: int = 2,
     full_comparison: bool = True,
+    onset: Any = "auto",
+    exhaustive: bool = False,
+    concurrent: bool = True,
 ) -> RangeReport:
     """Replays steps ``[start, stop)`` of the run on the devices of ``device_spec`` and judges them.
+
+    The range is cut into checkpoint segments (``replay.verify.plan``), each replayed from its own
+    checkpoint on every placement (and repeat); placements on disjoint devices run at the same time
+    (threads in one process; in a multi-process replay each process runs the placements that hold its
+    devices, and the results are gathered after each round). With an onset (``onset``), the segments
+    around it replay first and a conviction there ends the replay (``exhaustive``: replay everything).
 
     Args:
       session: the opened run.
@@ -530,10 +679,14 @@ def replay_range(
       tolerance: relative tolerance: compare loss and norm only (weaker evidence).
       allow_env_drift: replay bit-exactly even when the environment differs (listed).
       log: the fingerprints to judge (default: the run's fingerprints.jsonl; drills pass theirs).
-      progress: ``total -> advance`` factory for a progress bar.
+      progress: ``total -> advance`` factory for a progress bar (total: this process's steps).
       replays: independent device assignments, >= 1 (a conviction needs 2).
       full_comparison: when a checkpoint follows the first divergent step, restore it and count
         the parameters that differ from the replay's (``differing_elements``).
+      onset: a ``replay.verify.plan.Onset`` to start from; ``"auto"``: ``replay scan``'s onset from the
+        run's suspects.json (:func:`scan_onset`), if any; None: no targeting.
+      exhaustive: replay every segment even after a conviction.
+      concurrent: run independent placements at the same time (False: one after the other).
 
     Raises:
       replay.run.runlog.StepRangeError, MissingCheckpointError: the range is not logged / has no
@@ -563,41 +716,73 @@ def replay_range(
         raise RunDirError(f"steps {missing[:10]} between checkpoint {ckpt} and {start} have no logged fingerprints")
     chosen = dv.select_devices(device_spec, session.device_infos(), run.held_suspect, minimum=setup.mesh_size)
     ids = [d.id for d in chosen]
-    assignments = dv.independent_assignments(ids, setup.mesh_size, replays)
-    diffs_env = environment_differences(run, session.mesh(assignments[0]))
+    assignments = [tuple(a) for a in dv.independent_assignments(ids, setup.mesh_size, replays)]
+    home = assignments[0] if session.participates(assignments[0]) else session.home_assignment()
+    diffs_env = environment_differences(run, session.mesh(home))
     if diffs_env and not allow_env_drift and tolerance is None:
         raise EnvDriftError(diffs_env)
-    total = (stop - ckpt) * len(assignments) * repeats
-    advance = progress(total) if progress is not None else (lambda n=1: None)
-    runs: list[ReplayRun] = []
+    if onset == "auto":
+        onset = scan_onset(run, ckpt, stop)
+    suspected = sorted(set(getattr(run, "held_suspect", ())) & set(setup.run_device_ids))
+    segs = plan.segments(ckpt, stop, run.checkpoints)
+    order = plan.rounds(segs, onset, exhaustive)
+    process_of = {i: d.process_index for i, d in session.jax_devices.items()}
+    lanes = plan.lanes(assignments, process_of)
+    mine = [[i for i in lane if session.participates(assignments[i])] for lane in lanes]
+    mine = [lane for lane in mine if lane]
+    # This process's tasks: (repeat, placement, segment), a lane's in a fixed order (the same in every
+    # process that shares it), lanes on threads.
+    local_steps = sum(segs[k].steps for rnd in order for k in rnd) * repeats * sum(len(x) for x in mine)
+    advance = _locked(progress(local_steps) if progress is not None else (lambda n=1: None))
+    results: dict[tuple[int, int, int], tuple[list[StepFingerprints], list[cmp.StepDiff], float]] = {}
+    replayed: dict[int, int] = {}
     t0 = time.perf_counter()
     restore0 = session.restore_seconds
-    for r in range(repeats):
-        for a in assignments:
-            t1 = time.perf_counter()
-            fps, diffs, _ = session.run_steps(a, ckpt, stop, log=log, tolerance=tolerance,
-                                              checkpoints=run.checkpoints, advance=advance)
-            runs.append(ReplayRun(len(runs), r, tuple(a), fps, diffs, time.perf_counter() - t1))
-    decision = decide([x.outcome() for x in runs], setup.mesh_size,
-                      suspected=sorted(set(getattr(run, "held_suspect", ())) & set(setup.run_device_ids)))
+    decision = None
+    runs: list[ReplayRun] = []
+    for rnd, seg_ids in enumerate(order):
+        def lane_work(lane, seg_ids=seg_ids):
+            out = {}
+            for r in range(repeats):
+                for i in lane:
+                    for k in seg_ids:
+                        t1 = time.perf_counter()
+                        fps, diffs, _ = session.replay_segment(assignments[i], segs[k].start, segs[k].stop, log=log,
+                                                               tolerance=tolerance, advance=advance)
+                        advance(segs[k].steps - len(fps))
+                        out[(r, i, k)] = (fps, diffs, time.perf_counter() - t1)
+            return out
+
+        if concurrent and len(mine) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=len(mine), thread_name_prefix="replay-lane") as pool:
+                for part in [pool.submit(lane_work, lane) for lane in mine]:
+                    results.update(part.result())
+        else:
+            for lane in mine:
+                results.update(lane_work(lane))
+        if session.process_count > 1:
+            results.update(_gather_round(session, assignments, results, log, tolerance, set(seg_ids)))
+        for k in seg_ids:
+            replayed[k] = rnd
+        runs = _assemble(results, assignments, repeats, segs)
+        decision = decide([x.outcome() for x in runs], setup.mesh_size, suspected=suspected)
+        if decision.verdict is Verdict.CONVICTED and not exhaustive:
+            break
+    wall = time.perf_counter() - t0
     disagreement = None
     for other in runs[1:]:
         disagreement = cmp.disagreement(runs[0].fingerprints, other.fingerprints, runs[0].coords(), other.coords())
         if disagreement:
-            disagreement.update(replay_a=runs[0].index, replay_b=other.index)
+            disagreement.update(replay_a=runs[0].index, replay_b=other.index,
+                                suspects_named=dv.name_devices(disagreement["suspects"], session.device_table()))
             break
     differing = None
     if full_comparison and decision.step is not None and (decision.step + 1) in run.checkpoints:
-        s = decision.step
-        seg = max(c for c in run.checkpoints if c <= s)
-        try:
-            logged_state = session.restore(s + 1, assignments[0])
-        except RunDirError:  # a damaged checkpoint after the step: no full comparison (null), still a verdict
-            logged_state = None
-        if logged_state is not None:
-            _, _, kept = session.run_steps(assignments[0], seg, s + 1, keep_state_at=s)
-            differing = count_differing(kept[s], logged_state)
+        differing = _full_comparison(session, assignments[0], decision.step)
     replay_s = time.perf_counter() - t0 - (session.restore_seconds - restore0)
+    coords = {int(k): dict(v) for k, v in (run.mesh.get("device_coords") or {}).items()}
     return RangeReport(
         run_dir=run.run_dir, start=start, stop=stop, checkpoint=ckpt,
         checkpoints=[c for c in run.checkpoints if ckpt <= c < stop],
@@ -609,4 +794,81 @@ def replay_range(
         relogged_conflicts=list(run.relogged_conflicts), skip_windows=skip_windows(run),
         phase_changes=phase_changes(run), restore_seconds=session.restore_seconds - restore0,
         replay_seconds=replay_s, scan_suspects=sorted(getattr(run, "suspects", ())),
+        segments=segs, replayed_in_round=replayed, onset=onset, exhaustive=exhaustive, concurrent=concurrent,
+        placements=[_placement_record(session, i, a) for i, a in enumerate(assignments)],
+        convicted=dv.name_devices(decision.devices, session.run_device_table(), coords), wall_seconds=wall,
     )
+
+
+def _locked(advance: Callable[[int], None]) -> Callable[[int], None]:
+    """``advance`` callable from several threads (one lock around it)."""
+    import threading
+
+    lock = threading.Lock()
+
+    def call(n: int = 1) -> None:
+        if n:
+            with lock:
+                advance(n)
+
+    return call
+
+
+def _assemble(results, assignments, repeats, segs) -> list[ReplayRun]:
+    """One :class:`ReplayRun` per (repeat, placement), its replayed segments in step order."""
+    runs = []
+    for r in range(repeats):
+        for i, a in enumerate(assignments):
+            fps, diffs, seconds = [], [], 0.0
+            for k in range(len(segs)):
+                hit = results.get((r, i, k))
+                if hit is not None:
+                    fps += hit[0]
+                    diffs += hit[1]
+                    seconds += hit[2]
+            runs.append(ReplayRun(len(runs), r, tuple(a), fps, diffs, seconds))
+    return runs
+
+
+def _gather_round(session: Session, assignments, results, log, tolerance, seg_ids) -> dict:
+    """Every process's results of this round's segments (a collective: every process calls it after the
+    round). Each task is reported by the lowest process of its placement; the diffs are recomputed from
+    the fingerprints (pure), so that only fingerprints cross processes."""
+    from replay.run import distributed
+
+    process_of = {i: d.process_index for i, d in session.jax_devices.items()}
+    mine = []
+    for (r, i, k), (fps, _, seconds) in results.items():
+        if k in seg_ids and min(process_of[d] for d in assignments[i]) == session.process_index:
+            mine.append([r, i, k, [fp.to_dict() for fp in fps], seconds])
+    out = {}
+    for part in distributed.gather_json(mine):
+        for r, i, k, fps_raw, seconds in part:
+            fps = [StepFingerprints.from_dict(x) for x in fps_raw]
+            out[(r, i, k)] = (fps, [session.compare(log[fp.step], fp, tolerance) for fp in fps], seconds)
+    return out
+
+
+def _full_comparison(session: Session, assignment: Sequence[int], step: int) -> Optional[dict[str, int]]:
+    """Per leaf, the elements of the run's checkpoint ``step + 1`` that differ from the replay's state after
+    ``step`` (the run's own faulty state against a healthy one), or None when that checkpoint cannot be
+    restored. Computed by the processes of ``assignment`` when it is local to one process; shared with the
+    others."""
+    from replay.run import distributed
+
+    run = session.run
+    out = None
+    local = all(session.is_local(d) for d in assignment)
+    if local:
+        seg = max(c for c in run.checkpoints if c <= step)
+        try:
+            logged_state = session.restore(step + 1, assignment)
+        except RunDirError:  # a damaged checkpoint after the step: no full comparison (null), still a verdict
+            logged_state = None
+        if logged_state is not None:
+            _, _, kept = session.run_steps(assignment, seg, step + 1, keep_state_at=step)
+            out = count_differing(kept[step], logged_state)
+    if session.process_count > 1:
+        parts = [p for p in distributed.gather_json(out) if p is not None]
+        out = parts[0] if parts else None
+    return out
