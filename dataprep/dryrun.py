@@ -249,7 +249,7 @@ def run_dry(config: MixtureConfig, pre, output: str, options, folder: str, venv:
     import apache_beam as beam
     from apache_beam.options.pipeline_options import GoogleCloudOptions, SetupOptions, StandardOptions
 
-    from dataprep import pack, pipeline, sizing
+    from dataprep import pipeline, preflight, sizing
 
     require_gcp()
     from apache_beam.runners.dataflow.internal import apiclient
@@ -261,7 +261,7 @@ def run_dry(config: MixtureConfig, pre, output: str, options, folder: str, venv:
     lines = [f"options: DataflowRunner, project {gco.project}, region {gco.region}, temp_location "
              f"{gco.temp_location}, setup_file {options.view_as(SetupOptions).setup_file}: parsed and "
              "validated by Beam"]
-    shards = {n: pack.num_shards(config, pre, n) for n in config.source_names}
+    shards = {n: preflight.num_shards(config, pre, n) for n in config.source_names}
     lines.append(f"config: {config.path}: {len(config.sources)} sources, {sum(map(len, pre.files.values())):,} files, "
                  f"{pre.input_bytes / 1e6:,.1f} MB listed, tokenizer sha256 {pre.tokenizer_sha256[:16]}... checked; "
                  "shards " + ", ".join(f"{n} {k}" for n, k in shards.items()))

@@ -506,7 +506,7 @@ def build_manifest(config: MixtureConfig, pre: preflight.Preflight, stats: list[
     sources = {}
     for n in names:
         infos = sorted(shards[n], key=lambda d: d["bucket"])
-        expected = num_shards(config, pre, n)
+        expected = preflight.num_shards(config, pre, n)
         if [d["bucket"] for d in infos] != list(range(expected)):
             raise LedgerError(
                 f"source {n!r}: shards written {[d['bucket'] for d in infos]}, expected 0..{expected - 1} once each"
@@ -574,12 +574,6 @@ def duplicates_report(config: MixtureConfig, stats: list[list]) -> Optional[dict
         "by_source": by_source,
         "examples": sorted(examples, key=lambda e: e["hash"])[: pipeline.DUPLICATE_EXAMPLES],
     }
-
-
-def num_shards(config: MixtureConfig, pre: preflight.Preflight, source: str) -> int:
-    """The shard count of ``source``: its plan's, else ``shards_per_source`` (or 1)."""
-    plan = pre.shards.get(source)
-    return plan.num_shards if plan is not None else (config.shards_per_source or 1)
 
 
 def rejected_examples(stats: list[list]) -> dict[tuple[str, str], tuple[str, str]]:
@@ -766,7 +760,7 @@ def _clear_dead_letters(output: str, config: MixtureConfig, pre: preflight.Prefl
         for path in fsutil.match(fsutil.join(output, ERRORS_DIR, f"{source}-?????-of-?????.jsonl")):
             fsutil.delete(path)
         # Shards of an earlier run with another shard count are not rewritten either.
-        n = num_shards(config, pre, source)
+        n = preflight.num_shards(config, pre, source)
         current = {shard_name(i, n) for i in range(n)}
         for path in fsutil.match(fsutil.join(output, source, "data-?????-of-?????.array_record")):
             if FileSystems.split(path)[1] not in current:
@@ -904,7 +898,7 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, 
     for warning in disk_space_warnings(pre, output, base, token_dtype_for_vocab(vocab).itemsize):
         _say(False, "warning: " + warning)
     timings = {"checks": time.time() - t0}
-    shards = {n: num_shards(config, pre, n) for n in config.source_names}
+    shards = {n: preflight.num_shards(config, pre, n) for n in config.source_names}
     _say(
         quiet,
         f"pack: checks done in {progress.duration(timings['checks'])} ({sum(map(len, pre.files.values())):,} files, "

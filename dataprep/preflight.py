@@ -198,3 +198,9 @@ def preflight(config: MixtureConfig, max_shard_tokens: int = sizing.DEFAULT_MAX_
         check_parquet_columns(config, files)
         shards = sizing.plan_shards(config, sizes, max_shard_tokens)
     return Preflight(files=files, tokenizer_sha256=sha, tokenizer_info=info, sizes=sizes, shards=shards)
+
+
+def num_shards(config: MixtureConfig, pre: Preflight, source: str) -> int:
+    """The shard count of ``source``: its plan's, else ``shards_per_source`` (or 1)."""
+    plan = pre.shards.get(source)
+    return plan.num_shards if plan is not None else (config.shards_per_source or 1)

@@ -493,7 +493,7 @@ def scan_figure(scan: Any):
     import numpy as np
     from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 
-    from replay.reference.plot import say_if_all_zero
+    from replay.run.train_plot import say_if_all_zero
 
     rep, rout, loss, load = (scan.series.get(k) or {} for k in ("replicas", "router", "loss", "loader"))
     limits = getattr(scan, "limits", None) or {}

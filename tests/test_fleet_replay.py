@@ -337,7 +337,7 @@ def test_lower_rooms_never_import_higher_ones_nor_a_trainer(room, allowed):
 
 def test_the_command_and_the_drills_reach_the_trainer_through_the_run_s_factory():
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "replay")
-    for name in ("cli.py", "drill.py"):
+    for name in ("cli.py", "drill.py", "report.py"):
         mods = _replay_imports(os.path.join(root, name))
         assert not [m for m in mods if m.startswith("replay.reference")], name
 

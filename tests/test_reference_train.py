@@ -395,7 +395,7 @@ def test_progress_lines_and_train_png_cover_a_resumed_run(tiny, tmp_path, monkey
 
     import matplotlib.image
 
-    from replay.reference.plot import training_series
+    from replay.run.train_plot import training_series
 
     folder, path, cfg, trainer, mesh, run_a, _ = tiny
     monkeypatch.setenv("REPLAY_PROGRESS_EVERY", "0")

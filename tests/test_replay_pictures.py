@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from replay import report  # noqa: E402
-from replay.reference.plot import say_if_all_zero  # noqa: E402
+from replay.run.train_plot import say_if_all_zero  # noqa: E402
 
 
 def _texts(ax):
@@ -34,7 +34,7 @@ def test_a_panel_whose_values_are_all_zero_says_so():
 
 
 def test_train_png_says_all_zero_on_the_dropped_panel(tmp_path, monkeypatch):
-    from replay.reference import plot
+    from replay.run import train_plot as plot
     from replay.run import protocol as proto
 
     for s in range(4):

@@ -489,7 +489,7 @@ def train(
       progress: the stream of the step progress (``replay.run.progress``: a Rich bar on a terminal, a
         line every ``$REPLAY_PROGRESS_EVERY`` s otherwise, with step, steps/s, tokens/s, step time,
         loss and ETA; and a closing ``train: steps A:B done in ...`` line); default stderr.
-      plot: write ``<run_dir>/train.png`` (``replay.reference.plot.plot_training``: the whole run,
+      plot: write ``<run_dir>/train.png`` (``replay.run.train_plot.plot_training``: the whole run,
         earlier invocations included) at the end, also when there was nothing to train.
       on_step: called after each step with the step and its loss (benchmarks time steps with it).
       faults: a drill (``replay drill --scenario``): passed to every ``trainer.train_step`` as its
@@ -758,7 +758,7 @@ def train(
     rd.event("end", max(start, steps) if stopped is None else stopped["step"], final_save_s=round(final_wait, 6))
     picture = None
     if plot and rd.primary:
-        from replay.reference.plot import plot_training
+        from replay.run.train_plot import plot_training
 
         picture = plot_training(rd.path, title=f"training run {cfg.name} ({rd.path})")
     return {"start": start, "end": steps, "losses": losses, "stopped": stopped, "canary_seconds": canary_seconds,

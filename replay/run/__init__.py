@@ -7,6 +7,8 @@ fingerprints and signals, drill faults), the environment record (``env``), gradi
 (``fingerprint``), the canary computation (``canary``), device specs, names and the quarantine
 (``devices``), what replay rebuilds a run from and the run's trainer factory (``setup``), many
 processes (``distributed``), verdicts and exit codes (``codes``), step-loop progress
-(``progress``) and quiet restore failures (``quiet``). Nothing here imports another room of
+(``progress``), quiet restore failures (``quiet``), attempts and lineage (``lineage``), what the run
+trained with (``inputs``), skip windows and rewinds (``skip``) and the run's ``train.png``
+(``train_plot``). Nothing here imports another room of
 ``replay``.
 """

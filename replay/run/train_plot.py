@@ -4,6 +4,9 @@ Read from the run directory's ``signals.jsonl`` (one line per step, kept whole a
 a resumed run drops the lines from its checkpoint on and appends them again), so the picture
 covers the whole run whatever number of invocations trained it. Phase changes, skipped windows,
 restores and canary mismatches from ``events.jsonl`` are drawn as vertical lines. No JAX.
+
+Any trainer's run directory can be drawn (:func:`plot_training`); the reference trainer draws
+it at the end of every invocation.
 """
 
 from __future__ import annotations
