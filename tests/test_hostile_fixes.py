@@ -88,3 +88,21 @@ def test_pack_keeps_going_past_a_damaged_parquet_file_and_reconciles(tmp_path):
     letters = [json.loads(line) for f in sorted((out / "errors").glob("*.jsonl")) for line in f.read_text().splitlines()]
     assert [(d["key"], d["reason"]) for d in letters] == [("p/b.parquet:file", "unreadable_file")]
     assert "p" in json.dumps(manifest)
+
+
+def test_goodput_of_a_run_whose_signals_are_not_utf8_names_the_file(run_copy, capsys):
+    # Was: UnicodeDecodeError traceback from replay/screen/goodput.py (scan and triage said
+    # "run directory or data error" for the same run directory).
+    import os
+
+    from replay.cli import main
+
+    path = os.path.join(run_copy, "signals.jsonl")
+    data = bytearray(open(path, "rb").read())
+    at = data.index(b"\n") + 5  # inside the second line
+    data[at] = 0xFF
+    open(path, "wb").write(bytes(data))
+    assert main(["goodput", "--run", run_copy]) == 5
+    err = capsys.readouterr().err
+    assert f"{path}: not UTF-8 text (invalid start byte at byte {at}): corrupted?" in err
+    assert "Traceback" not in err

@@ -204,17 +204,21 @@ def _steps_by_attempt(run: RunLog) -> dict[int, list[_Step]]:
     out: dict[int, dict[int, _Step]] = {}
     path = os.path.join(run.run_dir, SIGNALS_NAME)
     if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    d = json.loads(line)
-                    s = int(d["step"])
-                except (ValueError, KeyError, TypeError):
-                    continue
-                a = run.lineage.attempt_of(s)
-                if a is None:  # past a pending rewind: the lines of the head attempt, superseded
-                    a = run.lineage.current.id
-                out.setdefault(a, {})[s] = _step_of(d, a)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:  # was: a traceback (scan and triage name the file)
+            raise GoodputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}): corrupted?") from None
+        for line in text.split("\n"):
+            try:
+                d = json.loads(line)
+                s = int(d["step"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            a = run.lineage.attempt_of(s)
+            if a is None:  # past a pending rewind: the lines of the head attempt, superseded
+                a = run.lineage.current.id
+            out.setdefault(a, {})[s] = _step_of(d, a)
     for d in lin.read_superseded(run.run_dir, SIGNALS_NAME):
         a = d.get("attempt")
         if isinstance(a, int):
