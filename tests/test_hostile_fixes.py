@@ -106,3 +106,22 @@ def test_goodput_of_a_run_whose_signals_are_not_utf8_names_the_file(run_copy, ca
     err = capsys.readouterr().err
     assert f"{path}: not UTF-8 text (invalid start byte at byte {at}): corrupted?" in err
     assert "Traceback" not in err
+
+
+def test_goodput_of_a_signals_line_with_a_bad_value_is_the_scan_error(run_copy, capsys):
+    # Was: ValueError "could not convert string to float: 'slow'" traceback from goodput._step_of.
+    import json
+    import os
+
+    from replay.cli import main
+
+    path = os.path.join(run_copy, "signals.jsonl")
+    rows = [json.loads(x) for x in open(path)]
+    rows[1]["step_time_s"] = "slow"
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    assert main(["goodput", "--run", run_copy]) == 5
+    err = capsys.readouterr().err
+    assert f"{path}: unreadable (could not convert string to float: 'slow')" in err
+    assert main(["scan", "--run", run_copy]) == 5  # the same words as scan
+    assert f"{path}: unreadable (could not convert string to float: 'slow')" in capsys.readouterr().err
