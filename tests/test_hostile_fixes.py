@@ -125,3 +125,35 @@ def test_goodput_of_a_signals_line_with_a_bad_value_is_the_scan_error(run_copy, 
     assert f"{path}: unreadable (could not convert string to float: 'slow')" in err
     assert main(["scan", "--run", run_copy]) == 5  # the same words as scan
     assert f"{path}: unreadable (could not convert string to float: 'slow')" in capsys.readouterr().err
+
+
+def test_superseding_a_step_log_that_is_not_utf8_names_it_and_moves_nothing(tmp_path):
+    # Was: resuming after `replay skip` on a run whose signals.jsonl had one damaged byte moved the
+    # fingerprints' lines to superseded/, then stopped with "error: 'utf-8' codec can't decode byte
+    # 0xff in position 7003: invalid start byte" (no file named, the step logs left half-moved).
+    import json
+
+    from replay.run.writer import RunDir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    fp = "".join(json.dumps({"step": s, "x": 1}) + "\n" for s in range(4))
+    (run / "fingerprints.jsonl").write_text(fp)
+    sig = bytearray(fp.encode())
+    at = sig.index(b'"x"', fp.index('{"step": 2'))
+    sig[at] = 0xFF
+    (run / "signals.jsonl").write_bytes(bytes(sig))
+    rd = RunDir(str(run))
+    with pytest.raises(ValueError) as e:
+        rd.supersede(2, lambda s: 1, 2)
+    assert str(e.value) == (
+        f"{run}/signals.jsonl: not UTF-8 text (invalid start byte at byte {at}): corrupted?; nothing was moved or "
+        "rewritten: restore the file from a copy, or delete its damaged line (that step's record is lost), and rerun"
+    )
+    assert (run / "fingerprints.jsonl").read_text() == fp and not (run / "superseded").exists()
+    with pytest.raises(ValueError, match=r"signals\.jsonl: not UTF-8 text \(invalid start byte at byte \d+\)"):
+        rd.truncate_log("signals.jsonl", 1)
+    assert (run / "signals.jsonl").read_bytes() == bytes(sig)
+    # an intact log still moves as before
+    assert rd.supersede(2, lambda s: 1, 2, names=("fingerprints.jsonl",)) == {"fingerprints.jsonl": 2}
+    assert (run / "fingerprints.jsonl").read_text() == "".join(fp.splitlines(keepends=True)[:2])
