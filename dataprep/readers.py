@@ -341,7 +341,47 @@ PARQUET_BATCH_ROWS = 1024
 PARQUET_BUFFER_BYTES = 1 << 20
 
 
+class _FileCalls:
+    """Forwards to a file object and keeps the last exception its own methods raised.
+
+    pyarrow reports a damaged Parquet file (bad thrift footer, a page that does not
+    decompress, corrupt levels) as a plain ``OSError`` of its own, the same type as a failing
+    file system; an exception raised by the file object is passed through as that very object.
+    So an ``OSError`` that is not ``error`` comes from the file's bytes (:func:`_iter_parquet`).
+    """
+
+    def __init__(self, f):
+        self._f = f
+        self.error: Optional[BaseException] = None
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._f, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            except BaseException as e:
+                self.error = e
+                raise
+
+        return call
+
+
 def _iter_parquet(source: SourceConfig, rel: str, f) -> Iterator[Item]:
+    """The items of one Parquet file; a file pyarrow finds damaged ends in an ``unreadable_file``
+    dead letter (the rows before the damage are kept), a file-system error is raised."""
+    calls = _FileCalls(f)
+    try:
+        yield from _iter_parquet_rows(source, rel, calls)
+    except OSError as e:
+        if e is calls.error or type(e) is not OSError:
+            raise  # the file system failed (or a subclass such as FileNotFoundError): the runner retries
+        yield Rejected(document_key(source.name, rel, "file"), Reason.UNREADABLE_FILE, b"", f"OSError: {str(e).strip()}")
+
+
+def _iter_parquet_rows(source: SourceConfig, rel: str, f) -> Iterator[Item]:
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(f, buffer_size=PARQUET_BUFFER_BYTES)

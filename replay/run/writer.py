@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import io
 import json
 import os
 import re
@@ -130,19 +131,18 @@ class RunDir:
         if not os.path.exists(path):
             return 0
         keep, dropped = [], 0
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                try:
-                    step = json.loads(line)["step"]
-                except (ValueError, KeyError, TypeError):  # a line torn by a kill
-                    dropped += 1
-                    continue
-                if step < before_step:
-                    keep.append(line if line.endswith("\n") else line + "\n")
-                else:
-                    dropped += 1
+        for line in io.StringIO(_read_step_log(path)):
+            if not line.strip():
+                continue
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):  # a line torn by a kill
+                dropped += 1
+                continue
+            if step < before_step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
         _atomic_write(path, "".join(keep))
         return dropped
 
@@ -162,25 +162,25 @@ class RunDir:
           per step log, the lines moved.
         """
         moved: dict[str, int] = {}
-        for name in names:
+        # Every step log is read before any is changed: a damaged one stops the move with nothing moved
+        # (was: the logs before it moved, then a bare UnicodeDecodeError naming no file).
+        texts = {name: _read_step_log(path) for name in names if os.path.exists(path := self.own_file(name))}
+        for name, text in texts.items():
             path = self.own_file(name)
-            if not os.path.exists(path):
-                continue
             keep, out = [], []
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    if not line.strip():
-                        continue
-                    try:
-                        rec = json.loads(line)
-                        step = int(rec["step"])
-                    except (ValueError, KeyError, TypeError):  # a line torn by a kill
-                        continue
-                    if step < from_step:
-                        keep.append(line if line.endswith("\n") else line + "\n")
-                    else:
-                        rec["attempt"], rec["superseded_by"] = writer_of(step), int(by_attempt)
-                        out.append(json.dumps(rec, sort_keys=True) + "\n")
+            for line in io.StringIO(text):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                    step = int(rec["step"])
+                except (ValueError, KeyError, TypeError):  # a line torn by a kill
+                    continue
+                if step < from_step:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+                else:
+                    rec["attempt"], rec["superseded_by"] = writer_of(step), int(by_attempt)
+                    out.append(json.dumps(rec, sort_keys=True) + "\n")
             if out:
                 os.makedirs(self.file(SUPERSEDED_DIR), exist_ok=True)
                 with open(os.path.join(self.file(SUPERSEDED_DIR), os.path.basename(path)), "a",
@@ -256,6 +256,18 @@ class RunDir:
         """Writes the run file ``name`` whole, through a temporary name (process 0 only)."""
         if self.primary:
             _atomic_write(self.file(name), text)
+
+
+def _read_step_log(path: str) -> str:
+    """The UTF-8 text of a step log; one that is not UTF-8 is a ``ValueError`` naming it and what to do."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}: not UTF-8 text ({e.reason} at byte {e.start}): corrupted?; nothing was moved or rewritten: "
+            "restore the file from a copy, or delete its damaged line (that step's record is lost), and rerun"
+        ) from None
 
 
 def _atomic_write(path: str, text: str) -> None:

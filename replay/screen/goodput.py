@@ -204,21 +204,35 @@ def _steps_by_attempt(run: RunLog) -> dict[int, list[_Step]]:
     out: dict[int, dict[int, _Step]] = {}
     path = os.path.join(run.run_dir, SIGNALS_NAME)
     if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    d = json.loads(line)
-                    s = int(d["step"])
-                except (ValueError, KeyError, TypeError):
-                    continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:  # was: a traceback (scan and triage name the file)
+            raise GoodputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}): corrupted?") from None
+        # A malformed line (a value of the wrong type, say) is the same error as in scan and triage;
+        # was: a ValueError traceback from _step_of. A torn last line passes that check and is skipped.
+        from replay.screen.scan import read_screening_logs
+
+        read_screening_logs(run.run_dir)
+        for line in text.split("\n"):
+            try:
+                d = json.loads(line)
+                s = int(d["step"])
                 a = run.lineage.attempt_of(s)
                 if a is None:  # past a pending rewind: the lines of the head attempt, superseded
                     a = run.lineage.current.id
-                out.setdefault(a, {})[s] = _step_of(d, a)
+                step = _step_of(d, a)
+            except (ValueError, KeyError, TypeError):
+                continue
+            out.setdefault(a, {})[s] = step
     for d in lin.read_superseded(run.run_dir, SIGNALS_NAME):
         a = d.get("attempt")
-        if isinstance(a, int):
-            out.setdefault(a, {}).setdefault(int(d["step"]), _step_of(d, a))
+        try:
+            step = _step_of(d, a) if isinstance(a, int) else None
+        except (ValueError, KeyError, TypeError):  # history, never judged: skipped as read_superseded skips
+            continue
+        if step is not None:
+            out.setdefault(a, {}).setdefault(step.step, step)
     return {a: [v[s] for s in sorted(v)] for a, v in out.items()}
 
 
