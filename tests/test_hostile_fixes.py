@@ -122,9 +122,30 @@ def test_goodput_of_a_signals_line_with_a_bad_value_is_the_scan_error(run_copy, 
         f.writelines(json.dumps(r) + "\n" for r in rows)
     assert main(["goodput", "--run", run_copy]) == 5
     err = capsys.readouterr().err
-    assert f"{path}: unreadable (could not convert string to float: 'slow')" in err
+    assert f"run directory or data error: {path}:2: unreadable (could not convert string to float: 'slow')\n" in err
     assert main(["scan", "--run", run_copy]) == 5  # the same words as scan
-    assert f"{path}: unreadable (could not convert string to float: 'slow')" in capsys.readouterr().err
+    assert f"run directory or data error: {path}:2: unreadable (could not convert string to float: 'slow')\n" in (
+        capsys.readouterr().err)
+
+
+def test_a_bad_signals_value_names_its_line_in_the_file_it_came_from(tmp_path):
+    # Was: "<run>/signals.jsonl: unreadable (could not convert string to float: 'slow')", no line; a bad
+    # value in another process's signals.pNNNNN.jsonl was blamed on signals.jsonl.
+    import json
+
+    import pytest
+
+    from replay.run import protocol as proto
+
+    rows = [{"step": s, "loss": 1.0, "grad_norm": 1.0, "step_time_s": 0.5} for s in range(4)]
+    main_file = tmp_path / "signals.jsonl"
+    main_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert sorted(proto.read_signals(str(tmp_path))) == [0, 1, 2, 3]
+    rows[2]["step_time_s"] = "slow"
+    main_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(proto.StepLogLineError) as e:
+        proto.read_signals(str(tmp_path))
+    assert str(e.value) == f"{main_file}:3: unreadable (could not convert string to float: 'slow')"
 
 
 def test_superseding_a_step_log_that_is_not_utf8_names_it_and_moves_nothing(tmp_path):
@@ -157,3 +178,25 @@ def test_superseding_a_step_log_that_is_not_utf8_names_it_and_moves_nothing(tmp_
     # an intact log still moves as before
     assert rd.supersede(2, lambda s: 1, 2, names=("fingerprints.jsonl",)) == {"fingerprints.jsonl": 2}
     assert (run / "fingerprints.jsonl").read_text() == "".join(fp.splitlines(keepends=True)[:2])
+
+
+def test_a_bad_signals_value_of_another_process_names_that_file_and_line(tmp_path):
+    import json
+
+    import pytest
+
+    from replay.run import protocol as proto
+
+    rows = [{"step": s, "loss": 1.0, "grad_norm": 1.0} for s in range(3)]
+    (tmp_path / "signals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    part = tmp_path / "signals.p00001.jsonl"
+    part.write_text("".join(json.dumps({"step": s, "devices": {"4": {"norm_sq": "x" if s == 1 else 1.0}}}) + "\n"
+                            for s in range(3)))
+    with pytest.raises(proto.StepLogLineError) as e:
+        proto.read_signals(str(tmp_path))
+    assert str(e.value) == f"{part}:2: unreadable (could not convert string to float: 'x')"
+    del rows[1]["loss"]
+    (tmp_path / "signals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(proto.StepLogLineError) as e:
+        proto.read_signals(str(tmp_path))
+    assert str(e.value) == f"{tmp_path / 'signals.jsonl'}:2: unreadable (missing field 'loss')"

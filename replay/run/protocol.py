@@ -626,9 +626,14 @@ def log_files(run_dir: str, name: str) -> list[tuple[int, str]]:
     return out + [x for x in shards if x[0] > 0]
 
 
-def read_raw_lines(path: str) -> list[dict]:
-    """The JSON objects of a step log file, one a line; a torn (or otherwise unparsable) *last* line is
-    skipped, an unparsable line elsewhere raises ``ValueError`` naming the file and line."""
+class StepLogLineError(ValueError):
+    """A line of a step log holds a value its reader cannot use; the message starts ``<file>:<line>:``."""
+
+
+def read_raw_lines(path: str, numbered: bool = False) -> list:
+    """The JSON objects of a step log file, one a line (with ``numbered``, ``(line number, object)``
+    pairs); a torn (or otherwise unparsable) *last* line is skipped, an unparsable line elsewhere raises
+    ``ValueError`` naming the file and line."""
     with open(path, encoding="utf-8") as f:
         lines = [(n, x) for n, x in enumerate(f.read().split("\n"), 1) if x.strip()]
     out = []
@@ -637,7 +642,7 @@ def read_raw_lines(path: str) -> list[dict]:
             d = json.loads(line)
             if not isinstance(d, dict) or "step" not in d:
                 raise ValueError("not an object with a step")
-            out.append(d)
+            out.append((n, d) if numbered else d)
         except ValueError as e:
             if i == len(lines) - 1:
                 break
@@ -683,8 +688,46 @@ def read_merged_steps(run_dir: str, name: str) -> tuple[dict[int, dict], dict[in
 
 
 def _read_merged(run_dir: str, name: str, parse) -> dict[int, Any]:
+    """``{step: parse(merged record)}``; a record that does not parse is a :class:`StepLogLineError`
+    naming the file and line it came from (the primary's line, or the other process's whose part breaks it)."""
     main, shards = read_merged_steps(run_dir, name)
-    return {s: parse(merge_step_parts(d, [sh[s] for sh in shards.values() if s in sh])) for s, d in main.items()}
+    out = {}
+    for s, d in main.items():
+        parts = [sh[s] for sh in shards.values() if s in sh]
+        try:
+            out[s] = parse(merge_step_parts(d, parts))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            why = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            raise StepLogLineError(f"{_line_of(run_dir, name, s, d, parts, parse)}: unreadable ({why})") from None
+    return out
+
+
+def _line_of(run_dir: str, name: str, step: int, main: Mapping[str, Any], parts: list, parse) -> str:
+    """``<file>:<line>`` of the line of ``step`` that breaks its record: the primary's when it does not
+    parse alone, else the first other process's whose part breaks the merge (read again: only on an error)."""
+    files = log_files(run_dir, name)
+    try:
+        parse(merge_step_parts(main, []))
+        culprit = next((k for k in range(1, len(parts) + 1) if _fails(parse, main, parts[:k])), 0)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        culprit = 0
+    seen = 0
+    for _, path in files:
+        lines = [n for n, d in read_raw_lines(path, numbered=True) if int(d["step"]) == step]
+        if not lines:
+            continue
+        if seen == culprit:
+            return f"{path}:{lines[-1]}"  # a later line for a step wins
+        seen += 1
+    return files[0][1]
+
+
+def _fails(parse, main: Mapping[str, Any], parts: list) -> bool:
+    try:
+        parse(merge_step_parts(main, parts))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return True
+    return False
 
 
 def _read_lines(path: str, parse) -> list:
@@ -707,12 +750,10 @@ def read_signals(run_dir: str) -> dict[int, StepSignals]:
     ``{step: StepSignals}`` (a later line for a step wins).
 
     Raises:
-      FileNotFoundError: the file does not exist. ValueError: a malformed line (not the last).
+      FileNotFoundError: the file does not exist. ValueError: a malformed line (not the last);
+      StepLogLineError (a ValueError): a line with a value of the wrong type, named ``<file>:<line>``.
     """
-    try:
-        return _read_merged(run_dir, SIGNALS_NAME, StepSignals.from_dict)
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"{run_dir}/{SIGNALS_NAME}: not a valid entry ({e!r})") from None
+    return _read_merged(run_dir, SIGNALS_NAME, StepSignals.from_dict)
 
 
 def read_canary(run_dir: str) -> list[CanaryRecord]:

@@ -188,6 +188,8 @@ def read_screening_logs(run_dir: str) -> tuple[Optional[dict[int, proto.StepSign
             continue
         try:
             out.append(reader(run_dir))
+        except proto.StepLogLineError as e:  # names the file and line itself
+            raise RunDirError(str(e)) from None
         except (ValueError, OSError) as e:
             raise RunDirError(f"{path}: unreadable ({e})") from None
     return out[0], out[1]
