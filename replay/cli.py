@@ -937,6 +937,26 @@ def _next_commands(typed: Sequence[str], args, e) -> list[tuple[str, str]]:
     return out
 
 
+def _join_dash_values(argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``--steps -5:3`` written ``--steps=-5:3``: argparse reads a value that starts with
+    ``-`` (other than a plain negative number) as an option and stops with "expected one argument"; joined
+    to its option, the value reaches ``parse_steps``, whose usage error says what a range looks like."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            return out + list(argv[i:])
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if tok == "--steps" and len(nxt) > 1 and nxt[0] == "-" and (nxt[1].isdigit() or nxt[1] in ":."):
+            out.append(f"{tok}={nxt}")
+            i += 2
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``replay`` console script; returns the exit code (``ExitCode``).
 
@@ -953,7 +973,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from replay.verify.engine import EnvDriftError
     from replay.screen.forensics import TokenizerUnavailableError
     from replay.report import make_console
-    from replay.run.runlog import RunDirError, RunNotGivenError, StepRangeError, StepsSpecError, resolve_run_dir
+    from replay.run.runlog import (RunDirError, RunNotGivenError, StepRangeError, StepsSpecError, parse_steps,
+                                   resolve_run_dir)
 
     if argv is None:  # the console script: a whole process of its own
         from replay.run.quiet import exit_quietly_after_failed_restore
@@ -962,7 +983,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         exit_quietly_after_failed_restore(code)
         return code
     typed = list(argv)
-    argv = list(argv)
+    argv = _join_dash_values(argv)
     if argv and argv[0] not in (*COMMANDS, "-h", "--help"):
         argv = ["range", *argv]  # `replay --run DIR --steps A:B` is the range command
     parser = build_parser()
@@ -976,13 +997,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     console = make_console()  # one width policy: messages never wrap, tables fit (160 columns when piped)
     err = make_console(stderr=True)
     try:
+        if getattr(args, "steps", None) is not None:
+            parse_steps(args.steps)  # a malformed range is a usage error before the run directory is looked for
         if args.command == "drill" and args.scenario in (*TRIAGE_SCENARIOS, "all"):
             args.run, args.run_source = args.run or "", "--run"  # a triage drill trains runs of its own
         else:
             args.run, args.run_source = resolve_run_dir(args.run)
         if hasattr(args, "devices"):
             parse_spec(args.devices)  # a typo in --devices is reported before any work starts
-    except (RunNotGivenError, DeviceSpecError) as e:
+    except (RunNotGivenError, DeviceSpecError, StepsSpecError) as e:
         err.print(f"[red]usage error:[/] {escape(str(e))}")
         return int(ExitCode.USAGE)
     if args.run_source != "--run":

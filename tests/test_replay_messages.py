@@ -319,3 +319,24 @@ def test_inspect_table_says_when_it_shows_only_the_first_documents(run_dir, caps
 def test_each_commands_usage_line_is_its_own(command, monkeypatch, capsys):
     out = _help([command, "--help"], monkeypatch, capsys)
     assert out.startswith(f"usage: replay {command} [-h]")
+
+
+@pytest.mark.parametrize("argv", [["--steps", "-5:3"], ["--steps=-5:3"], ["range", "--steps", "-5:3"],
+                                  ["inspect", "--steps", "-5:3"], ["scan", "--steps", "-5:3"], ["--steps", "-5"],
+                                  ["skip", "--steps", "3:-1", "--reason", "r"]])
+def test_a_negative_steps_range_is_the_tools_usage_error(argv, tmp_path, capsys):
+    # Was (for "--steps -5:3"): argparse's "argument --steps: expected one argument" (it took -5:3 for an
+    # option). No run is read: the range is checked first (the missing run would be exit 5).
+    assert cli.main([*argv, "--run", str(tmp_path / "nope")]) == ExitCode.USAGE
+    spec = next(a for a in argv if a[-1].isdigit()).removeprefix("--steps=")
+    assert capsys.readouterr().err == (
+        f"usage error: --steps: steps count from 0, got {spec!r}; give A:B with 0 <= A < B (half-open, steps "
+        f"A..B-1) or one step A >= 0\n")
+
+
+def test_a_malformed_steps_value_starting_with_a_dash_is_the_tools_usage_error(tmp_path, capsys):
+    assert cli.main(["--steps", "-1.5", "--run", str(tmp_path / "nope")]) == ExitCode.USAGE
+    assert capsys.readouterr().err == (
+        "usage error: --steps: expected A:B (half-open, steps A..B-1) or A, got '-1.5'\n")
+    assert cli.main(["--steps", "--run", str(tmp_path / "nope")]) == ExitCode.USAGE  # a missing value: argparse's
+    assert "argument --steps: expected one argument" in capsys.readouterr().err

@@ -117,6 +117,9 @@ def parse_steps(spec: str) -> tuple[int, int]:
       StepsSpecError: not of that form, negative, or ``stop <= start``.
     """
     m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", spec or "")
+    if not m and re.fullmatch(r"\s*-?\d+\s*(?::\s*-?\d+\s*)?", spec or ""):
+        raise StepsSpecError(f"--steps: steps count from 0, got {spec!r}; give A:B with 0 <= A < B "
+                             f"(half-open, steps A..B-1) or one step A >= 0")
     if not m:
         raise StepsSpecError(f"--steps: expected A:B (half-open, steps A..B-1) or A, got {spec!r}")
     start = int(m.group(1))
