@@ -326,7 +326,7 @@ class ReadAndTokenize(beam.DoFn):
         hashes = self._hashes.add if self._dedup_buckets else None
         for source, (key, text, doc_id), tokens in zip(sources, batch, encoded):
             size = tokens.size
-            if not size:
+            if not size or text.isspace():  # whitespace alone is no document, whatever the tokenizer keeps of it
                 self._counters[source, f"rejected.{readers.Reason.EMPTY.value}"].inc()
                 yield pvalue.TaggedOutput(REJECTED, (source, key, readers.Reason.EMPTY.value, text, empty_detail(text)))
                 continue
@@ -355,12 +355,13 @@ class ReadAndTokenize(beam.DoFn):
 
 
 def empty_detail(text: str) -> str:
-    """The dead letter's detail for a document with no token besides BOS/EOS."""
+    """The dead letter's detail for a document with no token besides BOS/EOS, or only whitespace."""
     if not text:
         return "no token: the text is empty"
     shown = repr(text[:40]) + ("..." if len(text) > 40 else "")
-    return (f"no token from {len(text):,} characters ({shown}): whitespace, or characters the tokenizer's "
-            "normalization removes")
+    if text.isspace():
+        return f"the text is only whitespace ({len(text):,} characters: {shown})"
+    return f"no token from {len(text):,} characters ({shown}): characters the tokenizer's normalization removes"
 
 
 class StageRejected(beam.DoFn):

@@ -47,7 +47,7 @@ class Reason(str, enum.Enum):
     MISSING_TEXT = "missing_text"  # no text field / column
     NON_STRING_TEXT = "non_string_text"  # text is null, a number, a list, ...
     INVALID_UNICODE = "invalid_unicode"  # lone surrogates (e.g. "\ud800" in JSON)
-    EMPTY = "empty_after_tokenization"  # no token besides BOS/EOS
+    EMPTY = "empty_after_tokenization"  # no token besides BOS/EOS, or only whitespace
     UNREADABLE_FILE = "unreadable_file"  # corrupt compression or Parquet; rest of file lost
     TOO_LONG = "too_long"  # a JSONL line, text document or Parquet text over MAX_DOCUMENT_BYTES
 

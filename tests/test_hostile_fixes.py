@@ -200,3 +200,45 @@ def test_a_bad_signals_value_of_another_process_names_that_file_and_line(tmp_pat
     with pytest.raises(proto.StepLogLineError) as e:
         proto.read_signals(str(tmp_path))
     assert str(e.value) == f"{tmp_path / 'signals.jsonl'}:2: unreadable (missing field 'loss')"
+
+
+def _identity_tokenizer(path: pathlib.Path) -> None:
+    """A small model that keeps whitespace as tokens (identity normalization, no whitespace collapsing)."""
+    import io
+
+    import sentencepiece as spm
+
+    lines = [ln.strip() for t in testing.pydoc_text(30_000) for ln in t.splitlines() if ln.strip()]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=400,
+                                   model_type="unigram", byte_fallback=True, character_coverage=1.0, num_threads=1,
+                                   unk_id=0, bos_id=1, eos_id=2, pad_id=3, hard_vocab_limit=False, minloglevel=2,
+                                   normalization_rule_name="identity", remove_extra_whitespaces=False)
+    path.write_bytes(model.getvalue())
+
+
+def test_a_whitespace_only_document_is_empty_whatever_the_tokenizer_keeps(tmp_path):
+    # Was: with a tokenizer that keeps whitespace (--normalization identity) "   \n\t " was packed as a
+    # document of whitespace tokens, while "" was rejected as empty_after_tokenization.
+    import sentencepiece as spm
+
+    tok = tmp_path / "tok.model"
+    _identity_tokenizer(tok)
+    assert len(spm.SentencePieceProcessor(model_file=str(tok)).encode("   \n\t ")) > 0  # the model keeps it
+    (tmp_path / "in").mkdir()
+    docs = ["a document", "", "   \n\t ", "another one", " \u3000\u00a0" * 30]
+    (tmp_path / "in/a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    cfg = {"name": "t", "version": 1, "seq_len": 64, "shards_per_source": 1, "max_rejected_fraction": 1.0,
+           "tokenizer": {"path": str(tok)}, "sources": [{"name": "j", "paths": ["in/*.jsonl"], "format": "jsonl"}]}
+    (tmp_path / "mix.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "ds"
+    assert pack.main(["--config", str(tmp_path / "mix.yaml"), "--output", str(out), "--quiet", "--no-report"]) == 0
+    ledger = json.loads((out / "manifest.json").read_text())["sources"]["j"]["ledger"]
+    assert (ledger["read"], ledger["packed"], ledger["rejected"]) == (5, 2, {"empty_after_tokenization": 3})
+    letters = [json.loads(line) for f in sorted((out / "errors").glob("*.jsonl")) for line in f.read_text().splitlines()]
+    assert [(d["key"], d["reason"], d["detail"]) for d in letters] == [
+        ("j/a.jsonl:2", "empty_after_tokenization", "no token: the text is empty"),
+        ("j/a.jsonl:3", "empty_after_tokenization", "the text is only whitespace (6 characters: '   \\n\\t ')"),
+        ("j/a.jsonl:5", "empty_after_tokenization",
+         "the text is only whitespace (90 characters: ' " + "\\u3000\\xa0 " * 13 + "'...)"),
+    ]
