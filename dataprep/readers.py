@@ -151,13 +151,41 @@ def _json_loads(s: str):
     ``ValueError`` for a valid JSON line holding one (in any field). Such a line is parsed
     again with those integers kept as :class:`_LongInt` strings; a ``_LongInt`` text field
     is still rejected as ``non_string_text``.
+
+    Raises:
+      ValueError: not JSON; :class:`RepeatedKeyError`: an object (at any depth) names a key twice.
     """
+    if s.startswith("\ufeff"):  # as json.loads says it
+        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", s, 0)
     try:
-        return json.loads(s)
+        return _DECODER.decode(s)
     except ValueError as e:
         if "integer string conversion" not in str(e):
             raise
-        return json.loads(s, parse_int=lambda digits: int(digits) if len(digits) < 4000 else _LongInt(digits))
+        return _LONG_INT_DECODER.decode(s)
+
+
+class RepeatedKeyError(ValueError):
+    """A JSON object names a key twice (``json`` would keep the last value silently)."""
+
+
+def _unique_keys(pairs: list) -> dict:
+    """``object_pairs_hook``: the object as a dict, or :class:`RepeatedKeyError` naming a key given twice."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise RepeatedKeyError(f"key {k!r} repeated in one object (JSON would keep only its last value); "
+                                       f"write each key once")
+            seen.add(k)
+    return obj
+
+
+# One decoder each, made once (json.loads with a hook would build one a line).
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
+_LONG_INT_DECODER = json.JSONDecoder(
+    object_pairs_hook=_unique_keys, parse_int=lambda digits: int(digits) if len(digits) < 4000 else _LongInt(digits))
 
 
 def missing_detail(what: str, name: str, present) -> str:

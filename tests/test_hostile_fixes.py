@@ -242,3 +242,34 @@ def test_a_whitespace_only_document_is_empty_whatever_the_tokenizer_keeps(tmp_pa
         ("j/a.jsonl:5", "empty_after_tokenization",
          "the text is only whitespace (90 characters: ' " + "\\u3000\\xa0 " * 13 + "'...)"),
     ]
+
+
+def test_a_jsonl_line_that_repeats_a_key_is_an_invalid_json_dead_letter(tmp_path):
+    # Was: {"text":"a","text":"b"} packed "b" silently (Python's json keeps the last value).
+    src = SourceConfig(name="s", paths=(str(tmp_path),), root=str(tmp_path), format=SourceFormat.JSONL)
+    (tmp_path / "a.jsonl").write_bytes(b'{"text":"a","text":"b"}\n{"text":"ok","meta":{"u":1,"u":2}}\n'
+                                       b'{"text":"fine","id":"x"}\n')
+    got = list(readers.read_file(src, str(tmp_path / "a.jsonl")))
+    assert [(g.key, getattr(g, "reason", None), getattr(g, "detail", None)) for g in got] == [
+        ("s/a.jsonl:1", readers.Reason.INVALID_JSON,
+         "key 'text' repeated in one object (JSON would keep only its last value); write each key once"),
+        ("s/a.jsonl:2", readers.Reason.INVALID_JSON,
+         "key 'u' repeated in one object (JSON would keep only its last value); write each key once"),
+        ("s/a.jsonl:3", None, None),
+    ]
+    tok = tmp_path / "tok.model"
+    testing.train_small_tokenizer(str(tok))
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in/a.jsonl").write_bytes((tmp_path / "a.jsonl").read_bytes())
+    cfg = {"name": "t", "version": 1, "seq_len": 64, "shards_per_source": 1, "max_rejected_fraction": 1.0,
+           "tokenizer": {"path": str(tok)}, "sources": [{"name": "j", "paths": ["in/*.jsonl"], "format": "jsonl"}]}
+    (tmp_path / "mix.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "ds"
+    assert pack.main(["--config", str(tmp_path / "mix.yaml"), "--output", str(out), "--quiet", "--no-report"]) == 0
+    ledger = json.loads((out / "manifest.json").read_text())["sources"]["j"]["ledger"]
+    assert (ledger["read"], ledger["packed"], ledger["rejected"]) == (3, 1, {"invalid_json": 2})
+    letters = [json.loads(line) for f in sorted((out / "errors").glob("*.jsonl")) for line in f.read_text().splitlines()]
+    assert [(d["key"], d["reason"], d["raw"]) for d in letters] == [
+        ("j/a.jsonl:1", "invalid_json", '{"text":"a","text":"b"}'),
+        ("j/a.jsonl:2", "invalid_json", '{"text":"ok","meta":{"u":1,"u":2}}'),
+    ]
