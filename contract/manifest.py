@@ -64,6 +64,10 @@ class ManifestError(ValueError):
     """manifest.json is missing a field, has a bad value, or does not reconcile."""
 
 
+class NewerManifestError(ManifestError):
+    """manifest.json has a ``manifest_version`` above :data:`MANIFEST_VERSION` (a newer toolkit wrote it)."""
+
+
 def shard_name(index: int, num_shards: int) -> str:
     """Returns ``data-SSSSS-of-NNNNN.array_record`` for shard ``index`` of ``num_shards``.
 
@@ -217,7 +221,7 @@ class Manifest:
 
         mv = need(raw, "manifest_version", int, "")
         if mv != MANIFEST_VERSION:
-            raise ManifestError(f"manifest_version {mv}, this reader knows {MANIFEST_VERSION}")
+            raise (NewerManifestError if mv > MANIFEST_VERSION else ManifestError)(f"manifest_version {mv}, this reader knows {MANIFEST_VERSION}")
         sources = {}
         for name, entry in need(raw, "sources", dict, "").items():
             where = f".sources.{name}"

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import re
 from typing import Iterator, Mapping
 
 from contract.config import ConfigError, MixtureConfig, SourceFormat
@@ -68,6 +70,30 @@ def match_inputs(config: MixtureConfig) -> dict[str, tuple[str, ...]]:
     return {name: tuple(p for p, _ in found) for name, found in listed.items()}
 
 
+def _no_match_next(pattern: str, config_path: str | None) -> str:
+    """What to do about a path or glob that matches no file: where relative paths start, and what the
+    deepest existing folder of the pattern holds (local paths; the first 10 names)."""
+    base = (f"relative paths are read from the config file's folder {os.path.dirname(os.path.abspath(config_path))}"
+            if config_path else "relative paths are read from the config file's folder")
+    if "://" in pattern:
+        return f"check the path ({base}) and list what is there"
+    wanted = re.split(r"[*?\[]", pattern, maxsplit=1)[0] if fsutil.has_glob(pattern) else pattern
+    folder = wanted if wanted.endswith(os.sep) else os.path.dirname(wanted)
+    folder = folder.rstrip(os.sep) or os.sep
+    missing = None
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        missing, folder = folder, os.path.dirname(folder)
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError as e:
+        held = f"{folder} cannot be listed ({e.strerror or e})"
+    else:
+        shown = ", ".join(names[:10]) + (f", ... ({len(names)} in all)" if len(names) > 10 else "")
+        held = f"{folder} holds: {shown}" if names else f"{folder} is empty"
+    gone = f"{missing} does not exist; " if missing else ""
+    return f"check the path ({base}): {gone}{held}"
+
+
 def match_inputs_with_sizes(config: MixtureConfig) -> dict[str, tuple[tuple[str, int], ...]]:
     """Returns, per source, the ``(file, listed size in bytes)`` its paths match, sorted.
 
@@ -99,7 +125,8 @@ def match_inputs_with_sizes(config: MixtureConfig) -> dict[str, tuple[tuple[str,
                         f"sources[{i}].paths[{j}]: {pattern!r} is a folder or other non-regular file, "
                         f"not an input file; name the files, e.g. {fsutil.join(pattern, '*')!r}"
                     )
-                raise ConfigError(f"sources[{i}].paths[{j}]: {pattern!r} matches no file")
+                raise ConfigError(f"sources[{i}].paths[{j}]: {pattern!r} matches no file; "
+                                  f"{_no_match_next(pattern, config.path)}")
             for m in files_only:
                 try:
                     m.encode("utf-8")
@@ -178,7 +205,10 @@ def check_tokenizer(config: MixtureConfig) -> tuple[str, dict[str, object]]:
         raise ConfigError(f"tokenizer.path: {path} is not a readable SentencePiece model: {e}") from None
     expected = config.tokenizer.sha256
     if expected is not None and sha != expected:
-        raise ConfigError(f"tokenizer.sha256: the config pins {expected}, but {path} has sha256 {sha}")
+        raise ConfigError(f"tokenizer.sha256: the config pins {expected}, but {path} has sha256 {sha}; point "
+                          f"tokenizer.path at the model the pin is for, or, if {path} is the right model, pin it: set "
+                          f"tokenizer.sha256: {sha} (python -m dataprep.train_tokenizer ... --pin writes it when it "
+                          f"trains a model)")
     if config.tokenizer.add_bos and sp.bos_id() < 0:
         raise ConfigError(f"tokenizer.add_bos: {path} has no BOS id")
     if config.tokenizer.add_eos and sp.eos_id() < 0:

@@ -38,7 +38,29 @@ NETWORK_FSTYPES = ("fuse", "nfs", "nfs4", "cifs", "smb3", "9p", "lustre", "gpfs"
 
 
 class DatasetError(ValueError):
-    """The packed dataset is missing, malformed, altered or disagrees with the mixture config."""
+    """The packed dataset is missing, malformed, altered or disagrees with the mixture config.
+
+    Its message ends with a ``next:`` line saying what to do (:func:`repair_step` and the like).
+    """
+
+
+NEXT = "\nnext: "  # the line of a message that says what to do
+
+
+def pack_command(config: str, output: str, overwrite: bool = True) -> str:
+    """The ``dataprep.pack`` command line that (re)builds a dataset."""
+    return f"python -m dataprep.pack --config {config} --output {output}" + (" --overwrite" if overwrite else "")
+
+
+def repair_step(what: str, dataset: str, config: str) -> str:
+    """The ``next:`` line for a damaged or missing file of a committed dataset."""
+    return (f"{NEXT}restore {what} from the copy the dataset was written to, or rebuild the dataset: "
+            f"{pack_command(config, dataset)}")
+
+
+def with_next(e: DatasetError, step: str) -> DatasetError:
+    """``e`` with ``step`` (a ``next:`` line) added, unless it says what to do already."""
+    return e if NEXT in str(e) or not step else DatasetError(f"{e}{step}")
 
 
 def _open_reader(path: str, mode: str = "batched"):
@@ -106,23 +128,26 @@ class ShardSet:
         ``"batched"`` (one ``ArrayRecordReader.read(indices)`` per shard per step, in
         ArrayRecord's thread pool with the GIL released); see :func:`resolve_read_mode`.
         Both return the same bytes.
+      repair: the ``next:`` line added to a read or decode error (:func:`repair_step`), or "".
     """
 
     def __init__(self, dataset: str, shards: Sequence[Sequence[str]], offsets: Sequence[np.ndarray],
-                 read_mode: str = "records"):
+                 read_mode: str = "records", repair: str = ""):
         if read_mode not in READER_OPTIONS_BY_MODE:
             raise ValueError(f"read_mode must be 'records' or 'batched', got {read_mode!r}")
         self.dataset = dataset
         self.shards = [list(s) for s in shards]
         self.offsets = [np.asarray(o, np.int64) for o in offsets]
         self.read_mode = read_mode
+        self.repair = repair
         self._local = threading.local()
 
     def __getstate__(self):  # no readers, no caches
-        return {"dataset": self.dataset, "shards": self.shards, "offsets": self.offsets, "read_mode": self.read_mode}
+        return {"dataset": self.dataset, "shards": self.shards, "offsets": self.offsets, "read_mode": self.read_mode,
+                "repair": self.repair}
 
     def __setstate__(self, state):
-        self.__dict__.update(state)
+        self.__dict__.update({"repair": ""} | state)
         self._local = threading.local()
 
     def path(self, source: int, shard: int) -> str:
@@ -213,7 +238,7 @@ class ShardSet:
                     data = reader.read(idx)
             except Exception as e:  # array_record raises RuntimeError/OSError/IndexError variants
                 self._local.readers.pop((k, s), None)  # a failed reader may be left mid-record
-                raise DatasetError(self._read_fault(k, s, idx, e)) from e
+                raise DatasetError(self._read_fault(k, s, idx, e) + self.repair) from e
             for j, d in zip(grp.tolist(), data):
                 out[j] = d
         return out  # type: ignore[return-value]

@@ -25,7 +25,7 @@ import numpy as np
 from contract import codec
 from loader import index as ix
 from loader.arrays import decode_all, pack_records
-from loader.shards import ShardSet
+from loader.shards import DatasetError, ShardSet, with_next
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +132,10 @@ class StepSource:
         """
         loc = self.schedule.step_locations(step, positions)
         shard, in_shard, data = self.shards.locate_and_read(loc.source, loc.record)
-        return decode_all(data, _Names(self.schedule.sources, loc, self.shards, shard, in_shard))
+        try:
+            return decode_all(data, _Names(self.schedule.sources, loc, self.shards, shard, in_shard))
+        except DatasetError as e:  # a damaged record: what to do next, as for one that cannot be read
+            raise with_next(e, getattr(self.shards, "repair", "")) from None
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         """Host-local arrays of ``step``.
@@ -166,9 +169,13 @@ class StepSource:
         bytes (``loader.shards``), host arrays (``loader.arrays``)."""
         loc = self.schedule.step_locations(step, self.local_rows)
         shard, in_shard, records = self.shards.locate_and_read(loc.source, loc.record)
-        arrays, tokens = pack_records(records, self.seq_len, self.token_width, self.pad_id, self.packed_dtype,
-                                      self.vocab_size, _Names(self.schedule.sources, loc, self.shards, shard, in_shard),
-                                      six=six, out=out)
+        try:
+            arrays, tokens = pack_records(records, self.seq_len, self.token_width, self.pad_id, self.packed_dtype,
+                                          self.vocab_size,
+                                          _Names(self.schedule.sources, loc, self.shards, shard, in_shard),
+                                          six=six, out=out)
+        except DatasetError as e:  # a damaged record: what to do next, as for one that cannot be read
+            raise with_next(e, getattr(self.shards, "repair", "")) from None
         host = dict(arrays) if six else {"packed": arrays}
         # int(step): an integer, as step_locations checked
         host.update(step=np.int64(int(step)), tokens=np.int64(tokens), source=loc.source.astype(np.int32))

@@ -552,3 +552,83 @@ def test_fast_path_checks_the_id_bytes_of_version_2_rows():
     with pytest.raises(loader.DatasetError, match=f"^record 1: record is {len(good) - 1} bytes, layout says "
                                                   f"{len(good)}$"):
         ar.pack_records([good, good[:-1]], 8, 2)
+
+
+# ------------------------------------------------------------------ what to do next
+
+
+def _mix_file(tmp_path, d):
+    """The synthetic mixture written to a file (as a user's config is), the one the dataset records."""
+    import yaml
+
+    from contract.config import load_mixture
+
+    m = dset.read_manifest(d)[0]
+    path = tmp_path / "mix.yaml"
+    path.write_text(yaml.safe_dump(m.config))
+    cfg = load_mixture(str(path))
+    assert cfg.sha256() == m.config_sha256
+    return cfg
+
+
+def test_dataset_errors_end_with_what_to_do_next(ds, tmp_path):
+    # Was: each message stopped at the fault ("does not reconcile: ...", "manifest_version 99, ...",
+    # "shard ...: missing ...", "... unreadable: ..."), with no next step.
+    d = copy_ds(ds, tmp_path)
+    cfg = _mix_file(tmp_path, d)
+    pack = f"python -m dataprep.pack --config {cfg.path} --output {d} --overwrite"
+    path = os.path.join(d, SHARD_B1)
+    orig = pathlib.Path(path).read_bytes()
+    pathlib.Path(path).write_bytes(orig[:-10])
+    with pytest.raises(loader.DatasetError) as e:
+        loader.build(cfg, d, global_batch=8)
+    assert str(e.value) == (
+        f"shard {path}: {len(orig) - 10} bytes, manifest says {len(orig)} (truncated or altered)\nnext: restore the "
+        f"shard {SHARD_B1} from the copy the dataset was written to, or rebuild the dataset: {pack}")
+    os.remove(path)
+    with pytest.raises(loader.DatasetError) as e:
+        loader.build(cfg, d, global_batch=8)
+    assert str(e.value) == (
+        f"shard {path}: missing (manifest lists 8 records)\nnext: restore the shard {SHARD_B1} from the copy the "
+        f"dataset was written to, or rebuild the dataset: {pack}")
+    bad = bytearray(orig)
+    bad[64] ^= 0x01  # the chunk of record 0 of the shard (source record 8): caught on the first read
+    pathlib.Path(path).write_bytes(bytes(bad))
+    data = loader.build(cfg, d, global_batch=8)
+    steps = [s for s in range(12) if any(r.shard == SHARD_B1 and r.record_in_shard == 0 for r in data.rows_at(s))]
+    it = data.iterate(steps[0])
+    with pytest.raises(loader.DatasetError) as e:
+        next(it)
+    it.close()
+    head, _, tail = str(e.value).partition("\nnext: ")
+    assert head.startswith(f"reading {path}: record(s) in shard 0 (source record 8) unreadable: ")
+    assert tail == f"restore the shard from the copy the dataset was written to, or rebuild the dataset: {pack}"
+    pathlib.Path(path).write_bytes(orig)
+    man = pathlib.Path(d, "manifest.json")
+    good = man.read_text()
+    edit_manifest(d, lambda m: m["sources"]["a"]["shards"][0].update(padding=m["sources"]["a"]["shards"][0]["padding"] + 1))
+    with pytest.raises(loader.DatasetError) as e:
+        loader.build(cfg, d, global_batch=8)
+    assert str(e.value) == (
+        f"{man}: does not reconcile: shard a/data-00000-of-00003.array_record: tokens + padding != records * seq_len"
+        f"\nnext: restore manifest.json from the copy the dataset was written to, or rebuild the dataset: {pack}")
+    man.write_text(good)
+    edit_manifest(d, lambda m: m.update(manifest_version=99))
+    with pytest.raises(loader.DatasetError) as e:
+        loader.build(cfg, d, global_batch=8)
+    assert str(e.value) == (
+        f"{man}: manifest_version 99, this reader knows 1\nnext: a newer toolkit wrote this dataset: upgrade this one "
+        f"(moe-data-toolkit, which reads manifest_version 1) to read it")
+    man.write_text(good)
+    other = lt.synthetic_mixture({"a": 0.3, "b": 0.6, "c": 0.1}, seq_len=SEQ * 2)
+    with pytest.raises(loader.DatasetError) as e:
+        loader.build(other, d, global_batch=8)
+    assert str(e.value) == (
+        f"{man}: seq_len {SEQ} != mixture seq_len {SEQ * 2}\nnext: give the dataset packed from this mixture config, "
+        f"or pack one: python -m dataprep.pack --config <this mixture config> --output <new dataset folder>")
+    os.remove(man)
+    with pytest.raises(loader.DatasetError) as e:
+        loader.build(cfg, d, global_batch=8)
+    assert str(e.value) == (
+        f"{man}: no manifest; the dataset is missing or was not committed\nnext: check the path (a committed dataset "
+        f"folder holds manifest.json), or build the dataset: python -m dataprep.pack --config {cfg.path} --output {d}")

@@ -65,8 +65,14 @@ def test_local_shard_path_leaving_the_dataset_folder_refused(local_ds, tmp_path,
     man["sources"]["a"]["shards"][0]["path"] = bad.replace("/abs", str(outside)) if bad.startswith("/abs") else bad
     json.dump(man, open(path, "w"))
     shown = man["sources"]["a"]["shards"][0]["path"]
-    with pytest.raises(loader.DatasetError, match="^" + re.escape(f"{path}: shard path {shown!r} {why}") + "$"):
+    with pytest.raises(loader.DatasetError, match="^" + re.escape(f"{path}: shard path {shown!r} {why}\n" + _restore(ds))
+                       + "$"):
         loader.build(mix(), ds, global_batch=8)
+
+
+def _restore(ds):
+    return (f"next: restore manifest.json from the copy the dataset was written to, or rebuild the dataset: python -m "
+            f"dataprep.pack --config <the mixture config of 'synthetic' version 1> --output {ds} --overwrite")
 
 
 def test_url_shard_path_with_dotdot_never_written_outside_the_cache(remote, tmp_path):
@@ -109,7 +115,7 @@ def test_shard_listed_twice_refused(local_ds, tmp_path):
                        tokens_packed=toks)
     json.dump(man, open(path, "w"))
     with pytest.raises(loader.DatasetError, match=rf"^{path}: shard path 'b/data-00000-of-00003.array_record' is "
-                                                  r"listed twice \(sources 'b' and 'b'\)$"):
+                                                  r"listed twice \(sources 'b' and 'b'\)\n" + re.escape(_restore(ds)) + "$"):
         loader.build(mix(), ds, global_batch=8)
 
 

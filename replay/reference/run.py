@@ -365,7 +365,7 @@ def make_trainer(cfg: RunConfig, *, fingerprints: bool = True):
     from loader.dataset import read_manifest
     from replay.reference.trainer import ReferenceTrainer, make_mesh
 
-    manifest, _ = read_manifest(cfg.dataset)
+    manifest, _ = read_manifest(cfg.dataset, cfg.mixture)
     vocab = int(manifest.tokenizer["vocab_size"])
     model = cfg.model_config(vocab)
     mesh = make_mesh(dict(cfg.mesh), run_devices(dict(cfg.mesh)))

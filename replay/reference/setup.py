@@ -33,7 +33,7 @@ def make_setup(run: RunLog) -> RunSetup:
     where = os.path.join(run.run_dir, "run_config.yaml")
     try:
         cfg = ref_run.run_config_from_dict(run.config, run.run_dir)
-        manifest, _ = read_manifest(cfg.dataset)
+        manifest, _ = read_manifest(cfg.dataset, cfg.mixture)
         model = cfg.model_config(int(manifest.tokenizer["vocab_size"]))
     except ValueError as e:  # RunConfigError, DatasetError, ModelConfigError
         raise RunDirError(f"{where}: cannot rebuild the run: {e}") from None

@@ -170,7 +170,7 @@ def _dataset_hint(e: Exception, config: str) -> str:
     against the config file's folder, so a copied config points elsewhere)."""
     from loader.dataset import DatasetError
 
-    if not isinstance(e, DatasetError):
+    if not isinstance(e, DatasetError) or ": no manifest; " not in str(e):
         return ""
     return (f" (the run config {config}'s 'dataset:' is resolved against that file's folder: in a copied "
             f"config, make it absolute or relative to the copy; pack the dataset first if it was never built)")
