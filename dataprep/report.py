@@ -34,6 +34,13 @@ from contract.config import MixtureConfig
 from contract.manifest import Manifest
 
 
+
+def _fill_pct(f: float) -> str:
+    """A fill percentage as the totals table and the closing table print it (rounded to 0.01), except
+    that a fill below 100 never reads "100.00%"."""
+    text = f"{f:.2f}%"
+    return "99.99%" if text == "100.00%" and f < 100.0 else text
+
 def segment_histograms(stats: Sequence[Sequence]) -> dict[str, np.ndarray]:
     """Per source, the sum over its shards of the ``segment_lengths`` histograms in the stats."""
     out: dict[str, np.ndarray] = {}
@@ -166,12 +173,12 @@ def render(
         ax.yaxis.set_major_locator(MultipleLocator(10))
         if len(fills) <= 64:
             for i, f in enumerate(fills):
-                label = "empty" if f == 0 else f"{np.floor(f * 100) / 100:.2f}%"  # 99.96 is not "100.0"
+                label = "empty" if f == 0 else _fill_pct(f)
                 ax.text(i, 2.0, label, ha="center", va="bottom", fontsize=8,
                         rotation=90 if len(fills) > 16 else 0, color="0.2" if f == 0 else "white")
     used = [f for f in fills if f > 0]
     overall = 100.0 * sum(manifest.sources[n].totals()["tokens"] for n in names) / max(1, x_slots)
-    summary = f": lowest {np.floor(min(used) * 100) / 100:.2f}%, all shards {np.floor(overall * 100) / 100:.2f}%" if used else ""
+    summary = f": lowest {_fill_pct(min(used))}, all shards {_fill_pct(overall)}" if used else ""
     source_ticks(ax, ticks, labels)
     ax.set_ylabel("fill (% of row slots holding tokens)")
     ax.set_title(f"fill per shard{summary} (axis from 0)" + ("; labels: source (shard count)" if long_labels else ""))

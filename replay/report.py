@@ -671,6 +671,11 @@ def render_triage(report: Mapping[str, Any], console: Optional[Console] = None) 
     console.print(f"triage of step {report['step']} (onset {report['onset']}; steps {j['start']}..{j['stop'] - 1} judged "
                   f"against the window {w['start']}..{j['start'] - 1}; "
                   f"loss {'non-finite' if not report.get('loss_finite') else f'{loss:.4f}'})")
+    if report.get("spike_found") is False:
+        console.print(f"[yellow]note[/]: the loss check finds no loss spike at step {report['step']} or in the "
+                      f"{j['stop'] - j['start'] - 1} steps before it; the checks below judge steps "
+                      f"{j['start']}..{j['stop'] - 1} all the same, and a rewind only pays for a real spike "
+                      f"(replay scan lists the loss spikes it finds)")
     for line in report.get("lineage") or []:
         console.print(f"lineage: {escape(line)}")
     for n, (name, c) in enumerate(report["checks"].items(), 1):

@@ -331,3 +331,20 @@ def test_a_shard_altered_after_packing_is_named(tmp_path):
     shards = [SimpleNamespace(path="a/s0", sha256=sha), SimpleNamespace(path="a/s1", sha256=sha)]
     data = SimpleNamespace(dataset=str(tmp_path), manifest=SimpleNamespace(sources={"a": SimpleNamespace(shards=shards)}))
     assert tr._altered_shards(data, ["a/s0", "a/s1", "a/missing"]) == ["a/s1"]
+
+
+def test_triage_says_when_there_is_no_spike_and_which_router_fix_helps(tmp_path, capsys):
+    # a step without a loss spike: triage still runs every check, and says the loss check found none
+    root = make_run(str(tmp_path / "q"), steps=40)
+    calm = triage(root, 39)
+    assert calm.spike_found is False and calm.to_dict()["spike_found"] is False
+    assert main(["triage", "--run", root, "--step", "39"]) == 0
+    assert "finds no loss spike at step 39" in capsys.readouterr().out
+    spiky = triage(make_run(str(tmp_path / "s"), steps=40, loss_spike=35), 35)
+    assert spiky.spike_found is True and spiky.onset == 35
+    # router: judged steps inside the warm-up (10): a longer --window cannot help, and it says so
+    early = triage(root, 8).checks["router"]
+    assert early.status == "not available" and "no longer --window helps" in early.summary
+    # a window that cuts the baseline off: a longer one helps
+    short = triage(root, 39, window=3).checks["router"]
+    assert short.status == "not available" and short.summary.endswith("give a longer --window")

@@ -192,6 +192,7 @@ class TriageReport:
     skip_plan: Optional[dict[str, Any]]
     judged: tuple[int, int] = (0, 0)
     series: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    spike_found: Optional[bool] = None  # the loss check found a spike at ``step`` or just before it
 
     @property
     def exit_code(self) -> int:
@@ -205,7 +206,8 @@ class TriageReport:
                 "loss_finite": self.loss is not None and math.isfinite(self.loss),
                 "checks": {k: c.to_dict() for k, c in self.checks.items()},
                 "conclusion": self.conclusion.to_dict(), "cause": self.conclusion.cause,
-                "exit_code": self.exit_code, "lineage": self.lineage, "skip_plan": self.skip_plan}
+                "exit_code": self.exit_code, "lineage": self.lineage, "skip_plan": self.skip_plan,
+                "spike_found": self.spike_found}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -669,8 +671,14 @@ def check_router(signals: Optional[Mapping[int, Any]], lo: int, step: int, onset
     base = [s for s in range(max(lo, health.warmup_steps), first) if s in signals and signals[s].router]
     on = [s for s in range(first, last + 1) if s in signals and signals[s].router]
     if not base or not on:
+        if lo > health.warmup_steps:  # the window cut the baseline off: a longer one reaches it
+            fix = "give a longer --window"
+        else:  # the judged steps start within the warm-up: no window reaches a baseline
+            fix = (f"the judged steps {first}..{last} start at or before the end of the router's warm-up, so "
+                   f"no longer --window helps; triage a step after {health.warmup_steps + cfg.onset_steps - 1} "
+                   f"(or lower router_health.warmup_steps in the run config)")
         return Check("router", "not available", f"no router baseline before step {first} after warm-up "
-                                                f"(warmup_steps {health.warmup_steps}): give a longer --window")
+                                                f"(warmup_steps {health.warmup_steps}): {fix}")
     layers = max(len(signals[s].router) for s in on)
     found, evidence = [], {}
     W = max(int(health.window_steps), 1)  # shares judged over the run config's window, as replay scan does
@@ -880,6 +888,7 @@ def triage_run(run: RunLog, step: int, *, window: Optional[int] = None, replay: 
     lo = max(first, step - w)
     health, scfg = _run_thresholds(run)
     onset, spikes = find_onset(run, lo, step, scfg, config.onset_steps)
+    spike_found = any(step - config.onset_steps < s <= step for s in spikes)
     loss = _loss_of(run, step)
     onset_loss = [_loss_of(run, s) for s in range(onset, step + 1) if s in run.fingerprints]
     finite = all(math.isfinite(x) for x in onset_loss)
@@ -917,4 +926,5 @@ def triage_run(run: RunLog, step: int, *, window: Optional[int] = None, replay: 
               "loss": {s: _loss_of(run, s) for s in range(lo, step + 1) if s in run.fingerprints}}
     return TriageReport(run_dir=run.run_dir, step=step, onset=onset, window=(lo, step + 1), loss=loss, checks=checks,
                         conclusion=conclusion, lineage=run.lineage.describe() if run.lineage else [],
-                        skip_plan=plan, judged=judged_steps(lo, step, onset, config), series=series)
+                        skip_plan=plan, judged=judged_steps(lo, step, onset, config), series=series,
+                        spike_found=spike_found)
