@@ -42,7 +42,10 @@ RELEVANT_JAX_FLAGS = (
 )
 
 # Keys whose difference does not change computed bits (reported as notes, not mismatches).
-_INFORMATIONAL = ("hostname", "python_executable", "env.TF_CPP_MIN_LOG_LEVEL", "env.XLA_PYTHON_CLIENT_PREALLOCATE")
+_INFORMATIONAL = ("hostname", "python_executable", "env.TF_CPP_MIN_LOG_LEVEL", "env.XLA_PYTHON_CLIENT_PREALLOCATE",
+                  # not drift: equal bits for many counts (4 and 8 above); range replay explains an
+                  # unlocalized difference by it (replay.verify.engine.cpu_threads_hint)
+                  "backend.cpu_threads")
 
 
 # Variables holding whitespace-separated flags: compared as sets of flags, not as strings.
@@ -113,6 +116,8 @@ def record_environment(mesh: Any = None) -> dict[str, Any]:
         "hostname": platform.node(),
         "python_executable": sys.executable,
     }
+    if devices[0].platform == "cpu":
+        rec["backend"]["cpu_threads"] = cpu_threads(jax.local_device_count())
     rec["devices"], rec["processes"] = device_records(devices, hosts)
     for flag in RELEVANT_JAX_FLAGS:
         try:
@@ -132,6 +137,24 @@ def record_environment(mesh: Any = None) -> dict[str, Any]:
             "device_coords": coords,
         }
     return rec
+
+
+def cpu_threads(local_device_count: int) -> int:
+    """The intra-op thread count XLA:CPU sizes a process's matrix products by: the larger of the
+    CPUs this process may run on (``os.sched_getaffinity``) and its local device count.
+
+    Measured on jaxlib 0.10.2 (docs/trainer.md, "Bit identity"): the bits of a float32
+    ``[2048, 128]^T @ [2048, 8]`` product (the router's weight gradient of the demo model) are the same
+    for 4 and 8 local devices on 2 CPUs and for 4 devices on 1 CPU, and differ with 1 or 2 devices on
+    2 CPUs and with 1 device on 1 CPU: Eigen splits a long contraction's sum over the threads it has.
+    So a run of 2 processes x 2 devices and its replay by 1 process x 8 devices compute different
+    bits on every device without any fault. Recorded as ``backend.cpu_threads`` in env.json (CPU only).
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(int(cpus), int(local_device_count))
 
 
 def device_records(devices: Any, hosts: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -197,7 +220,7 @@ def compare_environment(recorded: Mapping[str, Any], current: Mapping[str, Any])
             continue  # implied by mesh.device_ids and mesh.shape
         va = a.get(key, "<unset>")
         vb = b.get(key, "<unset>")
-        if key == "backend.collectives" and "<unset>" in (va, vb):
+        if key in ("backend.collectives", "backend.cpu_threads") and "<unset>" in (va, vb):
             continue  # a record from before the field: its collectives are not known
         if key in _FLAG_LISTS and isinstance(va, str) and isinstance(vb, str) and _flags(va) == _flags(vb):
             continue  # the same flags in another order (or spacing) compile the same program

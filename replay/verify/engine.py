@@ -48,7 +48,7 @@ from replay.run.runlog import RunDirError, RunLog, missing_steps
 from replay.run.codes import Verdict
 from replay.run.setup import RunSetup
 from replay.verify.localize import describe_site
-from replay.verify.verdict import Decision, Evidence, ReplayOutcome, decide
+from replay.verify.verdict import Cause, Decision, Evidence, ReplayOutcome, decide
 
 PREFETCH_MIN_STEPS = 8  # stretches this long read batches through the loader's prefetch
 
@@ -437,6 +437,30 @@ def environment_differences(run: RunLog, mesh: Any) -> list[str]:
             and not d.startswith("backend.process_index")]
 
 
+def cpu_threads_hint(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> Optional[str]:
+    """What to tell an operator when every device's bits differ on CPU and the run's processes had
+    another XLA:CPU thread count than this one (``replay.run.env.cpu_threads``); None otherwise
+    (another platform, the same count, or a record from before the field).
+
+    Args:
+      recorded, current: env.json records (``replay.run.env.record_environment``).
+    """
+    rb, cb = recorded.get("backend") or {}, current.get("backend") or {}
+    if cb.get("platform") != "cpu" or rb.get("platform") != "cpu":
+        return None
+    rt, ct = rb.get("cpu_threads"), cb.get("cpu_threads")
+    if rt is None or ct is None or int(rt) == int(ct):
+        return None
+    per = rb.get("local_device_count")
+    procs = rb.get("process_count") or 1
+    how = (f"XLA_FLAGS=--xla_force_host_platform_device_count={per} in each of {procs} process(es), "
+           if per else "")
+    return (f"on CPU the run's processes ran XLA with {rt} intra-op threads and this replay with {ct} (the "
+            "larger of a process's CPUs and its local devices), and XLA:CPU splits the sum of a long matrix "
+            "product over its threads, so every device's bits can differ without a fault: replay with the "
+            f"run's threads ({how}on CPUs as many as the run's) to compare bit for bit")
+
+
 # ----------------------------------------------------------------------------- range replay
 
 
@@ -782,6 +806,12 @@ def replay_range(
     if full_comparison and decision.step is not None and (decision.step + 1) in run.checkpoints:
         differing = _full_comparison(session, assignments[0], decision.step)
     replay_s = time.perf_counter() - t0 - (session.restore_seconds - restore0)
+    if decision.verdict is Verdict.AMBIGUOUS and decision.cause is Cause.UNLOCALIZED:
+        from replay.run import env as envmod
+
+        hint = cpu_threads_hint(run.env or {}, envmod.record_environment(session.mesh(home)))
+        if hint:
+            decision = dataclasses.replace(decision, explanation=f"{decision.explanation}; {hint}")
     coords = {int(k): dict(v) for k, v in (run.mesh.get("device_coords") or {}).items()}
     return RangeReport(
         run_dir=run.run_dir, start=start, stop=stop, checkpoint=ckpt,
