@@ -243,8 +243,8 @@ def render_inspect(report: Mapping[str, Any], console: Optional[Console] = None,
         console.print(f"showing the first {len(rows)} of {total} documents: --max-rows {total} shows all, "
                       "--json OUT writes every document with its token ids")
     if with_text and (cut or any(len(x) > room for x in texts)):
-        console.print("text: the start of each document (its repr, cut with …); --json OUT writes each whole, "
-                      "with its token ids")
+        console.print("text: the start of each document's piece in that row (a document split over rows starts mid-text in "
+                      "the later rows; its repr, cut with …); --json OUT writes each whole, with its token ids")
     if console.is_terminal and need > console.width:
         console.print(f"(the table is {need} columns wide and this terminal {console.width}: keys and paths are "
                       "whole; pipe through 'less -S' to see it unfolded)")

@@ -250,7 +250,8 @@ def test_inspect_never_breaks_a_key_or_a_path(width, terminal, text):
         assert any(r["shard"] in line for line in lines)
         for d in r["documents"]:  # whole, on one line, with the row's shard on the same line
             assert any(d["key"] in line and r["shard"] in line for line in lines), (d["key"], buf.getvalue())
-    hint = "text: the start of each document (its repr, cut with …); --json OUT writes each whole, with its token ids"
+    hint = ("text: the start of each document's piece in that row (a document split over rows starts mid-text in the "
+            "later rows; its repr, cut with …); --json OUT writes each whole, with its token ids")
     assert (hint in lines) == text
     wide = [line for line in lines if line.startswith("(the table is")]
     assert bool(wide) == (terminal and width < 150)
