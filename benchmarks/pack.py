@@ -5,6 +5,7 @@
     python benchmarks/pack.py --quick            # 20 MB, under a minute (a smoke test, not a figure)
     python benchmarks/pack.py --tokenizer build/demo/tokenizer.model   # the demo's 8,000 pieces
     python benchmarks/pack.py --paragraphs       # short documents (280 characters on average)
+    python benchmarks/pack.py --dedup off        # without the duplicate report (what the pipeline did before it)
 
 Corpus: real text every machine has, the Python standard library's modules (code) and
 ``pydoc_data.topics`` (prose), written as JSONL documents and repeated until the size is
@@ -252,12 +253,14 @@ def measure(cmd: list[str]) -> dict:
     }
 
 
-def _config(path: pathlib.Path, corpus: pathlib.Path, model: pathlib.Path, sha: str, seq_len: int, shards: int):
+def _config(path: pathlib.Path, corpus: pathlib.Path, model: pathlib.Path, sha: str, seq_len: int, shards: int,
+            dedup: str = "report"):
     path.write_text(yaml.safe_dump({
         "name": "bench",
         "version": 1,
         "seq_len": seq_len,
         "shards_per_source": shards,
+        "dedup": dedup,
         "tokenizer": {"path": str(model), "sha256": sha},
         "sources": [{"name": "stdlib", "paths": [str(corpus / "*.jsonl")], "format": "jsonl"}],
     }))
@@ -284,6 +287,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shards", type=int, default=4, help="shards_per_source of the benchmark config")
     parser.add_argument("--repeats", type=int, default=None, help="best of N timings (default 3, quick 1)")
     parser.add_argument("--keep", default=None, help="keep the corpora and datasets in this folder")
+    parser.add_argument("--dedup", choices=("off", "report", "exact"), default="report",
+                        help="the benchmark config's dedup (default report, the config default: every document's "
+                             "text hashed and grouped; off: what the pipeline did before duplicates were found)")
     parser.add_argument("--paragraphs", action="store_true",
                         help="short documents: one paragraph each (280 characters on average)")
     parser.add_argument("--tokenizer", default=None,
@@ -307,9 +313,9 @@ def main(argv=None) -> int:
     else:
         model = work / "tok.model"
         sha = testing.train_small_tokenizer(str(model), vocab_size=1000)
-    big = _config(work / "mix.yaml", work / "corpus", model, sha, args.seq_len, args.shards)
-    small = _config(work / "mix-small.yaml", work / "corpus-small", model, sha, args.seq_len, args.shards)
-    tiny = _config(work / "mix-tiny.yaml", work / "corpus-tiny", model, sha, args.seq_len, 1)
+    big = _config(work / "mix.yaml", work / "corpus", model, sha, args.seq_len, args.shards, args.dedup)
+    small = _config(work / "mix-small.yaml", work / "corpus-small", model, sha, args.seq_len, args.shards, args.dedup)
+    tiny = _config(work / "mix-tiny.yaml", work / "corpus-tiny", model, sha, args.seq_len, 1, args.dedup)
 
     startup = min((measure(_pack(tiny, work / "ds-tiny")) for _ in range(repeats)), key=lambda r: r["cpu"])
     startup2 = min((measure(_pack(tiny, work / "ds-tiny2", 2, "multi_processing")) for _ in range(repeats)),
@@ -372,6 +378,7 @@ def main(argv=None) -> int:
         "disk_bytes_per_token": round(t["bytes"] / tokens, 4),
         "repeats": repeats,
         "paragraphs": args.paragraphs,
+        "dedup": args.dedup,
         "cpu_count": os.cpu_count(),
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "pipeline_seconds": round(one["wall"], 2),
