@@ -901,6 +901,7 @@ def plot_goodput(rep: Any, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     from replay.screen.goodput import PART_TEXT, PARTS
 
@@ -933,16 +934,34 @@ def plot_goodput(rep: Any, path: str) -> None:
     if rep.timeline:
         t = [x for x, _ in rep.timeline]
         g = [100.0 * p / x if x > 0 else 0.0 for x, p in rep.timeline]
-        ax2.plot(t, g, color="#55a868", linewidth=1.5, label="goodput so far (productive / elapsed)")
+        # no steps ran in a gap far longer than a step (between attempts): drawn apart, not as data
+        dt = np.diff(np.asarray(t, float))
+        gap = dt > max(5.0 * float(np.median(dt)), 1e-9) if dt.size else np.zeros(0, bool)
+        start, labelled = 0, False
+        for i in list(np.nonzero(gap)[0]) + [len(t) - 1]:
+            ax2.plot(t[start:i + 1], g[start:i + 1], color="#55a868", linewidth=1.5,
+                     label=None if start else "goodput so far (productive / elapsed)")
+            if i + 1 < len(t):
+                ax2.plot(t[i:i + 2], g[i:i + 2], color="grey", linestyle=":", linewidth=1,
+                         label=None if labelled else "no step ran (between attempts)")
+                labelled = True
+            start = i + 1
         ax2.legend(fontsize=8, loc="lower right")
     else:
         ax2.text(0.5, 0.5, "no per-step timestamps logged", ha="center", transform=ax2.transAxes)
     ax2.set_ylim(0, 100)
+    span = max([x for x, _, _ in rep.events] + [x for x, _ in rep.timeline] + [1e-9])
+    placed: list[tuple[float, float]] = []  # (x, y) of the labels so far: close ones are stacked downwards
     for x, kind, step in rep.events:
         color = {"start": "tab:green", "restore": "tab:orange", "rewind": "tab:red", "skip_window": "tab:purple"}.get(
             kind, "tab:gray")
         ax2.axvline(x, color=color, linestyle="--", linewidth=1)
-        ax2.text(x, 98, f"{kind} {step}", rotation=90, va="top", ha="right", fontsize=7, color=color)
+        y = 98.0
+        while any(abs(x - px) < 0.02 * span and abs(y - py) < 1 for px, py in placed):
+            y -= 27.0
+        placed.append((x, y))
+        ax2.text(x, y, f"{kind.replace('_', ' ')} {step}", rotation=90, va="top", ha="right", fontsize=7,
+                 color=color)
     ax2.set_xlabel("seconds since the first launch")
     ax2.set_ylabel("goodput so far (%)")
     ax2.set_title("goodput over time; starts, restores, rewinds and skip windows as dashed lines", fontsize=10)
