@@ -217,6 +217,19 @@ def _identity_tokenizer(path: pathlib.Path) -> None:
     path.write_bytes(model.getvalue())
 
 
+def _pack_in(tmp_path, tok):
+    """Packs ``tmp_path/in/*.jsonl`` (one source ``j``, seq_len 64) with tokenizer ``tok``; returns the
+    source's ledger and the dead letters, in file order."""
+    cfg = {"name": "t", "version": 1, "seq_len": 64, "shards_per_source": 1, "max_rejected_fraction": 1.0,
+           "tokenizer": {"path": str(tok)}, "sources": [{"name": "j", "paths": ["in/*.jsonl"], "format": "jsonl"}]}
+    (tmp_path / "mix.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "ds"
+    assert pack.main(["--config", str(tmp_path / "mix.yaml"), "--output", str(out), "--quiet", "--no-report"]) == 0
+    ledger = json.loads((out / "manifest.json").read_text())["sources"]["j"]["ledger"]
+    letters = [json.loads(line) for f in sorted((out / "errors").glob("*.jsonl")) for line in f.read_text().splitlines()]
+    return ledger, letters
+
+
 def test_a_whitespace_only_document_is_empty_whatever_the_tokenizer_keeps(tmp_path):
     # Was: with a tokenizer that keeps whitespace (--normalization identity) "   \n\t " was packed as a
     # document of whitespace tokens, while "" was rejected as empty_after_tokenization.
@@ -228,14 +241,8 @@ def test_a_whitespace_only_document_is_empty_whatever_the_tokenizer_keeps(tmp_pa
     (tmp_path / "in").mkdir()
     docs = ["a document", "", "   \n\t ", "another one", " \u3000\u00a0" * 30]
     (tmp_path / "in/a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-    cfg = {"name": "t", "version": 1, "seq_len": 64, "shards_per_source": 1, "max_rejected_fraction": 1.0,
-           "tokenizer": {"path": str(tok)}, "sources": [{"name": "j", "paths": ["in/*.jsonl"], "format": "jsonl"}]}
-    (tmp_path / "mix.yaml").write_text(yaml.safe_dump(cfg))
-    out = tmp_path / "ds"
-    assert pack.main(["--config", str(tmp_path / "mix.yaml"), "--output", str(out), "--quiet", "--no-report"]) == 0
-    ledger = json.loads((out / "manifest.json").read_text())["sources"]["j"]["ledger"]
+    ledger, letters = _pack_in(tmp_path, tok)
     assert (ledger["read"], ledger["packed"], ledger["rejected"]) == (5, 2, {"empty_after_tokenization": 3})
-    letters = [json.loads(line) for f in sorted((out / "errors").glob("*.jsonl")) for line in f.read_text().splitlines()]
     assert [(d["key"], d["reason"], d["detail"]) for d in letters] == [
         ("j/a.jsonl:2", "empty_after_tokenization", "no token: the text is empty"),
         ("j/a.jsonl:3", "empty_after_tokenization", "the text is only whitespace (6 characters: '   \\n\\t ')"),
@@ -261,14 +268,8 @@ def test_a_jsonl_line_that_repeats_a_key_is_an_invalid_json_dead_letter(tmp_path
     testing.train_small_tokenizer(str(tok))
     (tmp_path / "in").mkdir()
     (tmp_path / "in/a.jsonl").write_bytes((tmp_path / "a.jsonl").read_bytes())
-    cfg = {"name": "t", "version": 1, "seq_len": 64, "shards_per_source": 1, "max_rejected_fraction": 1.0,
-           "tokenizer": {"path": str(tok)}, "sources": [{"name": "j", "paths": ["in/*.jsonl"], "format": "jsonl"}]}
-    (tmp_path / "mix.yaml").write_text(yaml.safe_dump(cfg))
-    out = tmp_path / "ds"
-    assert pack.main(["--config", str(tmp_path / "mix.yaml"), "--output", str(out), "--quiet", "--no-report"]) == 0
-    ledger = json.loads((out / "manifest.json").read_text())["sources"]["j"]["ledger"]
+    ledger, letters = _pack_in(tmp_path, tok)
     assert (ledger["read"], ledger["packed"], ledger["rejected"]) == (3, 1, {"invalid_json": 2})
-    letters = [json.loads(line) for f in sorted((out / "errors").glob("*.jsonl")) for line in f.read_text().splitlines()]
     assert [(d["key"], d["reason"], d["raw"]) for d in letters] == [
         ("j/a.jsonl:1", "invalid_json", '{"text":"a","text":"b"}'),
         ("j/a.jsonl:2", "invalid_json", '{"text":"ok","meta":{"u":1,"u":2}}'),

@@ -577,18 +577,20 @@ def test_dataset_errors_end_with_what_to_do_next(ds, tmp_path):
     d = copy_ds(ds, tmp_path)
     cfg = _mix_file(tmp_path, d)
     pack = f"python -m dataprep.pack --config {cfg.path} --output {d} --overwrite"
+
+    def build_error(mixture=cfg) -> str:
+        with pytest.raises(loader.DatasetError) as e:
+            loader.build(mixture, d, global_batch=8)
+        return str(e.value)
+
     path = os.path.join(d, SHARD_B1)
     orig = pathlib.Path(path).read_bytes()
     pathlib.Path(path).write_bytes(orig[:-10])
-    with pytest.raises(loader.DatasetError) as e:
-        loader.build(cfg, d, global_batch=8)
-    assert str(e.value) == (
+    assert build_error() == (
         f"shard {path}: {len(orig) - 10} bytes, manifest says {len(orig)} (truncated or altered)\nnext: restore the "
         f"shard {SHARD_B1} from the copy the dataset was written to, or rebuild the dataset: {pack}")
     os.remove(path)
-    with pytest.raises(loader.DatasetError) as e:
-        loader.build(cfg, d, global_batch=8)
-    assert str(e.value) == (
+    assert build_error() == (
         f"shard {path}: missing (manifest lists 8 records)\nnext: restore the shard {SHARD_B1} from the copy the "
         f"dataset was written to, or rebuild the dataset: {pack}")
     bad = bytearray(orig)
@@ -607,28 +609,20 @@ def test_dataset_errors_end_with_what_to_do_next(ds, tmp_path):
     man = pathlib.Path(d, "manifest.json")
     good = man.read_text()
     edit_manifest(d, lambda m: m["sources"]["a"]["shards"][0].update(padding=m["sources"]["a"]["shards"][0]["padding"] + 1))
-    with pytest.raises(loader.DatasetError) as e:
-        loader.build(cfg, d, global_batch=8)
-    assert str(e.value) == (
+    assert build_error() == (
         f"{man}: does not reconcile: shard a/data-00000-of-00003.array_record: tokens + padding != records * seq_len"
         f"\nnext: restore manifest.json from the copy the dataset was written to, or rebuild the dataset: {pack}")
     man.write_text(good)
     edit_manifest(d, lambda m: m.update(manifest_version=99))
-    with pytest.raises(loader.DatasetError) as e:
-        loader.build(cfg, d, global_batch=8)
-    assert str(e.value) == (
+    assert build_error() == (
         f"{man}: manifest_version 99, this reader knows 1\nnext: a newer toolkit wrote this dataset: upgrade this one "
         f"(moe-data-toolkit, which reads manifest_version 1) to read it")
     man.write_text(good)
     other = lt.synthetic_mixture({"a": 0.3, "b": 0.6, "c": 0.1}, seq_len=SEQ * 2)
-    with pytest.raises(loader.DatasetError) as e:
-        loader.build(other, d, global_batch=8)
-    assert str(e.value) == (
+    assert build_error(other) == (
         f"{man}: seq_len {SEQ} != mixture seq_len {SEQ * 2}\nnext: give the dataset packed from this mixture config, "
         f"or pack one: python -m dataprep.pack --config <this mixture config> --output <new dataset folder>")
     os.remove(man)
-    with pytest.raises(loader.DatasetError) as e:
-        loader.build(cfg, d, global_batch=8)
-    assert str(e.value) == (
+    assert build_error() == (
         f"{man}: no manifest; the dataset is missing or was not committed\nnext: check the path (a committed dataset "
         f"folder holds manifest.json), or build the dataset: python -m dataprep.pack --config {cfg.path} --output {d}")
