@@ -29,6 +29,7 @@ CHAIN = (
     "index",        # step -> global rows -> (phase, source, epoch, record); pure
     "storage",      # datasets behind a URL, staged locally
     "shards",       # (source, record) -> (shard, record in shard) -> record bytes
+    "slow_store",   # the shard set with injected read latency (stall drills)
     "dataset",      # open and check: manifest, mixture, shards
     "arrays",       # record bytes -> host arrays (the one implementation)
     "source",       # step -> this process's host arrays
