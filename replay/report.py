@@ -873,6 +873,7 @@ def render_goodput(report: Mapping[str, Any], console: Optional[Console] = None)
     console.print(ledger)
     for line in report.get("unknown") or []:
         console.print(f"[yellow]unknown:[/] {escape(line)}")
+    _render_input_wait(report.get("input") or {}, console)
     mfu = report["mfu"]
     if mfu.get("status") == "ok":
         console.print(f"MFU (median of the lineage's steps): {mfu['median']:.2%} ({mfu['devices']} x "
@@ -891,6 +892,23 @@ def render_goodput(report: Mapping[str, Any], console: Optional[Console] = None)
 
     headline = f"[bold]{escape(headline(report))}[/]"
     console.print(Panel(headline, title="goodput"), soft_wrap=False)
+
+
+def _render_input_wait(inp: Mapping[str, Any], console: Console) -> None:
+    """The input wait line of ``replay goodput``: the loader_wait part split by where it went."""
+    from replay.screen.goodput import INPUT_TEXT
+
+    if not inp or not inp.get("charged_us"):
+        return
+    total = inp["charged_us"]
+    parts = sorted(((v, k) for k, v in inp["us"].items() if v > 0), reverse=True)
+    split = "; ".join(f"{escape(INPUT_TEXT[k])} {_dur(v / 1e6)} ({v / total:.0%})" for v, k in parts)
+    occ = (f"; the buffer was empty at {inp['drained_steps']} of {inp['steps_with_occupancy']} asks"
+           if inp.get("steps_with_occupancy") else "")
+    console.print(f"input wait {_dur(total / 1e6)}: {split}{occ}")
+    if inp.get("worst") and inp["worst"][0][1] > 0:
+        console.print("  longest: " + ", ".join(f"step {s} {_dur(w)} ({escape(INPUT_TEXT.get(k, k))})"
+                                                for s, w, k in inp["worst"][:3]))
 
 
 def plot_goodput(rep: Any, path: str) -> None:

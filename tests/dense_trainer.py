@@ -282,7 +282,7 @@ def train(run_dir: str, config: Mapping[str, Any], steps: int, *, faults: Any = 
         t0 = time.perf_counter()
         state, fp = trainer.train_step(state, batch, step, faults)
         log.log_step(fp, step_time_s=time.perf_counter() - t0,  # replay
-                     loader_wait_s=data.metrics()["wait_s_last_step"])  # replay
+                     loader=data.metrics())  # replay
         losses[step] = fp.signals.loss
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == steps:
             trainer.save(run_dir, step + 1, state, data.state().to_dict())

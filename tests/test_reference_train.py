@@ -430,7 +430,7 @@ def test_progress_lines_and_train_png_cover_a_resumed_run(tiny, tmp_path, monkey
     assert series["loss"] == [logged[s].loss for s in range(5)]
     assert series["dropped"] == [[logged[s].router[i].dropped_fraction for s in range(5)] for i in range(2)]
     image = matplotlib.image.imread(str(run_dir / "train.png"))
-    assert image.shape == (850, 1000, 4)
+    assert image.shape == (1100, 1000, 4)
 
 
 def test_full_disk_error_says_what_to_do(tiny, tmp_path, monkeypatch, capsys):

@@ -55,6 +55,22 @@ from replay.run import protocol as proto
 from replay.run.protocol import SUPERSEDED_DIR
 
 
+def input_signals(metrics: Optional[Mapping[str, Any]], wait_s: Optional[float] = None,
+                  occupancy: Optional[int] = None) -> dict[str, Any]:
+    """The ``StepSignals`` input fields of a step from the loader's ``metrics()`` (read after its batch
+    was taken): ``loader_wait_s``, ``loader_occupancy`` (at the ask), ``loader_occupancy_min``,
+    ``loader_wait_stages`` (seconds, rounded to the microsecond); ``wait_s`` and ``occupancy`` win
+    where given. Without ``metrics`` only those two."""
+    m = metrics or {}
+    wait = wait_s if wait_s is not None else m.get("wait_s_last_step")
+    occ = occupancy if occupancy is not None else m.get("occupancy_at_ask", m.get("prefetch_occupancy"))
+    stages = m.get("wait_stages_s")
+    return {"loader_wait_s": None if wait is None else round(float(wait), 6),
+            "loader_occupancy": None if occ is None else int(occ),
+            "loader_occupancy_min": None if m.get("occupancy_min") is None else int(m["occupancy_min"]),
+            "loader_wait_stages": None if stages is None else {k: round(float(v), 6) for k, v in stages.items()}}
+
+
 class RunDir:
     """The files of one run directory (``replay.run.protocol`` layout), as one process of the run writes them.
 
@@ -390,13 +406,19 @@ class RunWriter:
         return int(checkpoint)
 
     def log_step(self, fp: proto.StepFingerprints, *, step_time_s: Optional[float] = None,
-                 loader_wait_s: Optional[float] = None, loader_occupancy: Optional[int] = None) -> None:
+                 loader_wait_s: Optional[float] = None, loader_occupancy: Optional[int] = None,
+                 loader: Optional[Mapping[str, Any]] = None) -> None:
         """Appends the step's fingerprints and, when ``fp.signals`` holds them, its screening signals with
-        the loop's timings (seconds; the loader's buffer occupancy)."""
+        the loop's timings (seconds; the loader's buffer occupancy).
+
+        ``loader``: the loader's ``metrics()`` read after the step's batch was taken (``loader.DataLoader``);
+        its input figures fill the signals' ``loader_wait_s``, ``loader_occupancy`` (the level at the ask),
+        ``loader_occupancy_min`` and ``loader_wait_stages`` (``replay.run.protocol.StepSignals``), unless
+        ``loader_wait_s`` or ``loader_occupancy`` are given, which win."""
         self.dir.append_fingerprints(fp)
         if fp.signals is not None:
             self.dir.append_signals(dataclasses.replace(
-                fp.signals, step_time_s=step_time_s, loader_wait_s=loader_wait_s, loader_occupancy=loader_occupancy))
+                fp.signals, step_time_s=step_time_s, **input_signals(loader, loader_wait_s, loader_occupancy)))
 
     def event(self, name: str, step: int, **fields: Any) -> dict[str, Any]:
         """Appends an event (``checkpoint`` once a checkpoint has committed, ``phase_change``,
