@@ -67,6 +67,8 @@ def with_next(e: DatasetError, step: str) -> DatasetError:
 def _open_reader(path: str, mode: str = "batched"):
     from array_record.python.array_record_module import ArrayRecordReader
 
+    if mode == "records":  # a seek + read a record: ArrayRecord's default buffer (benchmarks/load.py)
+        return ArrayRecordReader(path, READER_OPTIONS_BY_MODE[mode])
     return ArrayRecordReader(path, READER_OPTIONS_BY_MODE[mode], file_reader_buffer_size=32768)
 
 
