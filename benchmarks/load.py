@@ -16,10 +16,15 @@ Prints ONE JSON object:
                   records one at a time (``seek`` + ``read``, the way the loader's
                   ``read_mode="records"`` does) and decodes them: what is left of the
                   loader's own cost once both read the cheaper way.
+  cpu_ratio, cpu_ratio_vs_record_reads, cpu_ms_per_batch
+                  the same comparisons in CPU seconds (``time.process_time``: every thread of
+                  the process, ArrayRecord's pool included) per row, best round of each: on a
+                  shared machine the wall clock also counts the time the process waits for a
+                  core, the CPU seconds do not.
   speed_ratio_vs_record_reads_without_transfer
                   the record loop's seconds per batch / (the loader's - its transfer's): the
                   ratio of the parts that are not the host-to-device transfer.
-  per_batch_ms    where each loop's time goes per batch: the loader's stages (``batch_at``
+  per_batch_ms    where each loop's time goes per batch, wall clock: the loader's stages (``batch_at``
                   timed by its own stage clock, ``metrics()["wait_stages_s"]``: index, read,
                   decode, rows, transfer, other) and the record loop's read and decode (timed
                   apart in a separate pass), beside each loop's timed seconds per batch.
@@ -241,16 +246,21 @@ def main(argv=None):
         # Alternate the two loops over the same steps, several rounds; keep each side's best
         # round (the machine is shared: the best round is the least disturbed one).
         record_loop(data, range(2))
-        base, mine, seq = [], [], []
+        base, mine, seq, cpu = [], [], [], []
         for r in range(args.rounds):
             start = 2 + r * steps
+            c0 = time.process_time()
             base_rows, base_s = plain_loop(data, range(start, start + steps))
             base.append(base_rows / base_s)
+            c1 = time.process_time()
             seq_rows, seq_s = record_loop(data, range(start, start + steps))
             seq.append(seq_rows / seq_s)
+            c2 = time.process_time()
             before = data2.metrics()["tokens_served"]
             l_rows, l_tokens, l_s = loader_loop(data2, start, steps)
             mine.append((l_rows / l_s, (l_tokens - before) / l_s))
+            # CPU seconds (every thread of the process) per row: steadier than the wall on a shared machine
+            cpu.append(((c1 - c0) / base_rows, (c2 - c1) / seq_rows, (time.process_time() - c2) / l_rows))
         best_base = max(base)
         best_rows, best_tokens = max(mine)
         early, late = time_batch_at(data, (10, 10**7), 31)
@@ -277,6 +287,11 @@ def main(argv=None):
         "loader_read_mode": data2.source.shards.read_mode,
         "speed_ratio_vs_record_reads_without_transfer": round(record_batch_s / max(loader_batch_s - transfer_s, 1e-12),
                                                                3),
+        "cpu_ratio": round(min(c[0] for c in cpu) / min(c[2] for c in cpu), 3),
+        "cpu_ratio_vs_record_reads": round(min(c[1] for c in cpu) / min(c[2] for c in cpu), 3),
+        "cpu_ms_per_batch": {"baseline": round(min(c[0] for c in cpu) * B * 1e3, 4),
+                             "record_reads": round(min(c[1] for c in cpu) * B * 1e3, 4),
+                             "loader": round(min(c[2] for c in cpu) * B * 1e3, 4)},
         "occupancy_overhead": round(clock_s / loader_batch_s, 5),
         "input_clock_us_per_step": round(clock_s * 1e6, 2),
         "per_batch_ms": {"loader": {k: round(v * 1e3, 4) for k, v in load_parts.items()},
