@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 import loader
 from loader import testing as lt
@@ -26,6 +27,20 @@ def test_a_wait_is_split_by_the_stages_it_overlaps(t_ask, t_got, want):
     got = wait_stages(t_ask, t_got, np.array([0.0, 1.0, 5.0, 6.0, 7.0]), (7.0, 8.0))
     assert got == want and set(got) <= set(WAIT_STAGES)
     assert sum(got.values()) == pytest.approx(max(0.0, t_got - t_ask))
+
+
+@given(st.lists(st.floats(0, 100, allow_nan=False), min_size=7, max_size=7),
+       st.floats(-10, 110, allow_nan=False), st.floats(0, 50, allow_nan=False))
+def test_a_wait_is_split_without_loss_or_excess(points, t_ask, wait):
+    """Any stage stamps (ordered), any transfer after them, any wait: the parts are >= 0, named, and
+    add up to the wait; a part is never longer than its stage."""
+    p = sorted(points)
+    stamps, transfer = np.array(p[:5]), (p[5], p[6])
+    got = wait_stages(t_ask, t_ask + wait, stamps, transfer)
+    assert set(got) <= set(WAIT_STAGES) and all(v > 0 for v in got.values())
+    assert sum(got.values()) == pytest.approx(wait, abs=1e-9)
+    spans = dict(zip(WAIT_STAGES[:4], np.diff(stamps))) | {"transfer": p[6] - p[5]}
+    assert all(got[k] <= spans[k] + 1e-12 for k in got if k != "other")
 
 
 def test_overlap_counts_each_instant_once():
