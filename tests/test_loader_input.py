@@ -54,6 +54,7 @@ def gated(tmp_path):
     lt.write_synthetic_dataset(str(tmp_path / "ds"), {"a": 10, "b": 23}, 16, shards_per_source=2, vocab_size=1000)
     data = loader.build(lt.synthetic_mixture({"a": 0.5, "b": 0.5}, seq_len=16), str(tmp_path / "ds"),
                         global_batch=8, prefetch=2, read_mode="records")
+    data.batch_at(7)  # readers opened, the transfer's fast path checked: step 0 below is warm
     release = [threading.Event() for _ in range(8)]
     store = data.source.shards = SlowShardSet.wrap(data.source.shards, gate=lambda k: release[k].wait(10))
     yield data, store, release
