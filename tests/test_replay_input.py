@@ -103,3 +103,18 @@ def test_triage_reports_a_drained_buffer_beside_the_other_checks():
     assert check_input(signals, 0, 19, 18, ScreeningConfig()).status == "clear"  # the drain was before the onset
     assert check_input({s: sig(s, None, 0.4, None) for s in range(5)}, 0, 4, 0,
                        ScreeningConfig()).status == "not available"
+
+
+def test_the_writer_takes_the_loaders_metrics_as_they_are():
+    from replay.run.writer import input_signals
+
+    m = {"wait_s_last_step": 0.1234567, "occupancy_at_ask": 0, "occupancy_min": 0, "prefetch_occupancy": 1,
+         "wait_stages_s": {"read": 0.1200004, "other": 0.0034563}}
+    assert input_signals(m) == {"loader_wait_s": 0.123457, "loader_occupancy": 0, "loader_occupancy_min": 0,
+                                "loader_wait_stages": {"read": 0.12, "other": 0.003456}}
+    assert input_signals(m, wait_s=0.5, occupancy=3)["loader_wait_s"] == 0.5
+    assert input_signals(None) == {"loader_wait_s": None, "loader_occupancy": None, "loader_occupancy_min": None,
+                                   "loader_wait_stages": None}
+    line = proto.StepSignals(step=0, loss=1.0, grad_norm=1.0, **input_signals(m)).to_json()
+    back = proto.StepSignals.from_dict(json.loads(line))
+    assert (back.loader_occupancy_min, back.loader_wait_stages) == (0, {"read": 0.12, "other": 0.003456})
