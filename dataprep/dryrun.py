@@ -51,10 +51,6 @@ WORKER_PACKAGES = ("contract", "dataprep")
 DEFAULT_FOLDER = "build/dataflow-dry-run"
 
 
-class DryRunError(ConfigError):
-    """The job was built but a check failed; the message lists every problem."""
-
-
 @dataclasses.dataclass(frozen=True)
 class DryRunReport:
     """What the dry run built and found.
