@@ -30,6 +30,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from common import figures
 from contract.config import MixtureConfig
 from contract.manifest import Manifest
 
@@ -104,9 +105,7 @@ def render(
     """
     import textwrap
 
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
+    figures.use_agg()
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator, MultipleLocator
 

@@ -1,10 +1,10 @@
-"""common/: the neutral room (locks, progress formatting) that dataprep and replay share."""
+"""common/: the neutral room (locks, figures, progress formatting) that dataprep and replay share."""
 
 import os
 
 import pytest
 
-from common import locks
+from common import figures, locks
 from common.progress import duration, print_line, rate
 
 
@@ -26,6 +26,20 @@ def test_a_lock_file_is_made_and_held_for_the_block(tmp_path):
         with pytest.raises(BlockingIOError):
             locks.acquire(path, wait=False)
     locks.release(locks.acquire(path, wait=False))
+
+
+def test_figures_save_writes_the_png_through_a_temporary_name(tmp_path):
+    plt = figures.pyplot()
+    import matplotlib
+
+    assert matplotlib.get_backend().lower() == "agg"
+    fig, ax = plt.subplots(figsize=(2, 1))
+    ax.plot([0, 1], [1, 0])
+    path = str(tmp_path / "sub" / "pic.png")
+    assert figures.save(fig, path, dpi=20) == path
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(tmp_path / "sub")) == ["pic.png"]
+    assert not plt.fignum_exists(fig.number)  # closed
 
 
 @pytest.mark.parametrize("seconds, text", [(4.24, "4.2 s"), (59.4, "59 s"), (125, "2 min 05 s"), (3720, "1 h 02 min")])
