@@ -467,7 +467,7 @@ def test_device_and_host_derivation_paths_agree(ds):
         it.close()
         for k in loader.BATCH_KEYS:
             np.testing.assert_array_equal(np.asarray(again[k]), paths[name][k])
-    ref = loader.dense_batch(loader.build(mix(), ds, global_batch=8).read_rows(5), SEQ)
+    ref = lt.dense_batch(loader.build(mix(), ds, global_batch=8).read_rows(5), SEQ)
     for name, got in paths.items():
         for k in loader.BATCH_KEYS:
             np.testing.assert_array_equal(got[k], ref[k], err_msg=f"{name} {k}")
