@@ -79,7 +79,7 @@ from contract.manifest import (  # noqa: E402
     SourceEntry,
     shard_name,
 )
-from dataprep import dryrun, fsutil, pipeline, preflight, progress, sizing, staging  # noqa: E402
+from dataprep import dryrun, faults, fsutil, pipeline, preflight, progress, sizing, staging  # noqa: E402
 
 DEFAULT_RUNNER = "FnApiRunner"
 EXIT_PIPELINE = 1
@@ -902,7 +902,7 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, 
     local = is_local_runner(options)
     spill = spill_folder(base, output)
     beats = progress.heartbeat_folder() if local and not quiet else None
-    _ = p | "Pack" >> pipeline.PackSources(
+    _ = p | "Pack" >> faults.pack_sources()(
         config, pre.files, pre.tokenizer_sha256, token_dtype_for_vocab(vocab).name, output,
         num_shards=shards, sizes=pre.sizes, spill_dir=spill, heartbeat_dir=beats,
         driver_pid=os.getpid() if local else None,
