@@ -166,26 +166,12 @@ class Manifest:
     duplicates: Optional[dict[str, Any]] = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "manifest_version": self.manifest_version,
-            "record_format_version": self.record_format_version,
-            "name": self.name,
-            "version": self.version,
-            "config": self.config,
-            "config_sha256": self.config_sha256,
-            "tokenizer": dict(self.tokenizer),
-            "seq_len": self.seq_len,
-            "token_dtype": self.token_dtype,
-            "sources": {
-                name: {
-                    "shards": [dataclasses.asdict(s) for s in entry.shards],
-                    "totals": entry.totals(),
-                    "ledger": dataclasses.asdict(entry.ledger),
-                }
-                for name, entry in sorted(self.sources.items())
-            },
-            "tools": dict(self.tools),
-        } | ({"duplicates": self.duplicates} if self.duplicates is not None else {})
+        """The JSON form (pydantic's, of the fields above), with each source's derived ``totals``;
+        ``duplicates`` left out when there are none (``dedup: off``)."""
+        out = _adapter().dump_python(self, mode="json", exclude_none=True)
+        for name, entry in self.sources.items():
+            out["sources"][name]["totals"] = entry.totals()
+        return out
 
     def to_json(self) -> str:
         """Canonical JSON text: sorted keys, 2-space indent, trailing newline."""
