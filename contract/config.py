@@ -306,8 +306,9 @@ def _enum_message(enum: type[enum.Enum]) -> Callable[[Any], str]:
 
 _NonEmptyText = Annotated[str, Field(min_length=1)]  # as the JSON Schema of a value before its conversion says it
 _NonEmpty = Annotated[StrictStr, Field(min_length=1), _says(lambda v: f"must be a non-empty string, got {v!r}")]
-_Name = Annotated[_NonEmpty, Field(pattern=_NAME_RE.pattern),
-                  _says(lambda v: f"must match {_NAME_RE.pattern}, got {v!r}", when=lambda v: isinstance(v, str) and v)]
+_Name = Annotated[StrictStr, Field(min_length=1, pattern=_NAME_RE.pattern),
+                  _says(lambda v: f"must match {_NAME_RE.pattern}, got {v!r}" if isinstance(v, str) and v else
+                        f"must be a non-empty string, got {v!r}")]
 _Weight = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False), _says(_weight_message)]
 _Flag = Annotated[StrictBool, _says(lambda v: f"must be true or false, got {v!r}")]
 _FILE = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)

@@ -39,6 +39,9 @@ def test_the_repositorys_mixture_configs_validate(path):
     lambda r: r["sources"][0].update(weight=-1),
     lambda r: r.pop("sources"),
     lambda r: r.update(shards_per_source="many"),
+    lambda r: r.update(name="-x"),
+    lambda r: r["sources"][0].update(name="a b"),
+    lambda r: r.update(phases=[{"from_step": -1, "weights": {"docs": 1}}]),
 ])
 def test_what_the_schema_rejects_we_reject(edit):
     raw = yaml.safe_load((REPO / "configs/mixtures/demo.yaml").read_text())
