@@ -41,7 +41,7 @@ Prints ONE JSON object:
 Usage:  python benchmarks/load.py [--quick] [--rows N] [--seq-len L] [--global-batch B] [--steps S]
                                  [--rounds R] [--devices D] [--workers W] [--read-threads T]
                                  [--read-mode auto|records|batched]
-The dataset is synthetic (``loader.testing``), two sources of N and N/2 rows, 4 shards each.
+The dataset is synthetic (``loader.synthetic``), two sources of N and N/2 rows, 4 shards each.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ import numpy as np
 
 import loader
 from contract import codec
-from loader import testing as lt
+from loader import synthetic as lt
 from loader.shards import _open_reader
 
 

@@ -7,7 +7,6 @@ rendered or plotted again. No JAX.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping, Optional
 
 from rich.console import Console
@@ -15,20 +14,12 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
+from common import figures
 from replay.run.progress import loss_text
 from replay.run.writer import write_json  # noqa: F401  (reports are written with report.write_json)
 
 _VERDICT_STYLE = {"convicted": "bold red", "acquitted": "bold green", "ambiguous": "bold yellow"}
 PIPED_WIDTH = 160  # columns of a table when the output is a pipe or a file (which have no width)
-
-
-def _save(fig: Any, path: str, dpi: int) -> None:
-    """Writes a matplotlib figure to ``path`` (its folder made) and closes it."""
-    import matplotlib.pyplot as plt
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
 
 
 def make_console(stderr: bool = False) -> Console:
@@ -267,13 +258,7 @@ def render_inspect(report: Mapping[str, Any], console: Optional[Console] = None,
 
 def plot_range(report: Mapping[str, Any], path: str) -> None:
     """Writes the PNG of :func:`range_figure` to ``path``."""
-    fig = range_figure(report)  # sets matplotlib's Agg backend before pyplot is imported here
-    import matplotlib.pyplot as plt
-
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    figures.save(range_figure(report), path, dpi=100)
 
 
 def range_figure(report: Mapping[str, Any]):
@@ -284,10 +269,7 @@ def range_figure(report: Mapping[str, Any]):
     orange column = the batch hash differs (data/order); grey = not compared. The first
     divergent step is marked with a vertical line.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
     import numpy as np
     from matplotlib.colors import ListedColormap
 
@@ -456,13 +438,7 @@ def _scan_marks(run_dir: str, start: int, stop: int) -> list[tuple[int, str]]:
 
 def plot_scan(scan: Any, path: str) -> None:
     """Writes the PNG of :func:`scan_figure` (a ``replay.screen.scan.ScanReport``) to ``path``."""
-    fig = scan_figure(scan)  # sets matplotlib's Agg backend before pyplot is imported here
-    import matplotlib.pyplot as plt
-
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    figures.save(scan_figure(scan), path, dpi=90)
 
 
 def scan_figure(scan: Any):
@@ -486,10 +462,7 @@ def scan_figure(scan: Any):
     Phase changes, skipped windows and restores (events.jsonl) are vertical lines on every panel.
     A panel whose values are all 0 says so.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
     import numpy as np
     from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 
@@ -702,10 +675,7 @@ def plot_triage(rep: Any, path: str) -> None:
     (onset shaded), the per-replica gradient-norm ratio, each layer's router entropy and dropped
     fraction, an expert-share heatmap (layers x experts over steps), the canary timeline and the
     loader wait; lineage events as vertical lines on every panel."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
     import numpy as np
 
     sig = rep.series.get("signals") or {}
@@ -814,7 +784,7 @@ def plot_triage(rep: Any, path: str) -> None:
     fig.suptitle(f"replay triage of step {rep.step} in {rep.run_dir}\n{_CAUSE_TEXT[con.cause]} "
                  f"({con.confidence}): {con.explanation[:140]}", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
-    _save(fig, path, dpi=85)
+    figures.save(fig, path, dpi=85)
 
 
 def render_triage_drills(res: Mapping[str, Any], console: Optional[Console] = None) -> None:
@@ -915,10 +885,7 @@ def plot_goodput(rep: Any, path: str) -> None:
     """Writes a ``replay.screen.goodput.GoodputReport``'s picture: the waterfall (100% of the wall time,
     each part that is not productive taken off in turn, to the net goodput) and goodput over time
     (productive time so far over elapsed time) with restores and rewinds as vertical lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
     import numpy as np
 
     from replay.screen.goodput import PART_TEXT, PARTS
@@ -985,4 +952,4 @@ def plot_goodput(rep: Any, path: str) -> None:
     ax2.set_title("goodput over time; starts, restores, rewinds and skip windows as dashed lines", fontsize=10)
     fig.suptitle(f"replay goodput of {rep.run_dir}", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
-    _save(fig, path, dpi=90)
+    figures.save(fig, path, dpi=90)

@@ -38,10 +38,10 @@ def test_base_dependencies_leave_jax_to_the_train_extra():
 
 
 def test_dataprep_and_contract_import_nothing_of_the_train_extra():
-    """Neither the pipeline nor the contract imports JAX, Grain, Orbax, optax, the loader or replay
-    (a worker would fail to unpickle a DoFn that did)."""
+    """Neither the pipeline, nor the contract, nor the neutral room they use (``common``) imports JAX,
+    Grain, Orbax, optax, the loader or replay (a worker would fail to unpickle a DoFn that did)."""
     found = {}
-    for folder in ("dataprep", "contract"):
+    for folder in ("dataprep", "contract", "common"):
         for path, names in _imported_top_levels(REPO / folder).items():
             bad = names & (TRAIN_ONLY | {"loader", "replay"})
             if bad:

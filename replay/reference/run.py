@@ -944,8 +944,3 @@ def run_dir_of(path: str, mesh) -> RunDir:
     local = [int(d.id) for d in mesh.devices.reshape(-1) if d.process_index == me]
     count = jax.process_count()
     return RunDir(path, process_index=me, process_count=count, local_devices=local if count > 1 else None)
-
-
-def canary_state(cfg: RunConfig, trainer, mesh):
-    """Canary weights: a fresh ``trainer.init_state`` from ``cfg.canary.seed`` (independent of training)."""
-    return trainer.init_state(mesh, cfg.canary.seed)

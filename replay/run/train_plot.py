@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from common import figures
 from replay.run import protocol as proto
 
 TRAIN_PNG = "train.png"
@@ -73,11 +74,7 @@ def plot_training(run_dir: str, path: Optional[str] = None, title: Optional[str]
       OSError: the PNG cannot be written. A run with no signal lines yet gives a picture that
         says so, not an error.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     run_dir = os.path.abspath(run_dir)
     path = path or os.path.join(run_dir, TRAIN_PNG)
     series = training_series(run_dir)
@@ -119,15 +116,7 @@ def plot_training(run_dir: str, path: Optional[str] = None, title: Optional[str]
         if len(handles) > 1:
             ax.legend(fontsize=7, loc="upper right", ncol=min(4, len(handles)))
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    try:
-        fig.savefig(tmp, dpi=100)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+    return figures.save(fig, path, dpi=100)
 
 
 def _plot_input(ax, series) -> None:

@@ -136,10 +136,6 @@ class RunDir:
             f.truncate(data.rfind(b"\n") + 1)
         return True
 
-    def truncate_fingerprints(self, before_step: int) -> int:
-        """Keeps only lines of this process's fingerprints file with ``step < before_step``; returns lines dropped."""
-        return self.truncate_log(proto.FINGERPRINTS_NAME, before_step)
-
     def truncate_log(self, name: str, before_step: int) -> int:
         """Keeps only lines of this process's file of the step log ``name`` with ``step < before_step``
         (atomic rewrite; a torn line is dropped); returns lines dropped."""
