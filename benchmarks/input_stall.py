@@ -59,7 +59,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 import numpy as np  # noqa: E402
 
 import loader  # noqa: E402
-from loader import testing as lt  # noqa: E402
+from loader import synthetic as lt  # noqa: E402
 from loader.slow_store import SlowShardSet, overlap  # noqa: E402
 from replay.run import protocol as proto  # noqa: E402
 from replay.run.runlog import load_run  # noqa: E402
