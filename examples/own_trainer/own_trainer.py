@@ -1,9 +1,10 @@
 """Your own trainer, replayable: a small decoder in plain JAX and optax, data parallel, Orbax checkpoints
-with the loader's state, and every line ``replay`` needs (each ends with ``# replay``; nothing else is
-there for replay). Copy it, swap in your model, keep the marked lines. Walk-through: README.md here.
+with the loader's state, and every line ``replay`` needs (each ends with a comment that starts with
+``replay``; nothing else is there for replay). Copy it, swap in your model, keep the marked lines.
+Walk-through: README.md here.
 
-    python examples/own_trainer/own_trainer.py --run build/own/run --config examples/own_trainer/run.yaml --steps 12
-    PYTHONPATH=examples/own_trainer replay --run build/own/run --steps 8:12 --devices good
+    python examples/own_trainer/own_trainer.py --run build/own/run --config examples/own_trainer/run.yaml --steps 8
+    PYTHONPATH=examples/own_trainer replay --run build/own/run --steps 4:8 --devices good
 
 Model: token embedding, ``n_layers`` pre-norm blocks (causal self-attention within each packed document,
 a GELU MLP), final norm, unembedding; loss: mean cross entropy over the global batch's target tokens.
@@ -239,6 +240,7 @@ def train(run_dir: str, cfg: Config, steps: int) -> dict[int, float]:
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == steps:
             trainer.save(run_dir, step + 1, state, data.state().to_dict())
             log.event("checkpoint", step + 1)  # replay
+            print(f"step {step}: loss {fp.signals.loss:.4f}, checkpoint {step + 1} saved", file=sys.stderr)
         if step + 1 >= steps:
             break
     log.end(max(start, steps))  # replay
