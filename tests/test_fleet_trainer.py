@@ -180,6 +180,7 @@ def test_the_lines_a_trainer_adds_for_replay_are_few_and_docs_show_them():
     assert not [line for line in imports if "replay.reference" in line]  # written apart from the reference trainer
     readme = open(os.path.join(EXAMPLE, "README.md"), encoding="utf-8").read()
     assert f"{len(src.splitlines())} lines" in readme and f"{len(marked)} of them" in readme  # the counts it states
+    assert f"({len(marked)} of its {len(src.splitlines())} lines)" in " ".join(docs.split())  # docs/trainer.md's
 
 
 def test_the_run_config_is_refused_with_its_file_and_key(tmp_path):
