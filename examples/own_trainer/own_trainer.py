@@ -69,8 +69,8 @@ class Config:
 def load_config(path: str) -> Config:
     with open(path, encoding="utf-8") as f:
         raw = yaml.safe_load(f) or {}
-    for key in ("mixture", "dataset"):
-        if isinstance(raw.get(key), str):
+    for key in ("mixture", "dataset"):  # a path relative to the file's folder; a URL (gs://...) as it is
+        if isinstance(raw, dict) and isinstance(raw.get(key), str) and "://" not in raw[key]:
             raw[key] = os.path.join(os.path.dirname(os.path.abspath(path)), raw[key])
     return config_from(Config, raw, path)
 
