@@ -56,13 +56,26 @@ def _verdict_panel(report: Mapping[str, Any]) -> Panel:
         lines.append("differing elements (replayed vs checkpointed parameters): "
                      + ", ".join(f"{k}: {v}" for k, v in report["differing_elements"].items()))
     if "evidence" in report:
-        lines.append(f"evidence: {report['evidence']}; independent replays: {report.get('independent_replays')}")
+        lines.append(f"evidence: {evidence_text(report)}; independent replays: {report.get('independent_replays')}")
     if "device_spec" in report and "devices" in report:
         q = report.get("quarantine") or []
         lines.append(f"devices: {report['device_spec']!r} -> {report['devices']}; "
                      + (f"quarantined (left out of 'good'): {q}" if q else "no device quarantined"))
     lines += segment_lines(report)
     return Panel("\n".join(lines), title="verdict")
+
+
+def evidence_text(report: Mapping[str, Any]) -> str:
+    """The comparison's strength in words: the report's (the weakest replay's) when every replay has it,
+    else each placement's, e.g. ``bit-exact on [0, 1, 2, 3] (the run's own devices), per-shard on [4, 5, 6, 7]``."""
+    per: dict[tuple, str] = {}
+    for r in report.get("replays") or []:
+        if r.get("evidence"):
+            per.setdefault(tuple(r["assignment"]), r["evidence"])
+    if len(set(per.values())) <= 1:
+        return str(report["evidence"])
+    own = tuple(report.get("run_devices") or ())
+    return ", ".join(f"{ev} on {list(a)}" + (" (the run's own devices)" if a == own else "") for a, ev in per.items())
 
 
 def segment_lines(report: Mapping[str, Any]) -> list[str]:
@@ -124,8 +137,9 @@ def render_range(report: Mapping[str, Any], console: Optional[Console] = None, m
     losses: dict[int, str] = {}
     for col, r in enumerate(replays):
         for s in r["steps"]:
+            kind = str(s["kind"]).replace("_", " ")  # "device [2]", "all devices [0, 1, 2, 3]", "data"
             cell = "[green]match[/]" if s["ok"] else (
-                f"[red]{s['kind']}[/]" + (f" dev {[int(k) for k in s['devices']]}" if s["devices"] else ""))
+                f"[red]{kind}[/]" + (f" {[int(k) for k in s['devices']]}" if s["devices"] else ""))
             rows.setdefault(s["step"], [""] * len(replays))[col] = cell
             losses[s["step"]] = loss_text(s["loss"]["logged"])  # a float, or "nan"/"inf" (JSON)
     steps = sorted(rows)

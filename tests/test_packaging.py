@@ -47,3 +47,19 @@ def test_dataprep_and_contract_import_nothing_of_the_train_extra():
             if bad:
                 found[path] = sorted(bad)
     assert found == {}
+
+
+def test_the_console_scripts_and_python_dash_m_replay():
+    """``replay`` and ``beam`` name callables; ``python -m replay`` is the ``replay`` command."""
+    import importlib
+    import subprocess
+    import sys
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {"replay", "beam"} <= set(scripts)
+    for target in scripts.values():
+        module, func = target.split(":")
+        assert callable(getattr(importlib.import_module(module), func))
+    p = subprocess.run([sys.executable, "-m", "replay", "--help"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith("usage: replay"), p.stderr[-2000:]

@@ -424,3 +424,17 @@ class RunWriter:
     def end(self, step: int) -> None:
         """The ``end`` event: training stopped at ``step``."""
         self.dir.event("end", step)
+
+    def record_inputs(self, data: Any) -> bool:
+        """Keeps what the run trains with, from its loader ``data`` (``loader.build(...)``): ``mixture.yaml``
+        (a copy of the mixture config, paths absolute) and ``inputs.json`` (the mixture's sha256 and path,
+        the dataset manifest's sha256, the loader's schedule), once, at the run's first start
+        (``replay.run.inputs.record_inputs``; process 0 writes them). Replay then rebuilds batches with the
+        copy even when the mixture file is edited later, and refuses a dataset that is not the one trained
+        on. Returns whether it wrote them (False: already there, or not process 0)."""
+        from replay.run.inputs import record_inputs
+
+        if not self.dir.primary:
+            return False
+        return record_inputs(self.dir.path, data.mixture, str(self.config.get("mixture", "")), data.dataset,
+                             data.manifest_sha256, data.schedule.to_dict())
