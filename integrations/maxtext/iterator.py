@@ -30,9 +30,11 @@ def input_data_axes(config: Any, mesh: Any) -> tuple[str, ...]:
 
 
 def build_loader(config: Any, mesh: Any, *, mixture: str, dataset: str, seed: int, state: Optional[dict] = None,
-                 planned_steps: Optional[int] = None) -> Any:
-    """``loader.build`` for a MaxText config: global batch ``config.global_batch_size_to_train_on`` rows of
-    ``config.max_target_length`` tokens, split over MaxText's input data axes on ``mesh``.
+                 planned_steps: Optional[int] = None, global_batch: Optional[int] = None) -> Any:
+    """``loader.build`` for a MaxText config: global batch ``global_batch`` rows (default MaxText's
+    ``global_batch_size_to_train_on``, which it derives from ``per_device_batch_size`` and the process's
+    device count: replay passes the run's recorded one) of ``config.max_target_length`` tokens, split
+    over MaxText's input data axes on ``mesh``.
 
     Raises:
       ValueError: the dataset's row length is not MaxText's ``max_target_length`` (names both).
@@ -40,7 +42,7 @@ def build_loader(config: Any, mesh: Any, *, mixture: str, dataset: str, seed: in
     """
     import loader
 
-    data = loader.build(mixture=mixture, dataset=dataset, global_batch=int(config.global_batch_size_to_train_on),
+    data = loader.build(mixture=mixture, dataset=dataset, global_batch=int(global_batch or config.global_batch_size_to_train_on),
                         mesh=mesh, seed=seed, data_axes=input_data_axes(config, mesh), state=state,
                         planned_steps=planned_steps)
     if int(data.seq_len) != int(config.max_target_length):

@@ -246,12 +246,16 @@ class MaxTextTrainer:
         self._steps: dict = {}
         self._table: Optional[tuple] = None
         self._scratch = tempfile.mkdtemp(prefix="maxtext-replay-")
+        self._made = 0
 
     # ------------------------------------------------------------------ contexts and the leaf table
     def context(self, devices: Sequence[Any], **extra: Any) -> Context:
-        """MaxText's set-up on ``devices`` (its own mesh over them), checkpoints off, ``extra`` overrides."""
-        config = maxtext_config(self.base_yml, self.overrides, enable_checkpointing="false",
-                                base_output_directory=self._scratch, run_name="replay", **extra)
+        """MaxText's set-up on ``devices`` (its own mesh over them), ``extra`` overrides; its checkpoint manager
+        points at an empty scratch folder (MaxText restores ``load_full_state_path`` only with checkpointing
+        on, and only when its own folder has no checkpoint), never at the run's checkpoints."""
+        self._made += 1
+        config = maxtext_config(self.base_yml, self.overrides, enable_checkpointing="true", async_checkpointing="false",
+                                base_output_directory=self._scratch, run_name=f"replay{self._made}", **extra)
         ctx = setup(config, None, list(devices))
         self._contexts[tuple(int(d.id) for d in ctx.mesh.devices.reshape(-1))] = ctx
         if self._table is None:
@@ -347,7 +351,8 @@ def make_setup(run: Any) -> Any:
     def make_loader(mesh):
         ctx = trainer._contexts.get(tuple(int(d.id) for d in mesh.devices.reshape(-1)))
         config = ctx.config if ctx is not None else maxtext_config(mx["base_yml"], mx["overrides"])
-        return build_loader(config, mesh, mixture=cfg["mixture"], dataset=cfg["dataset"], seed=int(cfg["seed"]))
+        return build_loader(config, mesh, mixture=cfg["mixture"], dataset=cfg["dataset"], seed=int(cfg["seed"]),
+                            global_batch=int(cfg["global_batch"]))
 
     return RunSetup(trainer=trainer, axis_names=tuple(axis_names), shape=tuple(shape), run_device_ids=tuple(ids),
                     make_loader=make_loader, seed=int(cfg["seed"]), global_batch=int(cfg["global_batch"]),
