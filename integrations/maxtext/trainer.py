@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import importlib
 import json
 import os
 import tempfile
@@ -106,8 +107,9 @@ def maxtext_config(base_yml: str, overrides: Sequence[str], **extra: Any) -> Any
 def installed_iterator(make: Callable[[Any, Any], tuple[Any, Any]]):
     """Sets ``input_pipeline_interface.create_data_iterator`` to ``make`` (``(config, mesh) -> (train, eval)``)
     for the block: ``setup_train_loop`` imports it inside the function, so this reaches it."""
-    mod = internals.get("maxtext.input_pipeline.input_pipeline_interface", "create_data_iterator") and \
-        __import__("maxtext.input_pipeline.input_pipeline_interface", fromlist=["create_data_iterator"])
+    name = "maxtext.input_pipeline.input_pipeline_interface"
+    internals.get(name, "create_data_iterator")  # MaxTextMovedError, naming it, if a release moved it
+    mod = importlib.import_module(name)
     old = mod.create_data_iterator
     mod.create_data_iterator = make
     try:
@@ -176,9 +178,11 @@ def leaf_table(graphdef: Any, state: Any) -> tuple[list[str], list[int], list[An
             [x.dtype for _, x in flat])
 
 
-def make_step(ctx: Context, leaf_paths: Sequence[str]) -> Callable:
+def make_step(ctx: Context, leaf_paths: Sequence[str], fingerprints: bool = True) -> Callable:
     """The jitted step ``(state, batch, flip, drift) -> (state, out)`` on ``ctx.mesh`` (module docstring);
-    ``out`` holds ``replay.run.probe``'s per-device and reduced fingerprints, loss, gradient norm and batch hash."""
+    ``out`` holds ``replay.run.probe``'s per-device and reduced fingerprints, loss, gradient norm and batch hash
+    (``fingerprints=False``: the same step without the probe, loss and gradient norm only: what
+    ``benchmarks/maxtext_step.py`` times it against)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -207,6 +211,8 @@ def make_step(ctx: Context, leaf_paths: Sequence[str]) -> Callable:
                 return aux["xent_sum"] / total + aux["moe_lb_loss"] / n
 
             loss, grads = jax.value_and_grad(contribution)(params)
+            if not fingerprints:
+                return jax.lax.psum(grads, axes), jax.lax.psum(loss, axes), {}
             grads = probe.inject(grads, flip, drift, probe.device_id(mesh))
             out = probe.local(grads)
             reduced = jax.lax.psum(grads, axes)
@@ -215,13 +221,16 @@ def make_step(ctx: Context, leaf_paths: Sequence[str]) -> Callable:
 
         grads, loss, out = jax.shard_map(
             per_device, mesh=mesh, in_specs=(P(), P(), P(axes), P(), P(), P()),
-            out_specs=(P(), P(), probe.specs(mesh)), check_vma=False)(params, rest, batch, total, flip, drift)
+            out_specs=(P(), P(), probe.specs(mesh) if fingerprints else {}),
+            check_vma=False)(params, rest, batch, total, flip, drift)
         grads = jax.tree_util.tree_map(lambda x: x.astype(config.grad_dtype) if x.dtype == jnp.float32 else x, grads)
         norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree_util.tree_leaves(grads)))
         if config.gradient_clipping_threshold > 0:
             grads = clip(grads, None, config.gradient_clipping_threshold)
         ts.apply_gradients(grads)
-        out.update(loss=loss, grad_norm=norm, batch=fpm.fingerprint(batch["inputs"]))
+        out = dict(out, loss=loss, grad_norm=norm)
+        if fingerprints:
+            out["batch"] = fpm.fingerprint(batch["inputs"])
         return nnx.state(ts, nnx.Not(nnx.Intermediate)), out
 
     rep = NamedSharding(mesh, P())
