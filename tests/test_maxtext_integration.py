@@ -109,7 +109,13 @@ def test_inspect_lists_the_documents_of_a_maxtext_step(runs):
     p = _replay(root, "inspect", "--steps", "5:6", "--json", str(root / "inspect.json"))
     assert p.returncode == 0, p.stderr[-3000:]
     listed = (root / "inspect.json").read_text()
-    data = loader.build(mixture=str(root / "mixture.yaml"), dataset=str(root / "dataset"), global_batch=4, seed=0)
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    one = Mesh(np.asarray(jax.devices()[:1], dtype=object), ("data",))
+    data = loader.build(mixture=str(root / "mixture.yaml"), dataset=str(root / "dataset"), global_batch=4, seed=0,
+                        mesh=one)
     rows = data.read_rows(5)
     keys = sorted({k for r in rows for k in r.doc_keys})
     assert keys and all(k in listed for k in keys)
