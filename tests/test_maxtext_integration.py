@@ -125,3 +125,11 @@ def test_scan_reads_a_maxtext_run(runs):
     root, _ = runs
     p = _replay(root, "scan")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+def test_canary_runs_maxtext_on_each_device_alone(runs):
+    root, _ = runs
+    p = _replay(root, "canary", "--devices", "0-1", "--no-progress")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "ACQUITTED (exit code 0): all 2 device(s) agree" in p.stdout
+    assert (root / "whole" / "canary" / "golden.json").exists()

@@ -263,6 +263,10 @@ class MaxTextTrainer:
         points at an empty scratch folder (MaxText restores ``load_full_state_path`` only with checkpointing
         on, and only when its own folder has no checkpoint), never at the run's checkpoints."""
         self._made += 1
+        devices = list(devices)
+        if len(devices) == 1:  # one device (replay's lookups and canary): every parallelism the run set is 1
+            extra = {**{o.split("=", 1)[0]: 1 for o in self.overrides
+                        if o.startswith(("ici_", "dcn_")) and o.split("=", 1)[0].endswith("_parallelism")}, **extra}
         config = maxtext_config(self.base_yml, self.overrides, enable_checkpointing="true", async_checkpointing="false",
                                 base_output_directory=self._scratch, run_name=f"replay{self._made}", **extra)
         ctx = setup(config, None, list(devices))
@@ -343,6 +347,48 @@ class MaxTextTrainer:
         out = jax.device_get(out)
         return state, probe.step_fingerprints(step, out, ctx.mesh, self.leaf_paths, loss=out["loss"],
                                               grad_norm=out["grad_norm"], batch=out["batch"])
+
+
+    def single_device_fingerprints(self, state: Any, batch: Mapping[str, Any], device: Any, fault: Any = None):
+        """``{leaf: fingerprint}`` of the gradient of ``batch``'s loss (``xent_sum / W + moe_lb_loss``, the
+        whole batch on one device) with ``state``'s weights on ``device``: ``replay canary``'s one-device
+        program. A MaxText set-up on that device alone (every parallelism 1) is made once per device."""
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from replay.run import fingerprint as fpm
+        from replay.run import probe
+
+        key = ("one", int(device.id))
+        if key not in self._steps:
+            ctx = self.context([device])
+            loss_fn = internals.get("maxtext.trainers.pre_train.train", "loss_fn")
+            graphdef = ctx.graphdef
+
+            def fn(state, b, flip):
+                ts = nnx.merge(graphdef, state)
+                nnx.pop(ts.model, nnx.Intermediate)
+                gdef, params, rest = nnx.split(ts.model, nnx.Param, ...)
+                total = jnp.sum(b["targets_segmentation"] != 0).astype(jnp.float32)
+
+                def loss(p):
+                    _, aux = loss_fn(nnx.merge(gdef, p, rest, copy=True), ctx.config, dict(b), None, None,
+                                     is_train=True)
+                    return aux["xent_sum"] / total + aux["moe_lb_loss"]
+
+                grads = probe.inject(jax.grad(loss)(params), flip, jnp.zeros(4, jnp.float32), jnp.int32(device.id))
+                return jnp.stack([fpm.fingerprint(g, counts=False) for g in jax.tree_util.tree_leaves(grads)])
+
+            self._steps[key] = (ctx, jax.jit(fn))
+        ctx, fn = self._steps[key]
+        here = jax.device_put(state, ctx.state_shardings)
+        b = {k: jax.device_put(np.asarray(batch[k], np.int32), device) for k in KEYS}
+        mine = fault if fault is not None and getattr(fault, "device_id", None) == device.id else None
+        flip, _ = probe.fault_inputs(mine, None, self.leaf_paths, self.leaf_sizes, self.leaf_dtypes, [device.id])
+        with jax.set_mesh(ctx.mesh):
+            fps = np.asarray(fn(here, b, jax.device_put(flip, device)))
+        return {p: fpm.fingerprint_int(fps[i]) for i, p in enumerate(self.leaf_paths)}
 
 
 def make_setup(run: Any) -> Any:
