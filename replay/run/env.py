@@ -88,7 +88,12 @@ def record_environment(mesh: Any = None) -> dict[str, Any]:
 
     devices = jax.devices()
     hosts = distributed.process_hosts()
-    backend = jax.extend.backend.get_backend() if hasattr(jax, "extend") else None
+    try:  # jax.extend is a lazy submodule in JAX 0.11 (absent from `jax`'s attributes until imported)
+        import jax.extend.backend as jax_backend
+
+        backend = jax_backend.get_backend()
+    except ImportError:
+        backend = None
     rec: dict[str, Any] = {
         "versions": {
             "python": platform.python_version(),

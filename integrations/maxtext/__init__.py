@@ -1,0 +1,1 @@
+"""MaxText fed by the loader and replayed by replay (docs/trainer.md, "MaxText")."""

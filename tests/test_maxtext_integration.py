@@ -1,0 +1,135 @@
+"""MaxText fed by the loader and replayed by replay (integrations/maxtext/), on a tiny MoE on 4 CPU devices.
+
+The model: MaxText's ``decoder_block=mixtral``, 4 experts, top-2, 2 layers, width 64, on a mesh of
+``ici_data_parallelism=2 ici_expert_parallelism=2``, fed by a packed dataset (``loader.testing``'s real
+ArrayRecord shards and manifest, rows of 128 tokens). One run is trained with a planned stop after
+checkpoint 4 and resumed to step 8; its log must equal the uninterrupted run's, bit for bit.
+
+Needs MaxText (``bash scripts/setup_maxtext.sh`` makes ``.venv-maxtext``; ``.ci/run`` runs this file
+with it); skipped with the reason elsewhere.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from integrations.maxtext import internals
+
+pytestmark = pytest.mark.skipif(not internals.available(),
+                                reason="MaxText is not installed in this Python (bash scripts/setup_maxtext.sh makes "
+                                       ".venv-maxtext, where .ci/run runs these tests)")
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+STEPS = ["steps=8", "learning_rate_schedule_steps=8", "checkpoint_period=4"]
+
+
+def _env(devices: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+               DECOUPLE_GCLOUD="TRUE", PYTHONPATH=str(REPO))
+    return env
+
+
+def _run(args, devices: int, cwd) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, *args], cwd=cwd, env=_env(devices), capture_output=True, text=True,
+                       timeout=900)
+    return p
+
+
+def _train(root: pathlib.Path, name: str, *extra: str) -> None:
+    from integrations.maxtext.testing import TINY, base_yml
+
+    p = _run(["-m", "integrations.maxtext.train", base_yml(), f"run_name={name}", f"base_output_directory={root}", *TINY,
+              *STEPS, "--dataset", str(root / "dataset"), "--mixture", str(root / "mixture.yaml"), *extra], 4, root)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from integrations.maxtext.testing import write_dataset
+
+    root = tmp_path_factory.mktemp("maxtext")
+    write_dataset(str(root))
+    _train(root, "whole")
+    _train(root, "resumed", "--stop-after", "4")
+    stopped = (root / "resumed" / "fingerprints.jsonl").read_text()
+    _train(root, "resumed")
+    return root, stopped
+
+
+def _lines(path):
+    return [json.loads(x) for x in pathlib.Path(path).read_text().splitlines() if x.strip()]
+
+
+def test_eight_steps_and_a_resume_are_bit_identical(runs):
+    root, stopped = runs
+    whole, resumed = _lines(root / "whole" / "fingerprints.jsonl"), _lines(root / "resumed" / "fingerprints.jsonl")
+    assert [d["step"] for d in whole] == list(range(8))
+    assert len(stopped.splitlines()) == 4  # the planned stop trained steps 0..3
+    assert resumed == whole  # loss and gradient-norm bits, batch hash, every leaf of every device
+    assert sorted(int(n) for n in os.listdir(root / "resumed" / "checkpoints") if n.isdigit()) == [0, 4, 8]
+    state = json.loads(next((root / "whole" / "checkpoints" / "4" / "iter").glob("process_*.json")).read_text())
+    assert state["next_step"] == 4  # the loader state inside MaxText's checkpoint
+    events = [e["event"] for e in _lines(root / "resumed" / "events.jsonl")]
+    assert events.count("restore") == 1 and events[-1] == "end"
+    env = json.loads((root / "whole" / "env.json").read_text())
+    assert env["versions"]["jax"] == "0.11.2" and env["backend"]["platform_version"]
+    first = whole[0]
+    assert len(first["devices"]) == 4 and all(len(v) == len(first["leaves"]) for v in first["devices"].values())
+
+
+def _replay(root, *args):
+    return _run(["-c", "import sys; from replay.cli import main; sys.exit(main())", *args, "--run", str(root / "whole")],
+                8, root)
+
+
+def test_replay_acquits_a_clean_range_on_two_placements(runs):
+    root, _ = runs
+    p = _replay(root, "range", "--steps", "4:5", "--devices", "good", "--placements", "2", "--no-progress")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "ACQUITTED (exit code 0): the replay reproduces the log" in p.stdout
+    assert "on [0, 1, 2, 3]" in p.stdout and "on [4, 5, 6, 7]" in p.stdout  # two placements
+
+
+def test_a_drill_is_convicted_on_its_device(runs):
+    root, _ = runs
+    p = _replay(root, "drill", "--devices", "0-3", "--seed", "31", "--step", "5", "--device", "2", "--no-canary")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "convicted device 2 " in p.stdout and "at step 5" in p.stdout and "1 of 1 drill(s) caught" in p.stdout
+
+
+def test_inspect_lists_the_documents_of_a_maxtext_step(runs):
+    root, _ = runs
+    import loader
+
+    p = _replay(root, "inspect", "--steps", "5:6", "--json", str(root / "inspect.json"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    listed = (root / "inspect.json").read_text()
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    one = Mesh(np.asarray(jax.devices()[:1], dtype=object), ("data",))
+    data = loader.build(mixture=str(root / "mixture.yaml"), dataset=str(root / "dataset"), global_batch=4, seed=0,
+                        mesh=one)
+    rows = data.read_rows(5)
+    keys = sorted({k for r in rows for k in r.doc_keys})
+    assert keys and all(k in listed for k in keys)
+
+
+def test_scan_reads_a_maxtext_run(runs):
+    root, _ = runs
+    p = _replay(root, "scan")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+def test_canary_runs_maxtext_on_each_device_alone(runs):
+    root, _ = runs
+    p = _replay(root, "canary", "--devices", "0-1", "--no-progress")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "ACQUITTED (exit code 0): all 2 device(s) agree" in p.stdout
+    assert (root / "whole" / "canary" / "golden.json").exists()
