@@ -349,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plot", metavar="OUT.png", help="write the waterfall and goodput over time")
     g.add_argument("--peak-flops", type=_positive_float, metavar="F",
                    help="peak FLOP/s of one device for MFU (default: a table of known device kinds)")
+    g.add_argument("--mtbf", type=_positive_float, metavar="S",
+                   help="the fleet's mean time between failures in seconds, for Young's checkpoint interval "
+                        "(default: the run config's mtbf_s, else the seed's design point, 8,800 s)")
 
     d = sub.add_parser("drill", prog="replay drill", help="inject a bit flip, check replay and canary catch it",
                        description="Flip one bit (chosen, or random from --seed) in one device's local gradient "
@@ -658,7 +661,7 @@ def _cmd_goodput(args, console) -> int:
 
     run = _load(args.run)
     _check_outputs(run.run_dir, json=args.json, plot=args.plot)
-    rep = goodput.account(run, peak_flops=args.peak_flops)
+    rep = goodput.account(run, peak_flops=args.peak_flops, mtbf_s=args.mtbf)
     out = rep.to_dict()
     report.render_goodput(out, console)
     if args.json:

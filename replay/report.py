@@ -851,9 +851,11 @@ def render_goodput(report: Mapping[str, Any], console: Optional[Console] = None)
         share = "" if p["share"] is None else f"{p['share']:.1%}"
         table.add_row(f"[{style}]{escape(p['what'])}[/]" if style else escape(p["what"]), _dur(p["s"]), share,
                       p["ml_goodput_measurement"])
-    table.caption = ("the parts add up to the wall time exactly" if report["time_adds_up"] else
-                     "THE PARTS DO NOT ADD UP (a bug: please report)")
+    table.caption = ("every part >= 0, and the parts add up to the wall time exactly" if report["time_adds_up"] else
+                     "THE PARTS DO NOT ADD UP (a bug: please report): " + "; ".join(report.get("problems") or []))
     console.print(table)
+    for c in report.get("clocks") or []:
+        console.print(f"[yellow]clocks disagree:[/] {escape(c['what'])}")
     ledger = Table(title="steps and tokens trained (tokens: global batch x seq_len slots)")
     for col in ("part", "steps", "tokens", "non-padding tokens"):
         ledger.add_column(col, justify="left" if col == "part" else "right")
@@ -882,9 +884,13 @@ def render_goodput(report: Mapping[str, Any], console: Optional[Console] = None)
         console.print(f"MFU: {escape(mfu.get('status', 'not available'))}")
     y = report["young"]
     if y.get("status") == "ok":
-        console.print(f"Young's checkpoint interval sqrt(2 x {y['checkpoint_cost_s']:.3f} s x MTBF {_dur(y['mtbf_s'])}) "
-                      f"= {_dur(y['optimal_interval_s'])}" + (f"; this run checkpoints every {_dur(y['interval_s'])}"
-                                                               if y.get("interval_s") else ""))
+        every = (f"; this run checkpoints every {_dur(y['interval_s'])} ({y['interval_from'].split(':')[0]}), "
+                 f"overhead {y['overhead_at_interval']:.1%}" if y.get("interval_s") else "")
+        console.print(f"Young's checkpoint interval sqrt(2 x C {y['checkpoint_cost_s']:.3f} s x MTBF "
+                      f"{_dur(y['mtbf_s'])}) = {_dur(y['optimal_interval_s'])} (overhead "
+                      f"{y['overhead_at_optimum']:.1%}){every}; C: the measured save stall per checkpoint, MTBF: "
+                      f"{escape(y['mtbf_from'])}" + (f"; a save took {_dur(y['save_latency_s'])} to commit"
+                                                      if y.get("save_latency_s") is not None else ""))
     else:
         console.print(f"Young's checkpoint interval: {escape(y.get('status', 'not available'))}")
     from replay.screen.goodput import headline

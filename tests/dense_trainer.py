@@ -150,13 +150,16 @@ class DenseTrainer:
         tree = {"params": self._abstract, "opt": jax.eval_shape(self.opt.init, self._abstract)}
         return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), tree)
 
-    def save(self, run_dir: str, step: int, state: dict, loader_state: Mapping[str, Any]) -> None:
+    def save(self, run_dir: str, step: int, state: dict, loader_state: Mapping[str, Any]) -> dict[str, float]:
+        """Saves and waits for the commit; returns ``{"save_start_t", "commit_t"}`` (Unix seconds)."""
         import orbax.checkpoint as ocp
 
+        start = time.time()
         with ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"), item_names=("state", "loader")) as m:
             m.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                  loader=ocp.args.JsonSave(dict(loader_state))), force=True)
             m.wait_until_finished()
+        return {"save_start_t": start, "commit_t": time.time()}
 
     def restore(self, run_dir: str, step: int, mesh: Mesh) -> tuple[dict, dict]:
         import orbax.checkpoint as ocp
@@ -285,8 +288,8 @@ def train(run_dir: str, config: Mapping[str, Any], steps: int, *, faults: Any = 
                      loader_wait_s=data.metrics()["wait_s_last_step"])  # replay
         losses[step] = fp.signals.loss
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == steps:
-            trainer.save(run_dir, step + 1, state, data.state().to_dict())
-            log.event("checkpoint", step + 1)  # replay
+            times = trainer.save(run_dir, step + 1, state, data.state().to_dict())
+            log.checkpoint(step + 1, **times)  # replay
         if step + 1 >= steps:
             break
     log.end(max(start, steps))  # replay

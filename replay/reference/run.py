@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 from typing import Any, Callable, Mapping, Optional, Sequence, TextIO
@@ -62,6 +63,7 @@ from replay.screen.screening import RouterHealth, ScreeningConfig
 _KEYS = {
     "name", "mixture", "dataset", "global_batch", "seed", "mesh", "model", "optimizer", "checkpoint_every",
     "skip_windows", "loader", "canary", "canary_every", "canary_action", "router_health", "screening", "trainer",
+    "mtbf_s",
 }
 CANARY_ACTIONS = ("warn", "stop")
 _REQUIRED = ("name", "mixture", "dataset", "global_batch")
@@ -105,6 +107,7 @@ class RunConfig:
     canary_action: str = "warn"
     router_health: RouterHealth = RouterHealth()
     screening: ScreeningConfig = ScreeningConfig()
+    mtbf_s: Optional[float] = None  # the fleet's MTBF for replay goodput's Young interval (None: the design point)
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         """The model config, ``vocab_size`` from the manifest unless the run config sets it.
@@ -138,6 +141,7 @@ class RunConfig:
             "router_health": self.router_health.to_dict(),
             "screening": self.screening.to_dict(),
             "trainer": REFERENCE_FACTORY,
+            **({"mtbf_s": self.mtbf_s} if self.mtbf_s is not None else {}),
         }
 
 
@@ -248,7 +252,18 @@ def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConf
         canary_action=action,
         router_health=health,
         screening=screening,
+        mtbf_s=_mtbf(raw.get("mtbf_s")),
     )
+
+
+def _mtbf(raw: Any) -> Optional[float]:
+    """The run config's ``mtbf_s`` (seconds > 0, or absent)."""
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw) or raw <= 0:
+        raise RunConfigError(f"mtbf_s: must be a number of seconds > 0 (the fleet's mean time between failures), "
+                             f"got {raw!r}")
+    return float(raw)
 
 
 def load_run_config(path: str) -> RunConfig:
@@ -648,9 +663,12 @@ def train(
     mngr = ckpt.manager(rd.checkpoints)
     pending_saves: list[int] = []  # checkpoints saved (asynchronously), not yet known to have committed
 
+    save_started: dict[int, float] = {}  # step -> Unix time its save started (the checkpoint event's save_start_t)
+
     def save(step_: int) -> float:
         """Starts an asynchronous save; returns the seconds the loop was blocked by it."""
         t_ = time.perf_counter()
+        save_started[step_] = time.time()
         ckpt.save(mngr, step_, state, data.state().to_dict())
         pending_saves.append(step_)
         return time.perf_counter() - t_
@@ -666,10 +684,13 @@ def train(
         elif mngr.is_saving_in_progress():
             return
         for s_ in pending_saves:
+            started = save_started.pop(s_, None)
+            times = {"save_start_t": round(started, 6)} if started is not None else {}
             if ckpt.is_committed(rd.checkpoints, s_):
-                rd.event("checkpoint", s_)
+                commit = ckpt.commit_time(mngr, s_)
+                rd.event("checkpoint", s_, **times, **({"commit_t": round(commit, 6)} if commit is not None else {}))
             else:
-                rd.event("checkpoint_failed", s_)
+                rd.event("checkpoint_failed", s_, **times)
         pending_saves.clear()
 
     blocked = save(0) if latest is None else 0.0  # the first step's interval carries the initial save

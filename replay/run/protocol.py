@@ -33,7 +33,9 @@ the step logs into ``superseded/`` before appending again (``RunDir.supersede``)
 holds the run's lineage, one line a step. Events a trainer writes, each with ``attempt`` (the
 attempt that wrote it: ``replay.run.lineage``) and ``t`` (Unix seconds): ``start`` and ``restore``
 (each begins an attempt), ``checkpoint`` (only once the checkpoint has *committed*: with an
-asynchronous save, after the commit, never at the call to save), ``checkpoint_failed``,
+asynchronous save, after the commit, never at the call to save; ``save_start_t``, Unix seconds
+when the save began, and ``commit_t``, when it committed, on the clock of ``t``: ``replay goodput``
+measures the save interval and cost from them), ``checkpoint_failed``,
 ``phase_change``, ``skipped_window``, ``canary_mismatch`` (``devices``, ``verdict``), ``stopped``,
 ``end``. ``replay skip`` appends ``skip_window`` and ``rewind`` requests, which the next training
 run follows.
