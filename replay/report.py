@@ -823,12 +823,14 @@ def render_triage_drills(res: Mapping[str, Any], console: Optional[Console] = No
     console = console or make_console()
     table = Table(title=f"triage drills: {res['correct']} of {res['total']} correct "
                         f"({res.get('seconds', 0):.0f} s)")
-    for col in ("scenario", "expected", "found (per seed)", "correct"):
+    for col in ("scenario", "expected", "found (per drill)", "correct by magnitude", "correct"):
         table.add_column(col, overflow="fold")
     for name, sc in res["scenarios"].items():
-        found = "; ".join(f"seed {r['seed']}: {r['found_text']}" for r in sc["runs"])
+        found = "; ".join(f"seed {r['seed']} at {r['planted'].get('magnitude')}: {r['found_text']}" for r in sc["runs"])
+        by_mag = ", ".join(f"{m}: {e['correct']}/{e['total']}" for m, e in (sc.get("by_magnitude") or {}).items())
         style = "green" if sc["correct"] == sc["total"] else "red"
-        table.add_row(name, escape(sc["expected_text"]), escape(found), f"[{style}]{sc['correct']}/{sc['total']}[/]")
+        table.add_row(name, escape(sc["expected_text"]), escape(found), escape(by_mag),
+                      f"[{style}]{sc['correct']}/{sc['total']}[/]")
     console.print(table)
 
 

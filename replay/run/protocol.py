@@ -143,7 +143,8 @@ class DriftSpec:
     Attributes:
       device_id: ``jax.Device.id`` of the faulty device.
       start: first global step of the error; stop: first step without it, or ``None``.
-      magnitude: the relative error ``||delta|| / ||g_d||``, > 0.
+      magnitude: the relative error ``||delta|| / ||g_d||``, > 0; ``inf`` or ``nan`` make the
+        gradient non-finite (``replay drill --scenario nonfinite``).
       kind: ``"scale"``: ``g_d * (1 + magnitude)`` (the local norm moves by the factor
         ``1 + magnitude``); ``"bias"``: each leaf ``+ magnitude * rms(leaf)`` (a constant offset
         of the same relative size: the norm moves only to second order, by about
@@ -159,8 +160,8 @@ class DriftSpec:
     def __post_init__(self):
         if self.kind not in ("scale", "bias"):
             raise ValueError(f"DriftSpec.kind: must be 'scale' or 'bias', got {self.kind!r}")
-        if not self.magnitude > 0:
-            raise ValueError(f"DriftSpec.magnitude: must be > 0, got {self.magnitude!r}")
+        if not (self.magnitude > 0 or self.magnitude != self.magnitude):  # > 0, +inf, or NaN (a non-finite drill)
+            raise ValueError(f"DriftSpec.magnitude: must be > 0 (or inf or nan), got {self.magnitude!r}")
         if self.stop is not None and self.stop <= self.start:
             raise ValueError(f"DriftSpec: stop {self.stop} must be > start {self.start}")
 
