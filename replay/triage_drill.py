@@ -1,21 +1,28 @@
-"""Triage drills (``replay drill --scenario sdc|restart|data|router|clean|all``): short training runs
-with one planted cause each, and the check that ``replay triage`` names it.
+"""Triage drills (``replay drill --scenario NAME|all [--grid]``, names in :data:`SCENARIOS`): short
+training runs with one planted cause each, at magnitudes from a fixed grid (:data:`GRIDS`), and the
+check that ``replay triage`` names it.
 
 Each drill trains its own run of the reference trainer (the tiny model on a synthetic dataset, a
 2x2 mesh on devices 0-3, so that devices 4-7 are free for the range replay), plants one cause at a
 step ``k`` drawn from the seed, and runs :func:`replay.screen.triage.triage_run` at the step where
 the symptom shows::
 
-    scenario  planted (seeded: device, step, shard, layer, shift)               triage must say
-    sdc       DriftSpec: one device's local gradient doubled from step k        hardware, that device
-              (triage runs with the range replay: a conviction)
-    restart   the run crashes after checkpoint c and resumes with a loader       restart fault, the restore at c
-              state 2 or 3 steps off (data repeated or skipped)
-    data      one shard's rows read from step k on are garbage (one token         data, that shard
-              repeated), in a copy of the dataset
-    router    layer L's router learning rate x100 from step k, z-loss off         router, layer L
-    clean     the learning rate x10 for steps k..k+2, logged as a config change  optimization event, and no
-              (triage at the step of the highest loss in k..k+4)                  check suspect
+    scenario      planted (seeded: device, step, shard, layer, shift; magnitude m from GRIDS)   triage must say
+    sdc           DriftSpec: one device's local gradient x(1 + m) from step k              hardware, that device
+                  (triage runs with the range replay: a conviction)
+    restart       the run crashes after checkpoint c and resumes with a loader state m     restart fault, the restore
+                  steps off (data repeated or skipped); the restore event logs the         at c with its shift
+                  checkpoint's own state, so only the batches tell
+    data          one shard's rows read from step k on: the first share m of each          data, that shard
+                  segment one token repeated, in a copy of the dataset
+    duplicate     m shards of source b copies of its shard 0 (consistent manifest),        data, the copied shards
+                  b's weight 0.3 -> 0.9 from step k
+    router        layer L's router learning rate x m from step k, z-loss off              router, layer L
+    router_scale  layer L's router weights x m once (first used at step k), triaged     router, layer L
+                  at k + 4
+    nonfinite     one device's local gradient x(1 + m), m nan or inf, at step k            hardware, that device
+    clean         the learning rate x m for steps k..k+2, logged as a config change       optimization event, and no
+                  (triage at the step of the highest loss in k..k+4)                       check suspect
 
 The trainers are built once (their steps compile once) and reused across seeds: the per-seed
 plan (step, layer) lives in the optimizer's state, not in the compiled program.

@@ -177,6 +177,13 @@ def test_the_share_band_of_a_small_run_is_widened_by_its_rows_and_never_below_th
     assert [(s.subject, s.first_step) for s in dead.suspects] == [("layer 1", 24)]  # its 5-step window all dead
 
 
+def test_the_expert_load_check_says_why_its_figures_are_missing(tmp_path):
+    a2a = scan(make_run(str(tmp_path / "a"), steps=20, config={"model": {"dispatch": "all_to_all"}}))
+    assert "model.dispatch is all_to_all, but its trainer logged no expert-load" in a2a.checks["expert_load"]["detail"]
+    gather = scan(make_run(str(tmp_path / "g"), steps=20, config={"model": {"n_experts": 4}}))
+    assert "model.dispatch is gather, not all_to_all" in gather.checks["expert_load"]["detail"]
+
+
 def test_loss_spikes_unless_an_event_explains_them(tmp_path):
     rep = scan(make_run(str(tmp_path / "a"), loss_spike=50))
     assert [(s.subject, s.first_step) for s in rep.suspects] == [("run", 50)]

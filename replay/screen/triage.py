@@ -18,12 +18,14 @@ available`` (a signal the run did not log is never ``clear``), with its evidence
                 sampled from earlier in the window: per row unknown-token rate, repeated-n-gram
                 rate, mean segment length, byte-fallback share, unigram surprisal
                 (``replay.screen.datastats``); outliers counted per shard and per source, the
-                shards' files hashed against the manifest, duplicated rows and documents; the
-                logged batch hashes of the onset must match the rebuilt rows (else the rows read
-                are not those trained: not available)
-    4 router    per layer, the onset against the window before it: entropy drop, dropped-fraction
-                surge, max-logit and z-loss growth, expert share outside the band of the run
-                config's router_health
+                shards' files hashed against the manifest; duplicated rows at the onset against the
+                baseline's pair rate (:func:`duplicates`), with the manifest's shards that share a
+                sha256; the logged batch hashes of the onset must match the rebuilt rows (else the
+                rows read are not those trained: not available)
+    4 router    per layer, the onset against the steps before it, looking back for a departure
+                still going on (:func:`check_router`): entropy drop, dropped-fraction surge,
+                max-logit and z-loss growth, expert share outside the band of the run config's
+                router_health, a dead expert; non-finite figures are not judged, never clear
 
 An event near the onset may explain a *finite* loss spike; a non-finite loss is never explained
 by an event. The conclusion (:func:`conclude`, one small pure function) takes the first suspect
@@ -33,7 +35,8 @@ confidence, the next command and its own exit code (``replay.run.codes.ExitCode`
     cause          exit  next
     restart        11    roll back to the checkpoint of the faulty restore and resume
     hardware       10    the range replay on good devices (or, convicted, quarantine and canary)
-    data           12    replay inspect of the onset, then replay skip of the window
+    data           12    replay inspect of the onset, then replay skip of the window (outlier or
+                         duplicated rows)
     router         13    a sentence (lower the router's learning rate, restore the z-loss), and scan
     optimization    0    rewind to checkpoint C and skip the window [A, B): the exact replay skip
 
@@ -852,7 +855,8 @@ def check_router(signals: Optional[Mapping[int, Any]], lo: int, step: int, onset
     for each step ``c`` of the ``router_lookback`` steps before them (earliest first, with at least
     ``MIN_ROUTER_BASE`` steps before it), the steps from ``c`` on are judged against the steps before
     ``c``, and a layer whose every step from ``c`` to the last judged one departs is a finding from
-    step ``c``. Judged steps whose router figures are not finite (NaN entropy, an infinite max logit)
+    step ``c`` (also when the judged steps alone depart from their first one: the departure is dated
+    from where it began). Judged steps whose router figures are not finite (NaN entropy, an infinite max logit)
     are never within bounds: the check says they are not judged."""
     if not signals or not any(signals[s].router for s in signals if lo <= s <= step):
         return Check("router", "not available", "no per-layer router figures in signals.jsonl")
@@ -888,7 +892,7 @@ def check_router(signals: Optional[Mapping[int, Any]], lo: int, step: int, onset
     found, evidence = [], {}
     for i in range(layers):
         rec, why, strength, first_bad = _judge_layer(signals, i, base, on, health, cfg)
-        if not why:  # the departure may have begun before the judged steps: look back (docstring)
+        if not why or first_bad == on[0]:  # the departure may have begun before the judged steps (docstring)
             for c in [s for s in base[MIN_ROUTER_BASE:] if s >= first - cfg.router_lookback]:
                 base_c = [s for s in base if s < c]
                 span = [s for s in base if s >= c] + list(on)
