@@ -50,9 +50,39 @@ def _best(fn, repeats: int = 3) -> float:
     return min(out)
 
 
+def plot_detections(detections, grids, path: str) -> None:
+    """Writes ``path``: per cause, the share of drills correct at each magnitude of its grid (largest
+    first), the counts written on the bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(detections)
+    fig, axes = plt.subplots(1, len(names), figsize=(2.2 * len(names), 3.2), sharey=True)
+    for ax, name in zip(axes, names):
+        mags = [m for m in grids[name] if m in detections[name]]
+        counts = [tuple(int(x) for x in detections[name][m].split("/")) for m in mags]
+        shares = [c / t if t else 0 for c, t in counts]
+        ax.bar(range(len(mags)), shares, color=["tab:green" if x == 1 else "tab:orange" if x else "tab:red"
+                                                for x in shares])
+        for i, (c, t) in enumerate(counts):
+            ax.text(i, 0.02, f"{c}/{t}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(mags)), mags, fontsize=8)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("magnitude (largest first)", fontsize=7)
+    axes[0].set_ylabel("drills named correctly")
+    axes[0].set_ylim(0, 1.05)
+    fig.suptitle("replay triage drills: detection per magnitude of each cause's grid", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one seed per scenario")
+    parser.add_argument("--plot", metavar="OUT.png", help="write the detections per magnitude as a bar chart")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per scenario and magnitude (default 3)")
     args = parser.parse_args(argv)
     from replay import triage_drill
@@ -80,11 +110,14 @@ def main(argv=None) -> int:
         triage_s.append(_best(lambda run=run, last=last: triage.triage_run(run, last)))
         goodput_s.append(_best(lambda run=run: goodput.account(run)))
     med = {k: statistics.median(v) for k, v in (("scan", scan_s), ("triage", triage_s), ("goodput", goodput_s))}
+    detections = {name: {m: f"{e['correct']}/{e['total']}" for m, e in sc["by_magnitude"].items()}
+                  for name, sc in res["scenarios"].items()}
+    grids = {name: [str(m) for m in g] for name, g in triage_drill.GRIDS.items()}
+    if args.plot:
+        plot_detections(detections, grids, args.plot)
     print(json.dumps({
         "drills": {name: f"{sc['correct']}/{sc['total']}" for name, sc in res["scenarios"].items()},
-        "detections": {name: {m: f"{e['correct']}/{e['total']}" for m, e in sc["by_magnitude"].items()}
-                       for name, sc in res["scenarios"].items()},
-        "grids": {name: [str(m) for m in g] for name, g in triage_drill.GRIDS.items()},
+        "detections": detections, "grids": grids,
         "correct": res["correct"], "total": res["total"], "seeds": len(seeds),
         "drill_s": round(drill_s, 1), "drill_s_median": round(statistics.median(per[1:] or per), 2),
         "scan_s": round(med["scan"], 4), "triage_s": round(med["triage"], 4), "goodput_s": round(med["goodput"], 4),

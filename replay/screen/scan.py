@@ -15,8 +15,9 @@ numbers and words the findings::
     norm_spike    replica norms, |robust z| > spike_z      the replica's devices, at that step
                   or a non-finite norm
     norm_drift    replica norms, robust CUSUM              the replica's devices, from the change's onset
-    router        signals.jsonl router[layer]              the layer (dropped fraction or an expert's share
-                  vs run config router_health               out of bounds after warm-up)
+    router        signals.jsonl router[layer]              the layer (dropped fraction, or an expert's share
+                  vs run config router_health               outside its band after warm-up: share_band,
+                                                            widened on small runs by the window's rows)
     expert_load   signals.jsonl expert_load[layer]:        the layer, naming its most loaded expert device
                   tokens each expert device received        (max / mean over the layer's devices above
                   (expert parallelism)                      router_health.max_expert_load_ratio after warm-up)
