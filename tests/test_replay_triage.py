@@ -269,10 +269,10 @@ def test_each_triage_drill_names_its_planted_cause(drills, scenario):
 
 
 def test_triage_drills_on_the_grid_count_detections_per_magnitude(drills, monkeypatch):
-    monkeypatch.setitem(triage_drill.GRIDS, "restart", (2, 1))
+    monkeypatch.setitem(triage_drill.GRIDS, "restart", (1,))  # the floor alone: a loader one step off
     res = triage_drill.run_drills(["restart"], [12], drills.root, grid=True, drills=drills)
-    assert res["scenarios"]["restart"]["by_magnitude"] == {"2": {"correct": 1, "total": 1},
-                                                          "1": {"correct": 1, "total": 1}}
+    assert res["scenarios"]["restart"]["by_magnitude"] == {"1": {"correct": 1, "total": 1}}
+    assert abs(res["scenarios"]["restart"]["runs"][0]["planted"]["loader_shift"]) == 1
 
 
 def test_the_router_check_looks_back_names_a_dead_expert_and_never_passes_non_finite_figures(tmp_path):
