@@ -59,6 +59,7 @@ from apache_beam.metrics.metric import MetricsFilter  # noqa: E402
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions  # noqa: E402
 
 from common import locks  # noqa: E402
+from contract import duplicates as dup  # noqa: E402
 from contract.codec import FORMAT_VERSION, token_dtype_for_vocab  # noqa: E402
 from contract.config import ConfigError, MixtureConfig, load_mixture  # noqa: E402
 from contract.plan import (  # noqa: E402
@@ -301,7 +302,8 @@ exit status: 0 done; 1 the pipeline failed (no manifest.json written; the last l
 what to do); 2 bad config, arguments, output or --temp_location folder, or another pack is
 writing to --output (checked before any work); 3 the ledger does not reconcile (no
 manifest.json written); 4 a source with weight > 0 in some phase packed no row, or
-rejected more than max_rejected_fraction of its documents (no manifest.json written; see
+rejected more than max_rejected_fraction of its documents, or duplicated data with --duplicates
+refuse (no manifest.json written; see
 errors/ and report.png; a source at weight 0 only gets a warning); 130 interrupted (Ctrl-C or
 SIGTERM: the workers are stopped and the spill files removed; local worker processes also
 exit on their own when the driver is killed).
@@ -387,6 +389,13 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, list[
         help="seconds between progress lines when stderr is not a terminal (default 10)",
     )
     parser.add_argument("--no-report", action="store_true", help=f"do not draw <output>/{REPORT_NAME}")
+    parser.add_argument("--duplicates", choices=dup.MODES, default="warn",
+                        help="duplicated data (shards with one sha256, a source whose rows repeat beyond "
+                             "--max-repeated-fraction): warn (default), refuse (exit 4, no manifest.json) or off")
+    parser.add_argument("--max-repeated-fraction", type=float, default=dup.DEFAULT_MAX_FRACTION, metavar="F",
+                        help="a source whose rows repeat beyond this share is duplicated data "
+                             f"(default {dup.DEFAULT_MAX_FRACTION:g}; rows of shard copies plus the duplicate "
+                             "report's documents)")
     plan = parser.add_argument_group(
         "the planned run", "how many epochs of each source a run sees, printed after packing; a source over "
         "--max-epochs gets a warning")
@@ -840,6 +849,8 @@ def _prepare(argv: Optional[Sequence[str]]):
         dryrun.require_gcp()  # before a gs:// path or Beam's own message about a runner it cannot load
     if not args.progress_every > 0:
         raise ConfigError(f"--progress-every: must be > 0 seconds, got {args.progress_every}")
+    if not 0 <= args.max_repeated_fraction <= 1:
+        raise ConfigError(f"--max-repeated-fraction: must be in [0, 1], got {args.max_repeated_fraction}")
     config = load_mixture(args.config)
     steps = planned_steps(args, config)
     pre = preflight.preflight(config, args.max_shard_tokens)
@@ -956,6 +967,13 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, 
             report_path = _write_report(manifest, config, stats, output, quiet, failure=message)
         fsutil.delete(stats_path)
         raise DataLossError(message + (f"\nreport: {report_path}" if report_path else ""))
+    if args.duplicates != "off":
+        found = dup.find(manifest, args.max_repeated_fraction)
+        if found and args.duplicates == "refuse":
+            fsutil.delete(stats_path)
+            raise DataLossError("duplicated data (--duplicates refuse), manifest.json not written:\n  "
+                                + "\n  ".join(f.message for f in found))
+        warnings = [*warnings, *(f"duplicated data: {f.message}" for f in found)]
     fsutil.write_bytes_atomic(manifest_path, manifest.to_json().encode("ascii"))  # the commit
     state["committed"] = True
     fsutil.delete(stats_path)

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from contract import codec, plan
+from contract import duplicates as dup
 from contract.config import MixtureConfig, load_mixture
 from loader import index as ix
 from loader import state as st
@@ -43,7 +44,7 @@ from loader.arrays import BATCH_KEYS
 from loader.dataset import TOKEN_WIDTHS, open_dataset
 from loader.device import Placement
 from loader.prefetch import Prefetch
-from loader.shards import READ_MODES
+from loader.shards import READ_MODES, DatasetError
 from loader.source import RowRef, StepSource
 
 log = logging.getLogger("loader")
@@ -145,6 +146,9 @@ class DataLoader:
         self.schedule = ix.Schedule.from_mixture(mixture, records, global_batch, seed, skip_windows)
         for p, w in zip(mixture.phases, self.schedule.normalized_weights()):
             log.info("phase from step %d: weights %s normalized to %s", p.from_step, dict(p.weights), w)
+        for warning in ix.weight_resolution_warnings([(p.from_step, dict(p.weights)) for p in mixture.phases],
+                                                     self.schedule.normalized_weights()):
+            log.warning("%s", warning)
         for w in self.schedule.skip_windows:
             log.info("data skip window: training steps %d..%d train on the data of steps %d..", w.start, w.end,
                      self.schedule.data_step(w.start))
@@ -475,6 +479,8 @@ def build(
     cache_dir: str | None = None,
     planned_steps: int | None = None,
     max_epochs: float = plan.DEFAULT_MAX_EPOCHS,
+    duplicates: str = "warn",
+    max_repeated_fraction: float = dup.DEFAULT_MAX_FRACTION,
 ) -> DataLoader:
     """Opens, checks and returns the loader.
 
@@ -504,11 +510,16 @@ def build(
         source they see is logged (INFO), and a source over ``max_epochs`` gets a WARNING
         (:meth:`DataLoader.epochs`, ``contract.plan``).
       max_epochs: the warning threshold (default 4: ``contract.plan.DEFAULT_MAX_EPOCHS``).
+      duplicates: what duplicated data in the manifest gets (``contract.duplicates``: shards that
+        share a sha256, a source whose rows repeat beyond ``max_repeated_fraction``): ``"warn"`` (a
+        WARNING each), ``"refuse"`` (DatasetError) or ``"off"``.
+      max_repeated_fraction: a source's repeated share above this is duplicated data, in [0, 1].
 
     Raises:
       contract.config.ConfigError: the mixture config is invalid.
       loader.shards.DatasetError: the dataset is missing, malformed, or a shard is missing,
-        truncated or altered (named), or it disagrees with the mixture config.
+        truncated or altered (named), or it disagrees with the mixture config, or (``duplicates=
+        "refuse"``) it holds duplicated data.
       loader.index.ScheduleError, LoaderConfigError: an argument out of range (named), or
         an unknown ``read_mode``.
       loader.state.ResumeError: ``state`` does not fit (names what changed).
@@ -533,11 +544,26 @@ def build(
         raise LoaderConfigError(f"context_axis must be a mesh axis name or None, got {context_axis!r}")
     if read_mode not in READ_MODES:
         raise LoaderConfigError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
+    try:
+        dup.check_mode(duplicates, "duplicates")
+        if not 0 <= max_repeated_fraction <= 1:
+            raise ValueError(f"max_repeated_fraction: must be in [0, 1], got {max_repeated_fraction!r}")
+    except (TypeError, ValueError) as e:
+        raise LoaderConfigError(str(e)) from None
     cfg = mixture if isinstance(mixture, MixtureConfig) else load_mixture(str(mixture))
     data = DataLoader(mixture=cfg, dataset=str(dataset), global_batch=global_batch, mesh=mesh, seed=seed,
                       data_axes=tuple(data_axes), context_axis=context_axis, skip_windows=skip_windows,
                       verify_sha256=verify_sha256, prefetch=prefetch, workers=workers,
                       read_threads=read_threads, read_mode=read_mode, cache_dir=cache_dir)
+    if duplicates != "off":
+        found = dup.find(data.manifest, max_repeated_fraction)
+        if found and duplicates == "refuse":
+            raise DatasetError(f"{data.dataset}: duplicated data (duplicates: refuse):\n  "
+                               + "\n  ".join(f.message for f in found)
+                               + "\nnext: repack the named source(s), or build with duplicates='warn' to train on "
+                                 "them anyway")
+        for f in found:
+            log.warning("duplicated data in %s: %s", data.dataset, f.message)
     if state is not None:
         data.restore(state)
     if planned_steps is not None:

@@ -99,6 +99,33 @@ def exact_weights(weights: Sequence[float]) -> tuple[Fraction, ...]:
     return tuple(f / total for f in fr)
 
 
+def weight_resolution_warnings(phases: Sequence[tuple[int, Mapping[str, float]]],
+                               realized: Sequence[Mapping[str, float]], max_period: int = MAX_PERIOD) -> list[str]:
+    """Warnings for configured weights below the mixture table's resolution ``1 / max_period``: such a
+    weight is realized as a quota of 1 row in ``max_period`` (:func:`quotas`), far above what was asked.
+
+    Args:
+      phases: per phase, ``(from_step, {source: configured weight})``.
+      realized: per phase, ``{source: realized weight}`` (``Schedule.normalized_weights()``).
+
+    Returns:
+      one sentence per (phase, source) whose normalized configured weight is > 0 and below
+      ``1 / max_period``, with the realized weight and the factor between them.
+    """
+    out = []
+    for (start, weights), got in zip(phases, realized):
+        total = sum(w for w in weights.values() if w > 0)
+        for name, w in weights.items():
+            want = w / total if total else 0.0
+            if 0 < want < 1 / max_period:
+                r = got.get(name, 0.0)
+                out.append(f"source {name!r} from step {start}: weight {w:g} ({want:.3g} of the mixture) is below the "
+                           f"mixture table's resolution 1/{max_period:,} ({1 / max_period:.3g}): it is realized as "
+                           f"{r:.3g}, {r / want:,.0f}x higher; raise it to at least {1 / max_period:.3g} of the "
+                           "mixture, or set it to 0")
+    return out
+
+
 def quotas(weights: Sequence[float], max_period: int = MAX_PERIOD) -> tuple[tuple[int, ...], int]:
     """Returns integer quotas ``(a_1..a_K)`` and period ``D = sum(a)`` with ``a_k / D`` the weights.
 
@@ -781,6 +808,7 @@ def fingerprint(parts: Mapping) -> str:
 
 __all__ = [
     "MAX_PERIOD",
+    "weight_resolution_warnings",
     "PhaseSpec",
     "RowLocations",
     "Schedule",

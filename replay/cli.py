@@ -143,7 +143,7 @@ exit codes:
 MAX_INSPECT_STEPS = 10_000
 
 DRILL_NOT_CAUGHT = int(ExitCode.DRILL_NOT_CAUGHT)
-TRIAGE_SCENARIOS = ("sdc", "restart", "data", "router", "clean")
+TRIAGE_SCENARIOS = ("sdc", "restart", "data", "duplicate", "router", "router_scale", "nonfinite", "clean")
 
 
 def _positive_float(text: str) -> float:
@@ -349,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plot", metavar="OUT.png", help="write the waterfall and goodput over time")
     g.add_argument("--peak-flops", type=_positive_float, metavar="F",
                    help="peak FLOP/s of one device for MFU (default: a table of known device kinds)")
+    g.add_argument("--mtbf", type=_positive_float, metavar="S",
+                   help="the fleet's mean time between failures in seconds, for Young's checkpoint interval "
+                        "(default: the run config's mtbf_s, else the seed's design point, 8,800 s)")
 
     d = sub.add_parser("drill", prog="replay drill", help="inject a bit flip, check replay and canary catch it",
                        description="Flip one bit (chosen, or random from --seed) in one device's local gradient "
@@ -381,9 +384,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "error on one device (drift: --magnitude, --kind), intermittent bit flips (flip: --flips, "
                         "--bit) or a wrong canary (canary), then check that 'replay scan' names that device and "
                         "the first step; --step is the fault's first step, the drilled runs go to --to-disk "
-                        "(default: a temporary folder). Or a triage drill (sdc, restart, data, router, clean; all: "
-                        "each of them): a short training run of its own (no --run) with one planted cause, and "
-                        "'replay triage' must name it; --count seeds each (default 5), from --seed")
+                        "(default: a temporary folder). Or a triage drill (sdc, restart, data, duplicate, router, "
+                        "router_scale, nonfinite: a device's gradient made NaN or Inf, clean; all: each of them): a "
+                        "short training run of its own (no --run) with one planted cause, and 'replay triage' must "
+                        "name it; --count seeds each (default 5), from --seed, at the largest magnitude of the "
+                        "scenario's grid (--grid: at each, down to the check's floor; nonfinite: --value)")
+    d.add_argument("--grid", action="store_true",
+                   help="triage drills: every magnitude of each scenario's fixed grid (replay.triage_drill.GRIDS), "
+                        "with the detections per magnitude")
+    d.add_argument("--value", choices=("nan", "inf"),
+                   help="triage drill nonfinite: the value the device's local gradient is multiplied into "
+                        "(default: both, with --grid; else nan)")
     d.add_argument("--magnitude", type=_positive_float, default=0.2,
                    help="drift: relative error of the device's local gradient, a finite number > 0 (default 0.2)")
     d.add_argument("--kind", choices=("scale", "bias"), default="scale", help="drift: scale or bias (default scale)")
@@ -658,7 +669,7 @@ def _cmd_goodput(args, console) -> int:
 
     run = _load(args.run)
     _check_outputs(run.run_dir, json=args.json, plot=args.plot)
-    rep = goodput.account(run, peak_flops=args.peak_flops)
+    rep = goodput.account(run, peak_flops=args.peak_flops, mtbf_s=args.mtbf)
     out = rep.to_dict()
     report.render_goodput(out, console)
     if args.json:
@@ -711,10 +722,18 @@ def _triage_drills(args, console) -> int:
     seeds = list(range(args.seed, args.seed + count))
     from replay.run.progress import step_progress
 
-    with step_progress(f"drill {args.scenario}", 0, count * len(scenarios), unit="drill", counted=True,
+    per = {name: len(triage_drill.GRIDS[name]) if args.grid and not (args.value and name == "nonfinite") else 1
+           for name in scenarios}
+    with step_progress(f"drill {args.scenario}", 0, count * sum(per.values()), unit="drill", counted=True,
                        enabled=not args.no_progress) as shown:
-        res = triage_drill.run_drills(scenarios, seeds, root, on_result=lambda r, n: (
-            console.print(triage_drill.result_line(r)), shown.update(n)))
+        grids = dict(triage_drill.GRIDS)
+        if args.value:
+            triage_drill.GRIDS["nonfinite"] = (args.value,)
+        try:
+            res = triage_drill.run_drills(scenarios, seeds, root, grid=args.grid, on_result=lambda r, n: (
+                console.print(triage_drill.result_line(r)), shown.update(n)))
+        finally:
+            triage_drill.GRIDS.update(grids)
     report.render_triage_drills(res, console)
     if args.json:
         report.write_json(res, args.json)

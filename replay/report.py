@@ -807,12 +807,14 @@ def render_triage_drills(res: Mapping[str, Any], console: Optional[Console] = No
     console = console or make_console()
     table = Table(title=f"triage drills: {res['correct']} of {res['total']} correct "
                         f"({res.get('seconds', 0):.0f} s)")
-    for col in ("scenario", "expected", "found (per seed)", "correct"):
+    for col in ("scenario", "expected", "found (per drill)", "correct by magnitude", "correct"):
         table.add_column(col, overflow="fold")
     for name, sc in res["scenarios"].items():
-        found = "; ".join(f"seed {r['seed']}: {r['found_text']}" for r in sc["runs"])
+        found = "; ".join(f"seed {r['seed']} at {r['planted'].get('magnitude')}: {r['found_text']}" for r in sc["runs"])
+        by_mag = ", ".join(f"{m}: {e['correct']}/{e['total']}" for m, e in (sc.get("by_magnitude") or {}).items())
         style = "green" if sc["correct"] == sc["total"] else "red"
-        table.add_row(name, escape(sc["expected_text"]), escape(found), f"[{style}]{sc['correct']}/{sc['total']}[/]")
+        table.add_row(name, escape(sc["expected_text"]), escape(found), escape(by_mag),
+                      f"[{style}]{sc['correct']}/{sc['total']}[/]")
     console.print(table)
 
 
@@ -835,9 +837,11 @@ def render_goodput(report: Mapping[str, Any], console: Optional[Console] = None)
         share = "" if p["share"] is None else f"{p['share']:.1%}"
         table.add_row(f"[{style}]{escape(p['what'])}[/]" if style else escape(p["what"]), _dur(p["s"]), share,
                       p["ml_goodput_measurement"])
-    table.caption = ("the parts add up to the wall time exactly" if report["time_adds_up"] else
-                     "THE PARTS DO NOT ADD UP (a bug: please report)")
+    table.caption = ("every part >= 0, and the parts add up to the wall time exactly" if report["time_adds_up"] else
+                     "THE PARTS DO NOT ADD UP (a bug: please report): " + "; ".join(report.get("problems") or []))
     console.print(table)
+    for c in report.get("clocks") or []:
+        console.print(f"[yellow]clocks disagree:[/] {escape(c['what'])}")
     ledger = Table(title="steps and tokens trained (tokens: global batch x seq_len slots)")
     for col in ("part", "steps", "tokens", "non-padding tokens"):
         ledger.add_column(col, justify="left" if col == "part" else "right")
@@ -867,9 +871,13 @@ def render_goodput(report: Mapping[str, Any], console: Optional[Console] = None)
         console.print(f"MFU: {escape(mfu.get('status', 'not available'))}")
     y = report["young"]
     if y.get("status") == "ok":
-        console.print(f"Young's checkpoint interval sqrt(2 x {y['checkpoint_cost_s']:.3f} s x MTBF {_dur(y['mtbf_s'])}) "
-                      f"= {_dur(y['optimal_interval_s'])}" + (f"; this run checkpoints every {_dur(y['interval_s'])}"
-                                                               if y.get("interval_s") else ""))
+        every = (f"; this run checkpoints every {_dur(y['interval_s'])} ({y['interval_from'].split(':')[0]}), "
+                 f"overhead {y['overhead_at_interval']:.1%}" if y.get("interval_s") else "")
+        console.print(f"Young's checkpoint interval sqrt(2 x C {y['checkpoint_cost_s']:.3f} s x MTBF "
+                      f"{_dur(y['mtbf_s'])}) = {_dur(y['optimal_interval_s'])} (overhead "
+                      f"{y['overhead_at_optimum']:.1%}){every}; C: the measured save stall per checkpoint, MTBF: "
+                      f"{escape(y['mtbf_from'])}" + (f"; a save took {_dur(y['save_latency_s'])} to commit"
+                                                      if y.get("save_latency_s") is not None else ""))
     else:
         console.print(f"Young's checkpoint interval: {escape(y.get('status', 'not available'))}")
     from replay.screen.goodput import headline

@@ -1,21 +1,28 @@
-"""Triage drills (``replay drill --scenario sdc|restart|data|router|clean|all``): short training runs
-with one planted cause each, and the check that ``replay triage`` names it.
+"""Triage drills (``replay drill --scenario NAME|all [--grid]``, names in :data:`SCENARIOS`): short
+training runs with one planted cause each, at magnitudes from a fixed grid (:data:`GRIDS`), and the
+check that ``replay triage`` names it.
 
 Each drill trains its own run of the reference trainer (the tiny model on a synthetic dataset, a
 2x2 mesh on devices 0-3, so that devices 4-7 are free for the range replay), plants one cause at a
 step ``k`` drawn from the seed, and runs :func:`replay.screen.triage.triage_run` at the step where
 the symptom shows::
 
-    scenario  planted (seeded: device, step, shard, layer, shift)               triage must say
-    sdc       DriftSpec: one device's local gradient doubled from step k        hardware, that device
-              (triage runs with the range replay: a conviction)
-    restart   the run crashes after checkpoint c and resumes with a loader       restart fault, the restore at c
-              state 2 or 3 steps off (data repeated or skipped)
-    data      one shard's rows read from step k on are garbage (one token         data, that shard
-              repeated), in a copy of the dataset
-    router    layer L's router learning rate x100 from step k, z-loss off         router, layer L
-    clean     the learning rate x10 for steps k..k+2, logged as a config change  optimization event, and no
-              (triage at the step of the highest loss in k..k+4)                  check suspect
+    scenario      planted (seeded: device, step, shard, layer, shift; magnitude m from GRIDS)   triage must say
+    sdc           DriftSpec: one device's local gradient x(1 + m) from step k              hardware, that device
+                  (triage runs with the range replay: a conviction)
+    restart       the run crashes after checkpoint c and resumes with a loader state m     restart fault, the restore
+                  steps off (data repeated or skipped); the restore event logs the         at c with its shift
+                  checkpoint's own state, so only the batches tell
+    data          one shard's rows read from step k on: the first share m of each          data, that shard
+                  segment one token repeated, in a copy of the dataset
+    duplicate     m shards of source b copies of its shard 0 (consistent manifest),        data, the copied shards
+                  b's weight 0.3 -> 0.9 from step k
+    router        layer L's router learning rate x m from step k, z-loss off              router, layer L
+    router_scale  layer L's router weights x m once (first used at step k), triaged     router, layer L
+                  at k + 4
+    nonfinite     one device's local gradient x(1 + m), m nan or inf, at step k            hardware, that device
+    clean         the learning rate x m for steps k..k+2, logged as a config change       optimization event, and no
+                  (triage at the step of the highest loss in k..k+4)                       check suspect
 
 The trainers are built once (their steps compile once) and reused across seeds: the per-seed
 plan (step, layer) lives in the optimizer's state, not in the compiled program.
@@ -31,24 +38,39 @@ import shutil
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-SCENARIOS = ("sdc", "restart", "data", "router", "clean")
-EXPECTED_CAUSE = {"sdc": "hardware", "restart": "restart", "data": "data", "router": "router",
-                  "clean": "optimization"}
+SCENARIOS = ("sdc", "restart", "data", "duplicate", "router", "router_scale", "nonfinite", "clean")
+EXPECTED_CAUSE = {"sdc": "hardware", "restart": "restart", "data": "data", "duplicate": "data", "router": "router",
+                  "router_scale": "router", "nonfinite": "hardware", "clean": "optimization"}
+# Each scenario's magnitudes, largest first, down to its check's stated floor (the first is a drill's
+# default): sdc, the local gradient's relative drift (range replay convicts any change of bits: the
+# floor is what changes a bit); restart, the loader's shift in steps (1: the smallest wrong resume);
+# data, the share of each garbage row's tokens made one repeated token (the repeat-rate fence: 3 IQR
+# floored at 0.05 above the baseline's Q3); duplicate, the copies of one shard of source b (its rows
+# at the onset, after b's weight rises, judged against the baseline's pair rate); router, the router
+# learning rate's factor (z-loss off); router_scale, layer L's router weights multiplied once, triaged
+# 4 steps after; nonfinite, the value one device's local gradient is multiplied into; clean, the whole
+# model's learning-rate jump (an optimization event: no check may accuse anything).
+GRIDS = {"sdc": (1.0, 0.3, 0.1, 0.03), "restart": (3, 2, 1), "data": (1.0, 0.5, 0.25, 0.125),
+         "duplicate": (3, 2, 1), "router": (100.0, 30.0, 10.0), "router_scale": (20.0, 10.0, 5.0, 2.0),
+         "nonfinite": ("nan", "inf"), "clean": (10.0, 5.0)}
 STEPS = 40
 CHECKPOINT_EVERY = 10
 MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "head_dim": 8, "n_experts": 4, "top_k": 2, "d_ff": 32,
          "capacity_factor": 2.0}
 ROWS = {"a": 300, "b": 150}
 SEQ_LEN, VOCAB, GLOBAL_BATCH, SHARDS = 32, 128, 8, 4
-ROUTER_FACTOR, LR_JUMP, LR_JUMP_STEPS, SDC_MAGNITUDE = 100.0, 10.0, 3, 1.0
+LR_JUMP_STEPS, ROUTER_SCALE_AFTER, DUPLICATE_PHASE = 3, 4, {"a": 0.1, "b": 0.9}
 
 
-def drill_optimizer(base: Any, mode: str, factor: float, plan: Mapping[str, int]) -> Any:
+def drill_optimizer(base: Any, mode: str, factor: float, plan: Mapping[str, Any]) -> Any:
     """``base`` (an optax transform) followed by a planted change: at steps ``plan["start"]`` to
-    ``plan["stop"]`` (exclusive; default: on) the updates are multiplied by ``factor``, of every leaf (``mode="all"``: a learning-rate jump) or of
-    layer ``plan["layer"]``'s router (``mode="router"``). ``init`` writes ``start`` and ``layer`` into
-    the optimizer state and ``update`` reads them from there, so one compiled step serves every plan;
-    a new plan is a new transform (a new ``init``, which JAX traces anew)."""
+    ``plan["stop"]`` (exclusive; default: on) the updates are multiplied by ``factor``, of every leaf
+    (``mode="all"``: a learning-rate jump) or of layer ``plan["layer"]``'s router (``mode="router"``);
+    with ``mode="router"`` and ``plan["scale"]`` (default 1), at step ``start`` alone that router's
+    weights are also multiplied by ``scale`` (the update adds ``(scale - 1) * w``: a fault in saved or
+    updated state, once). ``init`` writes the plan (start, stop, layer, factor, scale) into the
+    optimizer state and ``update`` reads it from there, so one compiled step serves every plan; a new
+    plan is a new transform (a new ``init``, which JAX traces anew)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -56,23 +78,25 @@ def drill_optimizer(base: Any, mode: str, factor: float, plan: Mapping[str, int]
     def init(params):
         return {"inner": base.init(params), "count": jnp.zeros((), jnp.int32),
                 "start": jnp.asarray(plan["start"], jnp.int32), "layer": jnp.asarray(plan.get("layer", -1), jnp.int32),
-                "stop": jnp.asarray(plan.get("stop", 2**30), jnp.int32)}
+                "stop": jnp.asarray(plan.get("stop", 2**30), jnp.int32),
+                "factor": jnp.asarray(factor, jnp.float32), "scale": jnp.asarray(plan.get("scale", 1.0), jnp.float32)}
 
     def update(updates, state, params=None):
         u, inner = base.update(updates, state["inner"], params)
         on = (state["count"] >= state["start"]) & (state["count"] < state["stop"])
 
-        def scale(path, x):
+        def scale(path, x, w):
             key = jax.tree_util.keystr(path)
             if mode == "all":
-                hit = on
-            elif key.endswith("['router']") and key.startswith("['layers']["):
-                hit = on & (state["layer"] == int(key.split("[")[2].rstrip("]")))
-            else:
+                return jnp.where(on, x * state["factor"].astype(x.dtype), x)
+            if not (key.endswith("['router']") and key.startswith("['layers'][")):
                 return x
-            return jnp.where(hit, x * jnp.asarray(factor, x.dtype), x)
+            hit = state["layer"] == int(key.split("[")[2].rstrip("]"))
+            x = jnp.where(hit & on, x * state["factor"].astype(x.dtype), x)
+            once = hit & (state["count"] == state["start"])
+            return jnp.where(once, x + (state["scale"] - 1).astype(x.dtype) * w, x)
 
-        u = jax.tree_util.tree_map_with_path(scale, u)
+        u = jax.tree_util.tree_map_with_path(scale, u, params)
         return u, {**state, "inner": inner, "count": state["count"] + 1}
 
     return optax.GradientTransformation(init, update)
@@ -172,31 +196,43 @@ class Drills:
 
     # ------------------------------------------------------------------------- scenarios
 
-    def run(self, scenario: str, seed: int) -> DrillResult:
-        """One drill (module docstring)."""
+    def run(self, scenario: str, seed: int, magnitude: Any = None) -> DrillResult:
+        """One drill (module docstring) at ``magnitude`` (default: the largest of :data:`GRIDS`)."""
         rng = random.Random(f"triage-drill:{scenario}:{seed}")
-        out = os.path.join(self.root, f"{scenario}-{seed}")
+        magnitude = GRIDS[scenario][0] if magnitude is None else magnitude
+        out = os.path.join(self.root, f"{scenario}-{seed}-{magnitude}")
         if os.path.exists(out):
             shutil.rmtree(out)
         t0 = time.perf_counter()
-        planted, expected, step, kw = getattr(self, f"_{scenario}")(out, seed, rng)
+        planted, expected, step, kw = getattr(self, f"_{scenario}")(out, seed, rng, magnitude)
+        planted["magnitude"] = magnitude
         rep = self.triage(out, step, **kw)
         con = rep["conclusion"]
         found = {"cause": con["cause"], "subject": con["subject"], "confidence": con["confidence"]}
         return DrillResult(scenario, seed, planted, expected, found, judge(scenario, expected, rep), out,
                            time.perf_counter() - t0, rep)
 
-    def _sdc(self, out, seed, rng):
+    def _sdc(self, out, seed, rng, magnitude):
         from replay.run.protocol import DriftSpec
 
         device, k = rng.choice([0, 1, 2, 3]), rng.randrange(20, 28)
-        self.train(out, self.config(seed), STEPS, faults=DriftSpec(device_id=device, start=k, magnitude=SDC_MAGNITUDE))
-        return ({"device": device, "step": k, "magnitude": SDC_MAGNITUDE}, {"cause": "hardware", "devices": [device]},
+        self.train(out, self.config(seed), STEPS, faults=DriftSpec(device_id=device, start=k, magnitude=magnitude))
+        return ({"device": device, "step": k}, {"cause": "hardware", "devices": [device]},
                 min(k + 10, STEPS - 1), {"replay": True})
 
-    def _restart(self, out, seed, rng):
+    def _nonfinite(self, out, seed, rng, magnitude):
+        from replay.run.protocol import DriftSpec
+
+        device, k = rng.choice([0, 1, 2, 3]), rng.randrange(20, 28)
+        value = float(magnitude)  # g * (1 + nan) is NaN; g * (1 + inf) is +-Inf (and 0 * inf NaN)
+        self.train(out, self.config(seed), STEPS, faults=DriftSpec(device_id=device, start=k, stop=k + 1,
+                                                                   magnitude=value))
+        return ({"device": device, "step": k, "value": magnitude}, {"cause": "hardware", "devices": [device]},
+                min(k + 2, STEPS - 1), {})
+
+    def _restart(self, out, seed, rng, magnitude):
         c = rng.choice([20, 30])
-        crash, shift = c + rng.randrange(2, 8), rng.choice([-3, -2, 2, 3])
+        crash, shift = c + rng.randrange(2, 8), rng.choice([-1, 1]) * int(magnitude)
         cfg = self.config(seed)
 
         def crash_at(step, loss):
@@ -207,50 +243,75 @@ class Drills:
             self.train(out, cfg, STEPS, on_step=crash_at)
         except _Crash:
             pass
-        self.train(out, cfg, STEPS, loader_shift=shift)
+        self.train(out, cfg, STEPS, loader_shift=shift)  # the restore event logs the checkpoint's own state
         return ({"restore": c, "crash_after": crash, "loader_shift": shift},
                 {"cause": "restart", "restore": c, "offset": shift}, min(c + 3, STEPS - 1), {})
 
-    def _data(self, out, seed, rng):
+    def _data(self, out, seed, rng, magnitude):
         k = rng.randrange(20, 30)
         cfg = self.config(seed)
         shard, records = self._pick_shard(cfg, k, rng)
-        dataset = corrupt_shard(self.dataset, os.path.join(out + "-dataset"), shard, records)
+        dataset = corrupt_shard(self.dataset, os.path.join(out + "-dataset"), shard, records, share=float(magnitude))
         self.train(out, self.config(seed, dataset), STEPS)
         return ({"shard": shard, "step": k, "rows": len(records)}, {"cause": "data", "shards": [shard]},
                 k + 3, {})
 
-    def _router(self, out, seed, rng):
-        k, layer = rng.randrange(20, 30), rng.choice([0, 1])
-        self._fresh_plan(self.router_trainer, "router", ROUTER_FACTOR, start=k, layer=layer)
-        self.train(out, self.config(seed), STEPS, trainer=self.router_trainer)
-        return ({"layer": layer, "step": k, "router_lr_factor": ROUTER_FACTOR, "z_loss": 0},
-                {"cause": "router", "layers": [layer]}, k + 4, {"trainer": self.router_trainer})
+    def _duplicate(self, out, seed, rng, magnitude):
+        import yaml
 
-    def _clean(self, out, seed, rng):
+        k = rng.randrange(20, 30)
+        dataset = duplicate_shards(self.dataset, out + "-dataset", "b", int(magnitude))
+        with open(self.mixture, encoding="utf-8") as f:
+            mix = yaml.safe_load(f)
+        mix["phases"] = [{"from_step": 0, "weights": dict(mix["phases"][0]["weights"])},
+                         {"from_step": k, "weights": dict(DUPLICATE_PHASE)}]
+        mixture = out + "-mixture.yaml"
+        with open(mixture, "w", encoding="utf-8") as f:
+            yaml.safe_dump(mix, f, sort_keys=False)
+        cfg = self.ref_run.run_config_from_dict({**self.config(seed, dataset).to_dict(), "mixture": mixture}, "/")
+        self.train(out, cfg, STEPS)
+        copies = [f"b/data-0000{i}-of-0000{SHARDS}.array_record" for i in range(int(magnitude) + 1)]
+        return ({"source": "b", "copies": int(magnitude), "phase_from": k, "weights": DUPLICATE_PHASE},
+                {"cause": "data", "shards": copies}, k + 3, {})
+
+    def _router(self, out, seed, rng, magnitude):
+        k, layer = rng.randrange(20, 30), rng.choice([0, 1])
+        self._fresh_plan(self.router_trainer, "router", float(magnitude), start=k, layer=layer)
+        self.train(out, self.config(seed), STEPS, trainer=self.router_trainer)
+        return ({"layer": layer, "step": k, "z_loss": 0}, {"cause": "router", "layers": [layer]}, k + 4,
+                {"trainer": self.router_trainer})
+
+    def _router_scale(self, out, seed, rng, magnitude):
+        k, layer = rng.randrange(20, 30), rng.choice([0, 1])
+        # the update of step k - 1 scales the weights: step k is the first to route with them
+        self._fresh_plan(self.router_trainer, "router", 1.0, start=k - 1, layer=layer, scale=float(magnitude))
+        self.train(out, self.config(seed), STEPS, trainer=self.router_trainer)
+        return ({"layer": layer, "step": k, "z_loss": 0}, {"cause": "router", "layers": [layer], "first_step": k},
+                k + ROUTER_SCALE_AFTER, {"trainer": self.router_trainer})
+
+    def _clean(self, out, seed, rng, magnitude):
         from replay.run.writer import RunDir
 
         k = rng.randrange(20, 30)
-        self._fresh_plan(self.clean_trainer, "all", LR_JUMP, start=k, layer=-1, stop=k + LR_JUMP_STEPS)
+        self._fresh_plan(self.clean_trainer, "all", float(magnitude), start=k, layer=-1, stop=k + LR_JUMP_STEPS)
         cfg = self.config(seed)
 
         def log_change(step, loss):
             if step == k - 1:  # what a trainer logs when its learning rate is changed before step k
-                RunDir(out).event("config_change", k, field="optimizer.learning_rate", factor=LR_JUMP,
+                RunDir(out).event("config_change", k, field="optimizer.learning_rate", factor=float(magnitude),
                                   steps=[k, k + LR_JUMP_STEPS], reason="drill: a learning-rate jump")
 
         self.train(out, cfg, STEPS, trainer=self.clean_trainer, on_step=log_change)
         rep_step = self._spike_step(out, k)
-        return ({"step": k, "learning_rate_factor": LR_JUMP, "steps": LR_JUMP_STEPS}, {"cause": "optimization"},
-                rep_step,
+        return ({"step": k, "steps": LR_JUMP_STEPS}, {"cause": "optimization"}, rep_step,
                 {"trainer": self.clean_trainer})
 
     def _fresh_plan(self, trainer, mode: str, factor: float, *, start: int, layer: int,
-                    stop: int = 2**30) -> None:
+                    stop: int = 2**30, scale: float = 1.0) -> None:
         """Gives ``trainer`` the planted optimizer of this drill (``drill_optimizer``): its init
         compiles again (a small program); its step, compiled once, reads the plan from the state."""
         trainer.optimizer = drill_optimizer(self.opt.build(), mode, factor,
-                                            {"start": start, "layer": layer, "stop": stop})
+                                            {"start": start, "layer": layer, "stop": stop, "scale": scale})
         trainer._compiled.pop(("opt_init", self.mesh), None)
 
     def _spike_step(self, run_dir: str, k: int) -> int:
@@ -297,9 +358,10 @@ class _Quiet:
         return False
 
 
-def corrupt_shard(dataset: str, out: str, shard: str, records: Sequence[int]) -> str:
-    """A copy of ``dataset`` at ``out`` whose ``shard`` has ``records`` replaced by garbage rows (each
-    segment one token repeated, the segment lengths and document keys kept), with its manifest
+def corrupt_shard(dataset: str, out: str, shard: str, records: Sequence[int], share: float = 1.0) -> str:
+    """A copy of ``dataset`` at ``out`` whose ``shard`` has ``records`` replaced by garbage rows (in each
+    segment, the first ``share`` of its tokens made one repeated token; the segment lengths and
+    document keys kept), with its manifest
     updated to the new file's sha256 and size (a source whose content changed, repacked: the loader
     accepts it, only the rows' content is wrong). Returns ``out``."""
     import hashlib
@@ -322,7 +384,12 @@ def corrupt_shard(dataset: str, out: str, shard: str, records: Sequence[int]) ->
         if i in bad:
             row = codec.decode_row(data)
             tok = int(row.tokens[0]) if row.num_tokens else 1
-            segs = [np.full(int(n), tok, row.tokens.dtype) for n in row.segment_lengths]
+            segs, at = [], 0
+            for n in (int(x) for x in row.segment_lengths):
+                seg = np.array(row.tokens[at:at + n])
+                seg[:int(round(share * n))] = tok
+                segs.append(seg)
+                at += n
             data = codec.encode_row(segs, list(row.doc_keys), list(row.chunk_indices), row.seq_len, row.tokens.dtype)
         writer.write(data)
     writer.close()
@@ -344,6 +411,43 @@ def corrupt_shard(dataset: str, out: str, shard: str, records: Sequence[int]) ->
     return out
 
 
+def duplicate_shards(dataset: str, out: str, source: str, copies: int) -> str:
+    """A copy of ``dataset`` at ``out`` whose source ``source`` has its shards ``1 .. copies`` replaced by
+    copies of its shard 0 (the same bytes), with a manifest that agrees (each copy's sha256, bytes,
+    records, tokens and documents those of shard 0; the source's totals and ledger counted again): what
+    a packer that wrote one shard several times leaves, which the loader's shard checks accept.
+    Returns ``out``.
+
+    Raises:
+      ValueError: ``copies`` not in ``[1, shards of the source - 1]``.
+    """
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    shutil.copytree(dataset, out)
+    man_path = os.path.join(out, "manifest.json")
+    with open(man_path, encoding="utf-8") as f:
+        man = json.load(f)
+    entry = man["sources"][source]
+    shards = entry["shards"]
+    if not 1 <= copies < len(shards):
+        raise ValueError(f"copies: must be in [1, {len(shards) - 1}] for source {source!r}, got {copies}")
+    first = shards[0]
+    for sh in shards[1:copies + 1]:
+        shutil.copyfile(os.path.join(out, first["path"]), os.path.join(out, sh["path"]))
+        sh.update({k: v for k, v in first.items() if k != "path"})
+    entry["totals"] = {k: sum(sh[k] for sh in shards) for k in entry["totals"]}
+    led = entry["ledger"]
+    docs = sum(sh["documents"] for sh in shards)
+    led["read"] += docs - led["packed"]
+    led["packed"] = docs
+    tokens = entry["totals"]["tokens"]
+    led["tokens_in"] += tokens - led["tokens_packed"]
+    led["tokens_packed"] = tokens
+    with open(man_path, "w", encoding="utf-8") as f:
+        json.dump(man, f, indent=1, sort_keys=True)
+    return out
+
+
 def judge(scenario: str, expected: Mapping[str, Any], report: Mapping[str, Any]) -> bool:
     """Whether triage's report names the planted cause (module docstring), with the right device,
     restore, shard or layer, and for ``clean`` no suspect check at all."""
@@ -358,15 +462,22 @@ def judge(scenario: str, expected: Mapping[str, Any], report: Mapping[str, Any])
         return r.get("step") == expected["restore"] and r.get("offset") == expected["offset"]
     if scenario == "data":
         return list(subj.get("shards") or []) == expected["shards"]
-    if scenario == "router":
+    if scenario == "duplicate":  # the shards named are copies of one another (no other shard)
+        return bool(subj.get("shards")) and set(subj["shards"]) <= set(expected["shards"])
+    if scenario in ("router", "router_scale"):
         return list(subj.get("layers") or [])[:1] == expected["layers"]
+    if scenario == "nonfinite":
+        return list(subj.get("devices") or []) == expected["devices"]
     return all(c["status"] != "suspect" for c in report["checks"].values())
 
 
 def run_drills(scenarios: Sequence[str], seeds: Sequence[int], root: str,
-               on_result: Optional[Callable[[DrillResult, int], None]] = None) -> dict[str, Any]:
-    """Runs every scenario for every seed under ``root``; returns the JSON-ready summary: per scenario
-    ``expected``, ``found`` (per seed), ``correct`` and ``total``, and the run time.
+               on_result: Optional[Callable[[DrillResult, int], None]] = None, grid: bool = False,
+               drills: Optional["Drills"] = None) -> dict[str, Any]:
+    """Runs every scenario for every seed under ``root`` (with ``grid``: at every magnitude of
+    :data:`GRIDS`, else at the largest); returns the JSON-ready summary: per scenario ``expected``,
+    ``found`` (per drill), ``correct`` and ``total``, ``by_magnitude`` (per magnitude, correct and
+    total), and the run time.
 
     Raises:
       ValueError: an unknown scenario.
@@ -375,21 +486,28 @@ def run_drills(scenarios: Sequence[str], seeds: Sequence[int], root: str,
     if bad:
         raise ValueError(f"unknown triage scenario(s) {bad}; known: {list(SCENARIOS)}")
     t0 = time.perf_counter()
-    drills = Drills(root)
-    out: dict[str, Any] = {"kind": "triage_drills", "root": root, "seeds": list(seeds), "scenarios": {}}
+    drills = drills or Drills(root)
+    out: dict[str, Any] = {"kind": "triage_drills", "root": root, "seeds": list(seeds), "grid": grid,
+                           "scenarios": {}}
     n = 0
     for scenario in scenarios:
         runs = []
-        for seed in seeds:
-            r = drills.run(scenario, seed)
-            runs.append(r)
-            n += 1
-            if on_result is not None:
-                on_result(r, n)
+        for magnitude in GRIDS[scenario] if grid else GRIDS[scenario][:1]:
+            for seed in seeds:
+                r = drills.run(scenario, seed, magnitude)
+                runs.append(r)
+                n += 1
+                if on_result is not None:
+                    on_result(r, n)
+        by_mag: dict[str, dict[str, int]] = {}
+        for r in runs:
+            e = by_mag.setdefault(str(r.planted["magnitude"]), {"correct": 0, "total": 0})
+            e["correct"] += int(r.correct)
+            e["total"] += 1
         out["scenarios"][scenario] = {
             "expected": EXPECTED_CAUSE[scenario], "expected_text": _expected_text(scenario),
             "found": [r.found for r in runs], "correct": sum(r.correct for r in runs), "total": len(runs),
-            "runs": [r.to_dict() for r in runs]}
+            "by_magnitude": by_mag, "runs": [r.to_dict() for r in runs]}
     out["correct"] = sum(s["correct"] for s in out["scenarios"].values())
     out["total"] = sum(s["total"] for s in out["scenarios"].values())
     out["seconds"] = round(time.perf_counter() - t0, 1)
@@ -398,5 +516,7 @@ def run_drills(scenarios: Sequence[str], seeds: Sequence[int], root: str,
 
 def _expected_text(scenario: str) -> str:
     return {"sdc": "hardware: the faulty device", "restart": "restart fault: the restore and its shift",
-            "data": "data: the garbage shard", "router": "router: the unstable layer",
+            "data": "data: the garbage shard", "duplicate": "data: the copied shards",
+            "router": "router: the unstable layer", "router_scale": "router: the layer whose weights were scaled",
+            "nonfinite": "hardware: the device whose gradient went non-finite",
             "clean": "optimization event, no check suspect"}[scenario]

@@ -293,6 +293,22 @@ def test_a_bad_plan_exits_2_before_any_work(twins, tmp_path, capsys, args, messa
     assert not (tmp_path / "ds").exists()
 
 
+def test_pack_refuses_duplicated_data_when_told_and_warns_otherwise(twins, tmp_path, capsys):
+    """The mirror repeats 10 of its 11 documents from the web (the duplicate report): over the stated
+    fraction. --duplicates refuse: exit 4 and no manifest; the default warns after committing."""
+    d, _, _ = twins
+    out = tmp_path / "ds"
+    assert pack.main(["--config", str(d / "report.yaml"), "--output", str(out), "--no-report", "--quiet",
+                      "--duplicates", "refuse"]) == pack.EXIT_LOSS == 4
+    err = capsys.readouterr().err
+    assert "duplicated data (--duplicates refuse), manifest.json not written" in err and "source 'mirror'" in err
+    assert not (out / "manifest.json").exists()
+    assert pack.main(["--config", str(d / "report.yaml"), "--output", str(out), "--no-report", "--quiet",
+                      "--max-repeated-fraction", "2"]) == 2
+    assert pack.main(["--config", str(d / "report.yaml"), "--output", str(out), "--no-report", "--quiet"]) == 0
+    assert (out / "manifest.json").exists() and "warning: duplicated data: source 'mirror'" in capsys.readouterr().err
+
+
 def test_the_loader_counts_the_epochs_exactly_and_warns(twins, tmp_path, caplog):
     import logging
 
@@ -316,6 +332,11 @@ def test_the_loader_counts_the_epochs_exactly_and_warns(twins, tmp_path, caplog)
             drawn[ref.source] += 1
     assert drawn == {"web": 400, "mirror": 400}
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    # the mirror's documents are copies of the web's (the pack's duplicate report): duplicated data
+    assert [w for w in warned if w.startswith("duplicated data")] == [
+        f"duplicated data in {out}: " + f.message for f in __import__("contract.duplicates", fromlist=["find"]).find(m)]
+    assert any("source 'mirror'" in w and "of its rows repeat others'" in w for w in warned)
+    warned = [w for w in warned if not w.startswith("duplicated data")]
     assert warned == [f"source {n!r} repeats {400 / records[n]:,.1f} times in the planned 100 steps (an epoch "
                       f"every {records[n] / 4:,.1f} steps), over 4 epochs, beyond which repeated data helps less "
                       "and less (Muennighoff et al. 2023); lower its weight, add documents to it, or plan fewer steps"

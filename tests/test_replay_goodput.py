@@ -117,3 +117,90 @@ def test_an_old_run_directory_says_what_is_unknown(drilled, tmp_path):
     assert rep.time_us["unknown"] == rep.wall_us > 0 and rep.time_us["productive"] == 0
     assert any("whole seconds" in u for u in rep.unknown)
     assert rep.steps["productive"] == 50 and rep.steps["lost"] == 9
+
+
+def _shift_attempt(run_dir, attempt, seconds):
+    """Moves every timestamp attempt ``attempt`` wrote (its events' t and launched_at, its steps' t, in the
+    lineage's logs and in superseded/) by ``seconds``: a resumed attempt whose machine's clock is off."""
+    from replay.run.runlog import load_run as _load
+
+    lineage = _load(run_dir).lineage
+    ids = lin.event_attempts(_load(run_dir).all_events)
+    path = os.path.join(run_dir, "events.jsonl")
+    rows = [json.loads(x) for x in open(path) if x.strip()]
+    with open(path, "w") as f:
+        for r, a in zip(rows, ids):
+            if a == attempt:
+                for k in ("t", "launched_at", "save_start_t", "commit_t"):
+                    if k in r:
+                        r[k] += seconds
+            f.write(json.dumps(r) + "\n")
+    for path in (os.path.join(run_dir, "signals.jsonl"), os.path.join(run_dir, "superseded", "signals.jsonl")):
+        rows = [json.loads(x) for x in open(path) if x.strip()]
+        with open(path, "w") as f:
+            for r in rows:
+                mine = r.get("attempt") == attempt if "superseded_by" in r else lineage.attempt_of(r["step"]) == attempt
+                if mine and "t" in r:
+                    r["t"] += seconds
+                f.write(json.dumps(r) + "\n")
+
+
+@pytest.mark.parametrize("behind", [3600.0, 640.0])
+def test_a_resumed_attempt_whose_clock_runs_behind_is_a_clock_disagreement(drilled, tmp_path, behind, capsys):
+    """Attempt 2's clock 3,600 s (and 640 s) behind attempt 1's: reported as clocks that disagree, by how
+    much and which attempt; never a crash or a negative part, and the parts still add up."""
+    import shutil
+
+    shifted = str(tmp_path / "shifted")
+    shutil.copytree(drilled, shifted)
+    clean = gp.account(load_run(drilled))
+    _shift_attempt(shifted, 2, -behind)
+    rep = gp.account(load_run(shifted))
+    assert rep.problems == [] and all(v >= 0 for v in rep.time_us.values())
+    (c,) = [c for c in rep.clocks if c["attempt"] == 2]
+    gap_1_2 = clean.attempts[1]["begin_s"] - (clean.attempts[0]["end_s"])  # the real gap, now hidden
+    assert c["previous_attempt"] == 1 and c["behind_s"] == pytest.approx(behind - gap_1_2, abs=1e-5)
+    # attempt 2 is placed from attempt 1's last record: its hidden gap shows before attempt 3 (whose
+    # clock is right), so the wall time and the total gap are the clean run's
+    assert rep.wall_us == clean.wall_us and rep.time_us["gap"] == clean.time_us["gap"]
+    assert rep.steps == clean.steps and rep.time_us["productive"] == clean.time_us["productive"]
+    assert main(["goodput", "--run", shifted]) == 0
+    text = capsys.readouterr().out
+    assert "clocks disagree: attempt 2's launch is" in text and "every part >= 0" in text
+
+
+def test_the_audit_fails_when_a_part_is_counted_twice(drilled, monkeypatch, capsys):
+    """The check can fail: a split that counts each step's compute twice (as compute and as compile)
+    no longer adds up to the wall time, which account takes from the records, not from the parts."""
+    real = gp.split_interval
+
+    def twice(interval, compute, comp):
+        parts, excess = real(interval, compute, comp)
+        return dict(parts, compile=parts["compile"] + parts["compute"]), excess
+
+    monkeypatch.setattr(gp, "split_interval", twice)
+    rep = gp.account(load_run(drilled))
+    assert rep.problems and "the parts add up to" in rep.problems[0] and not rep.to_dict()["time_adds_up"]
+    assert main(["goodput", "--run", drilled]) == 0
+    assert "THE PARTS DO NOT ADD UP" in capsys.readouterr().out
+    assert gp.audit({"productive": 5, "other": -1}, 4) == ["other is negative (-0.000001 s)"]
+    assert real(10, 8, {"loader_wait": 5, "compile": 1}) == (
+        {"compute": 8, "loader_wait": 2, "compile": 0, "other": 0}, 4)
+
+
+def test_young_uses_the_saves_own_times_and_a_stated_mtbf(drilled, tmp_path, capsys):
+    """Checkpoint events carry save_start_t and commit_t; the interval is measured from them (10 steps
+    apart, not the end-of-run stamps); the MTBF is the design point unless the flag or config sets it."""
+    run = load_run(drilled)
+    saves = [e for e in run.all_events if e["event"] == "checkpoint"]
+    assert saves and all(e["save_start_t"] <= e["commit_t"] <= e["t"] for e in saves)
+    y = gp.account(run).young
+    assert y["status"] == "ok" and y["mtbf_s"] == gp.DESIGN_MTBF_S == 8800.0 and "design point" in y["mtbf_from"]
+    assert y["interval_from"].startswith("measured") and y["observed_mtbf_s"] > 0
+    step_s = gp._median_step(run)[0]
+    assert 5 * step_s < y["interval_s"] < 100 * step_s  # about 10 steps, not the events' stamps
+    assert y["optimal_interval_s"] == pytest.approx((2 * y["checkpoint_cost_s"] * 8800.0) ** 0.5)
+    assert gp.account(run, mtbf_s=100.0).young["mtbf_from"] == "replay goodput --mtbf"
+    assert main(["goodput", "--run", drilled, "--mtbf", "3600"]) == 0
+    assert "MTBF 60.0 min" in capsys.readouterr().out.replace("\n", " ")
+    assert main(["goodput", "--run", drilled, "--mtbf", "-1"]) == 2

@@ -11,6 +11,7 @@ import yaml
 
 from replay.run import protocol as proto
 from replay.screen import scan as scan_mod
+from replay.screen import screening as sc
 from replay.cli import main
 from replay.run.devices import DeviceInfo, select_devices
 from replay.run.runlog import load_run
@@ -144,7 +145,45 @@ def test_router_breaches_per_layer_after_warm_up(tmp_path):
     assert [s.subject for s in rep.suspects] == ["layer 1"]  # step 5 is in the warm-up
     ev = rep.suspects[0].evidence[0]
     assert (ev.first_step, ev.last_step) == (15, 30) and "3 of 70 steps" in ev.detail
-    assert "12.50x uniform vs 3x" in ev.detail and rep.suspect_devices == []
+    assert "12.50x uniform; shares in [0.0833, 0.7500] (within 3x of uniform 1/4)" in ev.detail
+    assert rep.suspect_devices == []
+
+
+def test_the_share_band_of_a_small_run_is_widened_by_its_rows_and_never_below_the_dead_floor(tmp_path):
+    """4 experts, 8 rows a step, a 5-step window: an expert at 0.044 of the assignments (5.68x under
+    uniform) is what 40 rows give a balanced router by chance (3 sigma, sigma 0.068), not a fault; one at 0 is
+    dead on any run."""
+    lo, hi, rule = scan_mod.share_band(4, sc.RouterHealth(window_steps=5), 8)
+    assert (round(lo, 4), round(hi, 4)) == (0.0125, 0.75) and "40-row window" in rule and "dead-expert floor" in rule
+    assert scan_mod.share_band(4, sc.RouterHealth(), None)[:2] == (1 / 12, 0.75)  # no row count: the band alone
+    assert scan_mod.share_band(4, sc.RouterHealth(window_steps=8), 8)[0] == pytest.approx(0.25 - 3.5 * (
+        0.25 * 0.75 / 64) ** 0.5)  # between the dead floor and the band: the rows' own spread
+    assert scan_mod.share_band(4, sc.RouterHealth(window_steps=50), 8)[0] == 1 / 12  # a long window: the band
+
+    def low(root, share):
+        path = os.path.join(root, "signals.jsonl")
+        rows = [json.loads(x) for x in open(path)]
+        with open(path, "w") as f:
+            for r in rows:
+                if r["step"] >= 20:
+                    r["router"][1]["expert_share"] = [share, 0.3, 0.35, 0.35 - share]
+                f.write(json.dumps(r) + "\n")
+        return root
+
+    small = {"global_batch": 8, "router_health": {"warmup_steps": 10, "window_steps": 5}}
+    assert scan(low(make_run(str(tmp_path / "a"), steps=40, config=small), 0.044)).checks["router"]["status"] == "clear"
+    bare = {"router_health": {"warmup_steps": 10, "window_steps": 5}}  # no global_batch: the band alone
+    assert [s.subject for s in scan(low(make_run(str(tmp_path / "b"), steps=40, config=bare), 0.044)).suspects] == [
+        "layer 1"]
+    dead = scan(low(make_run(str(tmp_path / "c"), steps=40, config=small), 0.0))
+    assert [(s.subject, s.first_step) for s in dead.suspects] == [("layer 1", 24)]  # its 5-step window all dead
+
+
+def test_the_expert_load_check_says_why_its_figures_are_missing(tmp_path):
+    a2a = scan(make_run(str(tmp_path / "a"), steps=20, config={"model": {"dispatch": "all_to_all"}}))
+    assert "model.dispatch is all_to_all, but its trainer logged no expert-load" in a2a.checks["expert_load"]["detail"]
+    gather = scan(make_run(str(tmp_path / "g"), steps=20, config={"model": {"n_experts": 4}}))
+    assert "model.dispatch is gather, not all_to_all" in gather.checks["expert_load"]["detail"]
 
 
 def test_loss_spikes_unless_an_event_explains_them(tmp_path):

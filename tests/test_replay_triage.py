@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from replay import triage_drill
 from replay.cli import main
 from replay.run import protocol as proto
 from replay.run.codes import ExitCode
@@ -233,6 +234,7 @@ def test_follow_reports_new_suspects_and_runs_on_suspect_once(tmp_path, capsys):
 def test_drill_options_are_checked():
     assert main(["drill", "--magnitude", "nan"]) == ExitCode.USAGE
     assert main(["drill", "--magnitude", "0", "--scenario", "drift"]) == ExitCode.USAGE
+    assert main(["drill", "--scenario", "nonfinite", "--value", "zero"]) == ExitCode.USAGE  # nan or inf
 
 
 @pytest.fixture
@@ -240,14 +242,123 @@ def drills(triage_drills):
     return triage_drills
 
 
-@pytest.mark.parametrize("scenario", ["sdc", "restart", "data", "router", "clean"])
+@pytest.mark.parametrize("scenario", ["sdc", "restart", "data", "duplicate", "router", "router_scale", "nonfinite",
+                                      "clean"])
 def test_each_triage_drill_names_its_planted_cause(drills, scenario):
     r = drills.run(scenario, 11)
     assert r.correct, (r.planted, r.found, {k: (v["status"], v["summary"]) for k, v in r.triage["checks"].items()})
+    assert r.planted["magnitude"] == triage_drill.GRIDS[scenario][0]  # the largest of the scenario's grid
     if scenario == "sdc":  # the range replay convicted the device
         assert r.triage["checks"]["replicas"]["subject"].get("convicted") and r.found["confidence"] == "high"
     if scenario == "clean":
         assert all(c["status"] != "suspect" for c in r.triage["checks"].values())
+    if scenario == "restart":  # the restore event says the loader resumed exactly: the batches tell the shift
+        (ev,) = [e for e in load_run(r.run_dir).events if e["event"] == "restore"]
+        assert ev["loader_state"]["next_step"] == ev["step"] == r.planted["restore"]
+    if scenario == "duplicate":  # 3 copies of b's shard 0 (one sha256), found by the rows after b's weight rose
+        assert r.triage["exit_code"] == ExitCode.TRIAGE_DATA == 12 and r.found["confidence"] == "high"
+        data = r.triage["checks"]["data"]
+        assert data["evidence"]["duplicates"]["suspect"] and data["evidence"]["shard_copies"]
+        assert data["subject"]["duplicated"] and data["subject"]["documents"]
+        assert "duplicated rows" in r.triage["conclusion"]["explanation"]
+    if scenario == "router_scale":  # weights x20 at k, triaged at k + 4: the departure is dated from k
+        router = r.triage["checks"]["router"]
+        assert router["subject"]["first_step"] == r.planted["step"] == r.expected["first_step"]
+    if scenario == "nonfinite":
+        assert r.triage["checks"]["replicas"]["subject"]["first_step"] == r.planted["step"]
+
+
+def test_triage_drills_on_the_grid_count_detections_per_magnitude(drills, monkeypatch):
+    monkeypatch.setitem(triage_drill.GRIDS, "restart", (1,))  # the floor alone: a loader one step off
+    res = triage_drill.run_drills(["restart"], [12], drills.root, grid=True, drills=drills)
+    assert res["scenarios"]["restart"]["by_magnitude"] == {"1": {"correct": 1, "total": 1}}
+    assert abs(res["scenarios"]["restart"]["runs"][0]["planted"]["loader_shift"]) == 1
+
+
+def test_the_router_check_looks_back_names_a_dead_expert_and_never_passes_non_finite_figures(tmp_path):
+    root = make_run(str(tmp_path / "r"), steps=40)
+    path = os.path.join(root, "signals.jsonl")
+
+    def dead_from(step, expert=1):
+        def fix(d):
+            if d["step"] >= step:
+                share = [0.3, 0.3, 0.4, 0.0]
+                d["router"][1]["expert_share"] = share[:expert] + [0.0] + share[expert:3]
+            return d
+        return fix
+
+    _patch_lines(path, dead_from(30))
+    dead = triage(root, 33).checks["router"]
+    assert dead.status == "suspect" and dead.subject["layers"] == [1] and dead.subject["first_step"] == 30
+    assert any("expert 1 is dead" in w for w in dead.lines)
+    # the same departure triaged 8 steps after it began: judged 30..33 is in the baseline of 36..39 now
+    later = triage(root, 39).checks["router"]
+    assert later.status == "suspect" and later.subject["first_step"] == 30 and later.evidence["layer 1"]["looked_back"]
+    # NaN entropy and an infinite max logit at a judged step: not judged, never "within bounds"
+    nan = make_run(str(tmp_path / "n"), steps=40)
+    _patch_lines(os.path.join(nan, "signals.jsonl"), lambda d: {**d, "router": [
+        {**r, "entropy": float("nan"), "max_logit": float("-inf")} if d["step"] == 38 else r for r in d["router"]]})
+    check = triage(nan, 39).checks["router"]
+    assert check.status == "not available" and "not finite at step(s) [38]" in check.summary
+    assert "never within bounds" in check.summary
+
+
+def test_duplicates_count_repeated_rows_by_pair_rate_and_never_the_pieces_of_a_split_document():
+    from types import SimpleNamespace
+
+    def row(tokens, keys, chunks):
+        return SimpleNamespace(tokens=np.asarray(tokens), segment_lengths=np.asarray([len(tokens)]),
+                               doc_keys=tuple(keys), chunk_indices=np.asarray(chunks))
+
+    ref = SimpleNamespace(shard="s/0", record_in_shard=0)
+    # a document split across three rows: chunks 0, 1, 2 of one key, different tokens: no duplicate
+    base = [(s, 0, ref, row([s, s + 1, s + 2], ["d/long"], [s - 1])) for s in (1, 2, 3)]
+    base += [(10 + i, 0, ref, row([100 + i], [f"d/{i}"], [0])) for i in range(30)]
+    onset = [(50, i, ref, row([7, 7, 7], ["d/copy"], [0])) for i in range(3)] + [(51, 0, ref, row([9], ["d/x"], [0]))]
+    out = tr.duplicates(onset, base, 1e-3)
+    assert out["documents"] == [{"document": "d/copy", "chunk": 0, "rows": [[50, 0], [50, 1], [50, 2]]}]
+    assert (out["onset"]["pairs"], out["baseline"]["pairs"], out["suspect"]) == (3, 0, True)
+    assert out["p"] == pytest.approx(tr.poisson_tail(3, 0.5 / (33 * 32 / 2) * 6))
+    assert [r["same_as"] for r in out["rows"]] == [[50, 0], [50, 0]]
+    calm = tr.duplicates(onset[:2] + onset[3:], base, 1e-3)  # one pair is not a finding
+    assert calm["onset"]["pairs"] == 1 and not calm["suspect"]
+
+
+def test_restores_are_labelled_as_what_happened_and_a_hand_edited_loader_state_says_what_to_do(drills, tmp_path):
+    from replay.reference.run import RunConfigError
+
+    run = str(tmp_path / "run")
+    cfg = drills.config(4)
+    drills.train(run, cfg, 21)  # checkpoints 0, 10, 20, 21
+    for lost in ("20", "21"):  # the newest checkpoints lost: the next start resumes from 10, a resume
+        shutil.rmtree(os.path.join(run, "checkpoints", lost))
+    drills.train(run, cfg, 22)
+    (ev,) = [e for e in load_run(run).events if e["event"] == "restore"]
+    assert (ev["reason"], ev["checkpoint"], ev["checkpoints_missing"]) == ("resume", 10, [20, 21])
+    assert [a.kind for a in load_run(run).lineage.attempts] == ["start", "resume"]
+    meta = os.path.join(run, "checkpoints", "22", "loader", "metadata")
+    state = json.load(open(meta))
+    json.dump({**state, "next_step": 25}, open(meta, "w"))  # edited by hand
+    with pytest.raises(RunConfigError) as e:
+        drills.train(run, cfg, 24)
+    msg = str(e.value)
+    assert msg.startswith("checkpoint 22 holds loader state for step 25, not 22") and "skip data" in msg
+    assert "next: put back the loader state" in msg and "--from-checkpoint 20 (committed: [0, 10, 20])" in msg
+
+
+def test_an_edited_run_copy_is_never_called_the_config_it_trained_with(drills, tmp_path):
+    from replay.run import inputs
+
+    run = str(tmp_path / "run")
+    drills.train(run, drills.config(6), 2)
+    rec = json.load(open(os.path.join(run, "inputs.json")))
+    rec["mixture"]["path"] = str(tmp_path / "gone.yaml")  # the original is missing now
+    json.dump(rec, open(os.path.join(run, "inputs.json"), "w"))
+    assert inputs.resolve(run, {}).notes[0].endswith("the config it trained with")
+    copy = os.path.join(run, "mixture.yaml")
+    open(copy, "w").write(open(copy).read().replace("weight: 0.7", "weight: 0.6"))
+    (note,) = inputs.resolve(run, {}).notes
+    assert "the config it trained with" not in note and "itself edited since" in note
 
 
 def test_drill_all_command_table_and_json(drills, tmp_path, capsys, monkeypatch):
@@ -260,10 +371,10 @@ def test_drill_all_command_table_and_json(drills, tmp_path, capsys, monkeypatch)
     text = capsys.readouterr().out
     res = json.loads(out.read_text())
     assert code == 0, text
-    assert set(res["scenarios"]) == set(triage_drill.SCENARIOS) and res["correct"] == res["total"] == 5
+    assert set(res["scenarios"]) == set(triage_drill.SCENARIOS) and res["correct"] == res["total"] == 8
     for sc in res["scenarios"].values():
         assert set(sc) >= {"expected", "found", "correct", "total"} and sc["correct"] == 1
-    assert "triage drills: 5 of 5 correct" in text
+    assert "triage drills: 8 of 8 correct" in text
 
 
 # ----------------------------------------------------------------------------- skip

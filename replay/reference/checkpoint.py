@@ -157,3 +157,14 @@ def is_committed(directory: str, step: int) -> bool:
     if not os.path.isdir(path):
         return False
     return bool(ocp.path.step.is_path_finalized(path))
+
+
+def commit_time(mngr: ocp.CheckpointManager, step: int) -> Optional[float]:
+    """Unix seconds at which checkpoint ``step`` committed: Orbax's own record
+    (``StepMetadata.commit_timestamp_nsecs`` in ``<step>/_CHECKPOINT_METADATA``, written at the commit), or
+    None where it recorded none."""
+    try:
+        ns = mngr.metadata(step).commit_timestamp_nsecs
+    except (FileNotFoundError, ValueError, KeyError, AttributeError, OSError):
+        return None
+    return None if ns is None else ns / 1e9

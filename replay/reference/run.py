@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 from typing import Any, Callable, Mapping, Optional, Sequence, TextIO
@@ -62,6 +63,7 @@ from replay.screen.screening import RouterHealth, ScreeningConfig
 _KEYS = {
     "name", "mixture", "dataset", "global_batch", "seed", "mesh", "model", "optimizer", "checkpoint_every",
     "skip_windows", "loader", "canary", "canary_every", "canary_action", "router_health", "screening", "trainer",
+    "mtbf_s",
 }
 CANARY_ACTIONS = ("warn", "stop")
 _REQUIRED = ("name", "mixture", "dataset", "global_batch")
@@ -100,11 +102,13 @@ class RunConfig:
     skip_windows: tuple[tuple[int, int], ...] = ()
     loader_workers: int = 0
     loader_prefetch: int = 2
+    loader_duplicates: str = "warn"  # loader.build's duplicates: warn, refuse or off
     canary: CanaryConfig = CanaryConfig()
     canary_every: int = 0
     canary_action: str = "warn"
     router_health: RouterHealth = RouterHealth()
     screening: ScreeningConfig = ScreeningConfig()
+    mtbf_s: Optional[float] = None  # the fleet's MTBF for replay goodput's Young interval (None: the design point)
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         """The model config, ``vocab_size`` from the manifest unless the run config sets it.
@@ -131,13 +135,15 @@ class RunConfig:
             "optimizer": dataclasses.asdict(self.optimizer),
             "checkpoint_every": self.checkpoint_every,
             "skip_windows": [list(w) for w in self.skip_windows],
-            "loader": {"workers": self.loader_workers, "prefetch": self.loader_prefetch},
+            "loader": {"workers": self.loader_workers, "prefetch": self.loader_prefetch,
+                       **({"duplicates": self.loader_duplicates} if self.loader_duplicates != "warn" else {})},
             "canary": dataclasses.asdict(self.canary),
             "canary_every": self.canary_every,
             "canary_action": self.canary_action,
             "router_health": self.router_health.to_dict(),
             "screening": self.screening.to_dict(),
             "trainer": REFERENCE_FACTORY,
+            **({"mtbf_s": self.mtbf_s} if self.mtbf_s is not None else {}),
         }
 
 
@@ -189,10 +195,13 @@ def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConf
             raise RunConfigError(f"skip_windows[{i}]: end {b} < start {a}")
         windows.append((a, b))
     loader = dict(raw.get("loader", {}) or {})
-    bad = sorted(set(loader) - {"workers", "prefetch"})
+    bad = sorted(set(loader) - {"workers", "prefetch", "duplicates"})
     if bad:
-        raise RunConfigError(f"loader: unknown keys {bad}{did_you_mean(bad, {'prefetch', 'workers'})}; "
-                             "allowed: ['prefetch', 'workers']")
+        raise RunConfigError(f"loader: unknown keys {bad}{did_you_mean(bad, {'duplicates', 'prefetch', 'workers'})}; "
+                             "allowed: ['duplicates', 'prefetch', 'workers']")
+    if loader.get("duplicates", "warn") not in ("warn", "refuse", "off"):
+        raise RunConfigError(f"loader.duplicates: must be one of ['warn', 'refuse', 'off'] (what duplicated data in the "
+                             f"dataset gets), got {loader['duplicates']!r}")
     canary_raw = dict(raw.get("canary", {}) or {})
     bad = sorted(set(canary_raw) - {"step", "seed", "rows", "seq_len"})
     if bad:
@@ -240,6 +249,7 @@ def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConf
         skip_windows=tuple(windows),
         loader_workers=_int(loader.get("workers", 0), "loader.workers", 0),
         loader_prefetch=_int(loader.get("prefetch", 2), "loader.prefetch", 0),
+        loader_duplicates=loader.get("duplicates", "warn"),
         canary=CanaryConfig(
             step=_int(canary_raw.get("step", 0), "canary.step", 0), seed=_int(canary_raw.get("seed", 1234), "canary.seed", 0),
             rows=canary_rows, seq_len=canary_seq,
@@ -248,7 +258,18 @@ def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConf
         canary_action=action,
         router_health=health,
         screening=screening,
+        mtbf_s=_mtbf(raw.get("mtbf_s")),
     )
+
+
+def _mtbf(raw: Any) -> Optional[float]:
+    """The run config's ``mtbf_s`` (seconds > 0, or absent)."""
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw) or raw <= 0:
+        raise RunConfigError(f"mtbf_s: must be a number of seconds > 0 (the fleet's mean time between failures), "
+                             f"got {raw!r}")
+    return float(raw)
 
 
 def load_run_config(path: str) -> RunConfig:
@@ -324,7 +345,7 @@ def build_loader(cfg: RunConfig, mesh, state: Optional[Mapping[str, Any]] = None
     return loader.build(
         mixture=cfg.mixture, dataset=cfg.dataset, global_batch=cfg.global_batch, mesh=mesh, seed=cfg.seed,
         data_axes=tuple(mesh.axis_names), skip_windows=[list(w) for w in cfg.skip_windows],
-        workers=cfg.loader_workers, prefetch=cfg.loader_prefetch, state=state,
+        workers=cfg.loader_workers, prefetch=cfg.loader_prefetch, state=state, duplicates=cfg.loader_duplicates,
     )
 
 
@@ -503,7 +524,8 @@ def train(
         start of the attempt's start-up in ``replay goodput``.
       loader_shift: a drill only (``replay drill --scenario restart``): the resumed loader starts
         ``loader_shift`` steps off the restored checkpoint (a wrong loader state: data repeated when
-        negative, skipped when positive), and the ``restore`` event records the state it used.
+        negative, skipped when positive), while the ``restore`` event records the checkpoint's own state
+        (what a trainer that believes it resumed exactly logs): triage must find the shift from the batches.
 
     Returns:
       ``{"start": first step run, "end": steps, "losses": {step: loss}, "stopped": None or
@@ -609,7 +631,14 @@ def train(
     data = build_loader(cfg, mesh, state=loader_state)  # refuses skip windows that rewrite the past
     data_start = start + (loader_shift if loader_state is not None else 0)
     if not loader_shift and loader_state is not None and int(loader_state.get("next_step", start)) != start:
-        raise RunConfigError(f"checkpoint {start} holds loader state for step {loader_state['next_step']}")
+        older = [c for c in committed if c < start]
+        raise RunConfigError(
+            f"checkpoint {start} holds loader state for step {loader_state['next_step']}, not {start} (the loader "
+            f"state saved with it was edited, or written by another trainer), so resuming would "
+            f"{'skip' if int(loader_state['next_step']) > start else 'repeat'} data; next: put back the loader state "
+            f"Orbax saved ({os.path.join(rd.checkpoints, str(start), 'loader')}), or resume from an earlier "
+            f"checkpoint: python -m replay.reference.train --run {rd.path} --from-checkpoint "
+            f"{older[-1] if older else 'C'}" + (f" (committed: {older})" if older else " (there is none earlier)"))
     if grown is not None and rd.primary:  # accepted by the loader: now the run's config
         with open(rd.file(proto.RUN_CONFIG_NAME), encoding="utf-8") as f:
             written = yaml.safe_load(f)
@@ -618,7 +647,8 @@ def train(
         run_inputs.record_inputs(rd.path, data.mixture, cfg.mixture, cfg.dataset, data.manifest_sha256,
                                  data.schedule.to_dict())
     info = _model_info(trainer, cfg.global_batch, data.seq_len)
-    loader_rec = {"next_step": data_start, "data_step": data.schedule.data_step(data_start),
+    logged_start = start if loader_shift else data_start  # a drill's trainer believes it resumed exactly
+    loader_rec = {"next_step": logged_start, "data_step": data.schedule.data_step(logged_start),
                   "fingerprint": data.state().fingerprint}
     common = {"attempt": attempt, "launched_at": round(launched_at, 6), "steps": steps, **info}
     if latest is None:
@@ -632,9 +662,16 @@ def train(
         from replay.run import distributed
 
         distributed.sync("replay-train-superseded")  # every process past it before any saves again
-        reason = str(pending.get("kind") or "rewind") if pending is not None else ("rollback" if start < lineage.end and any(
-            c > start for c in _lineage_checkpoints(lineage)) else "resume")
+        # a restore nobody asked to roll back is a resume, also when newer checkpoints of the lineage are
+        # gone (lost or damaged): they are named, and the steps after `start` are lost to the crash
+        reason = str(pending.get("kind") or "rewind") if pending is not None else "resume"
+        missing = [] if pending is not None else sorted(
+            c for c in _lineage_checkpoints(lineage) if c > start and c not in committed)
+        if missing:
+            say(f"resuming from checkpoint {start}: the lineage's newer checkpoint(s) {missing} are no longer committed "
+                "(lost or moved aside); the steps after it are trained again")
         rd.event("restore", start, checkpoint=latest, reason=reason, previous_end=previous_end,
+                 **({"checkpoints_missing": missing} if missing else {}),
                  superseded={"steps": [start, previous_end] if previous_end > start else None,
                              "lines": moved, "checkpoints": moved_ckpts},
                  dropped_fingerprint_lines=moved.get(proto.FINGERPRINTS_NAME, 0), restore_s=round(restore_s, 6),
@@ -648,9 +685,12 @@ def train(
     mngr = ckpt.manager(rd.checkpoints)
     pending_saves: list[int] = []  # checkpoints saved (asynchronously), not yet known to have committed
 
+    save_started: dict[int, float] = {}  # step -> Unix time its save started (the checkpoint event's save_start_t)
+
     def save(step_: int) -> float:
         """Starts an asynchronous save; returns the seconds the loop was blocked by it."""
         t_ = time.perf_counter()
+        save_started[step_] = time.time()
         ckpt.save(mngr, step_, state, data.state().to_dict())
         pending_saves.append(step_)
         return time.perf_counter() - t_
@@ -666,10 +706,13 @@ def train(
         elif mngr.is_saving_in_progress():
             return
         for s_ in pending_saves:
+            started = save_started.pop(s_, None)
+            times = {"save_start_t": round(started, 6)} if started is not None else {}
             if ckpt.is_committed(rd.checkpoints, s_):
-                rd.event("checkpoint", s_)
+                commit = ckpt.commit_time(mngr, s_)
+                rd.event("checkpoint", s_, **times, **({"commit_t": round(commit, 6)} if commit is not None else {}))
             else:
-                rd.event("checkpoint_failed", s_)
+                rd.event("checkpoint_failed", s_, **times)
         pending_saves.clear()
 
     blocked = save(0) if latest is None else 0.0  # the first step's interval carries the initial save

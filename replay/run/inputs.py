@@ -145,12 +145,15 @@ def resolve(run_dir: str, config: Mapping[str, Any]) -> Resolved:
     notes = []
     original = rec["mixture"].get("path") or given
     now = mixture_sha256(original) if original else None
+    copy_now = mixture_sha256(copy)
+    what = ("the config it trained with" if copy_now == rec["mixture"]["sha256"] else
+            f"which was itself edited since (sha256 {(copy_now or 'unreadable')[:12]} now, "
+            f"{rec['mixture']['sha256'][:12]} when the run trained): the rebuilt batches are checked against the run's")
     if now is None:
-        notes.append(f"mixture: {original} is missing or invalid now; using the run's copy {copy}, the config it "
-                     "trained with")
+        notes.append(f"mixture: {original} is missing or invalid now; using the run's copy {copy}, {what}")
     elif now != rec["mixture"]["sha256"]:
         notes.append(f"mixture: {original} changed since the run trained with it (sha256 {rec['mixture']['sha256'][:12]}"
-                     f" then, {now[:12]} now); using the run's copy {copy}, the config it trained with")
+                     f" then, {now[:12]} now); using the run's copy {copy}, {what}")
     return Resolved(copy, "run copy", tuple(notes))
 
 

@@ -33,7 +33,9 @@ the step logs into ``superseded/`` before appending again (``RunDir.supersede``)
 holds the run's lineage, one line a step. Events a trainer writes, each with ``attempt`` (the
 attempt that wrote it: ``replay.run.lineage``) and ``t`` (Unix seconds): ``start`` and ``restore``
 (each begins an attempt), ``checkpoint`` (only once the checkpoint has *committed*: with an
-asynchronous save, after the commit, never at the call to save), ``checkpoint_failed``,
+asynchronous save, after the commit, never at the call to save; ``save_start_t``, Unix seconds
+when the save began, and ``commit_t``, when it committed, on the clock of ``t``: ``replay goodput``
+measures the save interval and cost from them), ``checkpoint_failed``,
 ``phase_change``, ``skipped_window``, ``canary_mismatch`` (``devices``, ``verdict``), ``stopped``,
 ``end``. ``replay skip`` appends ``skip_window`` and ``rewind`` requests, which the next training
 run follows.
@@ -140,7 +142,8 @@ class DriftSpec:
     Attributes:
       device_id: ``jax.Device.id`` of the faulty device.
       start: first global step of the error; stop: first step without it, or ``None``.
-      magnitude: the relative error ``||delta|| / ||g_d||``, > 0.
+      magnitude: the relative error ``||delta|| / ||g_d||``, > 0; ``inf`` or ``nan`` make the
+        gradient non-finite (``replay drill --scenario nonfinite``).
       kind: ``"scale"``: ``g_d * (1 + magnitude)`` (the local norm moves by the factor
         ``1 + magnitude``); ``"bias"``: each leaf ``+ magnitude * rms(leaf)`` (a constant offset
         of the same relative size: the norm moves only to second order, by about
@@ -156,8 +159,8 @@ class DriftSpec:
     def __post_init__(self):
         if self.kind not in ("scale", "bias"):
             raise ValueError(f"DriftSpec.kind: must be 'scale' or 'bias', got {self.kind!r}")
-        if not self.magnitude > 0:
-            raise ValueError(f"DriftSpec.magnitude: must be > 0, got {self.magnitude!r}")
+        if not (self.magnitude > 0 or self.magnitude != self.magnitude):  # > 0, +inf, or NaN (a non-finite drill)
+            raise ValueError(f"DriftSpec.magnitude: must be > 0 (or inf or nan), got {self.magnitude!r}")
         if self.stop is not None and self.stop <= self.start:
             raise ValueError(f"DriftSpec: stop {self.stop} must be > start {self.start}")
 

@@ -45,6 +45,7 @@ import dataclasses
 import datetime
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -323,7 +324,7 @@ class RunWriter:
         for step in range(start, steps):
             state, fp = train_step(state, batch, step)   # fp: replay.run.protocol.StepFingerprints
             log.log_step(fp, step_time_s=..., loader_wait_s=...)
-            if saved: log.event("checkpoint", step + 1)    # once the checkpoint has committed
+            if saved: log.checkpoint(step + 1, save_start_t=t_save, commit_t=t_commit)  # once it has committed
         log.end(steps)
 
     Args:
@@ -420,6 +421,24 @@ class RunWriter:
         """Appends an event (``checkpoint`` once a checkpoint has committed, ``phase_change``,
         ``skipped_window``, ...); written once, by process 0."""
         return self.dir.event(name, step, **fields)
+
+    def checkpoint(self, step: int, *, save_start_t: Optional[float] = None,
+                   commit_t: Optional[float] = None) -> dict[str, Any]:
+        """The ``checkpoint`` event, once checkpoint ``step`` has committed: ``save_start_t``, the Unix
+        seconds (``time.time()``, the clock of every event's ``t``) when its save began, and
+        ``commit_t``, when it committed (``replay goodput`` measures the checkpoint interval and the
+        save's latency from them; either may be left out where not known).
+
+        Raises:
+          ValueError: a time that is not a finite number, or ``commit_t`` before ``save_start_t``.
+        """
+        times = {k: v for k, v in (("save_start_t", save_start_t), ("commit_t", commit_t)) if v is not None}
+        for k, v in times.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"checkpoint {step}: {k} must be Unix seconds (a finite number), got {v!r}")
+        if len(times) == 2 and commit_t < save_start_t:
+            raise ValueError(f"checkpoint {step}: commit_t {commit_t} is before save_start_t {save_start_t}")
+        return self.dir.event("checkpoint", step, **{k: round(float(v), 6) for k, v in times.items()})
 
     def end(self, step: int) -> None:
         """The ``end`` event: training stopped at ``step``."""

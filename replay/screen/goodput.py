@@ -33,6 +33,14 @@ parts add up to the wall time exactly::
     unknown          a stretch the log has no timestamps for (an old     -
                      run directory, a trainer that logs no timings)
 
+Clocks. Attempts may run on machines whose clocks disagree. An attempt launched before the previous
+attempt's last record (its clock behind, or the two overlapping) is reported as clocks that
+disagree, by how much and which attempt, and its times are counted from the previous attempt's last
+record (the gap between them unknown); a step stamped before the record before it takes no time; a
+step whose logged durations exceed its interval has each part cut to the interval (in the order
+compute, loader wait, canary, compile, save stall), the excess reported. So every part is >= 0, and
+:func:`audit` checks that, and that the parts add up to the wall time, independently of the split.
+
 Compute of a superseded step counts as lost, rewound or skipped_window by the cut that abandoned
 it (``replay.run.lineage``: a resume, a rollback or rewind, and a rewind's requested window);
 its loader wait, canary, compile and save stalls keep their own parts.
@@ -94,6 +102,12 @@ PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v
               "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "cpu": 5e10}
 
 
+DESIGN_MTBF_S = 8800.0
+DESIGN_MTBF_TEXT = ("the seed's design point: 17,920 chips at a per-chip MTBF of about 5 years, a fleet MTBF of "
+                    "about 8,800 s")
+CLOCK_TOLERANCE_US = 1000  # a step's logged durations may exceed its interval by this (rounding) unreported
+
+
 class GoodputError(RunDirError):
     """The log holds nothing to account for (no attempt)."""
 
@@ -122,7 +136,8 @@ class GoodputReport:
         ``skipped_data``), trained steps and slot tokens; nonpad_tokens: per step part, non-padding
         tokens (None: not logged); reconcile: the loader arithmetic's check; mfu: program goodput;
         attempts: per attempt its span and parts; unknown: why each unknown stretch is unknown;
-        young: the checkpoint interval check; timeline: (time s, cumulative productive s, kind) for
+        young: the checkpoint interval check (:func:`_young`); clocks: where the clocks disagree, a
+        dict each (``attempt``, by how much, ``what`` in words); timeline: (time s, cumulative productive s, kind) for
         the picture; events: (time s, event, step) of restores and rewinds.
     """
 
@@ -140,6 +155,12 @@ class GoodputReport:
     input: dict[str, Any] = dataclasses.field(default_factory=dict)
     timeline: list[tuple[float, float]] = dataclasses.field(default_factory=list, repr=False)
     events: list[tuple[float, str, int]] = dataclasses.field(default_factory=list, repr=False)
+    clocks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    @property
+    def problems(self) -> list[str]:
+        """:func:`audit` of the time split (empty: every part >= 0 and they add up to the wall time)."""
+        return audit(self.time_us, self.wall_us)
 
     @property
     def goodput(self) -> float:
@@ -161,7 +182,7 @@ class GoodputReport:
             "time": {p: {"s": self.time_us[p] / 1e6, "us": self.time_us[p],
                          "share": round(self.time_us[p] / wall, 6) if wall else None, "what": PART_TEXT[p],
                          "ml_goodput_measurement": GOODPUT_KIND[p]} for p in PARTS},
-            "time_adds_up": sum(self.time_us.values()) == wall,
+            "time_adds_up": not self.problems, "problems": self.problems, "clocks": list(self.clocks),
             "steps": dict(self.steps), "tokens": dict(self.tokens), "nonpad_tokens": dict(self.nonpad_tokens),
             "reconcile": self.reconcile, "mfu": self.mfu, "attempts": self.attempts, "unknown": self.unknown,
             "young": self.young, "input": self.input,
@@ -262,15 +283,17 @@ def step_part(run: RunLog, attempt_id: int, step: int) -> str:
     return "rewound"
 
 
-def account(run: RunLog, *, peak_flops: Optional[float] = None) -> GoodputReport:
+def account(run: RunLog, *, peak_flops: Optional[float] = None, mtbf_s: Optional[float] = None) -> GoodputReport:
     """The goodput of ``run`` (module docstring).
 
     Args:
       run: a loaded run directory (its lineage: ``RunLog.lineage``).
       peak_flops: peak FLOP/s of one device (default: :data:`PEAK_FLOPS` by the env.json device kind).
+      mtbf_s: the fleet's mean time between failures for Young's interval, seconds (default: the run
+        config's ``mtbf_s``, else :data:`DESIGN_MTBF_S`, the seed's design point).
 
     Raises:
-      GoodputError: the log has no attempt to account for.
+      GoodputError: the log has no attempt to account for, or the MTBF is not a number > 0.
     """
     lineage = run.lineage
     attempts = [a for a in lineage.attempts if a.index >= 0]
@@ -291,6 +314,8 @@ def account(run: RunLog, *, peak_flops: Optional[float] = None) -> GoodputReport
     untimed: Optional[int] = None  # an attempt before this one whose time is not recorded
     productive_so_far = 0
     step_compute: dict[int, int] = {}  # lineage step -> compute microseconds (MFU)
+    clocks: list[dict[str, Any]] = []  # where the clocks disagree (module docstring: "Clocks")
+    prev_id: Optional[int] = None
     for a in attempts:
         ev = a.event
         # an attempt's own records: requests (a rewind, a skip window) are written by a command or by
@@ -306,8 +331,24 @@ def account(run: RunLog, *, peak_flops: Optional[float] = None) -> GoodputReport
             untimed = a.id
             continue
         begin = _us(launched) if launched is not None else _us(t0)
+        shift = 0  # microseconds added to this attempt's clock (its launch before the previous record)
+        if prev_last is not None and begin < prev_last:
+            shift = prev_last - begin
+            clocks.append({"attempt": a.id, "previous_attempt": prev_id, "behind_s": shift / 1e6,
+                           "what": f"attempt {a.id}'s launch is {shift / 1e6:.3f} s before attempt {prev_id}'s last "
+                                   "record: the clocks disagree (or the attempts overlapped); its times are counted "
+                                   f"from attempt {prev_id}'s last record, and the gap between them is not known"})
+            unknown.append(f"attempt {a.id}: the gap before it is not known (its clock runs {shift / 1e6:.3f} s behind "
+                           f"attempt {prev_id}'s)")
+            begin += shift
         if t_first is None:
             t_first = begin
+        t0_us = _us(t0) + shift
+        if t0_us < begin:  # the start or restore event stamped before its own launch
+            clocks.append({"attempt": a.id, "behind_s": (begin - t0_us) / 1e6,
+                           "what": f"attempt {a.id}'s {ev.get('event')} event is stamped {(begin - t0_us) / 1e6:.3f} s "
+                                   "before its launched_at: the clocks disagree; its start-up is counted as 0"})
+            t0_us = begin
         if prev_last is not None:
             gap = begin - prev_last
             known = launched is not None and untimed is None
@@ -318,35 +359,49 @@ def account(run: RunLog, *, peak_flops: Optional[float] = None) -> GoodputReport
                                   f"or attempt {untimed}'s untimed work") + ", not told apart")
         untimed = None
         if launched is not None:
-            restore = min(_us(ev.get("restore_s") or 0.0), max(0, _us(t0) - begin))
+            restore = min(_us(ev.get("restore_s") or 0.0), t0_us - begin)
             parts["restore"] += restore
-            parts["startup"] += _us(t0) - begin - restore
+            parts["startup"] += t0_us - begin - restore
         else:
             unknown.append(f"attempt {a.id}: no launched_at: its start-up is not known")
         marks.append(((begin - (t_first or begin)) / 1e6, ev.get("event", "?"), a.start))
-        cursor = _us(t0)
+        cursor = t0_us
         steps = per_steps.get(a.id, [])
         split = all(s.t is not None for s in steps)
         if not split:
             unknown.append(f"attempt {a.id}: steps without a 't' in signals.jsonl: its steps' time is not split")
+        backward, over = [], []
         for s in steps if split else []:
-            t = _us(s.t)
-            interval = t - cursor
+            t = _us(s.t) + shift
+            if t < cursor:  # a step stamped before the previous record: no time of its own
+                backward.append((s.step, cursor - t))
+                t = cursor
             comp = {"loader_wait": _us(s.wait_s or 0), "canary": _us(s.canary_s or 0),
                     "compile": _us(s.compile_s or 0), "checkpoint_save": _us(s.checkpoint_s or 0)}
-            compute = _us(s.step_s or 0) - comp["compile"]
             part = step_part(run, a.id, s.step)
-            for k, v in comp.items():
-                parts[k] += v
-            parts[part] += compute
-            parts["other"] += interval - compute - sum(comp.values())
+            got, excess = split_interval(t - cursor, _us(s.step_s or 0) - comp["compile"], comp)
+            if excess > CLOCK_TOLERANCE_US:
+                over.append((s.step, excess))
+            for k, v in got.items():
+                parts[part if k == "compute" else k] += v
             if part == "productive":
-                productive_so_far += compute
-                step_compute[s.step] = compute
+                productive_so_far += got["compute"]
+                step_compute[s.step] = got["compute"]
             cursor = t
             timeline.append(((t - t_first) / 1e6, productive_so_far / 1e6))
+        if backward:
+            worst = max(backward, key=lambda x: x[1])
+            clocks.append({"attempt": a.id, "steps": len(backward), "behind_s": worst[1] / 1e6,
+                           "what": f"attempt {a.id}: {len(backward)} step(s) stamped before the record before them "
+                                   f"(worst: step {worst[0]}, {worst[1] / 1e6:.3f} s back); counted as taking no time"})
+        if over:
+            worst = max(over, key=lambda x: x[1])
+            clocks.append({"attempt": a.id, "steps": len(over), "excess_s": sum(x for _, x in over) / 1e6,
+                           "what": f"attempt {a.id}: at {len(over)} step(s) the logged durations exceed the time "
+                                   f"between the step's records (worst: step {worst[0]}, by {worst[1] / 1e6:.3f} s); "
+                                   "each part is cut to the interval"})
         ends = [e for e in mine if e.get("event") in ("end", "stopped") and isinstance(e.get("t"), (int, float))]
-        tail_end = max([cursor] + [_us(e["t"]) for e in mine if isinstance(e.get("t"), (int, float))])
+        tail_end = max([cursor] + [_us(e["t"]) + shift for e in mine if isinstance(e.get("t"), (int, float))])
         if not split:
             parts["unknown"] += tail_end - cursor
         else:
@@ -355,10 +410,11 @@ def account(run: RunLog, *, peak_flops: Optional[float] = None) -> GoodputReport
             parts["other"] += tail_end - cursor - final
         for p in PARTS:
             time_us[p] += parts[p]
-        prev_last = tail_end
+        prev_last, prev_id = tail_end, a.id
         att_out.append({"attempt": a.id, "kind": a.kind, "start": a.start, "trained_end": a.trained_end,
                         "lineage": list(a.lineage) if a.lineage_steps else None, "split": split,
                         "begin_s": (begin - t_first) / 1e6, "end_s": (tail_end - t_first) / 1e6,
+                        "clock_shift_s": shift / 1e6,
                         "ended": bool(ends), "time_s": {p: parts[p] / 1e6 for p in PARTS if parts[p]}})
     for e in lineage.requests:
         if isinstance(e.get("t"), (int, float)) and t_first is not None:
@@ -375,8 +431,40 @@ def account(run: RunLog, *, peak_flops: Optional[float] = None) -> GoodputReport
     steps, tokens, nonpad, rec = _ledger(run, per_steps)
     return GoodputReport(run_dir=run.run_dir, wall_us=wall, time_us=time_us, steps=steps, tokens=tokens,
                          nonpad_tokens=nonpad, reconcile=rec, mfu=_mfu(run, step_compute, peak_flops),
-                         attempts=att_out, unknown=unknown, young=_young(run, time_us, wall), timeline=timeline,
-                         events=marks, input=input_wait(per_steps, time_us["loader_wait"]))
+                         attempts=att_out, unknown=unknown, young=_young(run, time_us, mtbf_s),
+                         timeline=timeline, events=marks, clocks=clocks,
+                         input=input_wait(per_steps, time_us["loader_wait"]))
+
+
+def split_interval(interval_us: int, compute_us: int, comp: Mapping[str, int]) -> tuple[dict[str, int], int]:
+    """One step's interval (microseconds from the previous record to the step's ``t``, >= 0) split into
+    its logged parts: ``compute`` (step time less compilation), then ``comp``'s parts in their order
+    (``loader_wait``, ``canary``, ``compile``, ``checkpoint_save``), each cut to what is left of the
+    interval, and ``other``, the remainder. Returns ``(parts, excess)``: every part >= 0 and summing to
+    ``interval_us``; ``excess``, the microseconds of logged durations that did not fit (clocks that
+    disagree)."""
+    left = max(0, int(interval_us))
+    out: dict[str, int] = {}
+    excess = 0
+    for k, v in (("compute", compute_us), *comp.items()):
+        v = max(0, int(v))
+        out[k] = min(v, left)
+        excess += v - out[k]
+        left -= out[k]
+    out["other"] = left
+    return out, excess
+
+
+def audit(time_us: Mapping[str, int], wall_us: int) -> list[str]:
+    """What is wrong with a time split, in words (empty: nothing): a part below 0, or parts that do not
+    add up to the wall time (which :func:`account` takes from the first launch and the last record, not
+    from the parts)."""
+    bad = [f"{p} is negative ({v / 1e6:.6f} s)" for p, v in time_us.items() if v < 0]
+    total = sum(time_us.values())
+    if total != wall_us:
+        bad.append(f"the parts add up to {total / 1e6:.6f} s, the wall time is {wall_us / 1e6:.6f} s "
+                   f"({(total - wall_us) / 1e6:+.6f} s)")
+    return bad
 
 
 INPUT_PARTS = ("index", "read", "decode", "rows", "transfer", "other", "handoff", "not_split")
@@ -512,27 +600,66 @@ def _mfu(run: RunLog, compute_us: Mapping[int, int], peak_flops: Optional[float]
     return out
 
 
-def _young(run: RunLog, time_us: Mapping[str, int], wall_us: int) -> dict[str, Any]:
-    """Young's optimal checkpoint interval sqrt(2 * checkpoint cost * MTBF) (Young 1974) from this run:
-    the cost is the mean save stall per committed checkpoint, the MTBF the wall time over the
-    crashes (restores that resumed)."""
-    saves = sum(1 for e in run.all_events if e.get("event") == "checkpoint")
+def _young(run: RunLog, time_us: Mapping[str, int], mtbf_s: Optional[float]) -> dict[str, Any]:
+    """Young's optimal checkpoint interval ``tau* = sqrt(2 * C * M)`` (Young 1974) and the overhead of
+    an interval ``tau``, ``C / tau + tau / (2 * M)`` (the saves' cost plus, on average, half an interval
+    of work lost per failure), with:
+
+    - C, the measured cost of one save: the loop's checkpoint save stalls (the ``checkpoint_save``
+      part, an asynchronous save's blocking part and the final wait) over the committed checkpoints;
+    - M, the fleet MTBF: ``mtbf_s``, else the run config's ``mtbf_s``, else :data:`DESIGN_MTBF_S`
+      (the seed's design point, named as such in the report); the MTBF this run's own crashes give
+      (wall time over restores that resumed) is reported beside it, never used;
+    - the run's interval, measured: the median time between consecutive saves' starts
+      (``save_start_t`` of the checkpoint events) within an attempt; a run whose events carry no
+      ``save_start_t`` gets ``checkpoint_every`` x the median step time, said so.
+    Each save's latency (``commit_t - save_start_t``: until it is durable) is reported too.
+
+    Raises:
+      GoodputError: the MTBF is not a number > 0.
+    """
+    saves = [e for e in run.all_events if e.get("event") == "checkpoint"]
     crashes = sum(1 for a in run.lineage.attempts if a.kind == "resume")
-    out: dict[str, Any] = {"checkpoints": saves, "crashes": crashes, "formula": "sqrt(2 * checkpoint cost * MTBF)"}
+    m_from = "replay goodput --mtbf"
+    if mtbf_s is None and run.config.get("mtbf_s") is not None:
+        mtbf_s, m_from = run.config["mtbf_s"], "the run config's mtbf_s"
+    elif mtbf_s is None:
+        mtbf_s, m_from = DESIGN_MTBF_S, DESIGN_MTBF_TEXT
+    if isinstance(mtbf_s, bool) or not isinstance(mtbf_s, (int, float)) or not math.isfinite(mtbf_s) or mtbf_s <= 0:
+        raise GoodputError(f"{m_from}: the MTBF must be a number of seconds > 0, got {mtbf_s!r}")
+    out: dict[str, Any] = {"checkpoints": len(saves), "crashes": crashes, "mtbf_s": float(mtbf_s), "mtbf_from": m_from,
+                           "formula": "tau* = sqrt(2 * C * MTBF); overhead(tau) = C / tau + tau / (2 * MTBF)"}
+    if crashes:
+        wall = sum(time_us.values())
+        out["observed_mtbf_s"] = wall / 1e6 / crashes
+    latency = [float(e["commit_t"]) - float(e["save_start_t"]) for e in saves
+               if isinstance(e.get("commit_t"), (int, float)) and isinstance(e.get("save_start_t"), (int, float))]
+    if latency:
+        out["save_latency_s"] = float(np.median(latency))
+    starts: dict[Any, list[float]] = {}
+    for e in saves:
+        if isinstance(e.get("save_start_t"), (int, float)):
+            starts.setdefault(e.get("attempt"), []).append(float(e["save_start_t"]))
+    gaps = [b - a for v in starts.values() for a, b in zip(sorted(v), sorted(v)[1:]) if b > a]
+    if gaps:
+        out["interval_s"], out["interval_from"] = float(np.median(gaps)), "measured: the median time between saves' starts"
+    else:
+        every, st = run.config.get("checkpoint_every"), _median_step(run)
+        if isinstance(every, int) and st:
+            out["interval_s"], out["interval_from"] = every * st[0], ("estimated: checkpoint_every x the median step "
+                                                                      "time (the checkpoint events carry no save_start_t)")
     if not saves:
         out["status"] = "not available: no committed checkpoint"
         return out
-    cost = time_us["checkpoint_save"] / 1e6 / saves
+    cost = time_us["checkpoint_save"] / 1e6 / len(saves)
     out["checkpoint_cost_s"] = cost
-    every = run.config.get("checkpoint_every")
-    steps = [v for v in _median_step(run)]
-    if isinstance(every, int) and steps:
-        out["interval_s"] = every * steps[0]
-    if not crashes:
-        out["status"] = "not available: no crash in this run to estimate the MTBF from"
+    if cost <= 0:
+        out["status"] = "not available: the saves cost the loop no measured time (no checkpoint_s logged)"
         return out
-    mtbf = wall_us / 1e6 / crashes
-    out.update(status="ok", mtbf_s=mtbf, optimal_interval_s=math.sqrt(2 * cost * mtbf))
+    tau = math.sqrt(2 * cost * mtbf_s)
+    out.update(status="ok", optimal_interval_s=tau, overhead_at_optimum=cost / tau + tau / (2 * mtbf_s))
+    if out.get("interval_s"):
+        out["overhead_at_interval"] = cost / out["interval_s"] + out["interval_s"] / (2 * mtbf_s)
     return out
 
 

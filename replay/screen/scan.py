@@ -15,8 +15,9 @@ numbers and words the findings::
     norm_spike    replica norms, |robust z| > spike_z      the replica's devices, at that step
                   or a non-finite norm
     norm_drift    replica norms, robust CUSUM              the replica's devices, from the change's onset
-    router        signals.jsonl router[layer]              the layer (dropped fraction or an expert's share
-                  vs run config router_health               out of bounds after warm-up)
+    router        signals.jsonl router[layer]              the layer (dropped fraction, or an expert's share
+                  vs run config router_health               outside its band after warm-up: share_band,
+                                                            widened on small runs by the window's rows)
     expert_load   signals.jsonl expert_load[layer]:        the layer, naming its most loaded expert device
                   tokens each expert device received        (max / mean over the layer's devices above
                   (expert parallelism)                      router_health.max_expert_load_ratio after warm-up)
@@ -384,7 +385,44 @@ def share_ratio(shares) -> float:
     return max(hi, 1.0 / lo if lo > 0 else math.inf)
 
 
-def _router(signals, steps, start, health: sc.RouterHealth):
+# the share band's small-run floor (share_band): shares within this many standard errors of uniform. A
+# balanced router leaves p +- 3.5 sigma with probability about 5e-4 per expert and window (normal
+# approximation), so a 30-step, 2-layer, 4-expert run's 240 judged expert-windows raise about 0.1 false alarm
+ROUTER_Z = 3.5
+DEAD_SHARE = 0.05  # an expert under this fraction of its uniform share (share x E) is dead on a run of any size
+
+
+def share_band(experts: int, health: sc.RouterHealth, rows: Optional[int]) -> tuple[float, float, str]:
+    """``(low, high)``: the expert shares (of a layer's assignments, over ``window_steps`` steps) the
+    router board accepts, and the rule in words.
+
+    The band is ``max_share_ratio`` times uniform either way (``[1 / (r * E), r / E]``), widened on
+    small runs to the shares a balanced router shows by its batches' rows alone: a row's tokens go
+    together (one document), so a window of ``n = rows * window_steps`` rows gives a share the
+    standard error ``sigma = sqrt(p * (1 - p) / n)`` about ``p = 1 / E`` (binomial over rows), and
+    the band is at least ``p +- ROUTER_Z * sigma``. Its low edge never drops below
+    ``DEAD_SHARE / E``, the floor under which an expert is dead whatever the run's size.
+    ``rows``: the global batch (rows a step); None: the band alone, unwidened.
+    """
+    E = max(int(experts), 1)
+    p, r = 1.0 / E, float(health.max_share_ratio)
+    lo, hi = 1.0 / (r * E), r / E
+    rule = f"within {r:g}x of uniform 1/{E}"
+    if rows:
+        n = int(rows) * max(int(health.window_steps), 1)
+        sigma = math.sqrt(p * (1 - p) / n)
+        if p - ROUTER_Z * sigma < lo or p + ROUTER_Z * sigma > hi:
+            rule += (f", widened to uniform +- {ROUTER_Z:g} standard errors of a {n}-row window "
+                     f"({E} experts, {int(health.window_steps)} step(s) of {int(rows)} rows: sigma {sigma:.3f})")
+        lo, hi = min(lo, p - ROUTER_Z * sigma), max(hi, p + ROUTER_Z * sigma)
+    dead = DEAD_SHARE / E
+    if lo < dead:
+        lo = dead
+        rule += f", never below the dead-expert floor {DEAD_SHARE:g}/E"
+    return lo, hi, f"shares in [{lo:.4f}, {hi:.4f}] ({rule})"
+
+
+def _router(signals, steps, start, health: sc.RouterHealth, rows: Optional[int] = None):
     if signals is None or not any(signals[s].router for s in steps):
         return {"status": "not available", "detail": "no per-layer router figures in signals.jsonl"}, [], {}
     layers = max(len(signals[s].router) for s in steps)
@@ -393,7 +431,7 @@ def _router(signals, steps, start, health: sc.RouterHealth):
     series = {"steps": steps, "dropped": np.full((len(steps), layers), np.nan),
               "share_ratio": np.full((len(steps), layers), np.nan),
               "share_ratio_window": np.full((len(steps), layers), np.nan), "window": int(health.window_steps)}
-    worst_all = {}
+    worst_all, bands = {}, {}
     for t, s in enumerate(steps):
         for i, L in enumerate(signals[s].router):
             series["dropped"][t, i] = L.dropped_fraction
@@ -402,40 +440,51 @@ def _router(signals, steps, start, health: sc.RouterHealth):
     for i in range(layers):
         bad = []
         worst_drop, worst_ratio = 0.0, 1.0
+        E = max((len(signals[s].router[i].expert_share) for s in steps if i < len(signals[s].router)), default=1)
+        lo, hi, rule = bands[i] = share_band(E, health, rows)
         for t, s in enumerate(steps):
             if s < health.warmup_steps or i >= len(signals[s].router):
                 continue
             L = signals[s].router[i]
             window = [signals[u].router[i].expert_share for u in steps[max(0, t - W + 1):t + 1]
                       if i < len(signals[u].router)]
-            ratio = share_ratio(np.mean(np.asarray(window, np.float64), axis=0)) if W > 1 else share_ratio(L.expert_share)
+            mean = np.mean(np.asarray(window, np.float64), axis=0) if W > 1 else np.asarray(L.expert_share, np.float64)
+            ratio = share_ratio(mean)
             series["share_ratio_window"][t, i] = ratio
             worst_drop, worst_ratio = max(worst_drop, L.dropped_fraction), max(worst_ratio, ratio)
-            if L.dropped_fraction > health.max_dropped_fraction or ratio > health.max_share_ratio:
+            if L.dropped_fraction > health.max_dropped_fraction or mean.max() > hi or mean.min() < lo:
                 bad.append(s)
         worst_all[i] = (worst_drop, worst_ratio)
         if bad and max(bad) >= start:
+            limit = max(hi * E, 1.0 / (lo * E))  # the band as a ratio to uniform, the figure's scale
             strength = max(worst_drop / health.max_dropped_fraction if health.max_dropped_fraction else math.inf,
-                           worst_ratio / health.max_share_ratio)
+                           worst_ratio / limit)
             out.append((("layer", ()), i, _evidence(
                 "router", min(bad), max(bad), strength,
                 f"layer {i}: {len(bad)} of {len(judged)} steps after warm-up out of bounds (worst dropped "
                 f"{worst_drop:.3f} vs {health.max_dropped_fraction:g}; worst expert share {worst_ratio:.2f}x "
-                f"uniform vs {health.max_share_ratio:g}x)")))
+                f"uniform; {rule})")))
     detail = "; ".join(f"layer {i}: max dropped {d:.4f}, worst share {r:.2f}x uniform"
                        for i, (d, r) in sorted(worst_all.items()))
-    detail += f" (after {health.warmup_steps} warm-up steps; limits {health.max_dropped_fraction:g} and " \
-              f"{health.max_share_ratio:g}x" + (f", shares over {W}-step windows" if W > 1 else "") + ")"
+    detail += f" (after {health.warmup_steps} warm-up steps; limits {health.max_dropped_fraction:g} dropped and " + \
+              "; ".join(sorted({b[2] for b in bands.values()})) + (f", shares over {W}-step windows" if W > 1 else "") + ")"
     return {"status": "found" if out else "clear", "detail": detail}, out, series
 
 
-def _expert_load(signals, steps, start, health: sc.RouterHealth):
+def _expert_load(signals, steps, start, health: sc.RouterHealth, dispatch: Optional[str] = None):
     """Per MoE layer, the tokens each expert device received (``StepSignals.expert_load``), judged as the
-    most loaded device's share over the mean (``screening.expert_load_ratio``, over ``window_steps``)."""
+    most loaded device's share over the mean (``screening.expert_load_ratio``, over ``window_steps``).
+    ``dispatch``: the run config's ``model.dispatch`` (None: not known), for the reason when absent."""
     if signals is None or not any(signals[s].expert_load for s in steps):
-        return {"status": "not available",
-                "detail": "no expert-load figures in signals.jsonl: the run's experts are not on their own "
-                          "devices (model.dispatch is not all_to_all), or it predates them"}, [], {}
+        if dispatch == "all_to_all":
+            why = ("the run config's model.dispatch is all_to_all, but its trainer logged no expert-load "
+                   "figures (a trainer or toolkit release from before them, or a trainer that does not log them)")
+        elif dispatch is not None:
+            why = f"the run's experts are not on their own devices (model.dispatch is {dispatch}, not all_to_all)"
+        else:
+            why = ("the run config names no model.dispatch: its experts are not on their own devices, or its "
+                   "trainer does not log the figures")
+        return {"status": "not available", "detail": f"no expert-load figures in signals.jsonl: {why}"}, [], {}
     layers = max(len(signals[s].expert_load) for s in steps)
     W, limit = int(health.window_steps), health.max_expert_load_ratio
     series = {"steps": steps, "ratio": np.full((len(steps), layers), np.nan),
@@ -622,8 +671,13 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     sig = signals if steps_sig else None
     checks["norm_spike"], checks["norm_drift"], dev, rep_series = _replicas(sig, steps_sig, start, cfg)
     findings += dev
-    checks["router"], layer_found, router_series = _router(sig, steps_sig, start, health)
-    checks["expert_load"], load_found, load_series = _expert_load(sig, steps_sig, start, health)
+    rows = run.config.get("global_batch")
+    checks["router"], layer_found, router_series = _router(sig, steps_sig, start, health,
+                                                           rows if isinstance(rows, int) and rows > 0 else None)
+    model = run.config.get("model") if isinstance(run.config.get("model"), Mapping) else {}
+    dispatch = model.get("dispatch", "gather" if model else None)  # the reference model's default: gather
+    checks["expert_load"], load_found, load_series = _expert_load(sig, steps_sig, start, health,
+                                                                  dispatch if isinstance(dispatch, str) else None)
     layer_found += load_found
     checks["loss_spike"], loss_found, explained, loss_series = _loss(run, steps_fp, start, cfg, explaining)
     findings += loss_found

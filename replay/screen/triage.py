@@ -18,12 +18,14 @@ available`` (a signal the run did not log is never ``clear``), with its evidence
                 sampled from earlier in the window: per row unknown-token rate, repeated-n-gram
                 rate, mean segment length, byte-fallback share, unigram surprisal
                 (``replay.screen.datastats``); outliers counted per shard and per source, the
-                shards' files hashed against the manifest, duplicated rows and documents; the
-                logged batch hashes of the onset must match the rebuilt rows (else the rows read
-                are not those trained: not available)
-    4 router    per layer, the onset against the window before it: entropy drop, dropped-fraction
-                surge, max-logit and z-loss growth, expert share outside the band of the run
-                config's router_health
+                shards' files hashed against the manifest; duplicated rows at the onset against the
+                baseline's pair rate (:func:`duplicates`), with the manifest's shards that share a
+                sha256; the logged batch hashes of the onset must match the rebuilt rows (else the
+                rows read are not those trained: not available)
+    4 router    per layer, the onset against the steps before it, looking back for a departure
+                still going on (:func:`check_router`): entropy drop, dropped-fraction surge,
+                max-logit and z-loss growth, expert share outside the band of the run config's
+                router_health, a dead expert; non-finite figures are not judged, never clear
 
 An event near the onset may explain a *finite* loss spike; a non-finite loss is never explained
 by an event. The conclusion (:func:`conclude`, one small pure function) takes the first suspect
@@ -33,7 +35,8 @@ confidence, the next command and its own exit code (``replay.run.codes.ExitCode`
     cause          exit  next
     restart        11    roll back to the checkpoint of the faulty restore and resume
     hardware       10    the range replay on good devices (or, convicted, quarantine and canary)
-    data           12    replay inspect of the onset, then replay skip of the window
+    data           12    replay inspect of the onset, then replay skip of the window (outlier or
+                         duplicated rows)
     router         13    a sentence (lower the router's learning rate, restore the z-loss), and scan
     optimization    0    rewind to checkpoint C and skip the window [A, B): the exact replay skip
 
@@ -58,6 +61,7 @@ from replay.screen import screening as sc
 
 CHECKS = ("events", "replicas", "data", "router")
 MIN_SOURCE_ROWS = 8  # a source's own baseline rows needed to judge its rows against them (else: all rows)
+MIN_ROUTER_BASE = 3  # router: baseline steps needed before a departure looked back for (check_router)
 CAUSE_CODES = {"hardware": ExitCode.TRIAGE_HARDWARE, "restart": ExitCode.TRIAGE_RESTART,
                "data": ExitCode.TRIAGE_DATA, "router": ExitCode.TRIAGE_ROUTER,
                "optimization": ExitCode.OPTIMIZATION_EVENT}
@@ -95,6 +99,13 @@ class TriageConfig:
         above the run's band and this factor past the window's largest, > 1 (routing concentrating on
         one expert; an expert starved for a few steps, which ``replay scan`` reports against the band,
         happens in small batches without instability).
+      dead_share: router: an expert is dead when its mean share over the judged steps, times E, is below
+        this floor while it was at or above it before, in (0, 1) (0.05: under 1/20 of its uniform share;
+        a healthy expert's share over 4 steps of a small batch stays far above it).
+      duplicate_alpha: data: the onset's identical row pairs are a finding when a Poisson count at the
+        baseline's pair rate reaches them with probability below this (:func:`duplicates`), in (0, 1).
+      router_lookback: router: steps before the judged ones where a departure that is still going on may
+        have begun (:func:`check_router`), >= 0.
 
     The router thresholds separate the two drills that move the router: a router learning rate x100
     grows the max logit 1.8x to 3x and the z-loss 3x to 9x within a few steps, while a learning-rate
@@ -116,6 +127,9 @@ class TriageConfig:
     z_loss_growth: float = 2.0
     dropped_surge: float = 3.0
     share_growth: float = 3.0
+    dead_share: float = 0.05  # replay.screen.scan.DEAD_SHARE, the board's floor
+    duplicate_alpha: float = 1e-3
+    router_lookback: int = 16
 
     def __post_init__(self):
         def need(ok, field, allowed):
@@ -125,6 +139,9 @@ class TriageConfig:
         for f in ("window", "onset_steps", "baseline_steps", "hash_steps", "search_steps", "shard_rows"):
             need(isinstance(getattr(self, f), int) and getattr(self, f) >= 1, f, "an int >= 1")
         need(isinstance(self.near_steps, int) and self.near_steps >= 0, "near_steps", "an int >= 0")
+        need(isinstance(self.router_lookback, int) and self.router_lookback >= 0, "router_lookback", "an int >= 0")
+        need(0 < self.dead_share < 1, "dead_share", "in (0, 1)")
+        need(0 < self.duplicate_alpha < 1, "duplicate_alpha", "in (0, 1)")
         need(self.fence > 0, "fence", "> 0")
         need(0 < self.shard_share <= 1, "shard_share", "in (0, 1]")
         need(0 < self.entropy_drop < 1, "entropy_drop", "in (0, 1)")
@@ -594,13 +611,17 @@ def check_data(run: RunLog, rebuilt: Rebuilt, lo: int, step: int, onset: int, cf
                      "record_in_shard": ref.record_in_shard, "documents": list(row.doc_keys)[:4], "values": worst,
                      "beyond_fence": {f: round(float(z_on[i, j]), 2) for j, f in enumerate(ds.FEATURES)
                                       if f in worst}})
-    dup_rows, dup_docs = _duplicates(onset_rows, base_rows)
+    dup = duplicates(onset_rows, base_rows, cfg.duplicate_alpha)
+    dup_rows, dup_docs = dup["rows"], dup["documents"]
+    copies = {sh: f.message for f in _copied_shards(data) for sh in f.shards}
     evidence = {"onset_steps": onset_steps, "baseline_steps": base_steps,
                 "baseline": {n: b.to_dict() for n, b in baselines.items()},
                 "rows": {"onset": len(onset_rows), "baseline": len(base_rows)},
                 "outliers": {"onset": int(out_on.sum()), "baseline": int(out_base.sum())},
                 "shards": shards, "sources": sources, "suspect_shards": bad_shards, "altered_shards": altered,
                 "outlier_documents": docs[:20], "duplicate_rows": dup_rows, "duplicate_documents": dup_docs,
+                "duplicates": {k: dup[k] for k in ("onset", "baseline", "p", "suspect", "shards")},
+                "shard_copies": sorted({sh for sh in dup["shards"] if sh in copies}),
                 "byte_fallback": "available" if pieces is not None else "not available (no SentencePiece model)"}
     lines = [f"{len(onset_rows)} rows of steps {onset_steps[0] if onset_steps else onset}.."
              f"{onset_steps[-1] if onset_steps else step} against {len(base_rows)} rows of {len(base_steps)} earlier "
@@ -613,19 +634,45 @@ def check_data(run: RunLog, rebuilt: Rebuilt, lo: int, step: int, onset: int, cf
     for d in docs[:5]:
         lines.append(f"step {d['step']} row {d['row']} ({d['shard']} record {d['record_in_shard']}): "
                      f"{', '.join(d['documents'])}: {d['values']} (beyond the fences by {d['beyond_fence']} IQR)")
-    if dup_rows:
-        lines.append(f"{len(dup_rows)} onset row(s) repeat another row's tokens exactly")
+    if dup["onset"]["pairs"] or dup["baseline"]["pairs"]:
+        rate = lambda d: f"{d['pairs']} identical pair(s) among {d['rows']} rows"  # noqa: E731
+        lines.append(f"duplicated rows: {rate(dup['onset'])} at the onset against {rate(dup['baseline'])} of the "
+                     f"baseline (p {dup['p']:.2g} under the baseline's pair rate"
+                     + ("; above it" if dup["suspect"] else "") + ")")
+    for sh in dup["shards"]:
+        if sh in copies:
+            lines.append(f"shard {sh}: {copies[sh]}")
+    if dup["suspect"]:
+        for d in dup_rows[:5]:
+            lines.append(f"step {d['step']} row {d['row']} ({d['shard']} record {d['record_in_shard']}) repeats step "
+                         f"{d['same_as'][0]} row {d['same_as'][1]}: {', '.join(d['documents'])}")
     subject = {"shards": bad_shards, "documents": [k for d in docs[:10] for k in d["documents"]],
                "sources": sorted({d["source"] for d in docs})} if bad_shards else {}
+    if dup["suspect"] and not bad_shards:  # duplicated rows: the shards and documents they came from
+        subject = {"shards": dup["shards"], "documents": sorted({k for d in dup_rows for k in d["documents"]})[:10],
+                   "sources": sorted({sh.split("/")[0] for sh in dup["shards"]}), "duplicated": True}
     a, b = (onset_steps[0], onset_steps[-1] + 1) if onset_steps else (onset, step + 1)
     command = f"replay inspect --run {shlex.quote(run.run_dir)} --steps {a}:{b} --text"
     if bad_shards:
         summary = (f"shard(s) {', '.join(bad_shards[:3])} gave {sum(shards[n]['onset_outliers'] for n in bad_shards)}"
                    f" outlier row(s) at the onset")
         return Check("data", "suspect", summary, lines, evidence, subject, command)
+    if dup["suspect"]:
+        summary = (f"duplicated rows at the onset: {dup['onset']['pairs']} identical pair(s) among "
+                   f"{dup['onset']['rows']} rows, above the baseline's {dup['baseline']['pairs']} among "
+                   f"{dup['baseline']['rows']} (p {dup['p']:.2g}), from shard(s) {', '.join(dup['shards'][:3])}"
+                   + (" (copies of other shards: the same sha256)" if evidence["shard_copies"] else ""))
+        return Check("data", "suspect", summary, lines, evidence, subject, command)
     return Check("data", "clear", f"the onset's {len(onset_rows)} rows look like the {len(base_rows)} baseline rows"
                                   + (f" ({int(out_on.sum())} scattered outlier row(s))" if out_on.sum() else ""),
                  lines, evidence, {}, command)
+
+
+def _copied_shards(data: Any) -> list[Any]:
+    """The manifest's shards that share a sha256 (``contract.duplicates``: the same rows stored again)."""
+    from contract import duplicates as cdup
+
+    return [f for f in cdup.find(data.manifest, 1.0) if f.kind == "shared_sha256"]
 
 
 def _altered_shards(data: Any, shards: Sequence[str]) -> list[str]:
@@ -641,30 +688,176 @@ def _altered_shards(data: Any, shards: Sequence[str]) -> list[str]:
     return out
 
 
-def _duplicates(onset_rows, base_rows) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _row_key(row) -> str:
     import hashlib
 
-    seen: dict[str, tuple[int, int]] = {}
-    for s, pos, _, row in base_rows:
-        seen.setdefault(hashlib.blake2b(row.tokens.tobytes(), digest_size=8).hexdigest(), (s, pos))
-    dup_rows, keys = [], {}
-    for s, pos, _, row in onset_rows:
-        h = hashlib.blake2b(row.tokens.tobytes(), digest_size=8).hexdigest()
-        if h in seen:
-            dup_rows.append({"step": s, "row": pos, "same_as": list(seen[h])})
-        seen.setdefault(h, (s, pos))
-        for k in row.doc_keys:
-            keys.setdefault(k, []).append([s, pos])
-    dup_docs = [{"document": k, "rows": v} for k, v in keys.items() if len(v) > 1]
-    return dup_rows, dup_docs[:20]
+    h = hashlib.blake2b(digest_size=8)
+    h.update(np.asarray(row.tokens).tobytes())
+    h.update(np.asarray(row.segment_lengths, np.int64).tobytes())
+    return h.hexdigest()
+
+
+def poisson_tail(k: int, lam: float) -> float:
+    """``P(X >= k)`` for ``X ~ Poisson(lam)`` (1.0 for ``k <= 0``)."""
+    if k <= 0:
+        return 1.0
+    if lam <= 0:
+        return 0.0
+    term = total = math.exp(-lam)
+    for i in range(1, k):
+        term *= lam / i
+        total += term
+    return max(0.0, 1.0 - total)
+
+
+def duplicates(onset_rows: Sequence, base_rows: Sequence, alpha: float) -> dict[str, Any]:
+    """Rows repeated at the onset against the baseline's rate (check 3).
+
+    A row is duplicated when its tokens and segment lengths equal another row's of the same set (the
+    onset's rows, or the baseline's). The sets differ in size, so each is judged by its pair rate:
+    identical pairs over ``n (n - 1) / 2`` pairs. The onset's identical pairs are set against a
+    Poisson count with the baseline's rate (``(pairs + 0.5) / possible pairs``: half a pair, so a
+    baseline with none does not make one repeat significant); ``p`` below ``alpha`` with at least 2
+    pairs is a finding. Documents repeat when one (document key, chunk index) is in two rows: the
+    chunks of one split document are different pieces, never duplicates of each other.
+
+    Args:
+      onset_rows, base_rows: ``(step, position, RowRef, row)`` each (``contract.codec`` rows).
+
+    Returns:
+      ``{"onset": {"rows", "pairs", "rate"}, "baseline": {...}, "p", "suspect", "rows" (each onset row
+      that repeats an earlier row: step, row, same_as, shard, documents), "documents" (each repeated
+      (key, chunk) with its rows), "shards" (of the repeated onset rows, most first)}``.
+    """
+    def pairs(rows):
+        seen: dict[str, list] = {}
+        for rec in rows:
+            seen.setdefault(_row_key(rec[3]), []).append(rec)
+        return seen, sum(len(v) * (len(v) - 1) // 2 for v in seen.values())
+
+    on_groups, k_on = pairs(onset_rows)
+    base_groups, k_b = pairs(base_rows)
+    n_on, n_b = len(onset_rows), len(base_rows)
+    possible_on, possible_b = n_on * (n_on - 1) // 2, n_b * (n_b - 1) // 2
+    q0 = (k_b + 0.5) / possible_b if possible_b else 1.0
+    p = poisson_tail(k_on, q0 * possible_on)
+    rows, shards = [], {}
+    for group in on_groups.values():
+        for rec in group[1:]:
+            s, pos, ref, row = rec
+            rows.append({"step": s, "row": pos, "same_as": [group[0][0], group[0][1]], "shard": ref.shard,
+                         "record_in_shard": ref.record_in_shard, "documents": list(row.doc_keys)[:4]})
+        if len(group) > 1:
+            for rec in group:
+                shards[rec[2].shard] = shards.get(rec[2].shard, 0) + 1
+    keys: dict[tuple[str, int], list] = {}
+    for s, pos, _, row in list(base_rows) + list(onset_rows):
+        for key, chunk in zip(row.doc_keys, np.asarray(row.chunk_indices).tolist()):
+            keys.setdefault((key, int(chunk)), []).append([s, pos])
+    docs = [{"document": k, "chunk": c, "rows": v} for (k, c), v in keys.items() if len(v) > 1]
+    return {"onset": {"rows": n_on, "pairs": k_on, "rate": k_on / possible_on if possible_on else None},
+            "baseline": {"rows": n_b, "pairs": k_b, "rate": k_b / possible_b if possible_b else None},
+            "p": p, "suspect": k_on >= 2 and p < alpha, "rows": sorted(rows, key=lambda r: (r["step"], r["row"])),
+            "documents": docs[:20], "shards": sorted(shards, key=lambda n: (-shards[n], n))}
 
 
 # ----------------------------------------------------------------------------- 4. router
 
 
+def _router_figure(signals: Mapping[int, Any], s: int, i: int, f: str) -> float:
+    return float(getattr(signals[s].router[i], f))
+
+
+def _judge_layer(signals: Mapping[int, Any], i: int, base: Sequence[int], on: Sequence[int], health: sc.RouterHealth,
+                 cfg: TriageConfig) -> tuple[dict[str, Any], list[str], float, Optional[int]]:
+    """Layer ``i``'s steps ``on`` against the steps ``base`` before them (module docstring, check 4):
+    ``(evidence, reasons in words, strength, first step of on that departs or None)``."""
+    W = max(int(health.window_steps), 1)  # shares judged over the run config's window, as replay scan does
+
+    def col(steps, f):
+        return np.asarray([_router_figure(signals, s, i, f) for s in steps if i < len(signals[s].router)], float)
+
+    # the onset's worst against the baseline's worst: a router's logits and confidence drift as it
+    # learns, and only a departure past anything the steps before saw is instability
+    ent_b, ent_o = float(np.nanmin(col(base, "entropy"))), float(np.nanmin(col(on, "entropy")))
+    lg_b, lg_o = float(np.nanmax(col(base, "max_logit"))), float(np.nanmax(col(on, "max_logit")))
+    z_b, z_o = float(np.nanmax(col(base, "z_loss"))), float(np.nanmax(col(on, "z_loss")))
+    dr_b, dr_o = float(np.nanmax(col(base, "dropped_fraction"))), float(np.nanmax(col(on, "dropped_fraction")))
+
+    def mean_shares(end):  # each expert's mean share over the window ending at ``end``
+        span = [s for s in range(end - W + 1, end + 1) if s in signals and i < len(signals[s].router)]
+        return np.mean([signals[s].router[i].expert_share for s in span], axis=0)
+
+    def windowed(end):  # the busiest expert's share x E over the window (1: uniform, E: all to one)
+        shares = mean_shares(end)
+        return float(np.max(shares) * len(shares))
+
+    ratio = windowed(on[-1])
+    base_ratio = float(np.max([windowed(b) for b in base]))
+    on_shares = np.mean([signals[s].router[i].expert_share for s in on if i < len(signals[s].router)], axis=0)
+    base_shares = np.mean([signals[s].router[i].expert_share for s in base if i < len(signals[s].router)], axis=0)
+    E = len(on_shares)
+    dead = [e for e in range(E) if on_shares[e] * E < cfg.dead_share and base_shares[e] * E >= cfg.dead_share]
+    drop = 1 - ent_o / ent_b if ent_b > 0 else 0.0
+    growth = lg_o / lg_b if lg_b > 0 else math.inf
+    zg = z_o / z_b if z_b > 0 else math.inf
+    rec = {"entropy": [round(ent_b, 4), round(ent_o, 4)], "max_logit": [round(lg_b, 4), round(lg_o, 4)],
+           "z_loss": [round(z_b, 4), round(z_o, 4)], "dropped_fraction": [round(dr_b, 5), round(dr_o, 5)],
+           "share_ratio": [round(base_ratio, 3) if math.isfinite(base_ratio) else None,
+                           round(ratio, 3) if math.isfinite(ratio) else None],
+           "expert_share_x_E": [[round(float(x) * E, 4) for x in base_shares], [round(float(x) * E, 4) for x in on_shares]],
+           "baseline_steps": [base[0], base[-1]], "judged_steps": [on[0], on[-1]],
+           "compared": "baseline worst, onset worst"}
+    why, strength = [], 0.0
+    if drop > cfg.entropy_drop:
+        why.append(f"entropy fell {drop:.0%} below the lowest of steps {base[0]}..{base[-1]} ({ent_b:.3f} -> "
+                   f"{ent_o:.3f} nats)")
+        strength = max(strength, drop / cfg.entropy_drop)
+    if growth > cfg.logit_growth:
+        why.append(f"max router logit {growth:.1f}x the largest of steps {base[0]}..{base[-1]} ({lg_b:.2f} -> {lg_o:.2f})")
+        strength = max(strength, growth / cfg.logit_growth)
+    if zg > cfg.z_loss_growth:
+        why.append(f"z-loss {zg:.1f}x the largest of steps {base[0]}..{base[-1]} ({z_b:.3g} -> {z_o:.3g})")
+        strength = max(strength, zg / cfg.z_loss_growth)
+    if dr_o > health.max_dropped_fraction and dr_o > cfg.dropped_surge * dr_b:
+        why.append(f"dropped fraction surged to {dr_o:.3f} (the most before: {dr_b:.3f}, limit "
+                   f"{health.max_dropped_fraction:g})")
+        strength = max(strength, dr_o / max(health.max_dropped_fraction, 1e-9))
+    if ratio > health.max_share_ratio and ratio > cfg.share_growth * base_ratio:
+        why.append(f"one expert takes {ratio:.1f}x its uniform share over the last {W} step(s) (band "
+                   f"{health.max_share_ratio:g}x; the most before: {base_ratio:.1f}x)")
+        strength = max(strength, ratio / health.max_share_ratio)
+    for e in dead:
+        why.append(f"expert {e} is dead: {on_shares[e] * E:.3f}x its uniform share over steps {on[0]}..{on[-1]} "
+                   f"(floor {cfg.dead_share:g}x; {base_shares[e] * E:.2f}x before)")
+        strength = max(strength, 1.0 + cfg.dead_share / max(on_shares[e] * E, 1e-9) / 10)
+
+    def departs(s):
+        L = signals[s].router[i] if i < len(signals[s].router) else None
+        return L is not None and bool(
+            L.entropy < (1 - cfg.entropy_drop) * ent_b or L.max_logit > cfg.logit_growth * lg_b
+            or L.z_loss > cfg.z_loss_growth * z_b
+            or L.dropped_fraction > max(health.max_dropped_fraction, cfg.dropped_surge * dr_b)
+            or windowed(s) > max(health.max_share_ratio, cfg.share_growth * base_ratio)
+            or any(mean_shares(s)[e] * E < cfg.dead_share for e in dead))
+
+    first_bad = next((s for s in on if departs(s)), on[0]) if why else None
+    rec["departs"] = [s for s in on if departs(s)] if why else []
+    return rec, why, strength, first_bad
+
+
 def check_router(signals: Optional[Mapping[int, Any]], lo: int, step: int, onset: int, health: sc.RouterHealth,
                  cfg: TriageConfig) -> Check:
-    """Check 4 (module docstring): the steps of :func:`judged_steps` against the window before them."""
+    """Check 4 (module docstring): the steps of :func:`judged_steps` against the steps before them.
+
+    The baseline is the window's steps before the judged ones; when that finds nothing, the departure
+    may have begun before the judged steps (a fault that hides itself once it is in the baseline):
+    for each step ``c`` of the ``router_lookback`` steps before them (earliest first, with at least
+    ``MIN_ROUTER_BASE`` steps before it), the steps from ``c`` on are judged against the steps before
+    ``c``, and a layer whose every step from ``c`` to the last judged one departs is a finding from
+    step ``c`` (also when the judged steps alone depart from their first one: the departure is dated
+    from where it began). Judged steps whose router figures are not finite (NaN entropy, an infinite max logit)
+    are never within bounds: the check says they are not judged."""
     if not signals or not any(signals[s].router for s in signals if lo <= s <= step):
         return Check("router", "not available", "no per-layer router figures in signals.jsonl")
     first, last = judged_steps(lo, step, onset, cfg)
@@ -680,65 +873,42 @@ def check_router(signals: Optional[Mapping[int, Any]], lo: int, step: int, onset
         return Check("router", "not available", f"no router baseline before step {first} after warm-up "
                                                 f"(warmup_steps {health.warmup_steps}): {fix}")
     layers = max(len(signals[s].router) for s in on)
+    figures = ("entropy", "max_logit", "z_loss", "dropped_fraction")
+    bad = {(s, i): [f for f in figures if not math.isfinite(_router_figure(signals, s, i, f))]
+           for s in on for i in range(len(signals[s].router))}
+    bad = {k: v for k, v in bad.items() if v}
+    if bad:
+        steps_bad = sorted({s for s, _ in bad})
+        (s0, i0), fs = min(bad.items())
+        vals = ", ".join(f"{f} {_router_figure(signals, s0, i0, f)}" for f in fs)
+        return Check("router", "not available",
+                     f"router figures are not finite at step(s) {steps_bad[:8]} (layer {i0} at step {s0}: {vals}): "
+                     "not judged, never within bounds; a non-finite forward pass makes every figure so",
+                     [f"layer {i} at step {s}: not finite: {', '.join(f)}" for (s, i), f in sorted(bad.items())][:8],
+                     {"nonfinite": [{"step": s, "layer": i, "figures": f} for (s, i), f in sorted(bad.items())]})
+    finite_base = [s for s in base if all(math.isfinite(_router_figure(signals, s, i, f)) for i in
+                                          range(len(signals[s].router)) for f in figures)]
+    base = finite_base or base
     found, evidence = [], {}
-    W = max(int(health.window_steps), 1)  # shares judged over the run config's window, as replay scan does
     for i in range(layers):
-        def col(steps, f, i=i):
-            return np.asarray([getattr(signals[s].router[i], f) for s in steps if i < len(signals[s].router)], float)
-
-        # the onset's worst against the baseline's worst: a router's logits and confidence drift as it
-        # learns, and only a departure past anything the window saw before is instability
-        ent_b, ent_o = float(np.nanmin(col(base, "entropy"))), float(np.nanmin(col(on, "entropy")))
-        lg_b, lg_o = float(np.nanmax(col(base, "max_logit"))), float(np.nanmax(col(on, "max_logit")))
-        z_b, z_o = float(np.nanmax(col(base, "z_loss"))), float(np.nanmax(col(on, "z_loss")))
-        dr_b, dr_o = float(np.nanmax(col(base, "dropped_fraction"))), float(np.nanmax(col(on, "dropped_fraction")))
-
-        def windowed(end, i=i):  # the busiest expert's share x E over the window (1: uniform, E: all to one)
-            span = [s for s in range(end - W + 1, end + 1) if s in signals and i < len(signals[s].router)]
-            shares = np.mean([signals[s].router[i].expert_share for s in span], axis=0)
-            return float(np.max(shares) * len(shares))
-
-        ratio = windowed(last)
-        base_ratio = float(np.max([windowed(b) for b in base]))
-        drop = 1 - ent_o / ent_b if ent_b > 0 else 0.0
-        growth = lg_o / lg_b if lg_b > 0 else math.inf
-        zg = z_o / z_b if z_b > 0 else math.inf
-        rec = {"entropy": [round(ent_b, 4), round(ent_o, 4)], "max_logit": [round(lg_b, 4), round(lg_o, 4)],
-               "z_loss": [round(z_b, 4), round(z_o, 4)], "dropped_fraction": [round(dr_b, 5), round(dr_o, 5)],
-               "share_ratio": [round(base_ratio, 3) if math.isfinite(base_ratio) else None,
-                               round(ratio, 3) if math.isfinite(ratio) else None],
-               "compared": "baseline worst, onset worst"}
+        rec, why, strength, first_bad = _judge_layer(signals, i, base, on, health, cfg)
+        if not why or first_bad == on[0]:  # the departure may have begun before the judged steps (docstring)
+            for c in [s for s in base[MIN_ROUTER_BASE:] if s >= first - cfg.router_lookback]:
+                base_c = [s for s in base if s < c]
+                span = [s for s in base if s >= c] + list(on)
+                r2, w2, st2, _ = _judge_layer(signals, i, base_c, span, health, cfg)
+                if w2 and r2["departs"] == span:
+                    rec, why, strength, first_bad = r2, w2, st2, c
+                    rec["looked_back"] = True
+                    break
         evidence[f"layer {i}"] = rec
-        why, strength = [], 0.0
-        if drop > cfg.entropy_drop:
-            why.append(f"entropy fell {drop:.0%} below the window's lowest ({ent_b:.3f} -> {ent_o:.3f} nats)")
-            strength = max(strength, drop / cfg.entropy_drop)
-        if growth > cfg.logit_growth:
-            why.append(f"max router logit {growth:.1f}x the window's largest ({lg_b:.2f} -> {lg_o:.2f})")
-            strength = max(strength, growth / cfg.logit_growth)
-        if zg > cfg.z_loss_growth:
-            why.append(f"z-loss {zg:.1f}x the window's largest ({z_b:.3g} -> {z_o:.3g})")
-            strength = max(strength, zg / cfg.z_loss_growth)
-        if dr_o > health.max_dropped_fraction and dr_o > cfg.dropped_surge * dr_b:
-            why.append(f"dropped fraction surged to {dr_o:.3f} (window's largest {dr_b:.3f}, limit "
-                       f"{health.max_dropped_fraction:g})")
-            strength = max(strength, dr_o / max(health.max_dropped_fraction, 1e-9))
-        if ratio > health.max_share_ratio and ratio > cfg.share_growth * base_ratio:
-            why.append(f"one expert takes {ratio:.1f}x its uniform share over the last {W} step(s) (band "
-                       f"{health.max_share_ratio:g}x; the window's most before: {base_ratio:.1f}x)")
-            strength = max(strength, ratio / health.max_share_ratio)
         if why:
-            first_bad = next((s for s in on if i < len(signals[s].router) and (
-                signals[s].router[i].entropy < (1 - cfg.entropy_drop) * ent_b
-                or signals[s].router[i].max_logit > cfg.logit_growth * lg_b
-                or signals[s].router[i].z_loss > cfg.z_loss_growth * z_b
-                or signals[s].router[i].dropped_fraction > max(health.max_dropped_fraction, cfg.dropped_surge * dr_b)
-                or windowed(s) > max(health.max_share_ratio, cfg.share_growth * base_ratio))), on[0])
             rec["first_step"] = first_bad
             found.append((strength, i, why, first_bad))
     found.sort(key=lambda x: (-x[0], x[1]))
     lines = [f"layer {i} from step {f}: {'; '.join(w)}" for _, i, w, f in found] or [
-        f"{layers} layer(s) within bounds over steps {on[0]}..{on[-1]} against {len(base)} baseline steps"]
+        f"{layers} layer(s) within bounds over steps {on[0]}..{on[-1]} against {len(base)} baseline steps, and no "
+        f"departure began in the {cfg.router_lookback} steps before them"]
     if found:
         return Check("router", "suspect", f"layer(s) {[i for _, i, _, _ in found]} unstable from step {found[0][3]}: "
                                           f"{found[0][2][0]}", lines, evidence,
@@ -848,14 +1018,18 @@ def conclude(checks: Mapping[str, Check], *, run_dir: str, step: int, onset: int
         subject = {"devices": hw_devices, "first_step": first}
     elif data.status == "suspect":
         cause = "data"
-        conf = "high" if data.evidence.get("altered_shards") else "medium"
+        conf = "high" if data.evidence.get("altered_shards") or data.evidence.get("shard_copies") else "medium"
         shards = data.subject.get("shards", [])
-        expl = (f"outlier rows from shard(s) {', '.join(shards[:3])} at the onset"
+        expl = (("duplicated rows" if data.subject.get("duplicated") else "outlier rows")
+                + f" from shard(s) {', '.join(shards[:3])} at the onset"
+                + ("; shard(s) " + ", ".join(data.evidence["shard_copies"][:3]) + " share a sha256 with other shards "
+                   "(the same rows stored again)" if data.evidence.get("shard_copies") else "")
                 + ("; " + ", ".join(data.evidence["altered_shards"]) + " altered after packing (sha256 differs "
                    "from the manifest)" if data.evidence.get("altered_shards") else ""))
         cmd = data.command
-        advice = ("read the outlier documents; then skip the window ("
-                  + (skip_command(run_dir, plan, step) if plan else "replay skip") + ") or repack the shard")
+        advice = (("read the duplicated documents" if data.subject.get("duplicated") else "read the outlier documents")
+                  + "; then skip the window (" + (skip_command(run_dir, plan, step) if plan else "replay skip")
+                  + ") or repack the shard")
         subject = dict(data.subject)
     elif router.status == "suspect":
         cause, conf = "router", "medium"
