@@ -75,6 +75,8 @@ verdicts and exit codes:
   2  usage error (bad option, malformed --devices, --rows or --step out of range)
   5  run directory or data error (unknown run, no checkpoint N for --checkpoint N, corrupt golden file,
      missing dataset)
+  20 damaged checkpoint: --checkpoint N does not match its own state record (no verdict from it)
+  21 poisoned checkpoint: --checkpoint N's replicas disagreed at its save
   1  internal error (a bug; traceback printed)
 """
 

@@ -857,7 +857,7 @@ def render_goodput(report: Mapping[str, Any], console: Optional[Console] = None)
     ledger = Table(title="steps and tokens trained (tokens: global batch x seq_len slots)")
     for col in ("part", "steps", "tokens", "non-padding tokens"):
         ledger.add_column(col, justify="left" if col == "part" else "right")
-    names = {"productive": "the lineage (kept)", "lost": "lost to crashes (redone after a resume)",
+    names = {"productive": "the lineage (kept)", "non_finite": "the lineage's steps with a NaN/Inf loss", "lost": "lost to crashes (redone after a resume)",
              "rewound": "rewound (rollback or rewind)", "skipped_window": "trained on data later skipped",
              "skipped_data": "data skipped by the lineage (never trained)"}
     for k, label in names.items():

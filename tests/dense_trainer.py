@@ -272,10 +272,12 @@ def train(run_dir: str, config: Mapping[str, Any], steps: int, *, faults: Any = 
     start = log.start(latest)  # replay
     if latest is None:
         state = trainer.init_state(mesh, cfg.seed)
+        log.record_checkpoint(0, state, data.state().to_dict())  # replay
         trainer.save(run_dir, 0, state, data.state().to_dict())
         log.event("checkpoint", 0)  # replay
     else:
         state, loader_state = trainer.restore(run_dir, latest, mesh)
+        log.verify_restore(latest, state, loader_state)  # replay
         data = data.restore(loader_state)
     losses = {}
     for step, batch in data.iterate(start) if start < steps else ():
@@ -285,6 +287,7 @@ def train(run_dir: str, config: Mapping[str, Any], steps: int, *, faults: Any = 
                      loader_wait_s=data.metrics()["wait_s_last_step"])  # replay
         losses[step] = fp.signals.loss
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == steps:
+            log.record_checkpoint(step + 1, state, data.state().to_dict())  # replay
             trainer.save(run_dir, step + 1, state, data.state().to_dict())
             log.event("checkpoint", step + 1)  # replay
         if step + 1 >= steps:
