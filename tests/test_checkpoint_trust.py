@@ -149,6 +149,37 @@ def test_every_checkpoint_records_its_state_per_leaf_shard_and_replica(replay_ma
     assert statefp.verify_restored(run_dir, 12, state, loader).status == "verified"
 
 
+def test_state_fingerprints_of_any_sharding_add_up_to_the_numpy_twin():
+    """Shard offsets from each leaf's PartitionSpec (one axis, two axes on one dimension, both dimensions,
+    replicated, a scalar): every shard's fingerprint uses global indices, so the shards' saved copies add
+    up to the NumPy fingerprint of the whole array; a copy changed on one device is named as the odd one."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from replay.run import fingerprint as fpm
+
+    mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("x", "y"))
+    rng = np.random.default_rng(20261204)
+    specs = {"a": P("x"), "b": P(("x", "y")), "c": P("y", "x"), "d": P(), "e": P(None, "y")}
+    host = {k: rng.standard_normal((8, 12)).astype(np.float32) for k in specs}
+    host["s"] = np.float32(3.5)
+    state = {k: jax.device_put(v, NamedSharding(mesh, specs.get(k, P()))) for k, v in host.items()}
+    rec = statefp.record_state(state, {"next_step": 7}, 7)
+    for k, v in host.items():
+        assert rec.data["leaves"][f"['{k}']"]["fp"] == fpm.fingerprint_hex(fpm.fingerprint_np(np.atleast_1d(v)))
+    assert [len(rec.data["leaves"][f"['{k}']"]["shards"]) for k in "abcdes"] == [2, 8, 8, 1, 4, 1]
+    assert rec.replicas_agree and rec.finite
+    # one device's copy of the replicated leaf changed: named, and the saved copy (device 0's) still agrees
+    bad = [np.asarray(sh.data) if sh.device.id != 6 else np.asarray(sh.data) + 1 for sh in state["d"].addressable_shards]
+    state["d"] = jax.make_array_from_single_device_arrays(
+        (8, 12), state["d"].sharding, [jax.device_put(b, sh.device) for b, sh in zip(bad, state["d"].addressable_shards)])
+    rec = statefp.record_state(state, None, 7)
+    assert not rec.replicas_agree and rec.odd_devices() == [6]
+    assert rec.data["disagree"] == [{"leaf": "['d']", "shard": "[:, :]", "devices": [6], "agree": [0, 1, 2, 3, 4, 5, 7],
+                                     "saved_by": 0, "saved_is_odd": False}]
+
+
 # ----------------------------------------------------------------------------- 2. a damaged checkpoint
 
 

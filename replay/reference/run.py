@@ -744,7 +744,7 @@ def train(
                             break
                 c0 = compiled.seconds
                 t0 = time.perf_counter()
-                before = state
+                before = state if cfg.non_finite == "skip_step" else None  # kept only to drop an update
                 state, fp = trainer.train_step(state, batch, step, faults)
                 dt = time.perf_counter() - t0
                 bad = non_finite_in(fp)

@@ -393,7 +393,7 @@ def plot_chain(report: Mapping[str, Any], path: str) -> str:
     if report.get("certified") is not None:
         ax.scatter([report["certified"]], [0], s=520, facecolor="none", edgecolor=COLORS["certified"], lw=2.5,
                    zorder=4, label=f"rewind target: checkpoint {report['certified']}")
-        ax.legend(loc="upper left", fontsize=8, frameon=False)
+        ax.legend(loc="upper left", fontsize=8, frameon=False, markerscale=0.4)
     ax.set_ylim(-0.8, 0.8)
     ax.set_yticks([])
     ax.set_xticks(xs)

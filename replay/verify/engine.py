@@ -410,7 +410,7 @@ class Session:
         batches = self.batches(checkpoint, stop, assignment)
         try:
             for step, batch in batches:
-                before = state
+                before = state if step in dropped else None
                 state, fp = trainer.train_step(state, batch, step, fault)
                 if step in dropped:  # the run dropped this step's update (non_finite: skip_step): so does replay
                     state = before
