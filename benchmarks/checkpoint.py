@@ -55,6 +55,7 @@ def _inputs(root: str, seq_len: int, vocab: int, rows: int) -> tuple[str, str]:
     from contract.config import load_mixture
     from loader.testing import synthetic_mixture, write_synthetic_dataset
 
+    os.makedirs(root, exist_ok=True)
     mix_path = os.path.join(root, "mixture.yaml")
     with open(mix_path, "w") as f:
         yaml.safe_dump(synthetic_mixture({"a": 0.5, "b": 0.5}, seq_len=seq_len).to_dict(), f)

@@ -44,10 +44,10 @@ verdicts and exit codes:
   5  run directory or data error (unknown run, range not logged, no checkpoint, missing dataset)
   6  environment drift: the environment differs from the run's env.json and a bit-exact claim
      was asked for (pass --allow-env-drift, or --tolerance for a weaker comparison)
-  20 damaged checkpoint: a restored checkpoint does not match its own state record (its files
-     changed after the save): no verdict is given from it; replay from the previous checkpoint
-  21 poisoned checkpoint: its replicated state disagreed at the save (an SDC in the update):
-     not restored; 'replay certify' names the newest clean checkpoint
+  20  damaged checkpoint: a restored checkpoint does not match its own state record (its files
+      changed after the save): no verdict is given from it; replay from the previous checkpoint
+  21  poisoned checkpoint: its replicated state disagreed at the save (an SDC in the update):
+      not restored; 'replay certify' names the newest clean checkpoint
   1  internal error (a bug; traceback printed)
 """
 
@@ -62,6 +62,7 @@ VERDICT_HELP = (
     + "\n  11  triage: a restart or data-order fault (a restore repeated or skipped data)"
     + "\n  12  triage: data (shards and documents named)"
     + "\n  13  triage: router instability (layers named)"
+    + "\n  22  the training command: stopped on a non-finite loss, gradient or state (non_finite: stop)"
 
     + "\n  1  " + _INTERNAL_LINE)
 
@@ -75,8 +76,8 @@ verdicts and exit codes:
   2  usage error (bad option, malformed --devices, --rows or --step out of range)
   5  run directory or data error (unknown run, no checkpoint N for --checkpoint N, corrupt golden file,
      missing dataset)
-  20 damaged checkpoint: --checkpoint N does not match its own state record (no verdict from it)
-  21 poisoned checkpoint: --checkpoint N's replicas disagreed at its save
+  20  damaged checkpoint: --checkpoint N does not match its own state record (no verdict from it)
+  21  poisoned checkpoint: --checkpoint N's replicas disagreed at its save
   1  internal error (a bug; traceback printed)
 """
 
@@ -151,9 +152,9 @@ CERTIFY_EXIT_HELP = """\
 verdicts and exit codes:
   0  every checkpoint of the chain certified: replaying each segment on good devices reproduces the
      next checkpoint's state record exactly, and its files restore to it
-  21 poisoned checkpoint found: its replicas disagreed at the save, or the replay of its segment does
-     not reach its record (the step and devices, or the leaves, are named); rewind to the certified one
-  20 damaged checkpoint (and none poisoned): the replay reaches its record but its files do not
+  21  poisoned checkpoint found: its replicas disagreed at the save, or the replay of its segment does
+      not reach its record (the step and devices, or the leaves, are named); rewind to the certified one
+  20  damaged checkpoint (and none poisoned): the replay reaches its record but its files do not
   4  a checkpoint is not certifiable (no state record: a run from before records; a non-finite state)
   2  usage error (bad option, --from not a checkpoint)
   5  run directory or data error (unknown run, fewer than two checkpoints)
@@ -410,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drift: relative error of the device's local gradient, a finite number > 0 (default 0.2)")
     d.add_argument("--kind", choices=("scale", "bias"), default="scale", help="drift: scale or bias (default scale)")
     d.add_argument("--flips", type=int, default=3, help="flip: number of bit flips (default 3)")
-    ce = sub.add_parser("certify", prog="replay certify", help="walk the checkpoint chain, certify the newest clean one",
+    ce = sub.add_parser("certify", prog="replay certify", help="certify the newest clean checkpoint",
                         description="From a checkpoint taken as trusted (the first, or --from), replay each checkpoint "
                                     "segment on good devices and compare the state it reaches with the next "
                                     "checkpoint's state record, leaf by leaf; restore each checkpoint and check its "
