@@ -671,6 +671,7 @@ def train(
     pending_saves: list[int] = []  # checkpoints saved (asynchronously), not yet known to have committed
     records: dict[int, Any] = {}  # their state records (replay.run.statefp), written at the commit
     refused: list[dict[str, Any]] = []  # non_finite: stop refused to save a non-finite state
+    from replay.run import statefp
 
     def save(step_: int) -> float:
         """Fingerprints the state (on the devices) and starts an asynchronous save; returns the seconds
@@ -681,9 +682,10 @@ def train(
         if not record.finite and cfg.non_finite == "stop":
             refused.append({"step": step_, "nonfinite": record.data["nonfinite"]})
             return time.perf_counter() - t_
-        ckpt.save(mngr, step_, state, loader_now)
+        path = statefp.write_record(rd.path, record) if rd.primary else None  # before the save: a kill after
+        ckpt.save(mngr, step_, state, loader_now)  # Orbax's commit and before the event still leaves it
         pending_saves.append(step_)
-        records[step_] = record
+        records[step_] = (record, path)
         return time.perf_counter() - t_
 
     def commit_events(wait: bool) -> None:
@@ -698,7 +700,7 @@ def train(
             return
         for s_ in pending_saves:
             if ckpt.is_committed(rd.checkpoints, s_):
-                rd.event("checkpoint", s_, **_record_fields(rd, records.pop(s_, None)))
+                rd.event("checkpoint", s_, **_record_fields(records.pop(s_, None)))
             else:
                 rd.event("checkpoint_failed", s_)
         pending_saves.clear()
@@ -869,14 +871,11 @@ def _state_record(rd: RunDir, cfg: RunConfig, state, loader_state, step: int, lo
     return record
 
 
-def _record_fields(rd: RunDir, record) -> dict[str, Any]:
-    """The ``checkpoint`` event's ``state`` fields; process 0 writes the record beside the checkpoints."""
+def _record_fields(saved) -> dict[str, Any]:
+    """The ``checkpoint`` event's ``state`` fields of a ``(record, path)`` written at the save (or none)."""
     from replay.run import statefp
 
-    if record is None:
-        return {}
-    path = statefp.write_record(rd.path, record) if rd.primary else None
-    return statefp.event_fields(record, path)
+    return {} if saved is None else statefp.event_fields(*saved)
 
 
 def _non_finite_stop(rd: RunDir, step: int, refused: Mapping[str, Any]) -> dict[str, Any]:

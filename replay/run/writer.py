@@ -417,27 +417,27 @@ class RunWriter:
         replica, on the devices) and ``loader_state`` as checkpoint ``step``'s state record, at the save,
         from the state being saved: call it with the arrays you hand your checkpointer. Replicas that
         disagree are a ``state_replicas_disagree`` event (the devices, leaves and shards named). Every
-        process calls it. Returns the ``replay.run.statefp.StateRecord``; the ``checkpoint`` event writes it."""
+        process calls it; process 0 writes the record beside the checkpoints at once (so a kill between your
+        checkpointer's commit and the ``checkpoint`` event leaves it). Returns the
+        ``replay.run.statefp.StateRecord``; the ``checkpoint`` event carries it."""
         from replay.run import statefp
 
         rec = statefp.record_state(state, loader_state, step)
+        path = statefp.write_record(self.dir.path, rec) if self.dir.primary else None  # beside, before the save
         if not rec.replicas_agree:
             self.dir.event("state_replicas_disagree", step, devices=rec.odd_devices(), disagree=rec.data["disagree"][:20],
                            shards=len(rec.data["disagree"]))
-        self._records = {**getattr(self, "_records", {}), int(step): rec}
+        self._records = {**getattr(self, "_records", {}), int(step): (rec, path)}
         return rec
 
     def _record_fields(self, step: int) -> dict[str, Any]:
-        """The ``checkpoint`` event's ``state`` from :meth:`record_checkpoint`'s record of ``step``, written
-        beside the checkpoints (``checkpoint_records/<step>.json``, by process 0); none without a record
-        (replay then says the checkpoint cannot be verified)."""
+        """The ``checkpoint`` event's ``state`` from :meth:`record_checkpoint`'s record of ``step`` (already
+        written beside the checkpoints, ``checkpoint_records/<step>.json``, by process 0); none without a
+        record (replay then says the checkpoint cannot be verified)."""
         from replay.run import statefp
 
-        rec = getattr(self, "_records", {}).pop(int(step), None)
-        if rec is None:
-            return {}
-        path = statefp.write_record(self.dir.path, rec) if self.dir.primary else None
-        return statefp.event_fields(rec, path)
+        saved = getattr(self, "_records", {}).pop(int(step), None)
+        return {} if saved is None else statefp.event_fields(*saved)
 
     def verify_restore(self, step: int, state: Any, loader_state: Optional[Mapping[str, Any]] = None) -> Any:
         """Checks a restored checkpoint against its state record before the loop uses it
