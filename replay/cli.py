@@ -44,6 +44,10 @@ verdicts and exit codes:
   5  run directory or data error (unknown run, range not logged, no checkpoint, missing dataset)
   6  environment drift: the environment differs from the run's env.json and a bit-exact claim
      was asked for (pass --allow-env-drift, or --tolerance for a weaker comparison)
+  20  damaged checkpoint: a restored checkpoint does not match its own state record (its files
+      changed after the save): no verdict is given from it; replay from the previous checkpoint
+  21  poisoned checkpoint: its replicated state disagreed at the save (an SDC in the update):
+      not restored; 'replay certify' names the newest clean checkpoint
   1  internal error (a bug; traceback printed)
 """
 
@@ -58,6 +62,8 @@ VERDICT_HELP = (
     + "\n  11  triage: a restart or data-order fault (a restore repeated or skipped data)"
     + "\n  12  triage: data (shards and documents named)"
     + "\n  13  triage: router instability (layers named)"
+    + "\n  22  the training command: stopped on a non-finite loss, gradient or state (non_finite: stop)"
+
     + "\n  1  " + _INTERNAL_LINE)
 
 CANARY_EXIT_HELP = """\
@@ -70,6 +76,8 @@ verdicts and exit codes:
   2  usage error (bad option, malformed --devices, --rows or --step out of range)
   5  run directory or data error (unknown run, no checkpoint N for --checkpoint N, corrupt golden file,
      missing dataset)
+  20  damaged checkpoint: --checkpoint N does not match its own state record (no verdict from it)
+  21  poisoned checkpoint: --checkpoint N's replicas disagreed at its save
   1  internal error (a bug; traceback printed)
 """
 
@@ -140,6 +148,19 @@ exit codes:
   5  run directory or data error (unknown run, malformed log, no attempt to account for)
 """
 
+CERTIFY_EXIT_HELP = """\
+verdicts and exit codes:
+  0  every checkpoint of the chain certified: replaying each segment on good devices reproduces the
+     next checkpoint's state record exactly, and its files restore to it
+  21  poisoned checkpoint found: its replicas disagreed at the save, or the replay of its segment does
+      not reach its record (the step and devices, or the leaves, are named); rewind to the certified one
+  20  damaged checkpoint (and none poisoned): the replay reaches its record but its files do not
+  4  a checkpoint is not certifiable (no state record: a run from before records; a non-finite state)
+  2  usage error (bad option, --from not a checkpoint)
+  5  run directory or data error (unknown run, fewer than two checkpoints)
+  6  environment drift (pass --allow-env-drift)
+"""
+
 MAX_INSPECT_STEPS = 10_000
 
 DRILL_NOT_CAUGHT = int(ExitCode.DRILL_NOT_CAUGHT)
@@ -160,7 +181,7 @@ def _positive_float(text: str) -> float:
 RUN_HELP = ("the training run directory (run_config.yaml, env.json, fingerprints.jsonl, ...); default: "
             "$REPLAY_RUN, else the current folder if it is a run directory")
 
-COMMANDS = ("range", "canary", "inspect", "scan", "triage", "skip", "goodput", "drill")
+COMMANDS = ("range", "canary", "inspect", "scan", "triage", "skip", "goodput", "drill", "certify")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -215,10 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "  replay triage --run DIR --step S                walk a loss spike: events, replicas, data, router\n"
                     "  replay skip --run DIR --steps A:B --reason R    rewind before a spike and skip its data window\n"
                     "  replay goodput --run DIR                        where the run's time and tokens went\n"
-                    "  replay drill --run DIR                          inject a fault, prove it is caught\n\n"
+                    "  replay drill --run DIR                          inject a fault, prove it is caught\n"
+                    "  replay certify --run DIR [--from STEP]          walk the checkpoints, certify the newest clean\n\n"
                     "--run DIR may be left out: $REPLAY_RUN, else the current folder if it is a run directory.",
         epilog=DEVICE_SPEC_HELP + "\n" + VERDICT_HELP, formatter_class=fmt)
-    sub = parser.add_subparsers(dest="command", title="commands", metavar="{range,canary,inspect,scan,triage,skip,goodput,drill}",
+    sub = parser.add_subparsers(dest="command", title="commands",
+                                metavar="{range,canary,inspect,scan,triage,skip,goodput,drill,certify}",
                                 parser_class=_Parser)
 
     r = sub.add_parser("range", prog="replay range", help="rerun steps and diff them with the log (the default)",
@@ -399,8 +422,44 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drift: relative error of the device's local gradient, a finite number > 0 (default 0.2)")
     d.add_argument("--kind", choices=("scale", "bias"), default="scale", help="drift: scale or bias (default scale)")
     d.add_argument("--flips", type=int, default=3, help="flip: number of bit flips (default 3)")
+    ce = sub.add_parser("certify", prog="replay certify", help="certify the newest clean checkpoint",
+                        description="From a checkpoint taken as trusted (the first, or --from), replay each checkpoint "
+                                    "segment on good devices and compare the state it reaches with the next "
+                                    "checkpoint's state record, leaf by leaf; restore each checkpoint and check its "
+                                    "files against its record. Each checkpoint is certified, poisoned (replicas "
+                                    "disagreed at the save, or the replay does not reach it), damaged (its files do "
+                                    "not match its record) or not certifiable; segments on disjoint placements run at "
+                                    "the same time.",
+                        epilog=DEVICE_SPEC_HELP + "\n" + CERTIFY_EXIT_HELP, formatter_class=fmt)
+    _common(ce, "good")
+    ce.add_argument("--from", dest="from_step", type=int, metavar="STEP",
+                    help="the checkpoint taken as trusted (default: the run's first)")
+    ce.add_argument("--to", dest="to_step", type=int, metavar="STEP", help="the last checkpoint to judge (default: newest)")
+    ce.add_argument("--plot", metavar="OUT.png", help="write the chain: checkpoints on a step axis, each marked")
+    ce.add_argument("--allow-env-drift", action="store_true", help="certify even if the environment differs")
+    ce.add_argument("--sequential", action="store_true", help="one placement at a time")
     parser.range_parser = r
     return parser
+
+
+def _cmd_certify(args, console) -> int:
+    from replay.verify import certify, engine
+    from replay import report
+
+    run = _load(args.run, args.quarantine)
+    _check_outputs(run.run_dir, json=args.json, plot=args.plot)
+    session = engine.Session(run)
+    rep = _with_progress(args, "certify", lambda factory: certify.certify(
+        session, start=args.from_step, stop=args.to_step, device_spec=args.devices, concurrent=not args.sequential,
+        allow_env_drift=args.allow_env_drift, progress=factory),
+        first="restoring the trusted checkpoint and compiling the step: the first step takes longer")
+    out = rep.to_dict()
+    report.render_certify(out, console)
+    if args.json and _primary():
+        report.write_json(out, args.json)
+    if args.plot and _primary():
+        certify.plot_chain(out, args.plot)
+    return rep.exit_code
 
 
 def _progress(args, label, unit="step", breakdown=None, first=None):
@@ -911,7 +970,7 @@ def _start_processes(args, err) -> None:
         if not distributed.is_initialized():
             distributed.initialize(dargs)
         return
-    if args.command not in ("range", "canary", "drill"):
+    if args.command not in ("range", "canary", "drill", "certify"):
         return
     try:
         with open(os.path.join(args.run, "env.json"), encoding="utf-8") as f:
@@ -990,6 +1049,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from replay.run.devices import DeviceSpecError, parse_spec
     from replay.drill import DrillError
     from replay.verify.engine import EnvDriftError
+    from replay.run.statefp import DamagedCheckpointError, PoisonedCheckpointError
     from replay.screen.forensics import TokenizerUnavailableError
     from replay.report import make_console
     from replay.run.runlog import (RunDirError, RunNotGivenError, StepRangeError, StepsSpecError, parse_steps,
@@ -1044,7 +1104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on read-only restores are not news
     handlers = {"range": _cmd_range, "canary": _cmd_canary, "inspect": _cmd_inspect, "scan": _cmd_scan,
                 "triage": _cmd_triage, "skip": _cmd_skip, "goodput": _cmd_goodput,
-                "drill": _cmd_drill}
+                "drill": _cmd_drill, "certify": _cmd_certify}
 
     def fail(kind: str, message: str, code: ExitCode) -> int:
         err.print(f"[red]{kind}:[/] {escape(message)}")
@@ -1056,6 +1116,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return fail("usage error", str(e), ExitCode.USAGE)
     except EnvDriftError as e:
         return fail("environment drift", str(e), ExitCode.ENV_DRIFT)
+    except DamagedCheckpointError as e:
+        return fail("damaged checkpoint", str(e), ExitCode.DAMAGED_CHECKPOINT)
+    except PoisonedCheckpointError as e:
+        return fail("poisoned checkpoint", str(e), ExitCode.POISONED_CHECKPOINT)
     except StepRangeError as e:
         code = fail("run directory or data error", str(e), ExitCode.RUN_ERROR)
         for n, (command, why) in enumerate(_next_commands(typed, args, e)):

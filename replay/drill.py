@@ -302,6 +302,11 @@ def write_drilled_run(session: Any, fault: FaultSpec, out_dir: str) -> str:
         if os.path.exists(os.path.join(run.run_dir, name)):
             shutil.copy(os.path.join(run.run_dir, name), out_dir)
     shutil.copytree(os.path.join(run.run_dir, CHECKPOINTS_DIR, str(c)), os.path.join(out_dir, CHECKPOINTS_DIR, str(c)))
+    from replay.run import statefp
+
+    if os.path.exists(statefp.record_path(run.run_dir, c)):  # its state record travels with it
+        os.makedirs(os.path.join(out_dir, statefp.RECORDS_DIR), exist_ok=True)
+        shutil.copy(statefp.record_path(run.run_dir, c), statefp.record_path(out_dir, c))
     home = session.home_assignment()
     fps, _, kept = session.run_steps(home, c, fault.step + 1, fault=fault, keep_state_at=fault.step)
     with open(os.path.join(out_dir, FINGERPRINTS), "w", encoding="utf-8") as f:
@@ -312,7 +317,11 @@ def write_drilled_run(session: Any, fault: FaultSpec, out_dir: str) -> str:
     trainer = session.setup.trainer
     if callable(getattr(trainer, "save", None)):  # optional: the state after the step, for differing_elements
         _, loader_state = trainer.restore(run.run_dir, c, session.mesh(home))
-        trainer.save(out_dir, fault.step + 1, kept[fault.step], {**dict(loader_state), "next_step": fault.step + 1})
+        after = {**dict(loader_state), "next_step": fault.step + 1}
+        record = statefp.record_state(kept[fault.step], after, fault.step + 1)  # the drill's own save, recorded
+        trainer.save(out_dir, fault.step + 1, kept[fault.step], after)
+        if session.process_index == 0:
+            statefp.write_record(out_dir, record)
     with open(os.path.join(out_dir, EVENTS), "a", encoding="utf-8") as f:
         f.write(json.dumps({"event": "drill", "step": fault.step, **dataclasses.asdict(fault)}, sort_keys=True) + "\n")
     return out_dir

@@ -845,7 +845,7 @@ def render_goodput(report: Mapping[str, Any], console: Optional[Console] = None)
     ledger = Table(title="steps and tokens trained (tokens: global batch x seq_len slots)")
     for col in ("part", "steps", "tokens", "non-padding tokens"):
         ledger.add_column(col, justify="left" if col == "part" else "right")
-    names = {"productive": "the lineage (kept)", "lost": "lost to crashes (redone after a resume)",
+    names = {"productive": "the lineage (kept)", "non_finite": "the lineage's steps with a NaN/Inf loss", "lost": "lost to crashes (redone after a resume)",
              "rewound": "rewound (rollback or rewind)", "skipped_window": "trained on data later skipped",
              "skipped_data": "data skipped by the lineage (never trained)"}
     for k, label in names.items():
@@ -975,3 +975,29 @@ def plot_goodput(rep: Any, path: str) -> None:
     fig.suptitle(f"replay goodput of {rep.run_dir}", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     figures.save(fig, path, dpi=90)
+
+
+_CERTIFY_STYLE = {"trusted": "blue", "certified": "green", "poisoned": "red", "damaged": "yellow",
+                  "not_certifiable": "magenta", "not_checked": "dim"}
+
+
+def render_certify(report: Mapping[str, Any], console: Optional[Console] = None) -> None:
+    """Prints a certify report: one row per checkpoint of the chain (verdict and reason), then the
+    rewind target and the first failure."""
+    console = console or make_console()
+    table = Table(title=f"checkpoint chain of {report['run_dir']} ({report['steps_replayed']} steps replayed on "
+                        f"{len(report['placements'])} placement(s))")
+    table.add_column("checkpoint", justify="right")
+    table.add_column("verdict")
+    table.add_column("segment")
+    table.add_column("reason")
+    for v in report["chain"]:
+        seg = f"{v['segment'][0]}:{v['segment'][1]}" if v.get("segment") else ""
+        table.add_row(str(v["checkpoint"]), f"[{_CERTIFY_STYLE[v['verdict']]}]{v['verdict']}[/]", seg,
+                      escape(v["reason"]))
+    console.print(table)
+    first = report.get("first_failure")
+    head = f"certified: checkpoint {report['certified']} (the newest clean checkpoint: the rewind target)"
+    if first:
+        head += f"\nfirst not certified: checkpoint {first['checkpoint']}, {first['verdict']}: {escape(first['reason'])}"
+    console.print(Panel(f"{head}\n(exit code {report['exit_code']})", title="certify"), soft_wrap=False)

@@ -133,6 +133,7 @@ def fleet(tmp_path_factory):
             ["replay", "drill", "--run", r1, "--step", "5", "--device", "5", "--no-progress", "--json",
              str(root / "drill_2x4.json")],
             ["replay", "scan", "--run", r2],
+            ["replay", "certify", "--run", r2, "--to", "4", "--no-progress", "--json", str(root / "certify_2x4.json")],
         ], 4) for i in range(2)]
         for p in ps:
             procs.wait(p)
@@ -194,6 +195,16 @@ def test_a_one_by_eight_run_replayed_by_two_by_four_convicts_and_names_the_proce
     assert "caught" in drill0["stdout"] and drill1["stdout"] == ""  # one report, from process 0
     scan0 = fleet["c"][0][2]
     assert scan0["code"] == 0 and "CLEAN" in scan0["stdout"]
+
+
+def test_two_processes_certify_the_chain_of_a_two_process_run(fleet):
+    """The state records of a run trained as 2 processes (each device's fingerprints gathered across them)
+    restore and certify as 2 processes: one placement spans both (issue 28)."""
+    cert0, cert1 = fleet["c"][0][3], fleet["c"][1][3]
+    assert cert0["code"] == 0 and cert1["code"] == 0, cert0["stderr"][-2000:]
+    rep = json.loads((fleet["root"] / "certify_2x4.json").read_text())
+    assert [(v["checkpoint"], v["verdict"]) for v in rep["chain"]] == [(0, "trusted"), (2, "certified"), (4, "certified")]
+    assert rep["placements"] == [[0, 1, 2, 3, 2048, 2049, 2050, 2051]] and cert1["stdout"] == ""
 
 
 def test_a_two_by_four_run_replayed_by_one_by_eight_convicts_the_device_of_process_1(fleet):

@@ -207,3 +207,14 @@ def test_the_writer_refuses_another_config_in_the_same_directory(dense_run):
     with pytest.raises(RunConfigMismatchError, match=r"started with another config \(differs in \['seed'\]\)"):
         dt.train(run_dir, dt.Config(**{**cfg, "seed": 2}), STEPS)
     assert sys.modules["own_trainer"] is dt
+
+
+def test_certify_walks_the_chain_of_a_users_trainer(dense_run, cached_factory, capsys, tmp_path):
+    """The public writer's state records (RunWriter.record_checkpoint, the checkpoint event): every
+    checkpoint of the dense trainer's run is certified by replaying its segments (issue 28)."""
+    run_dir, _, _ = dense_run
+    out = tmp_path / "certify.json"
+    assert cli.main(["certify", "--run", run_dir, "--no-progress", "--json", str(out)]) == ExitCode.ACQUITTED
+    rep = json.loads(out.read_text())
+    assert [v["verdict"] for v in rep["chain"]] == ["trusted"] + ["certified"] * (len(rep["chain"]) - 1)
+    assert rep["certified"] == STEPS and rep["steps_replayed"] == STEPS

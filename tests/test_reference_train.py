@@ -53,7 +53,7 @@ def test_two_runs_of_30_steps_have_bit_identical_fingerprints(tiny):
 
 def test_run_directory_layout_and_events(tiny):
     folder, path, cfg, trainer, mesh, run_a, _ = tiny
-    assert sorted(os.listdir(run_a)) == ["checkpoints", "env.json", "events.jsonl", "fingerprints.jsonl", "inputs.json",
+    assert sorted(os.listdir(run_a)) == ["checkpoint_records", "checkpoints", "env.json", "events.jsonl", "fingerprints.jsonl", "inputs.json",
                                          "mixture.yaml", "run_config.yaml", "signals.jsonl",
                                          "train.png"]  # canary_every 0: no canary.jsonl
     assert ckpt.all_steps(str(run_a / "checkpoints")) == [0, 10, 20, 30]

@@ -166,6 +166,9 @@ def test_differing_elements_from_next_checkpoint(session, tmp_path):
     ckpt.save(m, 8, kept[7], loader_state)
     m.wait_until_finished()
     m.close()
+    from replay.run import statefp  # the faulty run recorded the state it saved (else: a damaged checkpoint)
+
+    statefp.write_record(run_dir, statefp.record_state(kept[7], loader_state, 8))
     lines = [json.loads(x) for x in open(os.path.join(run_dir, "fingerprints.jsonl"))]
     lines[7] = fps[-1].to_dict()
     with open(os.path.join(run_dir, "fingerprints.jsonl"), "w") as out:

@@ -56,7 +56,8 @@ def test_the_drill_runs_counts_are_the_planted_ones_and_its_times_add_up(drilled
     kinds = [(a.id, a.kind, a.start) for a in run.lineage.attempts]
     assert kinds == [(1, "start", 0), (2, "resume", 10), (3, "resume", 20), (4, "rollback", 30), (5, "rewind", 40)]
     rep = gp.account(run)
-    planted = {"productive": 50, "lost": 4 + 5, "rewound": 5 + 2, "skipped_window": 3, "skipped_data": 3}
+    planted = {"productive": 50, "non_finite": 0, "lost": 4 + 5, "rewound": 5 + 2, "skipped_window": 3,
+               "skipped_data": 3}
     assert rep.steps == planted
     assert rep.tokens == {k: v * ROW_TOKENS for k, v in planted.items()}
     assert rep.reconcile["trained_steps"] == rep.reconcile["trained_steps_by_attempt"] == 14 + 15 + 15 + 15 + 10

@@ -217,14 +217,15 @@ def test_top_level_help_shows_range_options_and_one_line_per_command(monkeypatch
 
 
 @pytest.mark.parametrize("command, codes, absent", [
-    ("range", {0, 1, 2, 3, 4, 5, 6}, ["drill not caught", "suspects found"]),
-    ("canary", {0, 1, 2, 3, 4, 5}, ["drill not caught", "suspects found", "environment drift",
+    ("range", {0, 1, 2, 3, 4, 5, 6, 20, 21}, ["drill not caught", "suspects found"]),
+    ("canary", {0, 1, 2, 3, 4, 5, 20, 21}, ["drill not caught", "suspects found", "environment drift",
                                     "replays on >= 2", "--allow-env-drift"]),
     ("inspect", {0, 2, 5}, ["convicted", "acquitted", "drill not caught", "environment drift", "replays"]),
     ("drill", {0, 1, 2, 5, 7}, ["suspects found", "environment drift", "ambiguous", "replays disagree"]),
     ("scan", {0, 2, 5, 8}, ["drill not caught", "convicted"]),
     ("triage", {0, 2, 5, 10, 11, 12, 13}, ["drill not caught", "environment drift"]),
     ("skip", {0, 2, 5}, ["drill not caught", "convicted", "suspects found"]),
+    ("certify", {0, 2, 4, 5, 6, 20, 21}, ["drill not caught", "suspects found", "convicted"]),
 ])
 def test_each_help_lists_only_its_own_exit_codes(command, codes, absent, monkeypatch, capsys):
     out = _help([command, "--help"], monkeypatch, capsys)

@@ -225,10 +225,12 @@ def train(run_dir: str, cfg: Config, steps: int) -> dict[int, float]:
     log.record_inputs(data)  # replay: what it trained with (inputs.json, mixture.yaml)
     if latest is None:
         state = trainer.init_state(mesh, cfg.seed)
+        log.record_checkpoint(0, state, data.state().to_dict())  # replay: the state record, checked at restores
         trainer.save(run_dir, 0, state, data.state().to_dict())
         log.event("checkpoint", 0)  # replay
     else:
         state, loader_state = trainer.restore(run_dir, latest, mesh)
+        log.verify_restore(latest, state, loader_state)  # replay: a damaged checkpoint is refused
         data = data.restore(loader_state)
     losses = {}
     for step, batch in data.iterate(start) if start < steps else ():
@@ -238,6 +240,7 @@ def train(run_dir: str, cfg: Config, steps: int) -> dict[int, float]:
                      loader=data.metrics())  # replay: the input figures (wait, buffer levels, stages)
         losses[step] = fp.signals.loss
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == steps:
+            log.record_checkpoint(step + 1, state, data.state().to_dict())  # replay
             trainer.save(run_dir, step + 1, state, data.state().to_dict())
             log.event("checkpoint", step + 1)  # replay
             print(f"step {step}: loss {fp.signals.loss:.4f}, checkpoint {step + 1} saved", file=sys.stderr)

@@ -22,6 +22,8 @@ Run config (YAML; relative paths are resolved against the config file's folder):
                                            # canary weights = fresh init from this seed
     canary_every: 10                       # periodic canary every N steps on every device (0: off)
     canary_action: warn                    # on a canary mismatch: warn (event, warning) or stop
+    non_finite: stop                       # a NaN/Inf loss, gradient or state: stop (before any checkpoint
+                                           # holds it; exit code 22), skip_step (drop that update) or warn
     router_health: {max_dropped_fraction: 0.01, max_share_ratio: 3.0, warmup_steps: 10,
                     max_expert_load_ratio: 2.0}
     screening: {}                          # replay.screen.screening.ScreeningConfig overrides (replay scan)
@@ -64,13 +66,24 @@ _KEYS = {
     "name", "mixture", "dataset", "global_batch", "seed", "mesh", "model", "optimizer", "checkpoint_every",
     "skip_windows", "loader", "canary", "canary_every", "canary_action", "router_health", "screening", "trainer",
     "mtbf_s",
+    "non_finite",
 }
 CANARY_ACTIONS = ("warn", "stop")
+NON_FINITE_ACTIONS = ("stop", "skip_step", "warn")
 _REQUIRED = ("name", "mixture", "dataset", "global_batch")
 
 
 class RunConfigError(ValueError):
     """A run config is malformed or does not fit the run directory; names the field and value."""
+
+
+class NonFiniteStopError(RuntimeError):
+    """``non_finite: stop``: a step made a non-finite loss or gradient, or the state to be saved holds
+    NaN/Inf; training stopped before a checkpoint held it (``step``: the step, ``what``: what was seen)."""
+
+    def __init__(self, message: str, *, step: int, what: str):
+        super().__init__(message)
+        self.step, self.what = int(step), what
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,6 +119,7 @@ class RunConfig:
     canary: CanaryConfig = CanaryConfig()
     canary_every: int = 0
     canary_action: str = "warn"
+    non_finite: str = "stop"
     router_health: RouterHealth = RouterHealth()
     screening: ScreeningConfig = ScreeningConfig()
     mtbf_s: Optional[float] = None  # the fleet's MTBF for replay goodput's Young interval (None: the design point)
@@ -140,6 +154,7 @@ class RunConfig:
             "canary": dataclasses.asdict(self.canary),
             "canary_every": self.canary_every,
             "canary_action": self.canary_action,
+            "non_finite": self.non_finite,
             "router_health": self.router_health.to_dict(),
             "screening": self.screening.to_dict(),
             "trainer": REFERENCE_FACTORY,
@@ -213,6 +228,9 @@ def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConf
     action = raw.get("canary_action", "warn")
     if action not in CANARY_ACTIONS:
         raise RunConfigError(f"canary_action: must be one of {list(CANARY_ACTIONS)}, got {action!r}")
+    non_finite = raw.get("non_finite", "stop")
+    if non_finite not in NON_FINITE_ACTIONS:
+        raise RunConfigError(f"non_finite: must be one of {list(NON_FINITE_ACTIONS)}, got {non_finite!r}")
     model = dict(raw.get("model", {}) or {})
     try:
         mc = ModelConfig.from_dict({"vocab_size": 2, **model} if "vocab_size" not in model else model)
@@ -256,6 +274,7 @@ def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConf
         ),
         canary_every=_int(raw.get("canary_every", 0), "canary_every", 0),
         canary_action=action,
+        non_finite=non_finite,
         router_health=health,
         screening=screening,
         mtbf_s=_mtbf(raw.get("mtbf_s")),
@@ -320,7 +339,7 @@ def _check_same_config(rd: RunDir, cfg: RunConfig, write_grown: bool = True) -> 
         raise RunConfigError(f"{path}: the run directory's config is unreadable ({e}); use a new --run") from None
     if not isinstance(old, Mapping):
         raise RunConfigError(f"{path}: the run directory's config is not a mapping; use a new --run")
-    old = {"trainer": REFERENCE_FACTORY, **old}  # a run started before the key was written
+    old = {"trainer": REFERENCE_FACTORY, "non_finite": "stop", **old}  # a run started before the keys were written
     if os.path.abspath(str(new["mixture"])) == rd.file(proto.MIXTURE_COPY_NAME):
         new["mixture"] = old.get("mixture")  # the run's own copy stands for the path it was copied from
     diffs = sorted(k for k in set(old) | set(new) if k != "skip_windows" and old.get(k) != new.get(k))
@@ -624,6 +643,9 @@ def train(
                 f"cannot resume {rd.path}: checkpoint {latest} is damaged ({type(e).__name__}: {first}); move "
                 f"{os.path.join(rd.checkpoints, str(latest))} aside to resume from "
                 f"{older[-1] if older else 'scratch'}") from None
+        check = _verify_restore(rd, latest, state, loader_state)  # a damaged checkpoint is never trained on
+        if check.note:
+            say(check.note)
         restore_s = time.perf_counter() - t0
         start = latest
     if loader_shift and loader_state is not None:  # a drill: a wrong loader state
@@ -676,7 +698,7 @@ def train(
                              "lines": moved, "checkpoints": moved_ckpts},
                  dropped_fingerprint_lines=moved.get(proto.FINGERPRINTS_NAME, 0), restore_s=round(restore_s, 6),
                  loader_state=loader_rec, env_differences=compare_environment(recorded, env),
-                 skip_windows_changed=grown, **common)
+                 skip_windows_changed=grown, state_check=check.status, **common)
     for ev in data.events:  # e.g. a skip window appended on restore
         name = "skip_window_added" if ev.get("event") == "skip_window" else f"loader_{ev.get('event', 'event')}"
         rd.event(name, ev.get("step", start), **{k: v for k, v in ev.items() if k not in ("event", "step")})
@@ -684,15 +706,27 @@ def train(
 
     mngr = ckpt.manager(rd.checkpoints)
     pending_saves: list[int] = []  # checkpoints saved (asynchronously), not yet known to have committed
+    records: dict[int, Any] = {}  # their state records (replay.run.statefp), written at the commit
+    refused: list[dict[str, Any]] = []  # non_finite: stop refused to save a non-finite state
+    from replay.run import statefp
 
     save_started: dict[int, float] = {}  # step -> Unix time its save started (the checkpoint event's save_start_t)
 
     def save(step_: int) -> float:
-        """Starts an asynchronous save; returns the seconds the loop was blocked by it."""
+        """Fingerprints the state (on the devices) and starts an asynchronous save; returns the seconds
+        the loop was blocked by both. A non-finite state under ``non_finite: stop`` is not saved."""
         t_ = time.perf_counter()
         save_started[step_] = time.time()
-        ckpt.save(mngr, step_, state, data.state().to_dict())
+        loader_now = data.state().to_dict()
+        record = _state_record(rd, cfg, state, loader_now, step_, log)
+        if not record.finite and cfg.non_finite == "stop":
+            refused.append({"step": step_, "nonfinite": record.data["nonfinite"]})
+            save_started.pop(step_, None)
+            return time.perf_counter() - t_
+        path = statefp.write_record(rd.path, record) if rd.primary else None  # before the save: a kill after
+        ckpt.save(mngr, step_, state, loader_now)  # Orbax's commit and before the event still leaves it
         pending_saves.append(step_)
+        records[step_] = (record, path)
         return time.perf_counter() - t_
 
     def commit_events(wait: bool) -> None:
@@ -710,7 +744,8 @@ def train(
             times = {"save_start_t": round(started, 6)} if started is not None else {}
             if ckpt.is_committed(rd.checkpoints, s_):
                 commit = ckpt.commit_time(mngr, s_)
-                rd.event("checkpoint", s_, **times, **({"commit_t": round(commit, 6)} if commit is not None else {}))
+                rd.event("checkpoint", s_, **times, **({"commit_t": round(commit, 6)} if commit is not None else {}),
+                         **_record_fields(records.pop(s_, None)))
             else:
                 rd.event("checkpoint_failed", s_, **times)
         pending_saves.clear()
@@ -756,8 +791,15 @@ def train(
                             break
                 c0 = compiled.seconds
                 t0 = time.perf_counter()
+                before = state if cfg.non_finite == "skip_step" else None  # kept only to drop an update
                 state, fp = trainer.train_step(state, batch, step, faults)
                 dt = time.perf_counter() - t0
+                bad = non_finite_in(fp)
+                if bad is not None:  # non_finite: stop | skip_step | warn, each an event
+                    rd.event("non_finite", step, action=cfg.non_finite, what=bad, loss=_json_float(fp.router["loss"]))
+                    log(f"WARNING: step {step}: {bad} (non_finite: {cfg.non_finite})")
+                    if cfg.non_finite == "skip_step":
+                        state = before  # the update is dropped: the next step starts from the state before it
                 compile_s = compiled.seconds - c0
                 rd.append_fingerprints(fp)
                 losses[step] = fp.router["loss"]
@@ -765,7 +807,9 @@ def train(
                     if fp.signals is not None else fp.router["dropped_fraction"]
                 now_served = int(metrics["tokens_served"])
                 nxt = step + 1
-                if nxt % cfg.checkpoint_every == 0 or nxt == steps:
+                if bad is not None and cfg.non_finite == "stop":
+                    refused.append({"step": nxt, "nonfinite": bad})
+                elif nxt % cfg.checkpoint_every == 0 or nxt == steps:
                     blocked += save(nxt)
                 commit_events(wait=False)
                 if fp.signals is not None:
@@ -778,6 +822,9 @@ def train(
                 served = now_served
                 if on_step is not None:
                     on_step(step, fp.router["loss"])
+                if refused:
+                    stopped = _non_finite_stop(rd, step, refused[0])
+                    break
                 if nxt >= steps:
                     break
         t_wait = time.perf_counter()
@@ -805,6 +852,83 @@ def train(
         picture = plot_training(rd.path, title=f"training run {cfg.name} ({rd.path})")
     return {"start": start, "end": steps, "losses": losses, "stopped": stopped, "canary_seconds": canary_seconds,
             "plot": picture, "attempt": attempt}
+
+
+def non_finite_in(fp) -> Optional[str]:
+    """What was non-finite in a step (``StepFingerprints``): its loss, its gradient norm, or the
+    gradient leaves and devices the signals count (``StepSignals.devices[d]["nonfinite"]``); None when
+    everything is finite."""
+    import math
+
+    import numpy as np
+
+    what = []
+    loss = float(fp.router.get("loss", 0.0))
+    if not math.isfinite(loss):
+        what.append(f"loss {loss}")
+    norm = float(np.asarray(fp.grad_norm_bits, np.uint32).view(np.float32))
+    if not math.isfinite(norm):
+        what.append(f"gradient norm {norm}")
+    if fp.signals is not None:
+        counts: dict[str, int] = {}
+        for d, rec in sorted(fp.signals.devices.items()):
+            for leaf, n in (rec.get("nonfinite") or {}).items():
+                counts[f"{leaf} on device {d}"] = int(n)
+        if counts:
+            first = list(counts.items())[:3]
+            what.append(f"non-finite gradient elements ({', '.join(f'{k}: {v}' for k, v in first)}"
+                        + (f", {len(counts) - 3} more" if len(counts) > 3 else "") + ")")
+    return "; ".join(what) if what else None
+
+
+def _json_float(v: float):
+    import math
+
+    return v if math.isfinite(v) else str(v)
+
+
+def _verify_restore(rd: RunDir, step: int, state, loader_state):
+    """The restored checkpoint against its state record (``replay.run.statefp.verify_restored``):
+    raises ``DamagedCheckpointError`` / ``PoisonedCheckpointError``; a checkpoint without a record
+    (a run from before records) comes back ``unverified`` with a note."""
+    from replay.run import statefp
+
+    return statefp.verify_restored(rd.path, step, state, loader_state)
+
+
+def _state_record(rd: RunDir, cfg: RunConfig, state, loader_state, step: int, log) -> Any:
+    """The state record of checkpoint ``step`` (on the devices, every process); replicas that disagree
+    are a ``state_replicas_disagree`` event naming device, leaf and shard, a non-finite state a
+    ``non_finite_state`` event."""
+    from replay.run import statefp
+
+    record = statefp.record_state(state, loader_state, step)
+    if not record.replicas_agree:
+        first = record.data["disagree"][0]
+        rd.event("state_replicas_disagree", step, devices=record.odd_devices(), disagree=record.data["disagree"][:20],
+                 shards=len(record.data["disagree"]))
+        log(f"WARNING: checkpoint {step} is poisoned: the copies of {first['leaf']} shard {first['shard']} disagree, "
+            f"device(s) {first['devices']} against {first['agree']} (silent data corruption in the update or in "
+            f"memory); no restore will take it as healthy: run 'replay certify --run {rd.path}'")
+    if not record.finite:
+        rd.event("non_finite_state", step, action=cfg.non_finite, nonfinite=record.data["nonfinite"])
+    return record
+
+
+def _record_fields(saved) -> dict[str, Any]:
+    """The ``checkpoint`` event's ``state`` fields of a ``(record, path)`` written at the save (or none)."""
+    from replay.run import statefp
+
+    return {} if saved is None else statefp.event_fields(*saved)
+
+
+def _non_finite_stop(rd: RunDir, step: int, refused: Mapping[str, Any]) -> dict[str, Any]:
+    """``non_finite: stop``: the ``stopped`` event and the loop's summary of it."""
+    what = refused["nonfinite"]
+    what = what if isinstance(what, str) else f"the state holds NaN/Inf ({dict(list(what.items())[:3])})"
+    reason = (f"step {step}: {what}; stopped before checkpoint {refused['step']} could hold it (non_finite: stop)")
+    rd.event("stopped", step + 1, reason="non_finite", detail=reason, checkpoint_refused=refused["step"])
+    return {"step": step + 1, "reason": reason, "kind": "non_finite", "first_step": step}
 
 
 class _CompileClock:

@@ -13,7 +13,9 @@ rolls back to an older checkpoint of the run; the steps after it are kept as a s
 (``replay.run.lineage``). Thin over :func:`replay.reference.run.train`. Exit codes: 0 done, 2 a
 config, data or file error, 3 stopped by a canary mismatch (``canary_action: stop``), 4 another
 process of the run died (this one stopped too: restart them all with the same commands; they resume
-from the last checkpoint).
+from the last checkpoint), 20 the checkpoint to resume from is damaged (it does not match its state
+record, ``replay.run.statefp``), 21 it is poisoned (its replicas disagreed at the save), 22 stopped on
+a non-finite loss, gradient or state (``non_finite: stop``) before a checkpoint held it.
 
 Several processes (``jax.distributed``; on CPU with gloo collectives), one run directory: every
 process runs the same command with JAX's process settings (``replay.run.distributed``)::
@@ -45,6 +47,8 @@ LAUNCHED_AT = time.time()  # the command's start: the start of its attempt's sta
 from replay.run import distributed  # noqa: E402  (after LAUNCHED_AT: imports are start-up)
 from replay.run.env import pin_determinism_flags  # noqa: E402
 from replay.run.progress import loss_text  # noqa: E402
+from replay.run import statefp  # noqa: E402
+from replay.run.codes import ExitCode  # noqa: E402
 from replay.reference.run import RunConfigError, load_run_config, train  # noqa: E402
 
 
@@ -81,6 +85,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.config, args.steps = args.config or "(the run's own)", steps
         summary = train(args.run, cfg, steps, rewind_to=args.from_checkpoint, rewind_reason=args.reason,
                         launched_at=start)
+    except (statefp.DamagedCheckpointError, statefp.PoisonedCheckpointError) as e:
+        damaged = isinstance(e, statefp.DamagedCheckpointError)
+        print(f"error: {'damaged' if damaged else 'poisoned'} checkpoint: {e}", file=sys.stderr)
+        return int(ExitCode.DAMAGED_CHECKPOINT if damaged else ExitCode.POISONED_CHECKPOINT)
     except (RunConfigError, FileNotFoundError, ValueError, distributed.DistributedConfigError) as e:
         print(f"error: {e}{_dataset_hint(e, args.config)}", file=sys.stderr)
         if argv is None:  # the command: a process of its own
@@ -92,6 +100,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {os_error_message(e, args.run, args.config, args.steps)}", file=sys.stderr)
         return 2
     losses = summary["losses"]
+    if (summary.get("stopped") or {}).get("kind") == "non_finite":
+        stop = summary["stopped"]
+        print(f"stopped: {stop['reason']}; the checkpoints before it are finite: find the cause with 'replay triage "
+              f"--run {args.run} --step {stop['first_step']}', or set non_finite: skip_step (drop such updates) or "
+              "warn in the run config", file=sys.stderr)
+        return int(ExitCode.NON_FINITE)
     if summary.get("stopped"):
         stop = summary["stopped"]
         print(f"stopped before step {stop['step']} (canary_action: stop): {stop['reason']}; a checkpoint was "

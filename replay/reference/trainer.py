@@ -30,8 +30,9 @@ One step (``jax.jit`` with explicit in/out shardings; the per-device part in
 
 The fault is a traced ``int32[7]`` input ``[enabled, device_id, leaf_index, element, bit, site,
 layer]`` (:meth:`ReferenceTrainer.fault_array`; ``site`` may also plant the flip inside the
-computation: an expert output, an expert weight's gradient, an attention output), so a drill
-never recompiles. Fingerprints only read gradients: the update is bit-identical
+computation: an expert output, an expert weight's gradient, an attention output; or, with
+``optimizer_update``, in one device's copy of a leaf of the updated state after the optimizer
+step), so a drill never recompiles. Fingerprints only read gradients: the update is bit-identical
 with and without them (tested).
 """
 
@@ -242,6 +243,7 @@ class ReferenceTrainer:
         self.leaf_dtypes = [x.dtype for x in flat]
         self._abstract_params = abstract
         self._compiled: dict[Any, Any] = {}
+        self.state_leaf_paths = leaf_paths(self._abstract_state_shapes())  # what an optimizer_update fault names
 
     # ------------------------------------------------------------------ shardings
 
@@ -394,6 +396,8 @@ class ReferenceTrainer:
         if fault is None or (step is not None and fault.step != step):
             return np.zeros(FAULT_LEN, np.int32)
         where = fault.where
+        if where == "optimizer_update":
+            return self._state_fault_array(fault, mesh_ids, sizes)
         if where in ("local_gradient", "expert_backward"):
             if fault.leaf not in self.leaf_paths:
                 raise FaultSpecError(f"fault.leaf {fault.leaf!r} is not a parameter leaf; leaves: {self.leaf_paths}")
@@ -420,12 +424,62 @@ class ReferenceTrainer:
             raise FaultSpecError(f"fault.device_id {fault.device_id} not in the mesh's devices {sorted(mesh_ids)}")
         return np.asarray([1, fault.device_id, i, fault.element, fault.bit, SITE_CODE[where], layer], np.int32)
 
+    def _state_fault_array(self, fault: FaultSpec, mesh_ids: Sequence[int], sizes: Optional[Mapping[str, Any]]
+                           ) -> np.ndarray:
+        """:meth:`fault_array` of an ``optimizer_update`` fault: ``leaf_index`` indexes
+        :attr:`state_leaf_paths`, ``element`` the device's local shard of that state leaf."""
+        if fault.leaf not in self.state_leaf_paths:
+            raise FaultSpecError(f"fault.leaf {fault.leaf!r}: an optimizer_update fault names a leaf of the train "
+                                 f"state; leaves: {self.state_leaf_paths}")
+        i = self.state_leaf_paths.index(fault.leaf)
+        size = (sizes or {}).get("state")
+        size = size[i] if size is not None else None
+        if size is not None and not 0 <= fault.element < size:
+            raise FaultSpecError(f"fault.element {fault.element} outside [0, {size}) for the device's shard of "
+                                 f"{fault.leaf}")
+        dtype = jax.tree_util.tree_leaves(self._abstract_state_shapes())[i].dtype
+        bits = _leaf_bits(dtype)
+        if not 0 <= fault.bit < bits:
+            raise FaultSpecError(f"fault.bit {fault.bit} outside [0, {bits}) for {fault.leaf}")
+        if fault.device_id not in mesh_ids:
+            raise FaultSpecError(f"fault.device_id {fault.device_id} not in the mesh's devices {sorted(mesh_ids)}")
+        return np.asarray([1, fault.device_id, i, fault.element, fault.bit, SITE_CODE["optimizer_update"], -1],
+                          np.int32)
+
+    def _abstract_state_shapes(self) -> dict[str, Any]:
+        return {"params": self._abstract_params, "opt_state": jax.eval_shape(self.optimizer.init, self._abstract_params),
+                "router_bias": jax.ShapeDtypeStruct(self._bias_shape, jnp.float32)}
+
+    def local_state_sizes(self, mesh: Mesh) -> list[int]:
+        """Per leaf of the train state (:attr:`state_leaf_paths` order) the element count of one device's
+        shard on ``mesh``: the range of an ``optimizer_update`` fault's ``element``."""
+        shapes = jax.tree_util.tree_leaves(self._abstract_state_shapes())
+        shardings = jax.tree_util.tree_leaves(self.state_shardings(mesh))
+        return [int(np.prod(sh.shard_shape(x.shape))) for x, sh in zip(shapes, shardings)]
+
+    def _poison(self, mesh: Mesh, state: Any, fault) -> Any:
+        """The ``optimizer_update`` fault site: flips the fault's bit in its device's copy of one leaf of
+        the updated ``state`` (inside ``shard_map``, so a replicated leaf's copy on that device alone
+        changes); with the fault off every leaf is bit-identical (``flip_bit`` XORs 0)."""
+        specs = jax.tree_util.tree_map(lambda sh: sh.spec, self.state_shardings(mesh))
+        dev_table = jnp.asarray([d.id for d in mesh.devices.reshape(-1)], jnp.int32)
+
+        def per_device(st, f):
+            leaves, treedef = jax.tree_util.tree_flatten(st)
+            hit = (f[0] == 1) & (f[1] == dev_table[self._linear_index(mesh)]) & (f[5] == SITE_CODE["optimizer_update"])
+            out = [fpm.flip_bit(x, f[3], f[4], hit & (f[2] == i)) if jnp.issubdtype(x.dtype, jnp.floating) else x
+                   for i, x in enumerate(leaves)]
+            return jax.tree_util.tree_unflatten(treedef, out)
+
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P()), out_specs=specs, check_vma=False)(state, fault)
+
     def fault_sizes(self, mesh: Mesh, global_batch: int, seq_len: int) -> dict[str, Any]:
         """What :meth:`fault_array` checks elements against on ``mesh`` for a ``[global_batch,
         seq_len]`` batch: ``{"leaves": local leaf sizes, "expert_forward": n, "attention": n}``."""
         shape = dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape)))
         acts = self.activation_shapes(shape, global_batch, seq_len)
-        return {"leaves": self.local_leaf_sizes(shape), **{k: int(np.prod(v)) for k, v in acts.items()}}
+        return {"leaves": self.local_leaf_sizes(shape), **{k: int(np.prod(v)) for k, v in acts.items()},
+                "state": self.local_state_sizes(mesh)}
 
     def drift_array(self, drift: Optional[DriftSpec], step: int, mesh_ids: Sequence[int]) -> np.ndarray:
         """``float32[4] = [enabled, device_id, kind (0 scale, 1 bias), magnitude]`` for the traced
@@ -611,7 +665,10 @@ class ReferenceTrainer:
                 bias = router_bias_update(bias, out["stats"]["assigned"], rate)
             out["grad_norm"] = grad_norm
             out["batch"] = fpm.fingerprint(batch["inputs"])
-            return {"params": params, "opt_state": opt_state, "router_bias": bias}, out
+            new_state = {"params": params, "opt_state": opt_state, "router_bias": bias}
+            if instrumented:  # the optimizer_update fault site: after the update, gradients right
+                new_state = self._poison(mesh, new_state, fault)
+            return new_state, out
 
         st_sh = self.state_shardings(mesh)
         b_sh = self.batch_sharding(mesh)

@@ -29,6 +29,10 @@ class ExitCode(enum.IntEnum):
     TRIAGE_RESTART = 11  # replay triage: a restore repeated or skipped data (a restart or data-order fault)
     TRIAGE_DATA = 12  # replay triage: bad data at the onset (shards and documents named)
     TRIAGE_ROUTER = 13  # replay triage: router instability (layers named)
+    DAMAGED_CHECKPOINT = 20  # a restored checkpoint does not match its own state record (its files changed): no verdict
+    POISONED_CHECKPOINT = 21  # replay certify / a restore: a checkpoint's state is poisoned (replicas disagreed, or
+    #                           replay on good devices does not reach it): rewind to the certified one named
+    NON_FINITE = 22  # the training command: non_finite: stop (a NaN/Inf loss, gradient or state) before a checkpoint held it
 
 
 class Verdict(enum.Enum):

@@ -66,7 +66,7 @@ import json
 from typing import Any, Mapping, Optional, Protocol, runtime_checkable
 
 
-FAULT_SITES = ("local_gradient", "expert_forward", "expert_backward", "attention")
+FAULT_SITES = ("local_gradient", "expert_forward", "expert_backward", "attention", "optimizer_update")
 """Where a :class:`FaultSpec` flips its bit, in one device's computation of one step:
 
 * ``local_gradient``: the device's finished local gradient contribution, after all communication
@@ -81,7 +81,14 @@ FAULT_SITES = ("local_gradient", "expert_forward", "expert_backward", "attention
 * ``attention``: the output of the attention block of layer ``layer`` (before the residual add)
   in the forward pass (``element``: flat index into the device's ``[rows, S, D]`` activation).
 
-The last three plant the error *inside* the computation, so that under expert parallelism it
+* ``optimizer_update``: one device's copy of the *updated train state*, after the optimizer update of
+  the step (the gradients, and so the step's fingerprints, are right): ``leaf`` is a leaf path of the
+  whole state (``jax.tree_util.keystr``: ``['params']['embed']``, an Adam moment
+  ``['opt_state'][1][0].mu['embed']``), ``element`` a flat index into the device's local shard of it.
+  A replicated leaf then holds a copy on that device that differs from the others': what the state
+  fingerprint of the next checkpoint save finds (``replay.run.statefp``).
+
+The middle three plant the error *inside* the computation, so that under expert parallelism it
 reaches other devices through the all-to-alls within the same step."""
 
 
@@ -93,8 +100,8 @@ class FaultSpec:
       step: the global step at which the fault fires.
       device_id: ``jax.Device.id`` of the device whose computation is corrupted.
       leaf: leaf path (``jax.tree_util.keystr``) of the parameter whose gradient is hit
-        (``local_gradient``, ``expert_backward``); ``""`` for an activation (``expert_forward``,
-        ``attention``).
+        (``local_gradient``, ``expert_backward``), of the train state's leaf (``optimizer_update``);
+        ``""`` for an activation (``expert_forward``, ``attention``).
       element: flat index into the corrupted buffer on that device (see :data:`FAULT_SITES`).
       bit: bit position in the element's bit pattern (0 = lowest mantissa bit).
       where: one of :data:`FAULT_SITES` (default ``local_gradient``, the drills' first kind).

@@ -419,7 +419,10 @@ class RunWriter:
 
     def event(self, name: str, step: int, **fields: Any) -> dict[str, Any]:
         """Appends an event (``checkpoint`` once a checkpoint has committed, ``phase_change``,
-        ``skipped_window``, ...); written once, by process 0."""
+        ``skipped_window``, ...); written once, by process 0. A ``checkpoint`` event carries the state
+        record :meth:`record_checkpoint` took of that step, and writes it beside the checkpoints."""
+        if name == "checkpoint":
+            fields = {**self._record_fields(step), **fields}
         return self.dir.event(name, step, **fields)
 
     def checkpoint(self, step: int, *, save_start_t: Optional[float] = None,
@@ -438,7 +441,8 @@ class RunWriter:
                 raise ValueError(f"checkpoint {step}: {k} must be Unix seconds (a finite number), got {v!r}")
         if len(times) == 2 and commit_t < save_start_t:
             raise ValueError(f"checkpoint {step}: commit_t {commit_t} is before save_start_t {save_start_t}")
-        return self.dir.event("checkpoint", step, **{k: round(float(v), 6) for k, v in times.items()})
+        return self.dir.event("checkpoint", step, **self._record_fields(step),
+                              **{k: round(float(v), 6) for k, v in times.items()})
 
     def end(self, step: int) -> None:
         """The ``end`` event: training stopped at ``step``."""
@@ -457,3 +461,47 @@ class RunWriter:
             return False
         return record_inputs(self.dir.path, data.mixture, str(self.config.get("mixture", "")), data.dataset,
                              data.manifest_sha256, data.schedule.to_dict())
+    # --- checkpoint state records (replay.run.statefp; docs/trainer.md, "Checkpoints you can trust")
+
+    def record_checkpoint(self, step: int, state: Any, loader_state: Optional[Mapping[str, Any]] = None) -> Any:
+        """Fingerprints ``state`` (global ``jax.Array`` leaves with ``NamedSharding``: every leaf, shard and
+        replica, on the devices) and ``loader_state`` as checkpoint ``step``'s state record, at the save,
+        from the state being saved: call it with the arrays you hand your checkpointer. Replicas that
+        disagree are a ``state_replicas_disagree`` event (the devices, leaves and shards named). Every
+        process calls it; process 0 writes the record beside the checkpoints at once (so a kill between your
+        checkpointer's commit and the ``checkpoint`` event leaves it). Returns the
+        ``replay.run.statefp.StateRecord``; the ``checkpoint`` event carries it."""
+        from replay.run import statefp
+
+        rec = statefp.record_state(state, loader_state, step)
+        path = statefp.write_record(self.dir.path, rec) if self.dir.primary else None  # beside, before the save
+        if not rec.replicas_agree:
+            self.dir.event("state_replicas_disagree", step, devices=rec.odd_devices(), disagree=rec.data["disagree"][:20],
+                           shards=len(rec.data["disagree"]))
+        self._records = {**getattr(self, "_records", {}), int(step): (rec, path)}
+        return rec
+
+    def _record_fields(self, step: int) -> dict[str, Any]:
+        """The ``checkpoint`` event's ``state`` from :meth:`record_checkpoint`'s record of ``step`` (already
+        written beside the checkpoints, ``checkpoint_records/<step>.json``, by process 0); none without a
+        record (replay then says the checkpoint cannot be verified)."""
+        from replay.run import statefp
+
+        saved = getattr(self, "_records", {}).pop(int(step), None)
+        return {} if saved is None else statefp.event_fields(*saved)
+
+    def verify_restore(self, step: int, state: Any, loader_state: Optional[Mapping[str, Any]] = None) -> Any:
+        """Checks a restored checkpoint against its state record before the loop uses it
+        (``replay.run.statefp.verify_restored``; every process calls it).
+
+        Returns:
+          the ``Verification`` (``unverified``, with its note, for a checkpoint saved without a record).
+
+        Raises:
+          replay.run.statefp.DamagedCheckpointError: the restored state differs from the record (step, leaf
+            and shard named: restore the previous checkpoint, or ``replay certify``).
+          replay.run.statefp.PoisonedCheckpointError: the record says its replicas disagreed at the save.
+        """
+        from replay.run import statefp
+
+        return statefp.verify_restored(self.dir.path, step, state, loader_state)

@@ -18,6 +18,7 @@ parts add up to the wall time exactly::
 
     part             what                                               ml-goodput-measurement
     productive       step compute of the lineage's steps                 goodput
+    non_finite       lineage steps whose loss was NaN/Inf (badput)       (ours)
     startup          launch to the first step, restores excepted         TPU_INITIALIZATION + TRAINING_PREP
     compile          JAX tracing, lowering, compilation inside steps     PROGRAM_STARTUP
     checkpoint_save  the loop blocked by checkpoint saves                UNPRODUCTIVE_CHECKPOINT_SAVE_TIME
@@ -69,10 +70,11 @@ import numpy as np
 
 from replay.run.runlog import RunDirError, RunLog
 
-PARTS = ("productive", "startup", "compile", "checkpoint_save", "restore", "lost", "rewound", "skipped_window",
+PARTS = ("productive", "non_finite", "startup", "compile", "checkpoint_save", "restore", "lost", "rewound", "skipped_window",
          "loader_wait", "canary", "gap", "other", "unknown")
 PART_TEXT = {
     "productive": "productive step compute of the lineage",
+    "non_finite": "steps of the lineage with a non-finite loss (NaN/Inf: nothing learned)",
     "startup": "start-up (launch to first step, restores excepted)",
     "compile": "compilation inside steps",
     "checkpoint_save": "checkpoint save stalls",
@@ -87,12 +89,12 @@ PART_TEXT = {
     "unknown": "not recorded (no timestamps)",
 }
 GOODPUT_KIND = {  # ml-goodput-measurement's BadputType for each part (docs/replay.md maps them)
-    "productive": "goodput", "startup": "TPU_INITIALIZATION + TRAINING_PREP", "compile": "PROGRAM_STARTUP",
+    "productive": "goodput", "non_finite": "(ours; CUSTOM_BADPUT_EVENTS is the nearest)", "startup": "TPU_INITIALIZATION + TRAINING_PREP", "compile": "PROGRAM_STARTUP",
     "checkpoint_save": "UNPRODUCTIVE_CHECKPOINT_SAVE_TIME", "restore": "UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME",
     "lost": "WASTED_PROGRESS_FROM_DISRUPTION", "rewound": "(ours; WASTED_PROGRESS_FROM_DISRUPTION is the nearest)",
     "skipped_window": "(ours)", "loader_wait": "DATA_LOADING_SYNC", "canary": "CUSTOM_BADPUT_EVENTS",
     "gap": "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION", "other": "OTHER", "unknown": "-"}
-STEP_PARTS = ("productive", "lost", "rewound", "skipped_window")
+STEP_PARTS = ("productive", "non_finite", "lost", "rewound", "skipped_window")
 REQUESTS = ("rewind", "skip_window")
 # Peak dense FLOP/s per device (bf16 unless said), from the vendors' data sheets; a device kind not
 # listed needs --peak-flops. "cpu" is a nominal figure so that the demo shows the arithmetic: an
@@ -266,11 +268,18 @@ def _steps_by_attempt(run: RunLog) -> dict[int, list[_Step]]:
 # ----------------------------------------------------------------------------- calculator
 
 
-def step_part(run: RunLog, attempt_id: int, step: int) -> str:
-    """The part a step's compute belongs to (module docstring)."""
+def non_finite_steps(run: RunLog) -> frozenset[int]:
+    """Lineage steps whose logged loss is NaN or Inf: trained, but nothing was learned (their own badput
+    part, ``non_finite``, never goodput)."""
+    return frozenset(s for s, fp in run.fingerprints.items()
+                     if not math.isfinite(float(np.asarray(fp.loss_bits, np.uint32).view(np.float32))))
+
+
+def step_part(run: RunLog, attempt_id: int, step: int, non_finite: frozenset[int] = frozenset()) -> str:
+    """The part a step's compute belongs to (module docstring); ``non_finite``: :func:`non_finite_steps`."""
     lineage = run.lineage
     if lineage.attempt_of(step) == attempt_id:
-        return "productive"
+        return "non_finite" if step in non_finite else "productive"
     att = next(a for a in lineage.attempts if a.id == attempt_id)
     by = att.cut_of(step)
     if by is None:
@@ -304,6 +313,7 @@ def account(run: RunLog, *, peak_flops: Optional[float] = None, mtbf_s: Optional
     events = run.all_events
     ids = event_attempts(events)
     per_steps = _steps_by_attempt(run)
+    bad = non_finite_steps(run)
     time_us = {p: 0 for p in PARTS}
     unknown: list[str] = []
     att_out = []
@@ -378,7 +388,7 @@ def account(run: RunLog, *, peak_flops: Optional[float] = None, mtbf_s: Optional
                 t = cursor
             comp = {"loader_wait": _us(s.wait_s or 0), "canary": _us(s.canary_s or 0),
                     "compile": _us(s.compile_s or 0), "checkpoint_save": _us(s.checkpoint_s or 0)}
-            part = step_part(run, a.id, s.step)
+            part = step_part(run, a.id, s.step, bad)
             got, excess = split_interval(t - cursor, _us(s.step_s or 0) - comp["compile"], comp)
             if excess > CLOCK_TOLERANCE_US:
                 over.append((s.step, excess))
@@ -428,7 +438,7 @@ def account(run: RunLog, *, peak_flops: Optional[float] = None, mtbf_s: Optional
             unknown.append("the wall time comes from the events' 'time' (whole seconds): the run logged no "
                            "timestamps to split it by")
     wall = (prev_last - t_first) if t_first is not None and prev_last is not None else 0
-    steps, tokens, nonpad, rec = _ledger(run, per_steps)
+    steps, tokens, nonpad, rec = _ledger(run, per_steps, bad)
     return GoodputReport(run_dir=run.run_dir, wall_us=wall, time_us=time_us, steps=steps, tokens=tokens,
                          nonpad_tokens=nonpad, reconcile=rec, mfu=_mfu(run, step_compute, peak_flops),
                          attempts=att_out, unknown=unknown, young=_young(run, time_us, mtbf_s),
@@ -533,13 +543,15 @@ def _tokens_per_step(run: RunLog) -> tuple[Optional[int], str]:
     return None, "not known: no tokens_per_step logged and no mixture to read seq_len from"
 
 
-def _ledger(run: RunLog, per_steps: Mapping[int, Sequence[_Step]]) -> tuple[dict, dict, dict, dict]:
+def _ledger(run: RunLog, per_steps: Mapping[int, Sequence[_Step]], bad: frozenset[int] = frozenset()
+            ) -> tuple[dict, dict, dict, dict]:
     """Steps and tokens per part, and the reconciliation with the loader's arithmetic."""
     from loader import index as ix
 
     lineage = run.lineage
     steps = {p: 0 for p in STEP_PARTS}
-    steps["productive"] = max(0, lineage.end - lineage.first)
+    steps["non_finite"] = sum(1 for s in bad if lineage.first <= s < lineage.end)
+    steps["productive"] = max(0, lineage.end - lineage.first) - steps["non_finite"]
     for a in lineage.attempts:
         if a.superseded is None:
             continue
@@ -554,7 +566,7 @@ def _ledger(run: RunLog, per_steps: Mapping[int, Sequence[_Step]]) -> tuple[dict
     nonpad["skipped_data"] = None  # never read by the trainer; the loader's rows would tell
     for a, ss in per_steps.items():
         for s in ss:
-            p = step_part(run, a, s.step)
+            p = step_part(run, a, s.step, bad)
             if nonpad[p] is not None:
                 nonpad[p] = None if s.tokens is None else nonpad[p] + s.tokens
     trained = sum(steps[p] for p in STEP_PARTS)
@@ -566,8 +578,10 @@ def _ledger(run: RunLog, per_steps: Mapping[int, Sequence[_Step]]) -> tuple[dict
            "trained_adds_up": trained == by_attempts if all(a.trained_end is not None for a in lineage.attempts)
            else None,
            "lineage_data_steps": [lineage.first, data_end],
-           "data_steps_add_up": data_end - lineage.first == steps["productive"] + steps["skipped_data"],
-           "formula": "data_step(end - 1) + 1 - first == lineage steps + skipped data steps (loader.index.data_step)"}
+           "data_steps_add_up": data_end - lineage.first == steps["productive"] + steps["non_finite"]
+           + steps["skipped_data"],
+           "formula": "data_step(end - 1) + 1 - first == lineage steps (finite + non-finite) + skipped data steps "
+                      "(loader.index.data_step)"}
     return steps, tokens, nonpad, rec
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -123,6 +123,16 @@ class Suspect:
                 "named": list(self.named)}
 
 
+def nonfinite_onset(suspects: Sequence[Suspect]) -> Optional[dict[str, Any]]:
+    """The onset of a run-level non-finite finding (every device's gradient NaN/Inf: a numerical
+    divergence): its *first* non-finite step, exact; None without one."""
+    found = [e for s in suspects if s.kind == "run" for e in s.evidence if e.check == "nonfinite"]
+    if not found:
+        return None
+    first = min(e.first_step for e in found)
+    return {"step": first, "range": [first, first], "uncertain": False, "check": "nonfinite", "devices": []}
+
+
 def _num(v: float) -> Any:
     return None if v is None else (round(float(v), 4) if math.isfinite(v) else STRENGTH_CAP)
 
@@ -152,7 +162,7 @@ class ScanReport:
         step and the range it could lie in (``replay.verify.plan.Onset``), or None without one."""
         top = next((s for s in self.suspects if s.kind in ("device", "replica")), None)
         if top is None:
-            return None
+            return nonfinite_onset(self.suspects)
         e = min(top.evidence, key=lambda x: x.first_step)
         lo, hi = e.onset_range or (e.first_step, e.first_step)
         return {"step": e.first_step, "range": [lo, hi], "uncertain": e.uncertain, "check": e.check,
@@ -745,6 +755,9 @@ def next_step(run: RunLog, suspect: Suspect) -> dict[str, Any]:
 
     quoted = shlex.quote(run.run_dir)
     last = max(e.last_step for e in suspect.evidence)
+    nonfinite = [e.first_step for e in suspect.evidence if e.check == "nonfinite"]
+    if suspect.kind == "run" and nonfinite:  # a divergence: triage its first non-finite step, not its last
+        last = min(nonfinite)
     if suspect.kind in ("device", "replica"):
         first, end = run.logged_steps
         a = max(suspect.first_step, first)

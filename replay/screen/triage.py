@@ -956,8 +956,9 @@ def skip_plan(run: RunLog, onset: int, step: int) -> Optional[dict[str, Any]]:
     """The rewind and skip of an optimization event: the newest lineage checkpoint ``C <= onset`` and
     the data window ``[A, B)`` = ``[onset, step + 1 + (step + 1 - onset))`` (the data that fed the spike
     and as many steps again, the PaLM recipe scaled to the spike's length), starting after the run's
-    last skip window; None when no checkpoint precedes the onset."""
-    ckpts = [c for c in run.checkpoints if c <= onset]
+    last skip window; None when no checkpoint precedes the onset. Only checkpoints before the onset whose
+    state record says finite and agreeing count (:func:`trustworthy_checkpoints`)."""
+    ckpts = trustworthy_checkpoints(run, onset)
     if not ckpts:
         return None
     windows = [tuple(w) for w in run.config.get("skip_windows") or []]
@@ -965,6 +966,17 @@ def skip_plan(run: RunLog, onset: int, step: int) -> Optional[dict[str, Any]]:
     b = max(a + 1, step + 1 + (step + 1 - onset))
     c = ckpts[-1]
     return {"checkpoint": c, "start": a, "stop": b, "steps_rewound": max(0, run.lineage.end - c) if run.lineage else None}
+
+
+def trustworthy_checkpoints(run: RunLog, onset: int) -> list[int]:
+    """The lineage checkpoints a rewind may target before ``onset``: strictly before it (a checkpoint at
+    the onset holds the state the bad step started from), with a state record (``checkpoint`` event's
+    ``state``: a run from before records has none, so nothing vouches for it) that says its state was
+    finite and its replicas agreed; ascending. A restore checks the files against the same record."""
+    state = {int(e["step"]): e.get("state") for e in run.events
+             if e.get("event") == "checkpoint" and isinstance(e.get("step"), int)}
+    return [c for c in run.checkpoints if c < onset and isinstance(state.get(c), Mapping)
+            and state[c].get("finite") is True and state[c].get("replicas_agree", True) is True]
 
 
 def skip_command(run_dir: str, plan: Mapping[str, Any], step: int) -> str:
@@ -1052,7 +1064,8 @@ def conclude(checks: Mapping[str, Check], *, run_dir: str, step: int, onset: int
                    "may_explain") else ""))
         cmd = skip_command(run_dir, plan, step) if plan else None
         advice = (f"rewind to checkpoint {plan['checkpoint']} and skip the data of steps {plan['start']}.."
-                  f"{plan['stop'] - 1}" if plan else "no checkpoint before the onset to rewind to")
+                  f"{plan['stop'] - 1}" if plan else "no checkpoint before the onset whose state record says it is "
+                  "finite and verified to rewind to (run 'replay certify' on the run)")
         subject = dict(plan or {})
     for c in suspects:
         if c.name not in {"restart": "events", "hardware": "replicas", "data": "data", "router": "router"}.get(cause, ""):

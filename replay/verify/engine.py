@@ -94,6 +94,13 @@ def skip_windows(run: RunLog) -> list[tuple[int, int]]:
     return sorted(out)
 
 
+def dropped_updates(run: RunLog) -> frozenset[int]:
+    """Steps of the lineage whose update the run dropped (``non_finite`` events with ``action:
+    skip_step``): the next step started from the state before them."""
+    return frozenset(int(e["step"]) for e in run.events
+                     if e.get("event") == "non_finite" and e.get("action") == "skip_step")
+
+
 def phase_changes(run: RunLog) -> list[dict[str, Any]]:
     """The run's logged mixture phase changes (events of kind ``phase``/``phase_change``)."""
     return run.events_of("phase", "phase_change", "mixture_phase")
@@ -145,6 +152,7 @@ class Session:
         self._lock = threading.RLock()
         self._restore_lock = threading.Lock()  # one Orbax restore at a time
         self.restore_seconds = 0.0
+        self.unverified: set[int] = set()  # checkpoints restored without a state record to check them against
 
     def device_infos(self) -> list[dv.DeviceInfo]:
         """The replay job's devices as an operator finds them (host, process, local index, global id)."""
@@ -272,13 +280,20 @@ class Session:
                 self._states[key] = hit
         return hit
 
-    def restore(self, checkpoint: int, assignment: Any):
+    def restore(self, checkpoint: int, assignment: Any, *, allow_poisoned: bool = False):
         """The train state of ``checkpoint`` on ``assignment``'s mesh (``"local"``: :meth:`local_mesh`),
-        restored once, then cached.
+        restored once, checked against the checkpoint's state record (``replay.run.statefp``), then cached.
 
-        The reference trainer's step does not donate its input, so a cached state stays valid.
+        The reference trainer's step does not donate its input, so a cached state stays valid. A
+        checkpoint without a record (a run from before records) is used with a note, once, that it
+        cannot be verified (:attr:`unverified`).
+
+        Raises:
+          replay.run.statefp.DamagedCheckpointError: the restored state does not match its record.
+          replay.run.statefp.PoisonedCheckpointError: its record says the replicas disagreed at the save
+            (``allow_poisoned``: restored anyway, for the comparisons that judge such a state).
         """
-        key = (checkpoint, assignment if assignment == "local" else tuple(assignment))
+        key = (checkpoint, assignment if assignment == "local" else tuple(assignment), allow_poisoned)
         with self._lock:
             hit = self._states.get(key)
         if hit is not None:
@@ -287,7 +302,7 @@ class Session:
         with self._restore_lock:
             t0 = time.perf_counter()
             try:
-                state, _ = self.setup.trainer.restore(self.run.run_dir, checkpoint, mesh)
+                state, loader_state = self.setup.trainer.restore(self.run.run_dir, checkpoint, mesh)
             except FileNotFoundError as e:
                 raise RunDirError(str(e)) from None
             except Exception as e:  # noqa: BLE001 - Orbax/TensorStore report a damaged checkpoint many ways
@@ -301,12 +316,24 @@ class Session:
                     f"incomplete, or does not fit the model of run_config.yaml ({type(e).__name__}: {first})"
                     + (f"; replay from an older checkpoint ({older}) with --steps C:B" if older else "")
                 ) from None
+            self._verify(checkpoint, state, loader_state, allow_poisoned)
             self.restore_seconds += time.perf_counter() - t0
         with self._lock:
             if len(self._states) > 16:
                 self._states.clear()
             self._states[key] = state
         return state
+
+    def _verify(self, checkpoint: int, state: Any, loader_state: Any, allow_poisoned: bool) -> None:
+        """The restored ``state`` against its state record; a checkpoint with none is noted once."""
+        from replay.run import statefp
+
+        check = statefp.verify_restored(self.run.run_dir, checkpoint, state, loader_state, allow_poisoned=allow_poisoned)
+        if check.status == "unverified" and checkpoint not in self.unverified:
+            self.unverified.add(checkpoint)
+            import sys
+
+            print(f"note: {check.note}", file=sys.stderr, flush=True)
 
     def run_dir_writer(self, path: str, assignment: Sequence[int]):
         """A ``replay.run.writer.RunDir`` for ``path`` as this process writes it, with ``assignment``'s
@@ -353,18 +380,23 @@ class Session:
     def replay_segment(self, assignment: Sequence[int], checkpoint: int, stop: int, *,
                        log: Optional[Mapping[int, StepFingerprints]] = None, tolerance: Optional[float] = None,
                        fault: Any = None, advance: Callable[[int], None] = lambda n=1: None,
-                       keep_state_at: Optional[int] = None,
+                       keep_state_at: Optional[int] = None, start_state: Any = None,
                        ) -> tuple[list[StepFingerprints], list[cmp.StepDiff], dict[int, Any]]:
         """Replays the checkpoint segment ``checkpoint .. stop-1`` on ``assignment``: restores checkpoint
-        ``checkpoint`` and steps until ``stop``, or until the first step that differs from ``log`` (the
-        rest of the segment is contaminated by the wrong state)."""
+        ``checkpoint`` (or starts from ``start_state``, a state of that step on ``assignment``'s mesh)
+        and steps until ``stop``, or until the first step that differs from ``log`` (the rest of the
+        segment is contaminated by the wrong state)."""
         trainer = self.setup.trainer
-        state = self.restore(checkpoint, assignment)
+        state = self.restore(checkpoint, assignment) if start_state is None else start_state
+        dropped = dropped_updates(self.run)
         fps, diffs, kept = [], [], {}
         batches = self.batches(checkpoint, stop, assignment)
         try:
             for step, batch in batches:
+                before = state if step in dropped else None
                 state, fp = trainer.train_step(state, batch, step, fault)
+                if step in dropped:  # the run dropped this step's update (non_finite: skip_step): so does replay
+                    state = before
                 fps.append(fp)
                 advance(1)
                 if keep_state_at is not None and step == keep_state_at:
@@ -874,9 +906,11 @@ def _full_comparison(session: Session, assignment: Sequence[int], step: int) -> 
     local = all(session.is_local(d) for d in assignment)
     if local:
         seg = max(c for c in run.checkpoints if c <= step)
-        try:
-            logged_state = session.restore(step + 1, assignment)
-        except RunDirError:  # a damaged checkpoint after the step: no full comparison (null), still a verdict
+        from replay.run.statefp import DamagedCheckpointError
+
+        try:  # the faulty run's own state: its replicas may disagree (poisoned), which is what is counted
+            logged_state = session.restore(step + 1, assignment, allow_poisoned=True)
+        except (RunDirError, DamagedCheckpointError):  # a damaged checkpoint after the step: no full comparison
             logged_state = None
         if logged_state is not None:
             _, _, kept = session.run_steps(assignment, seg, step + 1, keep_state_at=step)

@@ -1,0 +1,405 @@
+"""``replay certify``: walk a run's checkpoint chain and certify the newest clean checkpoint.
+
+Because a checkpoint segment replays bit for bit, checkpoint ``c_k`` plus the batches of steps
+``c_k .. c_{k+1}-1`` on good devices must reach exactly the state that checkpoint ``c_{k+1}``'s
+state record (``replay.run.statefp``) says was saved. From a checkpoint taken as trusted (the first,
+or ``--from STEP``)::
+
+    for each segment k (independent placements at the same time, lanes on threads):
+        state  = restore c_k on placement P (checked against its record)
+        replay steps c_k .. c_{k+1}-1 on P, each step compared with the log (as range replay)
+        record = the replayed state's fingerprints; compare leaf by leaf with c_{k+1}'s record
+        restore c_{k+1} itself and check its files against its record
+    a segment whose start checkpoint is damaged replays from the previous segment's replayed state
+    walk the chain in order: the verdict of each checkpoint (first failure and why)
+
+Verdicts (:data:`VERDICTS`) of each checkpoint after the trusted one:
+
+* ``certified``: the replay reproduced its record exactly, its replicas agreed at the save, its state
+  is finite and its files restore to its record;
+* ``poisoned``: its replicas disagreed at the save (the record names the devices), or the replay of
+  the segment does not reach its record: a logged step differs (the step's fingerprints name the
+  step and devices, as range replay does) or the state differs with every step right (an SDC in the
+  update or in memory: the recorded copies that differ from the replayed value are named);
+* ``damaged``: the replay reaches its record, but its files restore to another state (or do not
+  restore): bit rot, never a device;
+* ``not_certifiable``: no record (a run from before records), a state that is not finite, a missing
+  checkpoint item, or no replay reached it (its segment's start was damaged with nothing to chain from);
+* ``not_checked``: after the first poisoned checkpoint (its descendants inherit the poison).
+
+The report names the newest certified checkpoint: the rewind target ("rewind to pre-corruption
+ckpt"). Exit codes: 0 every checkpoint of the chain certified, ``POISONED_CHECKPOINT`` (21) a poisoned
+one found, ``DAMAGED_CHECKPOINT`` (20) a damaged one and none poisoned, ``AMBIGUOUS`` (4) one not
+certifiable and none poisoned or damaged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from replay.run import devices as dv
+from replay.run import statefp
+from replay.run.codes import ExitCode
+from replay.run.runlog import RunDirError
+from replay.verify import plan
+from replay.verify.engine import CheckpointCorruptError, Session, environment_differences, EnvDriftError, _locked
+
+VERDICTS = ("trusted", "certified", "poisoned", "damaged", "not_certifiable", "not_checked")
+
+
+@dataclasses.dataclass
+class CheckpointVerdict:
+    """One checkpoint of the chain: ``verdict`` (:data:`VERDICTS`), ``reason`` (a sentence), and what
+    named it: ``step`` and ``devices`` (a poisoned checkpoint's faulty step and devices, when known),
+    ``leaves`` (leaves that differ), ``segment`` (``[c_k, c_{k+1}]`` replayed to reach it), ``placement``."""
+
+    checkpoint: int
+    verdict: str
+    reason: str
+    step: Optional[int] = None
+    devices: tuple[int, ...] = ()
+    leaves: tuple[str, ...] = ()
+    segment: Optional[tuple[int, int]] = None
+    placement: Optional[int] = None
+    steps_replayed: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["devices"], d["leaves"] = list(self.devices), list(self.leaves)
+        d["segment"] = list(self.segment) if self.segment else None
+        return d
+
+
+@dataclasses.dataclass
+class CertifyReport:
+    run_dir: str
+    trusted: int
+    chain: list[CheckpointVerdict]
+    placements: list[list[int]]
+    steps_replayed: int
+    wall_seconds: float
+    concurrent: bool
+
+    @property
+    def certified(self) -> Optional[int]:
+        """The newest checkpoint of the unbroken run of certified ones from the trusted one (or the
+        trusted one itself when the next is not certified): the rewind target."""
+        best = self.trusted
+        for v in self.chain[1:]:
+            if v.verdict == "certified":
+                best = v.checkpoint
+            elif v.verdict in ("poisoned", "not_checked", "not_certifiable"):
+                break
+        return best
+
+    @property
+    def first_failure(self) -> Optional[CheckpointVerdict]:
+        return next((v for v in self.chain if v.verdict not in ("trusted", "certified")), None)
+
+    @property
+    def exit_code(self) -> int:
+        kinds = {v.verdict for v in self.chain}
+        if "poisoned" in kinds:
+            return int(ExitCode.POISONED_CHECKPOINT)
+        if "damaged" in kinds:
+            return int(ExitCode.DAMAGED_CHECKPOINT)
+        if "not_certifiable" in kinds:
+            return int(ExitCode.AMBIGUOUS)
+        return int(ExitCode.ACQUITTED)
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.first_failure
+        return {"run_dir": self.run_dir, "trusted": self.trusted, "certified": self.certified,
+                "first_failure": first.to_dict() if first else None, "chain": [v.to_dict() for v in self.chain],
+                "placements": self.placements, "steps_replayed": self.steps_replayed,
+                "wall_seconds": round(self.wall_seconds, 4), "concurrent": self.concurrent,
+                "exit_code": self.exit_code}
+
+
+@dataclasses.dataclass
+class _Segment:
+    """One task's outcome (segment ``a -> b``)."""
+
+    a: int
+    b: int
+    placement: int
+    status: str  # "done", "deferred" (its start is damaged), or "failed_start"
+    start_problem: str = ""
+    step_diff: Optional[Any] = None  # the first logged step that differs
+    differing: list = dataclasses.field(default_factory=list)  # leaves of b's record the replay does not reach
+    file_problem: str = ""  # b's files do not restore to its record
+    steps: int = 0
+    seconds: float = 0.0
+    end_state: Any = None  # kept when b's files are damaged, for the next segment to chain from
+
+
+def _restore_problem(session: Session, checkpoint: int, assignment) -> tuple[Any, str]:
+    """``(state, "")`` or ``(None, why)``: checkpoint restored and checked against its record (a
+    poisoned record is judged by the walk, so it is restored anyway)."""
+    try:
+        return session.restore(checkpoint, assignment, allow_poisoned=True), ""
+    except statefp.DamagedCheckpointError as e:
+        return None, str(e)
+    except CheckpointCorruptError as e:
+        return None, str(e)
+
+
+def _segment(session: Session, a: int, b: int, index: int, assignment, advance, start_state=None) -> _Segment:
+    """Replays ``a -> b`` on ``assignment`` and compares the state it reaches with ``b``'s record."""
+    t0 = time.perf_counter()
+    run = session.run
+    if start_state is None:
+        start_state, problem = _restore_problem(session, a, assignment)
+        if start_state is None:
+            return _Segment(a, b, index, "deferred", start_problem=problem)
+    fps, diffs, kept = session.replay_segment(assignment, a, b, log=run.fingerprints, advance=advance,
+                                              keep_state_at=b - 1, start_state=start_state)
+    advance(b - a - len(fps))
+    out = _Segment(a, b, index, "done", steps=len(fps))
+    bad = next((d for d in diffs if not d.ok), None)
+    if bad is not None:
+        out.step_diff = bad
+    else:
+        record = statefp.read_record(run.run_dir, b)
+        if record is not None:
+            out.differing = statefp.compare_with_record(record, kept[b - 1])
+        _, out.file_problem = _restore_problem(session, b, assignment)
+        if out.file_problem and not out.differing:
+            out.end_state = kept[b - 1]
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _verdict(session: Session, seg: Optional[_Segment], b: int) -> CheckpointVerdict:
+    """The verdict of checkpoint ``b`` from its record and its segment's outcome."""
+    run_dir = session.run.run_dir
+    try:
+        record = statefp.read_record(run_dir, b)
+    except statefp.DamagedCheckpointError as e:
+        return CheckpointVerdict(b, "damaged", str(e))
+    if record is None:
+        return CheckpointVerdict(b, "not_certifiable", f"checkpoint {b} has no state record (a run written before "
+                                                       f"checkpoint fingerprints): it cannot be verified")
+    span = (seg.a, seg.b) if seg else None
+    where = dict(segment=span, placement=seg.placement if seg else None, steps_replayed=seg.steps if seg else 0,
+                 seconds=round(seg.seconds, 4) if seg else 0.0)
+    if not record.replicas_agree:
+        first = record.data["disagree"][0]
+        return CheckpointVerdict(
+            b, "poisoned", f"at its save the copies of {first['leaf']} shard {first['shard']} disagreed: device(s) "
+                           f"{first['devices']} against {first['agree']} (an SDC in the update or in memory on "
+                           f"device(s) {record.odd_devices()}, at or before step {b - 1})",
+            step=None, devices=tuple(record.odd_devices()),
+            leaves=tuple(sorted({x["leaf"] for x in record.data["disagree"]})), **where)
+    if seg is None or seg.status != "done":
+        why = seg.start_problem if seg else "no segment reached it"
+        return CheckpointVerdict(b, "not_certifiable", f"no replay reached checkpoint {b}: the segment's start is "
+                                                       f"unusable ({why})", **where)
+    if seg.step_diff is not None:
+        d = seg.step_diff
+        devs = tuple(sorted(d.suspects)) if d.suspects else tuple(sorted(d.devices))
+        return CheckpointVerdict(
+            b, "poisoned", f"replaying {seg.a}:{seg.b} on good devices differs from the log at step {d.step} "
+                           f"({d.kind}; device(s) {list(devs)}): the run's state after that step was wrong; for a "
+                           f"verdict on the devices run 'replay --run {run_dir} --steps {d.step}:{d.step + 1}'",
+            step=d.step, devices=devs, leaves=tuple(d.leaves), **where)
+    if seg.differing:
+        names = [x["leaf"] for x in seg.differing]
+        return CheckpointVerdict(
+            b, "poisoned", f"every step of {seg.a}:{seg.b} replays as logged, but the state it reaches differs from "
+                           f"checkpoint {b}'s record in {len(names)} leaf/leaves ({names[:3]}): the state was "
+                           "corrupted in the update or in memory, after the gradients were fingerprinted",
+            leaves=tuple(names), **where)
+    if not record.finite:
+        return CheckpointVerdict(b, "not_certifiable", f"its state holds NaN/Inf ({dict(list(record.data['nonfinite'].items())[:3])}): "
+                                                       "reproduced, but no rewind target", **where)
+    if seg.file_problem:
+        return CheckpointVerdict(b, "damaged", f"the replay reaches its record, but its files do not: "
+                                               f"{seg.file_problem}", **where)
+    return CheckpointVerdict(b, "certified", f"replaying {seg.a}:{seg.b} reproduces its state record in every leaf",
+                             **where)
+
+
+def certify(session: Session, *, start: Optional[int] = None, stop: Optional[int] = None, device_spec: str = "good",
+            concurrent: bool = True, allow_env_drift: bool = False,
+            progress: Optional[Callable[[int], Callable[[int], None]]] = None) -> CertifyReport:
+    """Walks the run's checkpoint chain from ``start`` (default: its first checkpoint) to ``stop``
+    (default: its newest) and judges each checkpoint (module docstring).
+
+    Args:
+      session: the opened run.
+      start: the checkpoint taken as trusted (restored and checked against its record).
+      stop: the last checkpoint to judge.
+      device_spec: the devices to replay on (``replay.run.devices``); as many disjoint placements of the
+        run's mesh as they hold run segments at the same time.
+      concurrent: run placements on disjoint devices at the same time (False: one after the other).
+      progress: ``total -> advance`` factory (total: the steps this process replays).
+
+    Raises:
+      RunDirError: no checkpoint at ``start``, fewer than two checkpoints to walk.
+      replay.run.statefp.DamagedCheckpointError / PoisonedCheckpointError: the trusted checkpoint itself.
+      EnvDriftError: the environment differs from the run's (``allow_env_drift``: certify anyway).
+    """
+    run, setup = session.run, session.setup
+    chain = [c for c in run.checkpoints if (start is None or c >= start) and (stop is None or c <= stop)]
+    if start is not None and start not in run.checkpoints:
+        raise RunDirError(f"--from {start}: no checkpoint at that step (checkpoints: {run.checkpoints})")
+    if len(chain) < 2:
+        raise RunDirError(f"certify needs a trusted checkpoint and one after it; the chain from "
+                          f"{start if start is not None else 'the first'} holds {chain} (checkpoints: {run.checkpoints})")
+    logged = set(run.fingerprints)
+    chain = [c for i, c in enumerate(chain) if i == 0 or all(s in logged for s in range(chain[i - 1], c))]
+    chosen = dv.select_devices(device_spec, session.device_infos(), run.held_suspect, minimum=setup.mesh_size)
+    ids = [d.id for d in chosen]
+    count = max(1, len(ids) // setup.mesh_size)
+    assignments = [tuple(a) for a in dv.independent_assignments(ids, setup.mesh_size, count)]
+    home = assignments[0] if session.participates(assignments[0]) else session.home_assignment()
+    drift = environment_differences(run, session.mesh(home))
+    if drift and not allow_env_drift:
+        raise EnvDriftError(drift)
+    trusted = chain[0]
+    t0 = time.perf_counter()
+    session.restore(trusted, home)  # the trusted checkpoint must itself match its record (raises otherwise)
+    segs = list(zip(chain, chain[1:]))
+    process_of = {i: d.process_index for i, d in session.jax_devices.items()}
+    lanes = plan.lanes(assignments, process_of)
+    mine = [[i for i in lane if session.participates(assignments[i])] for lane in lanes]
+    mine = [lane for lane in mine if lane]
+    # Segment k on placement k mod P: lanes take their placements' segments in order.
+    task_of = {k: k % len(assignments) for k in range(len(segs))}
+    my_steps = sum(b - a for k, (a, b) in enumerate(segs) if any(task_of[k] in lane for lane in mine))
+    advance = _locked(progress(my_steps) if progress is not None else (lambda n=1: None))
+    results: dict[int, _Segment] = {}
+
+    def lane_work(lane):
+        out = {}
+        for k, (a, b) in enumerate(segs):
+            if task_of[k] in lane:
+                out[k] = _segment(session, a, b, task_of[k], assignments[task_of[k]], advance)
+        return out
+
+    if concurrent and len(mine) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=len(mine), thread_name_prefix="certify-lane") as pool:
+            for part in [pool.submit(lane_work, lane) for lane in mine]:
+                results.update(part.result())
+    else:
+        for lane in mine:
+            results.update(lane_work(lane))
+    # Segments whose start checkpoint is damaged: from the previous segment's replayed state, in order.
+    for k, (a, b) in enumerate(segs):
+        seg = results.get(k)
+        if seg is None or seg.status != "deferred":
+            continue
+        prev = results.get(k - 1)
+        if prev is not None and prev.end_state is not None:
+            results[k] = _segment(session, a, b, prev.placement, assignments[prev.placement], advance,
+                                  start_state=prev.end_state)
+            prev.end_state = None
+    if session.process_count > 1:
+        results = _gather(session, results, assignments)
+    verdicts = [CheckpointVerdict(trusted, "trusted", f"taken as trusted ({'--from' if start is not None else 'the first checkpoint'}); "
+                                                      "its files match its record")]
+    poisoned = None
+    for k, (_a, b) in enumerate(segs):
+        if poisoned is not None:
+            verdicts.append(CheckpointVerdict(b, "not_checked", f"after the poisoned checkpoint {poisoned}: its "
+                                                                "descendants inherit its state"))
+            continue
+        v = _verdict(session, results.get(k), b)
+        verdicts.append(v)
+        if v.verdict == "poisoned":
+            poisoned = b
+    for r in results.values():
+        r.end_state = None
+    steps = sum(r.steps for r in results.values())
+    return CertifyReport(run_dir=run.run_dir, trusted=trusted, chain=verdicts, placements=[list(a) for a in assignments],
+                         steps_replayed=steps, wall_seconds=time.perf_counter() - t0, concurrent=concurrent)
+
+
+def _gather(session: Session, results: Mapping[int, _Segment], assignments: Sequence[Sequence[int]]
+            ) -> dict[int, _Segment]:
+    """Every process's segment outcomes (a collective): each reported by the lowest process of its
+    placement; the step differences travel as the replayed step's judgement (kind, step, devices, leaves)."""
+    from replay.run import distributed
+
+    process_of = {i: d.process_index for i, d in session.jax_devices.items()}
+    mine = []
+    for k, r in results.items():
+        if min(process_of[d] for d in assignments[r.placement]) == session.process_index:
+            diff = None
+            if r.step_diff is not None:
+                d = r.step_diff
+                diff = {"step": d.step, "kind": d.kind, "suspects": list(d.suspects), "devices": sorted(d.devices),
+                        "leaves": list(d.leaves)}
+            mine.append([k, r.a, r.b, r.placement, r.status, r.start_problem, diff, r.differing, r.file_problem,
+                         r.steps, r.seconds])
+    out: dict[int, _Segment] = {}
+    for part in distributed.gather_json(mine):
+        for k, a, b, p, status, sp, diff, differing, fprob, steps, secs in part:
+            out[int(k)] = _Segment(a, b, p, status, sp, _Diff(**diff) if diff else None, differing, fprob, steps, secs)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Diff:
+    """A step difference as gathered from another process (the fields :func:`_verdict` reads)."""
+
+    step: int
+    kind: str
+    suspects: tuple
+    devices: tuple
+    leaves: tuple
+
+
+# ----------------------------------------------------------------------------- the picture
+
+COLORS = {"trusted": "#1f77b4", "certified": "#2ca02c", "poisoned": "#d62728", "damaged": "#ff7f0e",
+          "not_certifiable": "#7f7f7f", "not_checked": "#c7c7c7"}
+
+
+def plot_chain(report: Mapping[str, Any], path: str) -> str:
+    """A PNG of the chain: checkpoints on a step axis, each a marker coloured by its verdict and labelled,
+    the segments replayed drawn between them, the certified rewind target and a poisoned checkpoint's
+    faulty step marked. Returns ``path``."""
+    from common import figures
+
+    plt = figures.pyplot()
+    chain = report["chain"]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(chain) + 2), 2.8))
+    xs = [v["checkpoint"] for v in chain]
+    ax.plot(xs, [0] * len(xs), color="#999999", lw=1, zorder=1)
+    for v in chain:
+        if v.get("segment"):
+            a, b = v["segment"]
+            ax.annotate("", xy=(b, 0.18), xytext=(a, 0.18),
+                        arrowprops=dict(arrowstyle="->", color=COLORS[v["verdict"]], lw=1.2))
+        ax.scatter([v["checkpoint"]], [0], s=220, color=COLORS[v["verdict"]], zorder=3, edgecolor="black")
+        ax.text(v["checkpoint"], -0.22, v["verdict"].replace("_", " "), ha="center", va="top", fontsize=8,
+                rotation=20)
+        if v["verdict"] == "poisoned" and v.get("step") is not None:
+            ax.axvline(v["step"], color=COLORS["poisoned"], ls=":", lw=1)
+            ax.text(v["step"], 0.42, f"step {v['step']}\ndevices {v['devices']}", ha="center", fontsize=7,
+                    color=COLORS["poisoned"])
+        elif v["verdict"] == "poisoned" and v.get("devices"):
+            ax.text(v["checkpoint"], 0.42, f"replicas differ:\ndevices {v['devices']}", ha="center", fontsize=7,
+                    color=COLORS["poisoned"])
+    if report.get("certified") is not None:
+        ax.scatter([report["certified"]], [0], s=520, facecolor="none", edgecolor=COLORS["certified"], lw=2.5,
+                   zorder=4, label=f"rewind target: checkpoint {report['certified']}")
+        ax.legend(loc="upper left", fontsize=8, frameon=False, markerscale=0.4)
+    ax.set_ylim(-0.8, 0.8)
+    ax.set_yticks([])
+    ax.set_xticks(xs)
+    ax.set_xlabel("step (checkpoint)")
+    pad = max(1, (max(xs) - min(xs)) * 0.06)
+    ax.set_xlim(min(xs) - pad, max(xs) + pad)
+    for side in ("left", "right", "top"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(f"replay certify: {report['run_dir']} ({report['steps_replayed']} steps replayed)", fontsize=9)
+    fig.tight_layout()
+    return figures.save(fig, path, dpi=110)
