@@ -277,6 +277,8 @@ def relabel(fp: Any, mapping: dict[int, int]) -> Any:
     if not mapping or all(mapping.get(d, d) == d for d in fp.devices):
         return fp
     extra = {"sends": {mapping.get(d, d): v for d, v in fp.sends.items()}} if getattr(fp, "sends", None) else {}
+    if getattr(fp, "recvs", None):
+        extra["recvs"] = {mapping.get(d, d): v for d, v in fp.recvs.items()}
     return dataclasses.replace(fp, devices={mapping.get(d, d): v for d, v in fp.devices.items()},
                                device_coords={mapping.get(d, d): c for d, c in fp.device_coords.items()}, **extra)
 

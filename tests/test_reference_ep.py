@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+from replay.reference.model import FAULT_LEN
 from replay.reference.testing import random_batch, tiny_model_config, write_tiny_run
 from replay.reference.trainer import ReferenceTrainer, make_mesh
 from replay.run.codes import Verdict
@@ -56,7 +57,7 @@ def test_all_to_all_agrees_with_gather_on_a_fixed_batch(pair):
 def _all_gather_shapes(trainer, mesh, state, batch):
     fn = trainer._step_fn(mesh, batch["inputs"].shape[0])
     sh = trainer.batch_sharding(mesh)
-    text = fn.lower(state, {k: jax.device_put(v, sh) for k, v in batch.items()}, np.zeros(7, np.int32),
+    text = fn.lower(state, {k: jax.device_put(v, sh) for k, v in batch.items()}, np.zeros(FAULT_LEN, np.int32),
                     np.zeros(4, np.float32)).compile().as_text()
     return {tuple(int(n) for n in dims.split(",") if n) for dims in re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", text)}
 

@@ -29,6 +29,7 @@ class ExitCode(enum.IntEnum):
     TRIAGE_RESTART = 11  # replay triage: a restore repeated or skipped data (a restart or data-order fault)
     TRIAGE_DATA = 12  # replay triage: bad data at the onset (shards and documents named)
     TRIAGE_ROUTER = 13  # replay triage: router instability (layers named)
+    LINK_CONVICTED = 20  # a range replay convicted a link (sent right, received wrong), neither chip alone
 
 
 class Verdict(enum.Enum):

@@ -545,6 +545,10 @@ class RangeReport:
 
     @property
     def exit_code(self) -> int:
+        if self.decision.cause is Cause.LINK_FAULT:
+            from replay.run.codes import ExitCode
+
+            return int(ExitCode.LINK_CONVICTED)
         return int(self.decision.verdict.exit_code)
 
     @property
@@ -601,6 +605,7 @@ class RangeReport:
             "explanation": d.explanation,
             "first_divergent_step": d.step,
             "convicted_devices": list(d.devices),
+            "convicted_links": [list(x) for x in getattr(d, "links", ())],
             "convicted": self.convicted,
             "first_divergent_site": describe_site(d.site, self._site_leaves()),
             "reached_devices": list(d.reached),
