@@ -241,7 +241,7 @@ def drill_run(tmp_path_factory):
     return engine.Session(run, dataclasses.replace(engine.default_setup(run), trainer=trainer))
 
 
-@pytest.mark.parametrize("scenario,kw", [("drift", {"magnitude": 1.0, "start": 22}), ("flip", {"start": 25}),
+@pytest.mark.parametrize("scenario,kw", [("drift", {"magnitude": 1.0, "start": 22}), ("flip", {"start": 25, "bit": 30}),
                                          ("canary", {"start": 23})])
 def test_screening_drills_name_the_device_and_first_step(drill_run, tmp_path, scenario, kw):
     from replay import drill

@@ -302,6 +302,14 @@ class Hooks:
     fault: Any = None
     device: Any = None
     probes: Any = None
+    drift: Any = None  # float32[4] drift input (ReferenceTrainer.drift_array): kind 2 scales the experts' output
+
+    def drifting_output(self):
+        """bool scalar: an ``expert_output`` drift is active on this device (None: no drift input)."""
+        if self.drift is None:
+            return None
+        d = self.drift
+        return (d[0] == 1) & (d[1] == self.device.astype(jnp.float32)) & (d[2] == 2)
 
     def hit(self, site: str, layer: int, leaf: Any = None):
         """bool scalar: the fault fires here (this device, this site and layer / leaf)."""
@@ -545,6 +553,10 @@ def _moe(p, x, valid, cfg: ModelConfig, bias=None, *, ep: Optional[ExpertParalle
         h = _inner(jax.nn.gelu(pre), hooks, "ffn_down", layer)
         out = _matmul("xebcf,efd->xebcd", h, w_out, hooks, "ffn_down", layer)
         out = _maybe_flip(out, hooks, "expert_forward", layer)
+        drifting = hooks.drifting_output()
+        if drifting is not None:  # a persistent x(1 + m) drift of this device's experts (DriftSpec expert_output)
+            out = jnp.where(drifting, out * (1.0 + hooks.drift[3]).astype(out.dtype), out)
+            extra["out_sq"] = jnp.sum(jnp.square(out.astype(jnp.float32)))
         if hooks.probes is None:
             back = jax.lax.all_to_all(out, ep.axis, 0, 0)
         else:  # [X (owner), E/X, B, C, D]

@@ -485,7 +485,11 @@ class ReferenceTrainer:
             return np.zeros(4, np.float32)
         if drift.device_id not in mesh_ids:
             raise FaultSpecError(f"drift.device_id {drift.device_id} not in the mesh's devices {sorted(mesh_ids)}")
-        return np.asarray([1, drift.device_id, 0 if drift.kind == "scale" else 1, drift.magnitude], np.float32)
+        if drift.kind == "expert_output" and self.model.dispatch != "all_to_all":
+            raise FaultSpecError("drift.kind expert_output: the device's experts are its own only under expert "
+                                 "parallelism (model.dispatch all_to_all)")
+        kind = {"scale": 0, "bias": 1, "expert_output": 2}[drift.kind]
+        return np.asarray([1, drift.device_id, kind, drift.magnitude], np.float32)
 
     @staticmethod
     def split_faults(fault: Any, step: Optional[int]) -> tuple[Optional[FaultSpec], Optional[DriftSpec]]:
@@ -524,7 +528,7 @@ class ReferenceTrainer:
 
             return jax.tree_util.tree_map(one, gs)
 
-        on = (drift[0] == 1) & (drift[1] == device_id.astype(jnp.float32))
+        on = (drift[0] == 1) & (drift[1] == device_id.astype(jnp.float32)) & (drift[2] < 2)  # 2: in the forward pass
         return jax.lax.cond(on, hit, lambda gs: gs, grads)
 
     @staticmethod
@@ -568,7 +572,7 @@ class ReferenceTrainer:
         def per_device(params, bias, batch, fault, drift, total_tokens, total_rows):
             dev = dev_table[self._linear_index(mesh)]
             xi = jax.lax.axis_index("expert") if ep is not None else 0
-            hooks = Hooks(fault=fault if instrumented else None, device=dev)
+            hooks = Hooks(fault=fault if instrumented else None, device=dev, drift=drift if with_sig else None)
 
             def loss_fn(p, probes):
                 return local_loss(p, batch, cfg, total_tokens, total_rows, bias if rate > 0 else None, ep=ep,
@@ -581,7 +585,7 @@ class ReferenceTrainer:
                 (loss_c, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, None)
             aux = dict(aux)
             fwd_sends, kept = aux.pop("sends", None), aux.pop("kept")
-            fwd_recvs = aux.pop("recvs", None)
+            fwd_recvs, out_sq = aux.pop("recvs", None), aux.pop("out_sq", None)
             out = {}
             if instrumented:
                 grads = self._drift(self._inject(grads, fault, dev), drift, dev)
@@ -605,6 +609,8 @@ class ReferenceTrainer:
                 if ep is not None:  # tokens this device's experts received from its expert group, per layer
                     group = jax.lax.psum(kept, "expert").reshape(n_layers, ep.size, shard_rows)
                     out["recv_tokens"] = jnp.sum(jnp.take(group, xi, axis=1), axis=-1)[None]
+                    if out_sq is not None:  # [1, L]: sum of squares of this device's experts' output per layer
+                        out["out_sq"] = out_sq[None]
             if keep_local:
                 out["local_grads"] = jax.tree_util.tree_map(lambda g: g[None], grads)
             reduced = [jax.lax.psum(g, others) if s else jax.lax.psum(g, axes) for g, s in zip(local, sharded)]
@@ -635,7 +641,7 @@ class ReferenceTrainer:
         if with_sig:
             out_specs_extra.update(dev_norm_sq=P(axes), dev_nonfinite=P(axes), dev_dot=P(axes))
             if ep is not None:
-                out_specs_extra.update(recv_tokens=P(axes))
+                out_specs_extra.update(recv_tokens=P(axes), out_sq=P(axes))
         if keep_local:
             out_specs_extra.update(local_grads=P(axes), reduced_grads=param_specs)
         sharded_fn = jax.shard_map(
@@ -781,7 +787,9 @@ class ReferenceTrainer:
         load = ()
         if "recv_tokens" in out:
             recv = np.asarray(out["recv_tokens"])  # [devices, L]
-            load = tuple(ExpertLoad.from_counts({dev: int(round(float(recv[r, i]))) for r, dev in enumerate(ids)})
+            sq = np.asarray(out["out_sq"]) if "out_sq" in out else None  # [devices, L]
+            load = tuple(ExpertLoad.from_counts({dev: int(round(float(recv[r, i]))) for r, dev in enumerate(ids)},
+                                                None if sq is None else {dev: float(sq[r, i]) for r, dev in enumerate(ids)})
                          for i in range(recv.shape[1]))
         return StepSignals(step=int(step), loss=float(out["loss"]), grad_norm=float(out["grad_norm"]),
                            replicas=tuple(replicas), devices=devices, router=self._router_layers(out, rows),

@@ -197,7 +197,10 @@ class DriftSpec:
       kind: ``"scale"``: ``g_d * (1 + magnitude)`` (the local norm moves by the factor
         ``1 + magnitude``); ``"bias"``: each leaf ``+ magnitude * rms(leaf)`` (a constant offset
         of the same relative size: the norm moves only to second order, by about
-        ``sqrt(1 + magnitude^2)``, so norm screening sees it far less).
+        ``sqrt(1 + magnitude^2)``, so norm screening sees it far less); ``"expert_output"``: the
+        output of the device's experts in every MoE layer times ``1 + magnitude``, inside the
+        forward pass (under expert parallelism it reaches every data replica's gradient together,
+        so replica-norm screening is blind to it; ``replay scan``'s ``expert_drift`` check is not).
     """
 
     device_id: int
@@ -207,8 +210,8 @@ class DriftSpec:
     kind: str = "scale"
 
     def __post_init__(self):
-        if self.kind not in ("scale", "bias"):
-            raise ValueError(f"DriftSpec.kind: must be 'scale' or 'bias', got {self.kind!r}")
+        if self.kind not in ("scale", "bias", "expert_output"):
+            raise ValueError(f"DriftSpec.kind: must be 'scale', 'bias' or 'expert_output', got {self.kind!r}")
         if not self.magnitude > 0:
             raise ValueError(f"DriftSpec.magnitude: must be > 0, got {self.magnitude!r}")
         if self.stop is not None and self.stop <= self.start:
@@ -427,22 +430,30 @@ class ExpertLoad:
 
     received: Mapping[int, int]
     max_over_mean: float
+    output_sq: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def from_counts(cls, received: Mapping[int, int]) -> "ExpertLoad":
-        """Computes ``max_over_mean`` from the counts."""
+    def from_counts(cls, received: Mapping[int, int], output_sq: Optional[Mapping[int, float]] = None) -> "ExpertLoad":
+        """Computes ``max_over_mean`` from the counts. ``output_sq``: per device id, the float32 sum of
+        squares of its experts' output in the layer (the buffer it sends back at the combine), which
+        ``replay scan``'s ``expert_drift`` check divides by ``received``; optional."""
         vals = [int(v) for v in received.values()]
         mean = sum(vals) / len(vals) if vals else 0.0
         return cls(received={int(d): int(v) for d, v in received.items()},
-                   max_over_mean=(max(vals) / mean) if mean > 0 else 0.0)
+                   max_over_mean=(max(vals) / mean) if mean > 0 else 0.0,
+                   output_sq={int(d): float(v) for d, v in (output_sq or {}).items()})
 
     def to_dict(self) -> dict[str, Any]:
-        return {"received": {str(d): int(v) for d, v in self.received.items()}, "max_over_mean": self.max_over_mean}
+        out = {"received": {str(d): int(v) for d, v in self.received.items()}, "max_over_mean": self.max_over_mean}
+        if self.output_sq:
+            out["output_sq"] = {str(d): float(v) for d, v in self.output_sq.items()}
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ExpertLoad":
         return cls(received={int(k): int(v) for k, v in d["received"].items()},
-                   max_over_mean=_float(d["max_over_mean"]))
+                   max_over_mean=_float(d["max_over_mean"]),
+                   output_sq={int(k): _float(v) for k, v in (d.get("output_sq") or {}).items()})
 
 
 @dataclasses.dataclass(frozen=True)
