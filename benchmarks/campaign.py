@@ -2,7 +2,7 @@
 
     python benchmarks/campaign.py                 # >= 1000 drills over the grid, 200 clean replays, drift drills
     python benchmarks/campaign.py --quick         # one drill per (site, magnitude) on the first layout, a few
-                                                  # on the second, 20 clean replays, 4 drift drills
+                                                  # on the second, 20 clean replays, 10 drift drills
     python benchmarks/campaign.py --png FILE      # the matrix as a labeled PNG (default campaign.png)
 
 Two real training runs of the reference trainer with expert parallelism (``model.dispatch:
@@ -94,21 +94,25 @@ def grid(rng: random.Random, per_cell: int, persistences) -> list[tuple[str, str
     return out
 
 
-def drift_drills(session, rng, count: int, steps: int, root: str) -> list[dict]:
-    """Expert-device drift drills (module docstring), ``delta`` cycling through ``DRIFT_GRID``."""
+def drift_drills(sessions, rng, count: int, steps: int, root: str) -> list[dict]:
+    """Expert-device drift drills (module docstring), ``delta`` cycling through ``DRIFT_GRID``, the layouts
+    alternating; each drifts for the last 15 to 20 steps of its run, so a drill the scan names is named
+    within 20 steps of the drift's start."""
     from replay import drill
 
     out = []
-    ids = list(session.setup.run_device_ids)
     for i in range(count):
+        session = sessions[(i // len(DRIFT_GRID)) % len(sessions)]
         delta = DRIFT_GRID[i % len(DRIFT_GRID)]
-        dev = rng.choice(ids)
-        start = rng.randrange(steps // 3, steps - 22)
+        dev = rng.choice(list(session.setup.run_device_ids))
+        start = rng.randrange(steps - 20, steps - 14)
         folder = os.path.join(root, f"drift-{i}")
         res = drill.run_scenario(session, "expert_drift", folder, rng=random.Random(SEED + i), device=dev,
                                  start=start, magnitude=delta)
-        out.append({"delta": delta, "device": dev, "start": start, "caught": res.caught, "named": res.named,
-                    "suspect_devices": res.scan.get("suspect_devices"), "onset": res.scan.get("onset")})
+        out.append({"layout": dict(zip(session.setup.axis_names, session.setup.shape)), "delta": delta,
+                    "device": dev, "start": start, "steps_after_start": steps - start, "caught": res.caught,
+                    "named": res.named, "suspect_devices": res.scan.get("suspect_devices"),
+                    "onset": res.scan.get("onset")})
         shutil.rmtree(folder, ignore_errors=True)
     return out
 
@@ -156,7 +160,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--per-cell", type=int, default=3, help="drills per (site, magnitude, persistence) on the "
                     "first layout (default 3; the second layout gets one)")
     ap.add_argument("--clean", type=int, default=200, help="clean replays (default 200)")
-    ap.add_argument("--drift", type=int, default=20, help="expert-device drift drills (default 20)")
+    ap.add_argument("--drift", type=int, default=20, help="expert-device drift drills (default 20; --quick: 10)")
     ap.add_argument("--steps", type=int, default=40, help="training steps of each run (default 40)")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--limit", type=int, default=None, help="stop after this many fault drills (a partial run)")
@@ -179,7 +183,7 @@ def main(argv=None) -> dict:
         for n, cell in enumerate(first):  # every cell once, half of them persistent
             plan.append((0, cell[0], cell[1], "every" if n % 2 else "once"))
         plan += [(1, *c) for c in grid(rng, 1, ("once",))[:24]]
-        args.clean, args.drift = min(args.clean, 20), min(args.drift, 5)
+        args.clean, args.drift = min(args.clean, 20), min(args.drift, 10)
     else:
         plan += [(0, *c) for c in grid(rng, args.per_cell, ("once", "every"))]
         plan += [(1, *c) for c in grid(rng, 1, ("once", "every"))]
@@ -218,8 +222,12 @@ def main(argv=None) -> dict:
                 shown.update(n + 1)
         clean_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        drifts = drift_drills(sessions[0], rng, args.drift, args.steps, root) if args.drift else []
+        drifts = drift_drills(sessions, rng, args.drift, args.steps, root) if args.drift else []
         drift_s = time.perf_counter() - t0
+        from replay.screen.scan import scan_run
+
+        clean_scans = {json.dumps(LAYOUTS[i]): {k: scan_run(s.run).checks[k] for k in ("expert_drift", "norm_drift")}
+                       for i, s in enumerate(sessions)}
     finally:
         if out_rows:
             out_rows.close()
@@ -263,6 +271,7 @@ def main(argv=None) -> dict:
         "failures": [r for r in rows if r["outcome"] in ("wrong", "missed", "right_plus_others")][:40],
         "clean_not_acquitted": [c for c in clean if c["verdict"] != Verdict.ACQUITTED.value],
         "drift_missed": [d for d in drifts if not d["caught"]],
+        "clean_runs_scan": clean_scans,
         "matrix": summary["matrix"],
         "png": png,
         "layouts": list(LAYOUTS), "model": EP_MODEL, "steps": args.steps, "segment": SEGMENT, "seed": args.seed,

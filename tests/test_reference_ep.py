@@ -311,7 +311,7 @@ def test_canary_under_expert_parallelism_names_a_faulty_device(ep_run):
 # ----------------------------------------------------------------------------- issue 27: an honest fault campaign
 
 
-def _unmasked_drill(ctx, rng, site, persistence="once", tries=6):
+def _unmasked_drill(ctx, rng, site, persistence="once", tries=20):
     """Drills at ``site`` with every field (magnitude class included: bits 0-31 and the scales) drawn from
     ``rng`` until one is not masked; each masked one on the way must be shown bit-identical."""
     from replay.verify import faults as fm
