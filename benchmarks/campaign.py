@@ -4,6 +4,8 @@
     python benchmarks/campaign.py --quick         # one drill per (site, magnitude) on the first layout, a few
                                                   # on the second, 20 clean replays, 10 drift drills
     python benchmarks/campaign.py --png FILE      # the matrix as a labeled PNG (default campaign.png)
+    python benchmarks/campaign.py --rows R.jsonl  # every drill's row as it runs; --from-rows R.jsonl: summarize
+                                                  # the rows of an interrupted run (exactly what ran)
 
 Two real training runs of the reference trainer with expert parallelism (``model.dispatch:
 all_to_all``, the tiny model with 4 experts, top-2, capacity factor 2, checkpoints every 4 steps), one on
@@ -94,6 +96,11 @@ def grid(rng: random.Random, per_cell: int, persistences) -> list[tuple[str, str
     return out
 
 
+def _segment(session, step: int) -> int:
+    """The checkpoint segment (its checkpoint) that holds ``step``."""
+    return max(c for c in session.run.checkpoints if c <= step)
+
+
 def drift_drills(sessions, rng, count: int, steps: int, root: str) -> list[dict]:
     """Expert-device drift drills (module docstring), ``delta`` cycling through ``DRIFT_GRID``, the layouts
     alternating; each drifts for the last 15 to 20 steps of its run, so a drill the scan names is named
@@ -109,7 +116,10 @@ def drift_drills(sessions, rng, count: int, steps: int, root: str) -> list[dict]
         folder = os.path.join(root, f"drift-{i}")
         res = drill.run_scenario(session, "expert_drift", folder, rng=random.Random(SEED + i), device=dev,
                                  start=start, magnitude=delta)
+        onset = res.scan.get("onset")
         out.append({"layout": dict(zip(session.setup.axis_names, session.setup.shape)), "delta": delta,
+                    # targeted replay starts at the onset's checkpoint segment: the right one holds the start
+                    "onset_segment_right": bool(onset) and _segment(session, int(onset["step"])) == _segment(session, start),
                     "device": dev, "start": start, "steps_after_start": steps - start, "caught": res.caught,
                     "named": res.named, "suspect_devices": res.scan.get("suspect_devices"),
                     "onset": res.scan.get("onset")})
@@ -119,7 +129,7 @@ def drift_drills(sessions, rng, count: int, steps: int, root: str) -> list[dict]
 
 def matrix_png(matrix: dict, path: str, title: str) -> str:
     """The site x magnitude matrix as a heat map: colour the fraction of unmasked drills convicted right
-    alone; each cell says ``right/unmasked`` and the masked count."""
+    alone; each cell says ``right/unmasked`` and ``m`` the masked count (grey: every drill masked)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,17 +151,48 @@ def matrix_png(matrix: dict, path: str, title: str) -> str:
                 frac[i, j] = c["right_alone"] / un
             ax.text(j, i, f"{c['right_alone']}/{un}\nm{c['masked']}", ha="center", va="center", fontsize=7,
                     color="black")
-    im = ax.imshow(frac, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    cmap = matplotlib.colormaps["RdYlGn"].copy()
+    cmap.set_bad("lightgrey")
+    im = ax.imshow(frac, cmap=cmap, vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(len(MAGNITUDES)), MAGNITUDES, rotation=30, ha="right", fontsize=8)
     ax.set_yticks(range(len(sites)), sites, fontsize=8)
     ax.set_xlabel("bit class (flip of one bit in the range) or scale (element x factor)")
     ax.set_ylabel("fault site (inside the computation, in transit, on the host)")
     ax.set_title(title, fontsize=10)
-    fig.colorbar(im, ax=ax, label="unmasked drills convicted right alone (grey: all masked / none)")
+    fig.colorbar(im, ax=ax, label="unmasked drills convicted right alone (grey: every drill masked, or none: no text)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def summarize_rows(path: str, png: str) -> dict:
+    """The figures of the drill rows in ``path`` (``--rows``), per layout and persistence, and the PNG."""
+    from replay.verify import faults as fm
+
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    summary = fm.summarize(rows)
+    part = {}
+    for key, pick in (("layout", lambda r: json.dumps(r["layout"])), ("persistence", lambda r: r["fault"]["persistence"])):
+        for v in sorted({pick(r) for r in rows}):
+            got = fm.summarize([r for r in rows if pick(r) == v])
+            part.setdefault(key, {})[v] = {k: got[k] for k in ("drills", "masked", "outcomes",
+                                                               "unmasked_right_alone_fraction",
+                                                               "transit_link_named_fraction")}
+    detection = {k: sum(bool((r.get("detected") or {}).get(k)) for r in rows if r["outcome"] != "masked")
+                 for k in ("screening", "canary", "range")}
+    detection["canary_tried"] = sum((r.get("detected") or {}).get("canary") is not None for r in rows)
+    title = (f"fault campaign (rows of {os.path.basename(path)}): {summary['drills']} drills ({summary['masked']} "
+             f"masked, shown bit-identical: {summary['masked_shown_identical']})")
+    result = {"benchmark": "campaign", "from_rows": path,
+              **{k: summary[k] for k in ("drills", "masked", "unmasked", "outcomes", "unmasked_right_alone_fraction",
+                                         "masked_shown_identical", "transit_link_named_fraction")},
+              "detected_unmasked": detection, "by": part,
+              "failures": [r for r in rows if r["outcome"] in ("wrong", "missed", "right_plus_others")][:40],
+              "matrix": summary["matrix"], "png": matrix_png(summary["matrix"], png, title) if rows else None}
+    print(json.dumps(result, default=str))
+    return result
 
 
 def main(argv=None) -> dict:
@@ -166,7 +207,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--limit", type=int, default=None, help="stop after this many fault drills (a partial run)")
     ap.add_argument("--png", default="campaign.png", help="where to write the matrix (default campaign.png)")
     ap.add_argument("--rows", default=None, help="also write every drill's row as JSON lines here")
+    ap.add_argument("--from-rows", default=None, metavar="FILE",
+                    help="no drills: summarize the rows an earlier (possibly interrupted) run wrote with --rows, "
+                         "and draw its matrix; prints what those rows hold, nothing else")
     args = ap.parse_args(argv)
+    if args.from_rows:
+        return summarize_rows(args.from_rows, args.png)
     import jax
 
     from replay.run.codes import Verdict
@@ -264,6 +310,8 @@ def main(argv=None) -> dict:
         "floor": FLOOR,
         "drift_grid": list(DRIFT_GRID),
         "drift_per_delta": per_delta,
+        "scan_onset_right_segment_fraction": (sum(d["onset_segment_right"] for d in drifts if d["caught"])
+                                              / max(1, sum(d["caught"] for d in drifts))) if drifts else None,
         "drills": summary["drills"], "masked": summary["masked"], "unmasked": summary["unmasked"],
         "outcomes": summary["outcomes"],
         "detected_unmasked": detection,

@@ -28,8 +28,8 @@ One step (``jax.jit`` with explicit in/out shardings; the per-device part in
         fp_leaf  = psum_d fingerprint(row block d of g)          # blocks add up mod 2^32
     grad_norm = ||g||_2 ; AdamW update (optax)
 
-The fault is a traced ``int32[7]`` input ``[enabled, device_id, leaf_index, element, bit, site,
-layer]`` (:meth:`ReferenceTrainer.fault_array`; ``site`` may also plant the flip inside the
+The fault is a traced ``int32[9]`` input ``[enabled, device_id, leaf_index, element, bit, site,
+layer, mode, value]`` (:meth:`ReferenceTrainer.fault_array`; ``site`` may also plant the flip inside the
 computation: an expert output, an expert weight's gradient, an attention output), so a drill
 never recompiles. Fingerprints only read gradients: the update is bit-identical
 with and without them (tested).
@@ -412,7 +412,7 @@ class ReferenceTrainer:
 
     def fault_array(self, fault: Optional[FaultSpec], step: Optional[int], mesh_ids: Sequence[int], *,
                     sizes: Optional[Mapping[str, Any]] = None) -> np.ndarray:
-        """``int32[7] = [enabled, device_id, leaf_index, element, bit, site, layer]`` for the traced
+        """``int32[9] = [enabled, device_id, leaf_index, element, bit, site, layer, mode, value]`` for the traced
         fault input (``replay.reference.model.FAULT_LEN``; ``site``: the index of ``fault.where`` in
         ``replay.run.protocol.FAULT_SITES``; ``layer``: the fault's layer, -1 for a local-gradient one).
 
@@ -475,7 +475,7 @@ class ReferenceTrainer:
         return {"leaves": self.local_leaf_sizes(shape), **{k: int(np.prod(v)) for k, v in acts.items()}}
 
     def drift_array(self, drift: Optional[DriftSpec], step: int, mesh_ids: Sequence[int]) -> np.ndarray:
-        """``float32[4] = [enabled, device_id, kind (0 scale, 1 bias), magnitude]`` for the traced
+        """``float32[4] = [enabled, device_id, kind (0 scale, 1 bias, 2 expert output), magnitude]`` for the traced
         drift input; ``enabled`` is 1 when ``drift`` is given and active at ``step``.
 
         Raises:

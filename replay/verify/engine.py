@@ -607,7 +607,10 @@ class RangeReport:
             "convicted_devices": list(d.devices),
             "convicted_links": [list(x) for x in getattr(d, "links", ())],
             "convicted": self.convicted,
-            "first_divergent_site": describe_site(d.site, self._site_leaves()),
+            "first_divergent_site": None if d.site is None else {
+                **describe_site(d.site, self._site_leaves()),
+                # which of the three it is (replay.verify.localize): a link, a device that sent wrong, a gradient
+                "finding": "link" if d.links else ("local_gradient" if d.site == "local_gradient" else "sent")},
             "reached_devices": list(d.reached),
             "leaves": list(d.leaves),
             "differing_elements": self.differing_elements,
