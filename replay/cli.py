@@ -37,6 +37,8 @@ verdicts and exit codes:
   3  convicted   replays on >= 2 independent good device placements agree with each other and
                  not with the log, on some devices of the original run: those devices computed
                  wrong bits (silent data corruption) at the reported step and leaf
+  20  link       convicted: at an all-to-all every device sent what the replays sent, and a device
+                 received something else: the link sender -> receiver, neither chip alone
   4  ambiguous   replays disagree with each other (flaky hardware in the replay set: rerun with
                  --repeats or other devices), every device differs (software/environment), only a
                  tolerance comparison was possible, or too few independent replays
