@@ -103,8 +103,8 @@ def _segment(session, step: int) -> int:
 
 def drift_drills(sessions, rng, count: int, steps: int, root: str) -> list[dict]:
     """Expert-device drift drills (module docstring), ``delta`` cycling through ``DRIFT_GRID``, the layouts
-    alternating; each drifts for the last 15 to 20 steps of its run, so a drill the scan names is named
-    within 20 steps of the drift's start."""
+    alternating; each drifts for the last 20 steps of its run, so a drill the scan names is named within 20
+    steps of the drift's start."""
     from replay import drill
 
     out = []
@@ -112,7 +112,7 @@ def drift_drills(sessions, rng, count: int, steps: int, root: str) -> list[dict]
         session = sessions[(i // len(DRIFT_GRID)) % len(sessions)]
         delta = DRIFT_GRID[i % len(DRIFT_GRID)]
         dev = rng.choice(list(session.setup.run_device_ids))
-        start = rng.randrange(steps - 20, steps - 14)
+        start = steps - 20
         folder = os.path.join(root, f"drift-{i}")
         res = drill.run_scenario(session, "expert_drift", folder, rng=random.Random(SEED + i), device=dev,
                                  start=start, magnitude=delta)

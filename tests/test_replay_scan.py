@@ -92,7 +92,8 @@ def test_clean_logs_are_clean_and_missing_signals_are_not_available(tmp_path):
     assert rep.suspects == [] and rep.exit_code == ExitCode.CLEAN == 0
     assert {k: v["status"] for k, v in rep.checks.items()} == {
         "canary": "not available", "nonfinite": "clear", "norm_spike": "clear", "norm_drift": "clear",
-        "router": "clear", "expert_load": "not available", "loss_spike": "clear", "loader_stall": "clear"}
+        "expert_drift": "not available", "router": "clear", "expert_load": "not available", "loss_spike": "clear",
+        "loader_stall": "clear"}
     bare = scan(make_run(str(tmp_path / "b"), signals=False))
     statuses = {k: v["status"] for k, v in bare.checks.items()}
     assert statuses["norm_drift"] == statuses["router"] == statuses["loader_stall"] == "not available"
