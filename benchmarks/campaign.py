@@ -319,6 +319,7 @@ def main(argv=None) -> dict:
         "failures": [r for r in rows if r["outcome"] in ("wrong", "missed", "right_plus_others")][:40],
         "clean_not_acquitted": [c for c in clean if c["verdict"] != Verdict.ACQUITTED.value],
         "drift_missed": [d for d in drifts if not d["caught"]],
+        "drift_drills": drifts,
         "clean_runs_scan": clean_scans,
         "matrix": summary["matrix"],
         "png": png,
