@@ -28,7 +28,9 @@ the fault on the run's mesh (one compiled step, reused by every drill), and:
 Then clean replays (``--clean``) of random steps of both runs against their own logs (every conviction a
 false one), and drift drills (``--drift``) for the expert-device screening signal (issue 27 item 4): one
 expert device's experts' output x(1 + delta) at every step from a random step on, delta from the fixed
-grid ``DRIFT_GRID``; ``replay scan`` must name that device alone within 20 steps of the start.
+grid ``DRIFT_GRID``; ``replay scan`` must name that device within 20 steps of the start: alone, or, on two
+data replicas, as the pair of twins that hold the same experts (which the signal cannot tell apart:
+``scan_expert_drift_named_alone_fraction`` counts the drills named alone).
 
 Prints ONE JSON object with ``unmasked_right_alone_fraction``, ``false_convictions``,
 ``masked_shown_identical``, ``transit_link_named_fraction``, ``scan_expert_drift_named_fraction`` (over
@@ -121,6 +123,8 @@ def drift_drills(sessions, rng, count: int, steps: int, root: str) -> list[dict]
                     # targeted replay starts at the onset's checkpoint segment: the right one holds the start
                     "onset_segment_right": bool(onset) and _segment(session, int(onset["step"])) == _segment(session, start),
                     "device": dev, "start": start, "steps_after_start": steps - start, "caught": res.caught,
+                    # on two data replicas the check names the pair of twins (replay.screen.scan._expert_drift)
+                    "named_alone": res.caught and res.scan.get("suspect_devices") == [dev],
                     "named": res.named, "suspect_devices": res.scan.get("suspect_devices"),
                     "onset": res.scan.get("onset")})
         shutil.rmtree(folder, ignore_errors=True)
@@ -307,6 +311,8 @@ def main(argv=None) -> dict:
         "masked_shown_identical": summary["masked_shown_identical"],
         "transit_link_named_fraction": summary["transit_link_named_fraction"],
         "scan_expert_drift_named_fraction": (sum(d["caught"] for d in at_floor) / len(at_floor)) if at_floor else None,
+        "scan_expert_drift_named_alone_fraction": (sum(d["named_alone"] for d in at_floor) / len(at_floor))
+        if at_floor else None,
         "floor": FLOOR,
         "drift_grid": list(DRIFT_GRID),
         "drift_per_delta": per_delta,

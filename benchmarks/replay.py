@@ -113,7 +113,7 @@ def targeted(tmp: str, quick: bool) -> dict:
     run_dir = os.path.join(tmp, "t", "run")
     ref_run.train(run_dir, cfg, 6 * every, log=lambda s: None, plot=False, progress=open(os.devnull, "w"))
     session = engine.Session(runlog.load_run(run_dir))
-    out = {"checkpoint_every": every, "range": [0, 4 * every], "segments": 4, "placements": [[0, 1, 2, 3], [4, 5, 6, 7]]}
+    out = {"checkpoint_every": every, "segments": 6, "placements": [[0, 1, 2, 3], [4, 5, 6, 7]]}
     def scanned(scenario: str, planted: int, **kw):
         """A screening drill written as a run, every checkpoint of the run before the fault copied in (the
         states are the same), ``replay scan`` of it (its onset in suspects.json), and the range replay of

@@ -454,11 +454,15 @@ def top_device_suspect(scan: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 
 def judge_scan(scan: dict[str, Any], scenario: str, device: int, first_step: int, tolerance: int = 0) -> bool:
-    """True when the scan names exactly ``device`` among the device suspects, with evidence of the
+    """True when the scan names exactly ``device`` among the device suspects (expert_drift: or the pair of
+    ``device`` and its twin, which that check cannot tell apart on two data replicas), with evidence of the
     scenario's kind (drift: ``norm_drift``; flip: ``norm_spike`` or ``nonfinite``; canary:
     ``canary``) whose first step is within ``tolerance`` of ``first_step`` or, for a drift, whose
     onset is marked uncertain with a range that holds ``first_step``."""
-    if scan.get("suspect_devices") != [device]:
+    pair = None  # expert_drift with two twins names the pair: the device and the one holding the same experts
+    if scenario == "expert_drift" and len(scan.get("suspect_devices") or []) == 2 and device in scan["suspect_devices"]:
+        pair = list(scan["suspect_devices"])
+    if scan.get("suspect_devices") != [device] and pair is None:
         return False
 
     def right(e) -> bool:
@@ -469,7 +473,7 @@ def judge_scan(scan: dict[str, Any], scenario: str, device: int, first_step: int
             and lo_hi[0] <= first_step <= lo_hi[1]
 
     for s in scan.get("suspects", []):
-        if s["kind"] in ("device", "replica") and s["devices"] == [device]:
+        if s["kind"] in ("device", "replica") and s["devices"] in ([device], pair):
             return any(e["check"] in EXPECTED_CHECK[scenario] and right(e) for e in s["evidence"])
     return False
 

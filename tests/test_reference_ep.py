@@ -387,7 +387,9 @@ def test_nan_and_scale_faults_and_the_expert_drift_signal(ep_run, tmp_path):
     _, tiny = trainer.train_step(state, batch, 30, FaultSpec(30, 2, "", 9, 0, where="ffn_up", layer=0, mode="scale",
                                                              value=1.0))
     assert tiny.bits_equal(clean) and tiny.recvs == clean.recvs  # x 1 changes no bit
-    # one expert device's experts' output x1.2 from step 22: replay scan names it alone, by expert_drift
+    # one expert device's experts' output x1.2 from step 22: replay scan names it by expert_drift, with its twin
+    # (device 2 holds the same expert on the other data replica: two twins cannot be told apart)
     res = drill.run_scenario(session, "expert_drift", str(tmp_path / "ed"), rng=random.Random(2799), device=6,
                              magnitude=0.2, start=22)
-    assert res.caught and res.named["devices"] == [6] and res.named["checks"][0] == "expert_drift", res.named
+    assert res.caught and res.named["devices"] == [2, 6] and res.named["checks"][0] == "expert_drift", res.named
+    assert res.scan["suspect_devices"] == [2, 6] and "norm_drift" not in res.named["checks"]

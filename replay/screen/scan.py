@@ -407,18 +407,6 @@ def expert_twins(devs: list[int], coords: Mapping[int, Mapping[str, int]], axis:
     return out
 
 
-def _jump(y: np.ndarray, onset: int, before: int) -> float:
-    """The step at index ``onset`` of a least-squares fit ``a + b t + c [t >= onset]`` to ``y[onset - before:]``
-    (NaN ignored): ``c``, the jump with the series' own linear trend taken out; 0.0 when too short."""
-    t = np.arange(max(0, onset - before), len(y))
-    v = y[t]
-    ok = np.isfinite(v)
-    if ok.sum() < 4 or (t[ok] >= onset).sum() < 2 or (t[ok] < onset).sum() < 2:
-        return 0.0
-    A = np.stack([np.ones(ok.sum()), t[ok].astype(np.float64), (t[ok] >= onset).astype(np.float64)], axis=1)
-    return float(np.linalg.lstsq(A, v[ok], rcond=None)[0][2])
-
-
 def _expert_drift(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig,
                   coords: Optional[Mapping[int, Mapping[str, int]]] = None):
     """Expert-device screening (issue 27 item 4). Under expert parallelism one device's drifting expert
@@ -427,12 +415,13 @@ def _expert_drift(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig
     holding the same experts on the other data replicas, :func:`expert_twins`): the expert's own training
     dynamics move twins together and cancel; a chip's ``x(1 + delta)`` does not. The log-difference is
     judged with the replicas' statistics (``screening.screen_replicas``: robust z against its own history,
-    CUSUM). With two twins the difference alone cannot say which of the two moved: the one whose output
-    per token, against the median of every expert device, stepped at the onset (mean after minus mean of
-    ``min_history`` steps before to the last, with a linear trend: :func:`_jump`; the expert's own trend is
-    smooth and shared by both) in the alarm's direction is named, and the detail says so. Without
-    twins (one data replica) every expert device is compared with the median of all, which the experts'
-    own dynamics can move: weaker. Returns ``(status, findings, series)``."""
+    CUSUM). With two twins the difference cannot say which of the two moved, and neither can either one's
+    series against every expert device's (measured: the optimizer's response through the weights the twins
+    share moves the healthy twin by about as much, within a step or two): the pair is named, a replica
+    suspect of two devices, and a range replay from the onset tells which. With three or more twins the
+    device that moved against the others is named alone. Without twins (one data replica) every expert
+    device is compared with the median of all, which the experts' own dynamics can move: weaker.
+    Returns ``(status, findings, series)``."""
     if signals is None or not any(L.output_sq for s in steps for L in signals[s].expert_load):
         return {"status": "not available",
                 "detail": "no expert output norms in signals.jsonl (expert_load[].output_sq): the run does not put "
@@ -444,7 +433,6 @@ def _expert_drift(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig
     cfg = dataclasses.replace(cfg, cusum_h=cfg.expert_cusum_h)
     with np.errstate(divide="ignore", invalid="ignore"):
         lx = np.where(np.isfinite(x) & (x > 0), np.log(np.where(x > 0, x, 1.0)), np.nan)
-    cross = lx - np.nanmedian(lx, axis=1, keepdims=True)
     paired = all(twins[d] for d in devs)
     if paired:  # each device against the mean of its twins (log units of the squared output)
         idx = {d: j for j, d in enumerate(devs)}
@@ -452,34 +440,31 @@ def _expert_drift(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig
         res = sc.screen_replicas(np.exp(y), np.isfinite(y), cfg)
     else:
         res = sc.screen_replicas(x, np.isfinite(x), cfg)
-    W = int(cfg.min_history)
     found, named = [], set()
     for a in sorted(res.drifts, key=lambda a: -a.strength):
         dev, how = devs[a.replica], "against the median of every expert device"
+        kind, subject = "device", (devs[a.replica],)
         if paired:
             group = sorted([dev] + twins[dev])
-            if len(group) == 2:  # which of the two stepped at the onset, in the alarm's direction
-                other = group[1] if group[0] == dev else group[0]
-                j, k = devs.index(dev), devs.index(other)
-                if a.direction * _jump(cross[:, j], a.onset, W) < -a.direction * _jump(cross[:, k], a.onset, W):
-                    dev = other
-                twin = group[0] if group[1] == dev else group[1]
-                how = (f"against its twin (device {twin}, the same experts on another data replica); of the two, the "
-                       "one whose output against every expert device's stepped at the onset")
-            else:
-                how = f"against its {len(group) - 1} twins (the same experts on the other data replicas)"
             if tuple(group) in named:
                 continue
             named.add(tuple(group))
+            if len(group) == 2:  # the difference of two cannot say which one moved
+                kind, subject = "replica", tuple(group)
+                how = (f"against each other (devices {group[0]} and {group[1]} hold the same experts on two data "
+                       "replicas: one of the two drifted, and a range replay from the onset tells which)")
+            else:
+                how = f"against its {len(group) - 1} twins (the same experts on the other data replicas)"
         if steps[-1] < start:
             continue
         onset, alarm = steps[a.onset], steps[a.alarm]
         lo = steps[a.onset if a.onset_lo is None else a.onset_lo]
         hi = steps[a.onset if a.onset_hi is None else a.onset_hi]
         rel = math.expm1(abs(a.shift_log))
-        found.append((("device", (dev,)), dataclasses.replace(_evidence(
+        who = f"device {dev}'s" if kind == "device" else "the"
+        found.append(((kind, subject), dataclasses.replace(_evidence(
             "expert_drift", onset, steps[-1], a.strength,
-            f"device {dev}'s expert output per token moved {how}, from step {onset} (alarm at step {alarm}; about "
+            f"{who} expert output per token moved {how}, from step {onset} (alarm at step {alarm}; about "
             f"{rel:.1%} in output norm)"), onset_range=(lo, hi))))
     detail = (f"{res.judged} device-steps scored ({len(devs)} expert devices, {len(steps)} steps, "
               + ("each against its twins" if paired else "each against all (no twins: one data replica)")
