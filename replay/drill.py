@@ -459,8 +459,9 @@ def judge_scan(scan: dict[str, Any], scenario: str, device: int, first_step: int
     scenario's kind (drift: ``norm_drift``; flip: ``norm_spike`` or ``nonfinite``; canary:
     ``canary``) whose first step is within ``tolerance`` of ``first_step`` or, for a drift, whose
     onset is marked uncertain with a range that holds ``first_step``."""
-    pair = None  # expert_drift with two twins names the pair: the device and the one holding the same experts
-    if scenario == "expert_drift" and len(scan.get("suspect_devices") or []) == 2 and device in scan["suspect_devices"]:
+    pair = None  # expert_drift with two twins names the pair, as one suspect: the device and the one holding its experts
+    if scenario == "expert_drift" and len(scan.get("suspect_devices") or []) == 2 and device in scan["suspect_devices"] \
+            and any(s["kind"] == "replica" and s["devices"] == scan["suspect_devices"] for s in scan.get("suspects", [])):
         pair = list(scan["suspect_devices"])
     if scan.get("suspect_devices") != [device] and pair is None:
         return False
