@@ -256,6 +256,14 @@ class DrillContext:
     clean_states: dict = dataclasses.field(default_factory=dict)
     clean_scans: dict = dataclasses.field(default_factory=dict)
     canary: Optional[tuple] = None
+    signals: Optional[dict] = None  # the run's signals.jsonl, read once
+
+    def run_signals(self) -> dict[int, Any]:
+        from replay.run.protocol import read_signals
+
+        if self.signals is None:
+            self.signals = read_signals(self.session.run.run_dir)
+        return self.signals
 
     def clean_state(self, checkpoint: int, stop: int) -> Any:
         key = (checkpoint, stop)
@@ -329,7 +337,7 @@ def run_fault_drill(ctx: DrillContext, fault: Fault, *, segment: int = 1, canary
     d = rep.decision
     detected: dict[str, Any] = {"range": d.cause is not Cause.REPRODUCED, "screening": None, "canary": None}
     if screening:
-        signals = _run_signals(session)
+        signals = ctx.run_signals()
         sig = {s: v for s, v in signals.items() if s < ckpt}
         sig.update({fp.step: fp.signals for fp in fps if fp.signals is not None})
         if stop not in ctx.clean_scans:
@@ -345,18 +353,6 @@ def run_fault_drill(ctx: DrillContext, fault: Fault, *, segment: int = 1, canary
                cause=d.cause.value, devices=list(d.devices), links=[list(x) for x in d.links], site=d.site,
                finding=None if loc is None else loc.finding, step=d.step, first_changed_step=first_bad)
     return out
-
-
-_SIGNALS: dict[str, Any] = {}
-
-
-def _run_signals(session: Any) -> dict[int, Any]:
-    from replay.run.protocol import read_signals
-
-    key = session.run.run_dir
-    if key not in _SIGNALS:
-        _SIGNALS[key] = read_signals(key)
-    return _SIGNALS[key]
 
 
 def canary_sees(ctx: DrillContext, fault: Fault) -> bool:
