@@ -51,7 +51,7 @@ sys.path.insert(0, os.environ.get("HOST_PATH_TREE") or os.path.dirname(os.path.d
 import jax
 import numpy as np
 
-from loader import testing as lt
+from loader import synthetic as lt
 
 
 def read_cpu(path: str, mode: str, calls: list[list[int]]) -> float:

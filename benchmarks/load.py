@@ -16,6 +16,21 @@ Prints ONE JSON object:
                   records one at a time (``seek`` + ``read``, the way the loader's
                   ``read_mode="records"`` does) and decodes them: what is left of the
                   loader's own cost once both read the cheaper way.
+  cpu_ratio, cpu_ratio_vs_record_reads, cpu_ms_per_batch
+                  the same comparisons in CPU seconds (``time.process_time``: every thread of
+                  the process, ArrayRecord's pool included) per row, best round of each: on a
+                  shared machine the wall clock also counts the time the process waits for a
+                  core, the CPU seconds do not.
+  speed_ratio_vs_record_reads_without_transfer
+                  the record loop's seconds per batch / (the loader's - its transfer's): the
+                  ratio of the parts that are not the host-to-device transfer.
+  per_batch_ms    where each loop's time goes per batch, wall clock: the loader's stages (``batch_at``
+                  timed by its own stage clock, ``metrics()["wait_stages_s"]``: index, read,
+                  decode, rows, transfer, other) and the record loop's read and decode (timed
+                  apart in a separate pass), beside each loop's timed seconds per batch.
+  occupancy_overhead  seconds per step that measuring the input side adds (the stage stamps,
+                  the take's record, the wait's split; ``input_clock_cost``) / the loader's
+                  seconds per batch.
   loader_read_mode  the loader's resolved read mode.
   tokens_per_s    non-padding tokens per second served by the loader.
   rows_per_s, baseline_rows_per_s
@@ -26,7 +41,7 @@ Prints ONE JSON object:
 Usage:  python benchmarks/load.py [--quick] [--rows N] [--seq-len L] [--global-batch B] [--steps S]
                                  [--rounds R] [--devices D] [--workers W] [--read-threads T]
                                  [--read-mode auto|records|batched]
-The dataset is synthetic (``loader.testing``), two sources of N and N/2 rows, 4 shards each.
+The dataset is synthetic (``loader.synthetic``), two sources of N and N/2 rows, 4 shards each.
 """
 
 from __future__ import annotations
@@ -47,7 +62,7 @@ import numpy as np
 
 import loader
 from contract import codec
-from loader import testing as lt
+from loader import synthetic as lt
 from loader.shards import _open_reader
 
 
@@ -97,6 +112,81 @@ def record_loop(data, steps):
             codec.decode_row(r.read())
             rows += 1
     return rows, time.perf_counter() - t0
+
+
+def record_parts(data, steps):
+    """The record loop's time per batch split into its two parts: ``read`` (seek + read) and
+    ``decode`` (``contract.codec.decode_row``), seconds, timed apart (a separate pass: the
+    clocks would slow the timed loop)."""
+    from loader.shards import READER_OPTIONS_BY_MODE
+
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    shards = data.source.shards
+    readers, read_s, decode_s = {}, 0.0, 0.0
+    for s in steps:
+        loc = data.schedule.locate(data.schedule.step_rows(s))
+        shard, in_shard = shards.locate(loc.source, loc.record)
+        t0 = time.perf_counter()
+        recs = []
+        for key in zip(loc.source.tolist(), shard.tolist(), in_shard.tolist()):
+            r = readers.get(key[:2])
+            if r is None:
+                r = readers[key[:2]] = ArrayRecordReader(shards.path(*key[:2]), READER_OPTIONS_BY_MODE["records"])
+            r.seek(key[2])
+            recs.append(r.read())
+        t1 = time.perf_counter()
+        for rec in recs:
+            codec.decode_row(rec)
+        read_s += t1 - t0
+        decode_s += time.perf_counter() - t1
+    n = len(steps)
+    return {"read": read_s / n, "decode": decode_s / n}
+
+
+def loader_parts(data, steps):
+    """The loader's time per batch by stage (``loader.data_loader.WAIT_STAGES``), seconds: one
+    ``batch_at`` per step (the path ``iterate``'s thread runs), its ``metrics()["wait_stages_s"]``
+    covering the whole call."""
+    from loader.data_loader import WAIT_STAGES
+
+    total = dict.fromkeys(WAIT_STAGES, 0.0)
+    for s in steps:
+        jax.block_until_ready(data.batch_at(s))
+        for k, v in data.metrics()["wait_stages_s"].items():
+            total[k] += v
+    return {k: v / len(steps) for k, v in total.items()}
+
+
+def input_clock_cost(repeats=20000):
+    """Seconds per step of what measuring the input side adds to a step (``occupancy_overhead``):
+    the stage stamps (``time.perf_counter()`` 9 times and the stamps array), the prefetch's
+    record of the take (two ``Prefetch.ready()`` on a full buffer of depth 2 and a ``Take``),
+    and splitting a wait (``wait_stages``) with the figures' dict; the real functions, in a loop."""
+    import concurrent.futures
+
+    from loader.data_loader import wait_stages
+    from loader.prefetch import Prefetch, Take
+
+    pre = Prefetch(lambda x: x, range(10**9), 2)
+    pre._pending[0].result()
+    pre._pending[1].result()
+    clock = time.perf_counter
+    m: dict = {}
+    t0 = clock()
+    for _ in range(repeats):
+        stamps = [clock()]
+        for _ in range(4):
+            stamps.append(clock())
+        arr = np.array(stamps, np.float64)
+        a, b, c, d = clock(), clock(), clock(), clock()
+        took = Take(pre.ready(), a, b, pre.ready())
+        m.update(occupancy_at_ask=took.ready_at_ask, occupancy_min=min(1, took.ready_at_ask),
+                 wait_stages_s=wait_stages(arr[0], arr[4] + 1e-3, arr, (c, d)))
+    cost = (clock() - t0) / repeats
+    pre.close()
+    del concurrent
+    return cost
 
 
 def loader_loop(data, start, n):
@@ -156,25 +246,37 @@ def main(argv=None):
         # Alternate the two loops over the same steps, several rounds; keep each side's best
         # round (the machine is shared: the best round is the least disturbed one).
         record_loop(data, range(2))
-        base, mine, seq = [], [], []
+        base, mine, seq, cpu = [], [], [], []
         for r in range(args.rounds):
             start = 2 + r * steps
+            c0 = time.process_time()
             base_rows, base_s = plain_loop(data, range(start, start + steps))
             base.append(base_rows / base_s)
+            c1 = time.process_time()
             seq_rows, seq_s = record_loop(data, range(start, start + steps))
             seq.append(seq_rows / seq_s)
+            c2 = time.process_time()
             before = data2.metrics()["tokens_served"]
             l_rows, l_tokens, l_s = loader_loop(data2, start, steps)
             mine.append((l_rows / l_s, (l_tokens - before) / l_s))
+            # CPU seconds (every thread of the process) per row: steadier than the wall on a shared machine
+            cpu.append(((c1 - c0) / base_rows, (c2 - c1) / seq_rows, (time.process_time() - c2) / l_rows))
         best_base = max(base)
         best_rows, best_tokens = max(mine)
         early, late = time_batch_at(data, (10, 10**7), 31)
+        prof = range(2, 2 + min(steps, 100))
+        rec_parts = record_parts(data, prof)
+        load_parts = loader_parts(data, prof)
+        clock_s = input_clock_cost()
         state = data2.state()
         state_json = state.to_json()
         t0 = time.perf_counter()
         restored = loader.build(mix, ds, global_batch=B, mesh=mesh, state=json.loads(state_json))
         jax.block_until_ready(restored.batch_at(restored.state().next_step))
         restore_s = time.perf_counter() - t0
+    loader_batch_s = B / best_rows  # the loader's seconds per batch in the timed loop
+    record_batch_s = B / max(seq)
+    transfer_s = load_parts["transfer"]
     out = {
         "speed_ratio": round(best_rows / best_base, 3),
         "tokens_per_s": round(best_tokens),
@@ -183,6 +285,21 @@ def main(argv=None):
         "baseline_rows_per_s": round(best_base, 1),
         "record_reads_rows_per_s": round(max(seq), 1),
         "loader_read_mode": data2.source.shards.read_mode,
+        "speed_ratio_vs_record_reads_without_transfer": round(record_batch_s / max(loader_batch_s - transfer_s, 1e-12),
+                                                               3),
+        "cpu_ratio": round(min(c[0] for c in cpu) / min(c[2] for c in cpu), 3),
+        "cpu_ratio_vs_record_reads": round(min(c[1] for c in cpu) / min(c[2] for c in cpu), 3),
+        "cpu_ms_per_batch": {"baseline": round(min(c[0] for c in cpu) * B * 1e3, 4),
+                             "record_reads": round(min(c[1] for c in cpu) * B * 1e3, 4),
+                             "loader": round(min(c[2] for c in cpu) * B * 1e3, 4)},
+        "occupancy_overhead": round(clock_s / loader_batch_s, 5),
+        "input_clock_us_per_step": round(clock_s * 1e6, 2),
+        "per_batch_ms": {"loader": {k: round(v * 1e3, 4) for k, v in load_parts.items()},
+                         "loader_total_profiled": round(sum(load_parts.values()) * 1e3, 4),
+                         "loader_timed_loop": round(loader_batch_s * 1e3, 4),
+                         "record_reads": {k: round(v * 1e3, 4) for k, v in rec_parts.items()},
+                         "record_reads_total_profiled": round(sum(rec_parts.values()) * 1e3, 4),
+                         "record_reads_timed_loop": round(record_batch_s * 1e3, 4)},
         "batch_at_ratio": round(late / early, 3),
         "batch_at_10_s": round(early, 5),
         "batch_at_1e7_s": round(late, 5),

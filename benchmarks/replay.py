@@ -40,7 +40,7 @@ Targeted and concurrent replay (issue 19; ``--part targeted`` / ``--part concurr
 
 Usage:  python benchmarks/replay.py [--quick] [--part all|ratio|targeted|concurrent] [--steps K]
         [--rounds R] [--seq-len L]
-The dataset is synthetic (``loader.testing``); the model is the reference MoE, small; the mesh
+The dataset is synthetic (``loader.synthetic``); the model is the reference MoE, small; the mesh
 is {data: 4, expert: 2} over the 8 (CPU) devices (the ratio), as said above otherwise.
 """
 
@@ -66,7 +66,7 @@ import jax
 import yaml
 
 from contract.config import load_mixture
-from loader import testing as lt
+from loader import synthetic as lt
 from replay.verify import engine
 from replay.run import runlog
 from replay.reference import run as ref_run

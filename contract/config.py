@@ -48,9 +48,12 @@ import hashlib
 import json
 import os
 import re
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Annotated, Any, Callable, Iterable, Literal, Mapping, Optional, Sequence, Union
 
+import pydantic
 import yaml
+from pydantic import BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, WrapValidator
+from pydantic_core import PydanticCustomError
 
 DEFAULT_SEQ_LEN = 8192
 # 2**28 tokens a shard: 512 MiB of uint16 tokens for the packing step that holds one bucket
@@ -213,13 +216,6 @@ class MixtureConfig:
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-_TOP_KEYS = {
-    "name", "version", "seq_len", "seed", "shards_per_source", "target_shard_tokens",
-    "max_segments_per_row", "max_rejected_fraction", "dedup", "tokenizer", "sources", "phases",
-}
-_TOKENIZER_KEYS = {"path", "sha256", "add_bos", "add_eos"}
-_SOURCE_KEYS = {"name", "paths", "root", "format", "text_field", "id_field", "text_split", "weight"}
-_PHASE_KEYS = {"from_step", "weights"}
 # Names that a source's folder in the dataset would collide with (compared lower-cased, for
 # case-insensitive file systems): the dead-letter folder and the manifest.
 _RESERVED_SOURCE_NAMES = {"errors", "manifest.json"}
@@ -255,36 +251,231 @@ def did_you_mean(unknown: Sequence[Any], allowed: Iterable[str]) -> str:
     return " (did you mean " + ", ".join(f"{m!r} for {k!r}" for k, m in pairs) + "?)"
 
 
-def _check_keys(where: str, got: Mapping[str, Any], allowed: set[str]) -> None:
-    unknown = sorted(set(got) - allowed, key=repr)  # keys of mixed types (1, "x") still sort
-    if unknown:
-        raise ConfigError(
-            f"{where}: unknown key(s) {unknown}{did_you_mean(unknown, allowed)}; allowed keys are {sorted(allowed)}"
-        )
+# --------------------------------------------------------------------------- the file's schema
+#
+# What a user writes, declared once as pydantic models: each key's type, range and allowed values,
+# its default, and which keys exist. pydantic validates a parsed file against them, and they are
+# published as JSON Schema (:func:`mixture_json_schema`, kept in ``schemas/mixture.schema.json``).
+# Each field carries the message its mistakes get (``_says``), so that an error names the key path
+# and the bad value in the words of the module docstring; what needs several keys at once (unique
+# names, phase order, paths resolved against the file's folder) is :func:`mixture_from_dict`'s.
 
 
-def _int(where: str, value: Any, minimum: Optional[int] = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{where}: must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{where}: must be >= {minimum}, got {value}")
-    return value
+def _says(message: Callable[[Any], str], when: Optional[Callable[[Any], bool]] = None) -> WrapValidator:
+    """The field's own message for a value its type rejects: ``message(value)`` (only ``when(value)``:
+    else the error of the part inside, an item of a list say, stands)."""
+
+    def check(value: Any, handler: Callable[[Any], Any]) -> Any:
+        try:
+            return handler(value)
+        except pydantic.ValidationError:
+            if when is not None and not when(value):
+                raise
+            raise PydanticCustomError("config", message(value)) from None
+
+    return WrapValidator(check)
 
 
-def _weight(where: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{where}: must be a number, got {value!r}")
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ConfigError(f"{where}: must be finite, got {value}")
-    if value < 0:
-        raise ConfigError(f"{where}: must be >= 0, got {value}")
-    return float(value)
+def _int_message(minimum: int, maximum: Optional[int] = None, above: str = "must be <= {maximum}") -> Callable:
+    def say(v: Any) -> str:
+        if isinstance(v, bool) or not isinstance(v, int):
+            return f"must be an integer, got {v!r}"
+        if v < minimum:
+            return f"must be >= {minimum}, got {v}"
+        return above.format(maximum=maximum) + f", got {v}"
+
+    return say
 
 
-def _str(where: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{where}: must be a non-empty string, got {value!r}")
-    return value
+def _Int(minimum: int, maximum: Optional[int] = None, above: str = "must be <= {maximum}") -> Any:
+    return Annotated[StrictInt, Field(ge=minimum, le=maximum), _says(_int_message(minimum, maximum, above))]
+
+
+def _weight_message(v: Any) -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return f"must be a number, got {v!r}"
+    if v != v or v in (float("inf"), float("-inf")):
+        return f"must be finite, got {v}"
+    return f"must be >= 0, got {v}"
+
+
+def _enum_message(enum: type[enum.Enum]) -> Callable[[Any], str]:
+    allowed = [e.value for e in enum]
+    return lambda v: f"must be one of {allowed}, got {v!r}{did_you_mean([v], allowed)}"
+
+
+_NonEmptyText = Annotated[str, Field(min_length=1)]  # as the JSON Schema of a value before its conversion says it
+_NonEmpty = Annotated[StrictStr, Field(min_length=1), _says(lambda v: f"must be a non-empty string, got {v!r}")]
+_Name = Annotated[StrictStr, Field(min_length=1, pattern=_NAME_RE.pattern),
+                  _says(lambda v: f"must match {_NAME_RE.pattern}, got {v!r}" if isinstance(v, str) and v else
+                        f"must be a non-empty string, got {v!r}")]
+_Weight = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False), _says(_weight_message)]
+_Flag = Annotated[StrictBool, _says(lambda v: f"must be true or false, got {v!r}")]
+_FILE = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class TokenizerFile(pydantic.BaseModel):
+    """``tokenizer:``: the SentencePiece model."""
+
+    model_config = _FILE
+    path: _NonEmpty
+    """the model file; a relative path is relative to the config's folder"""
+    sha256: Optional[Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$"),
+                               _says(lambda v: f"must be 64 lowercase hex digits, got {v!r}")]] = None
+    """the model file's expected sha256 (optional but advised: ``train_tokenizer --pin`` writes it)"""
+    add_bos: _Flag = False
+    add_eos: _Flag = True
+
+
+class SourceFile(pydantic.BaseModel):
+    """One entry of ``sources:``."""
+
+    model_config = _FILE
+    name: _Name
+    """unique source name (not ``errors`` or ``manifest.json``)"""
+    paths: Annotated[list[_NonEmpty], Field(min_length=1),
+                     BeforeValidator(lambda v: [v] if isinstance(v, str) else v,
+                                     json_schema_input_type=Union[_NonEmptyText, Annotated[list[_NonEmptyText], Field(min_length=1)]]),
+                     _says(lambda v: f"must be a non-empty list of paths or globs, got {v!r}",
+                           when=lambda v: not isinstance(v, (str, list)) or not v)]
+    """input paths or globs (absolute, relative to the config's folder, or URLs such as gs://); one string or a list"""
+    root: Optional[_NonEmpty] = None
+    """the folder document keys are relative to (default: the common folder of ``paths``)"""
+    format: Annotated[SourceFormat, _says(_enum_message(SourceFormat))]
+    text_field: _NonEmpty = "text"
+    """the JSON field or Parquet column holding the text"""
+    id_field: Optional[_NonEmpty] = "id"
+    """the field or column holding the document's own id (a URL, say), kept in each row's provenance; null: none"""
+    text_split: Annotated[TextSplit, _says(_enum_message(TextSplit))] = TextSplit.FILE
+    """text format only: one document per file, or per blank-line separated block"""
+    weight: _Weight = 1.0
+    """share of rows (before normalization) in the first phase"""
+
+    @pydantic.field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str) -> str:
+        if name.lower() in _RESERVED_SOURCE_NAMES:
+            raise PydanticCustomError("config", f"{name!r} is reserved (the dataset folder holds "
+                                      f"{sorted(_RESERVED_SOURCE_NAMES)}); choose another name")
+        return name
+
+
+class PhaseFile(pydantic.BaseModel):
+    """One entry of ``phases:``: from global step ``from_step`` on, rows are drawn with ``weights``."""
+
+    model_config = _FILE
+    from_step: Annotated[StrictInt, Field(ge=0), _says(_int_message(1))]
+    """> the previous phase's; 0 only for a first phase that repeats the sources' weights"""
+    weights: Annotated[dict[str, _Weight], _says(lambda v: f"must be a mapping of source name to weight, got {v!r}",
+                                                 when=lambda v: not isinstance(v, Mapping))]
+    """by source name; a source left out has weight 0"""
+
+
+class MixtureFile(pydantic.BaseModel):
+    """A mixture config file (YAML): what goes into one dataset version (contract/config.py)."""
+
+    model_config = _FILE
+    name: _Name
+    """dataset name"""
+    version: _Int(1)
+    """bump on any change that alters the packed output"""
+    seq_len: _Int(1, 2**31 - 1, "must be < 2**31") = DEFAULT_SEQ_LEN
+    """slots per packed row"""
+    seed: _Int(0) = 0
+    """seeds bucketing here and shuffling in the loader"""
+    shards_per_source: Annotated[
+        Optional[Annotated[StrictInt, Field(ge=1, le=MAX_SHARDS)]],
+        BeforeValidator(lambda v: None if v == "auto" else v,
+                        json_schema_input_type=Union[Annotated[int, Field(ge=1, le=MAX_SHARDS)], Literal["auto"], None]),
+        _says(lambda v: (f"must be an integer >= 1, or auto (or left out) for counts from the input sizes and "
+                         f"target_shard_tokens, got {v!r}") if isinstance(v, str) else _int_message(1, MAX_SHARDS)(v)),
+    ] = None
+    """exactly this many shards per source; auto or left out: from the input sizes and target_shard_tokens"""
+    target_shard_tokens: _Int(1) = DEFAULT_TARGET_SHARD_TOKENS
+    """tokens a shard holds at most (>= seq_len)"""
+    max_segments_per_row: _Int(1) = 256
+    """cap on documents (segments) packed into one row"""
+    max_rejected_fraction: Annotated[
+        float, Field(ge=0, le=1, strict=True, allow_inf_nan=False),
+        _says(lambda v: f"must be a number in [0, 1] (1 accepts any loss), got {v!r}")] = DEFAULT_MAX_REJECTED_FRACTION
+    """a source rejecting more of its documents fails the pack"""
+    dedup: Annotated[DedupMode, BeforeValidator(lambda v: DedupMode.OFF.value if v is False else v,  # YAML 1.1: off
+                                                json_schema_input_type=Union[DedupMode, Literal[False]]),
+                     _says(_enum_message(DedupMode))] = DedupMode.REPORT
+    """exact duplicate documents: off, report (found and reported, all packed) or exact (dropped)"""
+    tokenizer: TokenizerFile
+    sources: Annotated[list[SourceFile], Field(min_length=1)]
+    phases: Optional[list[PhaseFile]] = None
+    """optional: from step S, these weights"""
+
+
+def mixture_json_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of a mixture config file, from :class:`MixtureFile`."""
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **MixtureFile.model_json_schema(),
+            "title": "mixture config"}
+
+
+_MODELS = {"": MixtureFile, "tokenizer": TokenizerFile, "sources": SourceFile, "phases": PhaseFile}
+
+
+def _where(loc: Sequence[Any]) -> str:
+    """``("sources", 1, "weight")`` -> ``"sources[1].weight"``."""
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _message(errors: list[dict[str, Any]], raw: Mapping[str, Any]) -> str:
+    """The first problem of pydantic's ``errors``, in the order a reader of the file meets them:
+    a mapping's unknown keys, then its missing ones, then each key's value in the schema's order."""
+
+    def model_at(loc: Sequence[Any]) -> type[pydantic.BaseModel]:
+        return _MODELS[str(loc[0])] if loc else MixtureFile
+
+    def rank(err: dict[str, Any]) -> tuple:
+        loc, key = err["loc"], []
+        for depth in range(len(loc) + 1):
+            parent, here = loc[:depth], loc[depth] if depth < len(loc) else None
+            if isinstance(here, int) or here is None:
+                key.append((0, here or 0))
+                continue
+            fields = list(model_at([p for p in parent if isinstance(p, str)][:1]).model_fields)
+            last = depth == len(loc) - 1
+            kind = 0 if last and err["type"] == "extra_forbidden" else 1 if last and err["type"] == "missing" else 2
+            key.append((kind, fields.index(here) if here in fields else len(fields)))
+        return tuple(key)
+
+    for e in errors:  # a key that is no string (YAML's 1: 2) is an unknown key like any other
+        if e["type"] == "invalid_key":
+            e["type"] = "extra_forbidden"
+    err = min(errors, key=rank)
+    loc = err["loc"]
+    if "[key]" in loc and loc[0] == "phases":  # a phase's weight under a name that is no string
+        i, w = loc[1], raw["phases"][loc[1]]["weights"]
+        names = {s.get("name") for s in raw["sources"] if isinstance(s, Mapping)}
+        unknown = sorted(set(w) - names, key=repr)
+        return (f"phases[{i}].weights: unknown source(s) {unknown}{did_you_mean(unknown, map(str, names))}; "
+                f"sources are {sorted(names, key=repr)}")
+    parent = loc[:-1]
+    if err["type"] == "extra_forbidden":
+        unknown = sorted((e["loc"][-1] for e in errors if e["type"] == "extra_forbidden" and e["loc"][:-1] == parent),
+                         key=repr)  # keys of mixed types (1, "x") still sort
+        allowed = set(model_at([p for p in parent if isinstance(p, str)][:1]).model_fields)
+        return (f"{_where(parent) or 'config'}: unknown key(s) {unknown}{did_you_mean(unknown, allowed)}; "
+                f"allowed keys are {sorted(allowed)}")
+    if err["type"] == "missing":
+        if parent and parent[0] == "phases":
+            return f"{_where(parent)}: needs from_step and weights"
+        return f"{_where(loc)}: required"
+    if err["type"] in ("model_type", "dict_type", "model_attributes_type"):
+        got = err["input"]
+        if tuple(loc) == ("tokenizer",):
+            return f"tokenizer: must be a mapping with path and sha256, got {got!r}"
+        return f"{_where(loc)}: must be a mapping, got {got!r}"
+    if err["type"] in ("list_type", "too_short") and tuple(loc) in (("sources",), ("phases",)):
+        return f"{_where(loc)}: must be a {'non-empty ' if loc[0] == 'sources' else ''}list, got {err['input']!r}"
+    return f"{_where(loc)}: {err['msg']}"
 
 
 def _check_weights(where: str, weights: Mapping[str, float]) -> None:
@@ -295,215 +486,107 @@ def _check_weights(where: str, weights: Mapping[str, float]) -> None:
 def mixture_from_dict(raw: Any, base_dir: Optional[str] = None, path: Optional[str] = None) -> MixtureConfig:
     """Validates a parsed YAML/JSON mapping and returns the :class:`MixtureConfig`.
 
+    Each key is checked by the file's schema (:class:`MixtureFile`, pydantic); then what ties keys
+    together: unique source names, ``target_shard_tokens >= seq_len``, phases in increasing steps
+    over known sources, some weight > 0; paths are resolved against ``base_dir``.
+
     Args:
       raw: the parsed document.
       base_dir: folder that relative paths are resolved against (the config's folder).
       path: where the config was read from, kept for messages.
 
     Raises:
-      ConfigError: the first problem found, naming the field.
+      ConfigError: the first problem found, naming the key path (``sources[1].weight``) and the
+        bad value, with the nearest allowed name for an unknown one.
     """
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config: must be a mapping, got {type(raw).__name__}")
-    _check_keys("config", raw, _TOP_KEYS)
-    for key in ("name", "version", "tokenizer", "sources"):
-        if key not in raw:
-            raise ConfigError(f"{key}: required")
-    name = _str("name", raw["name"])
-    if not _NAME_RE.match(name):
-        raise ConfigError(f"name: must match {_NAME_RE.pattern}, got {name!r}")
-    version = _int("version", raw["version"], 1)
-    seq_len = _int("seq_len", raw.get("seq_len", DEFAULT_SEQ_LEN), 1)
-    if seq_len > 2**31 - 1:
-        raise ConfigError(f"seq_len: must be < 2**31, got {seq_len}")
-    seed = _int("seed", raw.get("seed", 0), 0)
-    shards = raw.get("shards_per_source")  # null (as to_dict() writes it) or "auto" = not set
-    if shards == "auto":
-        shards = None
-    if shards is not None:
-        if isinstance(shards, str):
-            raise ConfigError(
-                f"shards_per_source: must be an integer >= 1, or auto (or left out) for counts from the input "
-                f"sizes and target_shard_tokens, got {shards!r}"
-            )
-        shards = _int("shards_per_source", shards, 1)
-        if shards > MAX_SHARDS:
-            raise ConfigError(f"shards_per_source: must be <= {MAX_SHARDS}, got {shards}")
-    target = _int("target_shard_tokens", raw.get("target_shard_tokens", DEFAULT_TARGET_SHARD_TOKENS), 1)
-    if target < seq_len:
+    try:
+        f = MixtureFile.model_validate(raw)
+    except pydantic.ValidationError as e:
+        raise ConfigError(_message(e.errors(include_url=False), raw)) from None
+    if f.target_shard_tokens < f.seq_len:
         given = "" if "target_shard_tokens" in raw else " (the default)"
         raise ConfigError(
-            f"target_shard_tokens: must be >= seq_len ({seq_len}), got {target}{given}; a shard holds whole rows: "
-            f"set target_shard_tokens to at least {seq_len}"
+            f"target_shard_tokens: must be >= seq_len ({f.seq_len}), got {f.target_shard_tokens}{given}; a shard holds "
+            f"whole rows: set target_shard_tokens to at least {f.seq_len}"
         )
-    max_segments = _int("max_segments_per_row", raw.get("max_segments_per_row", 256), 1)
-    max_rejected = raw.get("max_rejected_fraction", DEFAULT_MAX_REJECTED_FRACTION)
-    if isinstance(max_rejected, bool) or not isinstance(max_rejected, (int, float)) or not (
-        0.0 <= max_rejected <= 1.0
-    ):
-        raise ConfigError(
-            f"max_rejected_fraction: must be a number in [0, 1] (1 accepts any loss), got {max_rejected!r}"
-        )
-
-    dedup = raw.get("dedup", DedupMode.REPORT.value)
-    if dedup is False:  # YAML 1.1 reads a bare off as false
-        dedup = DedupMode.OFF.value
-    try:
-        dedup = DedupMode(dedup)
-    except ValueError:
-        allowed = [d.value for d in DedupMode]
-        raise ConfigError(f"dedup: must be one of {allowed}, got {dedup!r}{did_you_mean([dedup], allowed)}") from None
-
-    tok_raw = raw["tokenizer"]
-    if not isinstance(tok_raw, Mapping):
-        raise ConfigError(f"tokenizer: must be a mapping with path and sha256, got {tok_raw!r}")
-    _check_keys("tokenizer", tok_raw, _TOKENIZER_KEYS)
-    if "path" not in tok_raw:
-        raise ConfigError("tokenizer.path: required")
-    sha = tok_raw.get("sha256")
-    if sha is not None and (not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha)):
-        raise ConfigError(f"tokenizer.sha256: must be 64 lowercase hex digits, got {sha!r}")
-    for flag in ("add_bos", "add_eos"):
-        if flag in tok_raw and not isinstance(tok_raw[flag], bool):
-            raise ConfigError(f"tokenizer.{flag}: must be true or false, got {tok_raw[flag]!r}")
-    tokenizer = TokenizerConfig(
-        path=resolve_path(_str("tokenizer.path", tok_raw["path"]), base_dir),
-        sha256=sha,
-        add_bos=tok_raw.get("add_bos", False),
-        add_eos=tok_raw.get("add_eos", True),
-    )
-
-    src_raw = raw["sources"]
-    if not isinstance(src_raw, list) or not src_raw:
-        raise ConfigError(f"sources: must be a non-empty list, got {src_raw!r}")
-    sources = []
-    seen: set[str] = set()
-    for i, s in enumerate(src_raw):
-        where = f"sources[{i}]"
-        if not isinstance(s, Mapping):
-            raise ConfigError(f"{where}: must be a mapping, got {s!r}")
-        _check_keys(where, s, _SOURCE_KEYS)
-        for key in ("name", "paths", "format"):
-            if key not in s:
-                raise ConfigError(f"{where}.{key}: required")
-        sname = _str(f"{where}.name", s["name"])
-        if not _NAME_RE.match(sname):
-            raise ConfigError(f"{where}.name: must match {_NAME_RE.pattern}, got {sname!r}")
-        if sname.lower() in _RESERVED_SOURCE_NAMES:
-            raise ConfigError(
-                f"{where}.name: {sname!r} is reserved (the dataset folder holds "
-                f"{sorted(_RESERVED_SOURCE_NAMES)}); choose another name"
-            )
-        if sname in seen:
-            raise ConfigError(f"{where}.name: duplicate source name {sname!r}")
-        twin = next((n for n in seen if n.lower() == sname.lower()), None)
-        if twin is not None:  # one folder on a case-insensitive file system (macOS, Windows)
-            raise ConfigError(f"{where}.name: {sname!r} differs from source {twin!r} only in case")
-        seen.add(sname)
-        paths = s["paths"]
-        if isinstance(paths, str):
-            paths = [paths]
-        if not isinstance(paths, list) or not paths:
-            raise ConfigError(f"{where}.paths: must be a non-empty list of paths or globs, got {paths!r}")
-        paths = tuple(resolve_path(_str(f"{where}.paths[{j}]", p), base_dir) for j, p in enumerate(paths))
-        try:
-            fmt = SourceFormat(s["format"])
-        except ValueError:
-            allowed = [f.value for f in SourceFormat]
-            raise ConfigError(
-                f"{where}.format: must be one of {allowed}, got {s['format']!r}{did_you_mean([s['format']], allowed)}"
-            ) from None
-        try:
-            split = TextSplit(s.get("text_split", TextSplit.FILE.value))
-        except ValueError:
-            raise ConfigError(
-                f"{where}.text_split: must be one of {[t.value for t in TextSplit]}, got {s['text_split']!r}"
-            ) from None
-        # The default value is accepted on any format, so that ``to_dict()`` (which writes it for
-        # every source, e.g. into manifest.json) reads back through this function.
-        if "text_split" in s and fmt is not SourceFormat.TEXT and split is not TextSplit.FILE:
-            raise ConfigError(f"{where}.text_split: only applies to format 'text', not {fmt.value!r}")
-        if "root" in s:
-            root = resolve_path(_str(f"{where}.root", s["root"]), base_dir)
-        else:
-            roots = {_glob_root(p) for p in paths}
-            root = os.path.commonpath(sorted(roots)) if not any(map(_is_url, roots)) else sorted(roots)[0]
-            if len(roots) > 1 and any(map(_is_url, roots)):
-                raise ConfigError(f"{where}.root: required when paths span several URL folders {sorted(roots)}")
-        id_field = s.get("id_field", "id")
-        if id_field is not None:
-            id_field = _str(f"{where}.id_field", id_field)
-        sources.append(
-            SourceConfig(
-                name=sname,
-                paths=paths,
-                root=root.rstrip("/") or "/",
-                format=fmt,
-                text_field=_str(f"{where}.text_field", s.get("text_field", "text")),
-                id_field=id_field,
-                text_split=split,
-                weight=_weight(f"{where}.weight", s.get("weight", 1.0)),
-            )
-        )
+    tokenizer = TokenizerConfig(path=resolve_path(f.tokenizer.path, base_dir), sha256=f.tokenizer.sha256,
+                                add_bos=f.tokenizer.add_bos, add_eos=f.tokenizer.add_eos)
+    sources = [_source(f"sources[{i}]", s, base_dir, f.sources[:i]) for i, s in enumerate(f.sources)]
     base_weights = {s.name: s.weight for s in sources}
     _check_weights("sources[*].weight", base_weights)
-    phases = [PhaseConfig(from_step=0, weights=base_weights)]
-    ph_raw = raw.get("phases", []) or []
-    if not isinstance(ph_raw, list):
-        raise ConfigError(f"phases: must be a list, got {ph_raw!r}")
-    for i, p in enumerate(ph_raw):
-        where = f"phases[{i}]"
-        if not isinstance(p, Mapping):
-            raise ConfigError(f"{where}: must be a mapping, got {p!r}")
-        _check_keys(where, p, _PHASE_KEYS)
-        if "from_step" not in p or "weights" not in p:
-            raise ConfigError(f"{where}: needs from_step and weights")
-        if i == 0 and p["from_step"] == 0 and not isinstance(p["from_step"], bool):
-            # ``to_dict()`` writes the step-0 phase (the sources' weights) first; accept it back
-            # when it says the same as the sources, so that a normalized config round-trips.
-            w0 = p["weights"]
-            if isinstance(w0, Mapping):
-                unknown = sorted(set(w0) - seen, key=repr)
-                if unknown:
-                    raise ConfigError(
-                        f"{where}.weights: unknown source(s) {unknown}; sources are {sorted(seen)}"
-                    )
-                w0 = {n: _weight(f"{where}.weights.{n}", w0.get(n, 0.0)) for n in base_weights}
-            if not isinstance(w0, Mapping) or w0 != base_weights:
-                raise ConfigError(f"{where}: a phase at step 0 must repeat the sources' weights {base_weights}, "
-                                  f"got {w0!r}; set sources[*].weight instead")
-            continue
-        step = _int(f"{where}.from_step", p["from_step"], 1)
-        if step <= phases[-1].from_step:
-            raise ConfigError(
-                f"{where}.from_step: must be greater than the previous phase's {phases[-1].from_step}, got {step}"
-            )
-        w = p["weights"]
-        if not isinstance(w, Mapping):
-            raise ConfigError(f"{where}.weights: must be a mapping of source name to weight, got {w!r}")
-        unknown = sorted(set(w) - seen, key=repr)
-        if unknown:
-            raise ConfigError(
-                f"{where}.weights: unknown source(s) {unknown}{did_you_mean(unknown, seen)}; sources are {sorted(seen)}"
-            )
-        weights = {n: _weight(f"{where}.weights.{n}", w.get(n, 0.0)) for n in base_weights}
-        _check_weights(f"{where}.weights", weights)
-        phases.append(PhaseConfig(from_step=step, weights=weights))
     return MixtureConfig(
-        name=name,
-        version=version,
-        seq_len=seq_len,
-        seed=seed,
-        shards_per_source=shards,
-        target_shard_tokens=target,
-        max_segments_per_row=max_segments,
-        max_rejected_fraction=float(max_rejected),
-        dedup=dedup,
+        name=f.name,
+        version=f.version,
+        seq_len=f.seq_len,
+        seed=f.seed,
+        shards_per_source=f.shards_per_source,
+        target_shard_tokens=f.target_shard_tokens,
+        max_segments_per_row=f.max_segments_per_row,
+        max_rejected_fraction=float(f.max_rejected_fraction),
+        dedup=f.dedup,
         tokenizer=tokenizer,
         sources=tuple(sources),
-        phases=tuple(phases),
+        phases=_phases(f.phases or [], base_weights),
         path=path,
     )
+
+
+def _source(where: str, s: SourceFile, base_dir: Optional[str], before: Sequence[SourceFile]) -> SourceConfig:
+    """One source, its name checked against the sources ``before`` it and its paths resolved."""
+    seen = {b.name for b in before}
+    if s.name in seen:
+        raise ConfigError(f"{where}.name: duplicate source name {s.name!r}")
+    twin = next((n for n in seen if n.lower() == s.name.lower()), None)
+    if twin is not None:  # one folder on a case-insensitive file system (macOS, Windows)
+        raise ConfigError(f"{where}.name: {s.name!r} differs from source {twin!r} only in case")
+    paths = tuple(resolve_path(p, base_dir) for p in s.paths)
+    # The default value is accepted on any format, so that ``to_dict()`` (which writes it for
+    # every source, e.g. into manifest.json) reads back through this function.
+    if "text_split" in s.model_fields_set and s.format is not SourceFormat.TEXT and s.text_split is not TextSplit.FILE:
+        raise ConfigError(f"{where}.text_split: only applies to format 'text', not {s.format.value!r}")
+    if s.root is not None:
+        root = resolve_path(s.root, base_dir)
+    else:
+        roots = {_glob_root(p) for p in paths}
+        root = os.path.commonpath(sorted(roots)) if not any(map(_is_url, roots)) else sorted(roots)[0]
+        if len(roots) > 1 and any(map(_is_url, roots)):
+            raise ConfigError(f"{where}.root: required when paths span several URL folders {sorted(roots)}")
+    return SourceConfig(name=s.name, paths=paths, root=root.rstrip("/") or "/", format=s.format,
+                        text_field=s.text_field, id_field=s.id_field, text_split=s.text_split, weight=float(s.weight))
+
+
+def _phases(given: Sequence[PhaseFile], base_weights: Mapping[str, float]) -> tuple[PhaseConfig, ...]:
+    """The step-0 phase of the sources' weights, then the config's phases, checked in order."""
+    names = set(base_weights)
+    phases = [PhaseConfig(from_step=0, weights=dict(base_weights))]
+    for i, p in enumerate(given):
+        where = f"phases[{i}]"
+        unknown = sorted(set(p.weights) - names, key=repr)
+        if i == 0 and p.from_step == 0:
+            # ``to_dict()`` writes the step-0 phase (the sources' weights) first; accept it back
+            # when it says the same as the sources, so that a normalized config round-trips.
+            if unknown:
+                raise ConfigError(f"{where}.weights: unknown source(s) {unknown}; sources are {sorted(names)}")
+            w0 = {n: float(p.weights.get(n, 0.0)) for n in base_weights}
+            if w0 != base_weights:
+                raise ConfigError(f"{where}: a phase at step 0 must repeat the sources' weights {dict(base_weights)}, "
+                                  f"got {w0!r}; set sources[*].weight instead")
+            continue
+        if p.from_step < 1:
+            raise ConfigError(f"{where}.from_step: must be >= 1, got {p.from_step}")
+        if p.from_step <= phases[-1].from_step:
+            raise ConfigError(
+                f"{where}.from_step: must be greater than the previous phase's {phases[-1].from_step}, got {p.from_step}"
+            )
+        if unknown:
+            raise ConfigError(f"{where}.weights: unknown source(s) {unknown}{did_you_mean(unknown, names)}; "
+                              f"sources are {sorted(names)}")
+        weights = {n: float(p.weights.get(n, 0.0)) for n in base_weights}
+        _check_weights(f"{where}.weights", weights)
+        phases.append(PhaseConfig(from_step=p.from_step, weights=weights))
+    return tuple(phases)
 
 
 class _StrictLoader(yaml.SafeLoader):

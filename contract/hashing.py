@@ -74,11 +74,6 @@ def document_key(source: str, relpath: str, locator: Union[int, str]) -> str:
     return f"{source}/{relpath}:{locator}"
 
 
-def sha256_bytes(data: bytes) -> str:
-    """Returns the hex sha256 of ``data``."""
-    return hashlib.sha256(data).hexdigest()
-
-
 def key_position(key: str) -> tuple[str, int, int]:
     """Where the document of ``key`` (:func:`document_key`) lies in its input: a sort key.
 

@@ -47,13 +47,22 @@ config says ``dedup: exact`` (and absent from manifests written before they exis
 documents whose normalized text an earlier document has (``dataprep.dedup``: the first by
 source order in the config, then file and line), and the sources of those earlier copies;
 ``examples``: the groups of the smallest text hashes, up to 5, with up to 5 keys each.
+
+The schema is declared once, by the dataclasses below: pydantic validates ``manifest.json``
+against them (:meth:`Manifest.from_dict`) and publishes them as JSON Schema
+(:func:`manifest_json_schema`, kept in ``schemas/manifest.schema.json``). A reader ignores keys
+it does not know, so that an older reader still reads a manifest with an added field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
+
+import pydantic
+from pydantic import StrictInt, StrictStr
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -83,14 +92,14 @@ def shard_name(index: int, num_shards: int) -> str:
 class ShardInfo:
     """One ArrayRecord shard. ``path`` is relative to the dataset folder; sizes in bytes."""
 
-    path: str
-    records: int
-    tokens: int
-    padding: int
-    documents: int
-    segments: int
-    sha256: str
-    bytes: int
+    path: StrictStr
+    records: StrictInt
+    tokens: StrictInt
+    padding: StrictInt
+    documents: StrictInt
+    segments: StrictInt
+    sha256: StrictStr
+    bytes: StrictInt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,14 +110,14 @@ class Ledger:
     exact duplicates of an earlier one (``dedup: exact``); 0 otherwise.
     """
 
-    read: int
-    packed: int
-    rejected: Mapping[str, int]
-    tokens_in: int
-    tokens_packed: int
-    docs_split: int
-    duplicates_dropped: int = 0
-    tokens_dropped: int = 0
+    read: StrictInt
+    packed: StrictInt
+    rejected: Mapping[str, StrictInt]  # by reason (dataprep.readers.Reason)
+    tokens_in: StrictInt
+    tokens_packed: StrictInt
+    docs_split: StrictInt
+    duplicates_dropped: StrictInt = 0  # absent in manifests written before dedup: 0
+    tokens_dropped: StrictInt = 0
 
     def problems(self) -> list[str]:
         """Returns what does not reconcile (empty when all is well)."""
@@ -125,6 +134,8 @@ class Ledger:
 
 @dataclasses.dataclass(frozen=True)
 class SourceEntry:
+    """One source's shards and ledger (``manifest.json`` also holds their ``totals``, derived)."""
+
     shards: tuple[ShardInfo, ...]
     ledger: Ledger
 
@@ -141,40 +152,26 @@ class SourceEntry:
 class Manifest:
     """A parsed, checked ``manifest.json`` (see the module docstring for the fields)."""
 
-    name: str
-    version: int
-    record_format_version: int
-    config: Mapping[str, Any]
-    config_sha256: str
-    tokenizer: Mapping[str, Any]
-    seq_len: int
-    token_dtype: str
+    name: StrictStr
+    version: StrictInt
+    record_format_version: StrictInt
+    config: dict[str, Any]  # the normalized mixture config (contract.config.MixtureConfig.to_dict)
+    config_sha256: StrictStr
+    tokenizer: dict[str, Any]  # sha256, vocab_size, bos/eos/pad/unk ids, add_bos, add_eos
+    seq_len: StrictInt
+    token_dtype: StrictStr
     sources: Mapping[str, SourceEntry]
-    tools: Mapping[str, str]
-    manifest_version: int = MANIFEST_VERSION
-    duplicates: Mapping[str, Any] | None = None
+    tools: dict[str, Any]  # versions of the tools that shaped the bytes
+    manifest_version: StrictInt = MANIFEST_VERSION
+    duplicates: Optional[dict[str, Any]] = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "manifest_version": self.manifest_version,
-            "record_format_version": self.record_format_version,
-            "name": self.name,
-            "version": self.version,
-            "config": self.config,
-            "config_sha256": self.config_sha256,
-            "tokenizer": dict(self.tokenizer),
-            "seq_len": self.seq_len,
-            "token_dtype": self.token_dtype,
-            "sources": {
-                name: {
-                    "shards": [dataclasses.asdict(s) for s in entry.shards],
-                    "totals": entry.totals(),
-                    "ledger": dataclasses.asdict(entry.ledger),
-                }
-                for name, entry in sorted(self.sources.items())
-            },
-            "tools": dict(self.tools),
-        } | ({"duplicates": self.duplicates} if self.duplicates is not None else {})
+        """The JSON form (pydantic's, of the fields above), with each source's derived ``totals``;
+        ``duplicates`` left out when there are none (``dedup: off``)."""
+        out = _adapter().dump_python(self, mode="json", exclude_none=True)
+        for name, entry in self.sources.items():
+            out["sources"][name]["totals"] = entry.totals()
+        return out
 
     def to_json(self) -> str:
         """Canonical JSON text: sorted keys, 2-space indent, trailing newline."""
@@ -211,50 +208,49 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, raw: Any) -> "Manifest":
-        def need(d: Any, key: str, typ: type | tuple[type, ...], where: str) -> Any:
-            if not isinstance(d, Mapping) or key not in d:
-                raise ManifestError(f"manifest{where}: missing field {key!r}")
-            v = d[key]
-            if not isinstance(v, typ) or (isinstance(v, bool) and typ is int):
-                raise ManifestError(f"manifest{where}.{key}: expected {typ}, got {v!r}")
-            return v
+        """Checks a parsed ``manifest.json`` against the schema (pydantic) and returns it.
 
-        mv = need(raw, "manifest_version", int, "")
+        Raises:
+          NewerManifestError: ``manifest_version`` is above :data:`MANIFEST_VERSION`.
+          ManifestError: a field is missing or of the wrong type; the message gives its path
+            (``manifest.sources.web.ledger: missing field 'tokens_in'``).
+        """
+        if not isinstance(raw, Mapping) or "manifest_version" not in raw:
+            raise ManifestError("manifest: missing field 'manifest_version'")
+        mv = raw["manifest_version"]
+        if isinstance(mv, bool) or not isinstance(mv, int):
+            raise ManifestError(f"manifest.manifest_version: expected an integer, got {mv!r}")
         if mv != MANIFEST_VERSION:
             raise (NewerManifestError if mv > MANIFEST_VERSION else ManifestError)(f"manifest_version {mv}, this reader knows {MANIFEST_VERSION}")
-        sources = {}
-        for name, entry in need(raw, "sources", dict, "").items():
-            where = f".sources.{name}"
-            shards = []
-            for i, s in enumerate(need(entry, "shards", list, where)):
-                fields = {}
-                for f in dataclasses.fields(ShardInfo):
-                    fields[f.name] = need(s, f.name, str if f.name in ("path", "sha256") else int,
-                                          f"{where}.shards[{i}]")
-                shards.append(ShardInfo(**fields))
-            led = need(entry, "ledger", dict, where)
-            ledger = Ledger(
-                read=need(led, "read", int, f"{where}.ledger"),
-                packed=need(led, "packed", int, f"{where}.ledger"),
-                rejected=dict(need(led, "rejected", dict, f"{where}.ledger")),
-                tokens_in=need(led, "tokens_in", int, f"{where}.ledger"),
-                tokens_packed=need(led, "tokens_packed", int, f"{where}.ledger"),
-                docs_split=need(led, "docs_split", int, f"{where}.ledger"),
-                **{k: need(led, k, int, f"{where}.ledger") for k in ("duplicates_dropped", "tokens_dropped")
-                   if k in led},  # absent in manifests written before dedup: 0
-            )
-            sources[name] = SourceEntry(tuple(shards), ledger)
-        return cls(
-            manifest_version=mv,
-            record_format_version=need(raw, "record_format_version", int, ""),
-            name=need(raw, "name", str, ""),
-            version=need(raw, "version", int, ""),
-            config=need(raw, "config", dict, ""),
-            config_sha256=need(raw, "config_sha256", str, ""),
-            tokenizer=need(raw, "tokenizer", dict, ""),
-            seq_len=need(raw, "seq_len", int, ""),
-            token_dtype=need(raw, "token_dtype", str, ""),
-            sources=sources,
-            tools=need(raw, "tools", dict, ""),
-            duplicates=need(raw, "duplicates", dict, "") if "duplicates" in raw else None,
-        )
+        try:
+            return _adapter().validate_python(raw)
+        except pydantic.ValidationError as e:
+            raise ManifestError(_first_problem(e)) from None
+
+
+@functools.cache
+def _adapter() -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(Manifest)  # a stdlib dataclass: keys it does not know are ignored
+
+
+_EXPECTED = {"int": "an integer", "string": "a string", "dict": "an object", "list": "a list", "tuple": "a list",
+             "dataclass": "an object", "model": "an object", "mapping": "an object"}
+
+
+def _first_problem(e: pydantic.ValidationError) -> str:
+    """pydantic's first error as ``manifest.<path>: missing field 'x'`` or ``manifest.<path>: expected ..., got ...``."""
+    err = e.errors(include_url=False)[0]
+    loc = [p for p in err["loc"] if p != "[key]"]
+    path = "manifest" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[:-1])
+    last = loc[-1] if loc else ""
+    if err["type"] == "missing":
+        return f"{path}: missing field {last!r}"
+    where = path + (f"[{last}]" if isinstance(last, int) else f".{last}" if loc else "")
+    kind = err["type"].split("_")[0]
+    return f"{where}: expected {_EXPECTED.get(kind, err['msg'].lower())}, got {err['input']!r}"
+
+
+def manifest_json_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of ``manifest.json``, from the dataclasses above."""
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **_adapter().json_schema(),
+            "title": "manifest.json", "description": "The manifest of a packed dataset version (contract/manifest.py)."}

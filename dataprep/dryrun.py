@@ -47,12 +47,8 @@ from typing import Optional
 from contract.config import ConfigError, MixtureConfig
 
 # The modules the job's DoFns import on a worker: the staged sdist must hold them.
-WORKER_PACKAGES = ("contract", "dataprep")
+WORKER_PACKAGES = ("common", "contract", "dataprep")
 DEFAULT_FOLDER = "build/dataflow-dry-run"
-
-
-class DryRunError(ConfigError):
-    """The job was built but a check failed; the message lists every problem."""
 
 
 @dataclasses.dataclass(frozen=True)

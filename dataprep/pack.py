@@ -58,6 +58,7 @@ from apache_beam.io.filesystems import FileSystems  # noqa: E402
 from apache_beam.metrics.metric import MetricsFilter  # noqa: E402
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions  # noqa: E402
 
+from common import locks  # noqa: E402
 from contract.codec import FORMAT_VERSION, token_dtype_for_vocab  # noqa: E402
 from contract.config import ConfigError, MixtureConfig, load_mixture  # noqa: E402
 from contract.plan import (  # noqa: E402
@@ -78,7 +79,7 @@ from contract.manifest import (  # noqa: E402
     SourceEntry,
     shard_name,
 )
-from dataprep import dryrun, fsutil, pipeline, preflight, progress, sizing, staging  # noqa: E402
+from dataprep import dryrun, faults, fsutil, pipeline, preflight, progress, sizing, staging  # noqa: E402
 
 DEFAULT_RUNNER = "FnApiRunner"
 EXIT_PIPELINE = 1
@@ -190,7 +191,7 @@ def lock_output(output: str) -> Optional[int]:
 
     Two runs writing one dataset would delete each other's spill and half-written files and
     could commit a manifest over the other's shards. The lock is ``flock`` on the folder
-    itself (no lock file in the dataset); the kernel releases it when the process ends, also
+    itself (``common.locks``: no lock file in the dataset); the kernel releases it when the process ends, also
     when it is killed. Returns None for object stores (no lock: one run at a time is then up
     to the user) and where the file system has no ``flock`` (some network file systems).
 
@@ -199,21 +200,15 @@ def lock_output(output: str) -> Optional[int]:
     """
     if not fsutil.is_local(output):
         return None
-    import errno
-    import fcntl
-
-    fd = os.open(output, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise OutputBusyError(
-                f"--output {output}: another dataprep.pack run is writing there (it holds the folder's lock); "
-                "wait for it to end, or choose another --output"
-            ) from None
+        return locks.acquire(output, wait=False)
+    except BlockingIOError:
+        raise OutputBusyError(
+            f"--output {output}: another dataprep.pack run is writing there (it holds the folder's lock); "
+            "wait for it to end, or choose another --output"
+        ) from None
+    except OSError:
         return None  # no flock here: run unlocked
-    return fd
 
 
 def _output_key(output: str) -> str:
@@ -829,7 +824,7 @@ def run(argv: Optional[Sequence[str]] = None, print_summary: bool = True) -> Pac
         raise Interrupted(output, state.get("committed", False)) from None
     finally:
         if lock is not None:
-            os.close(lock)
+            locks.release(lock)
 
 
 def _prepare(argv: Optional[Sequence[str]]):
@@ -907,7 +902,7 @@ def _run_locked(args, config, pre, output, options, p, base, t0, print_summary, 
     local = is_local_runner(options)
     spill = spill_folder(base, output)
     beats = progress.heartbeat_folder() if local and not quiet else None
-    _ = p | "Pack" >> pipeline.PackSources(
+    _ = p | "Pack" >> faults.pack_sources()(
         config, pre.files, pre.tokenizer_sha256, token_dtype_for_vocab(vocab).name, output,
         num_shards=shards, sizes=pre.sizes, spill_dir=spill, heartbeat_dir=beats,
         driver_pid=os.getpid() if local else None,

@@ -483,17 +483,6 @@ def pack_rows(lengths: Sequence[int], seq_len: int, max_segments: int) -> list[l
     return best
 
 
-def pack_chunks(chunks: Iterable[Chunk], seq_len: int, max_segments: int) -> list[list[Chunk]]:
-    """Sorts chunks by (length desc, key, chunk) and packs them with :func:`pack_rows`.
-
-    Returns:
-      Rows (lists of chunks) in a deterministic order: the order they were opened.
-    """
-    ordered = sort_for_packing(chunks)
-    rows = pack_rows([len(c) for c in ordered], seq_len, max_segments)
-    return [[ordered[i] for i in row] for row in rows]
-
-
 def fill(tokens: int, rows: int, seq_len: int) -> float:
     """Returns ``tokens / (rows * seq_len)``, or 0.0 when there are no rows."""
     return tokens / (rows * seq_len) if rows else 0.0

@@ -57,7 +57,7 @@ from contract.codec import encode_row
 from contract.config import DedupMode, MixtureConfig, SourceConfig
 from contract.manifest import ERRORS_DIR, shard_name
 from contract.hashing import key_position
-from dataprep import dedup, faults, fsutil, packing, progress, readers, staging, tokenizer
+from dataprep import dedup, fsutil, packing, progress, readers, staging, tokenizer
 
 NAMESPACE = "dataprep"
 STATS_NAME = "_stats.json"
@@ -258,7 +258,6 @@ class ReadAndTokenize(beam.DoFn):
         exit_with_driver(self._driver_pid)
         self._sp, _ = tokenizer.load(self._path, self._sha)
         self._cuts = tokenizer.safe_cuts(self._sp)  # long documents encoded in pieces, same ids
-        self._fault = faults.current_spec()
         self._counters = _Counters()
         self._bucket = {s: packing.BucketOf(self._seed, s, self._num_shards[s]) for s in self._sources}
         self._read_beat = progress.Heartbeat(self._heartbeat_dir, progress.READ)
@@ -340,18 +339,16 @@ class ReadAndTokenize(beam.DoFn):
         self._token_beat.add(tokens=n)
 
     def finish_bundle(self):
-        outputs = list(self._encode()) + self._flush(force=True)
-        for i, out in enumerate(outputs):
-            if self._fault and i == len(outputs) // 2:
-                faults.maybe_fail(
-                    "tokenize.finish_bundle", f"after {i} of {len(outputs)} outputs", self._fault
-                )
-            yield from _windowed([out])
+        yield from self._emit(list(self._encode()) + self._flush(force=True))
         for source in sorted(self._tokens_in):
             self._counters[source, "tokens_in"].inc(self._tokens_in[source])
             yield from _windowed([pvalue.TaggedOutput(STATS, ("tokens_in", source, self._tokens_in[source]))])
         self._read_beat.write()
         self._token_beat.write()
+
+    def _emit(self, outputs: list) -> Iterable[Any]:
+        """The bundle's buffered outputs (staged tokens, rejected and dedup records), each in its window."""
+        yield from _windowed(outputs)
 
 
 def empty_detail(text: str) -> str:
@@ -619,7 +616,6 @@ class PackAndWriteShard(beam.DoFn):
         num_shards = self._num_shards[source]
         rel = f"{source}/{shard_name(bucket, num_shards)}"
         sha, size = write_shard(records(), len(rows), fsutil.join(self._output, source, shard_name(bucket, num_shards)))
-        faults.maybe_fail("pack", rel)
         total = int(length.sum())
         return {
             "path": rel,
@@ -709,7 +705,13 @@ class PackSources(beam.PTransform):
     Duplicates (``config.dedup``): ``off`` adds nothing; ``report`` and ``exact`` add the text
     hashes, their GroupByKey over :func:`dedup_buckets` buckets and :class:`FindDuplicates`;
     ``exact`` feeds its drop lists into the packing buckets.
+
+    The DoFns of the reading and packing steps are the class attributes ``read_and_tokenize`` and
+    ``pack_and_write`` (a test-only subclass, ``dataprep.faults``, replaces them).
     """
+
+    read_and_tokenize = ReadAndTokenize
+    pack_and_write = PackAndWriteShard
 
     def __init__(
         self,
@@ -752,7 +754,7 @@ class PackSources(beam.PTransform):
             | "ListFiles" >> beam.Create(files)  # Create reshuffles (spreads files over workers)
             | "ReadAndTokenize"
             >> beam.ParDo(
-                ReadAndTokenize(
+                self.read_and_tokenize(
                     {s.name: s for s in cfg.sources}, tok.path, self._sha, tok.add_bos, tok.add_eos,
                     self._dtype, cfg.seed, n, self._spill, self._beats, driver_pid=self._driver_pid,
                     dedup_buckets=dedup_buckets(cfg, n),
@@ -781,7 +783,7 @@ class PackSources(beam.PTransform):
             | "GroupByBucket" >> beam.GroupByKey()
             | "PackAndWrite"
             >> beam.ParDo(
-                PackAndWriteShard(self._output, cfg.seq_len, cfg.max_segments_per_row, n, self._dtype, self._beats,
+                self.pack_and_write(self._output, cfg.seq_len, cfg.max_segments_per_row, n, self._dtype, self._beats,
                                   driver_pid=self._driver_pid)
             )
         )

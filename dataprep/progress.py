@@ -34,6 +34,8 @@ import time
 import uuid
 from typing import Callable, Iterator, Mapping, Optional, TextIO
 
+from common.progress import duration, print_line, rich_bar
+
 HEARTBEAT_S = 0.5
 READ, TOKENIZE, PACK = "read", "tokenize", "pack"
 
@@ -127,16 +129,6 @@ def _tokens(n: float) -> str:
     return f"{n / 1e6:,.1f} M tokens" if n >= 1e5 else f"{int(n):,} tokens"
 
 
-def duration(seconds: float) -> str:
-    """``"9 s"``, ``"2 min 05 s"``, ``"1 h 02 min"``."""
-    s = int(round(seconds))
-    if s < 60:
-        return f"{seconds:.1f} s" if seconds < 10 else f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60:02d} s"
-    return f"{s // 3600} h {s % 3600 // 60:02d} min"
-
-
 class Monitor:
     """Shows a run's progress from heartbeats (local runners) or counters (distributed ones).
 
@@ -177,30 +169,11 @@ class Monitor:
     def _print(self, line: str) -> None:
         """Shows ``line``; once the stream fails (a pipe whose reader is gone) the monitor goes
         quiet instead of failing the run: progress is a view, the manifest is the record."""
-        if self._broken:
-            return
-        try:
-            if self._bar is not None:
-                self._bar.console.print(line, highlight=False, soft_wrap=True)
-            else:
-                print(line, file=self._stream, flush=True)
-        except (OSError, ValueError):
+        if not self._broken and not print_line(line, self._stream, self._bar):
             self._broken = True
 
     def _start_bar(self) -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
-
-        self._bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TaskProgressColumn(),
-            TextColumn("{task.fields[detail]}"),
-            TimeRemainingColumn(),
-            console=Console(file=self._stream),
-            transient=False,
-        )
-        self._bar.start()
+        self._bar = rich_bar(self._stream, transient=False, eta=True)
         self._tasks[READ] = self._bar.add_task("read and tokenize", total=self._total_bytes, detail="")
         self._tasks[PACK] = self._bar.add_task("pack and write", total=self._total_shards, detail="", visible=False)
 

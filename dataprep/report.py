@@ -25,11 +25,13 @@ bytes depend only on the data and the matplotlib version, so reruns reproduce it
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from common import figures
 from contract.config import MixtureConfig
 from contract.manifest import Manifest
 
@@ -91,6 +93,35 @@ def _phase_groups(config: MixtureConfig, names: Sequence[str]) -> list[tuple[lis
     return groups
 
 
+@dataclasses.dataclass(frozen=True)
+class _Page:
+    """What every panel of the report draws from: the manifest, the config and the names' looks."""
+
+    manifest: Manifest
+    config: MixtureConfig
+    names: list[str]  # sorted source names
+    colors: dict[str, str]
+    tick_names: list[str]  # names cut to 24 characters
+    long_labels: bool  # many or long names: ticks slanted, labels shorter
+    dups: Optional[Mapping]  # manifest.duplicates (None: dedup off)
+    dup: np.ndarray  # per source, its exact duplicates (0 without dups)
+
+    @property
+    def seq(self) -> int:
+        return self.manifest.seq_len
+
+    @property
+    def dropped(self) -> bool:
+        """Whether the duplicates were dropped (``dedup: exact``), not only reported."""
+        return bool(self.dups) and self.dups["mode"] == "exact"
+
+    def source_ticks(self, ax, positions, labels) -> None:
+        if self.long_labels:
+            ax.set_xticks(positions, labels, fontsize=8, rotation=30, ha="right", rotation_mode="anchor")
+        else:
+            ax.set_xticks(positions, labels, fontsize=9)
+
+
 def render(
     manifest: Manifest,
     config: MixtureConfig,
@@ -102,36 +133,38 @@ def render(
     ``failure``: the message of a run that was not committed (a source lost too much); the
     title then says so in red and the message is printed under the totals.
     """
-    import textwrap
-
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
+    figures.use_agg()
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator, MultipleLocator
 
     names = sorted(manifest.sources)
-    colors = {n: f"C{i % 10}" for i, n in enumerate(names)}
-    seq = manifest.seq_len
+    dups = manifest.duplicates
+    page = _Page(manifest, config, names, colors={n: f"C{i % 10}" for i, n in enumerate(names)},
+                 tick_names=short_names(names, 24), long_labels=len(names) > 6 or max(map(len, names)) > 14,
+                 dups=dups,
+                 dup=np.array([dups["by_source"].get(n, {}).get("documents", 0) if dups else 0 for n in names], float))
     fig = Figure(figsize=(16, 12), dpi=100, layout="constrained")
     axes = fig.subplots(3, 2)
     title = (
-        f"dataset {manifest.name} v{manifest.version}: seq_len {seq:,}, {manifest.token_dtype} tokens, "
+        f"dataset {manifest.name} v{manifest.version}: seq_len {page.seq:,}, {manifest.token_dtype} tokens, "
         f"{len(names)} source{'s' if len(names) != 1 else ''}"
     )
     if failure:
         title = "NOT COMMITTED (no manifest.json): " + title
     fig.suptitle(title, fontsize=15, color="C3" if failure else "black")
-    long_labels = len(names) > 6 or max(map(len, names)) > 14
-    tick_names = short_names(names, 24)
+    _segment_lengths(axes[0, 0], page, histograms)
+    _fill_per_shard(axes[0, 1], page)
+    _shares(axes[1, 0], page)
+    _documents(axes[1, 1], page)
+    _rejected(axes[2, 0], page)
+    _totals(axes[2, 1], page, failure)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    return buf.getvalue()
 
-    def source_ticks(ax, positions, labels) -> None:
-        if long_labels:
-            ax.set_xticks(positions, labels, fontsize=8, rotation=30, ha="right", rotation_mode="anchor")
-        else:
-            ax.set_xticks(positions, labels, fontsize=9)
 
-    ax = axes[0, 0]
+def _segment_lengths(ax, page: _Page, histograms: Mapping[str, np.ndarray]) -> None:
+    """Segment lengths per source (log counts), earlier sources wider and solid."""
+    names, seq, colors = page.names, page.seq, page.colors
     drawn = [n for n in names if histograms.get(n) is not None and histograms[n].sum()]
     for i, n in enumerate(drawn):
         h = histograms[n]
@@ -152,7 +185,13 @@ def render(
     else:
         ax.text(0.5, 0.5, "no segment packed", ha="center", va="center", fontsize=14, transform=ax.transAxes)
 
-    ax = axes[0, 1]
+
+def _fill_per_shard(ax, page: _Page) -> None:
+    """Fill of each shard (% of row slots holding tokens), shards grouped by source."""
+    from matplotlib.ticker import MultipleLocator
+
+    manifest, names, seq, colors, tick_names = page.manifest, page.names, page.seq, page.colors, page.tick_names
+    long_labels = page.long_labels
     x, fills, cols, ticks, labels = 0, [], [], [], []
     x_slots = sum(manifest.sources[n].totals()["records"] for n in names) * seq
     for n in names:
@@ -179,14 +218,17 @@ def render(
     used = [f for f in fills if f > 0]
     overall = 100.0 * sum(manifest.sources[n].totals()["tokens"] for n in names) / max(1, x_slots)
     summary = f": lowest {_fill_pct(min(used))}, all shards {_fill_pct(overall)}" if used else ""
-    source_ticks(ax, ticks, labels)
+    page.source_ticks(ax, ticks, labels)
     ax.set_ylabel("fill (% of row slots holding tokens)")
     ax.set_title(f"fill per shard{summary} (axis from 0)" + ("; labels: source (shard count)" if long_labels else ""))
 
-    ax = axes[1, 0]
+
+def _shares(ax, page: _Page) -> None:
+    """Each source's share of the packed tokens beside its sampling share in each weighting."""
+    manifest, names, tick_names, long_labels = page.manifest, page.names, page.tick_names, page.long_labels
     tokens = np.array([manifest.sources[n].totals()["tokens"] for n in names], float)
     bars = [("packed tokens (% of all)", 100.0 * tokens / tokens.sum() if tokens.sum() else tokens)]
-    groups = _phase_groups(config, names)
+    groups = _phase_groups(page.config, names)
     for steps, w in groups[:MAX_PHASES_DRAWN]:
         shown = ", ".join(f"{st:,}" for st in steps[:4]) + (f" (+{len(steps) - 4})" if len(steps) > 4 else "")
         bars.append((f"sampling share from step{'s' if len(steps) > 1 else ''} {shown}", w))
@@ -197,7 +239,7 @@ def render(
                    color="0.25" if i == 0 else f"C{(i + 1) % 10}", alpha=1.0 if i == 0 else 0.75)
         if len(bars) * len(names) <= 40:
             ax.bar_label(b, fmt="%.0f%%", fontsize=8)
-    source_ticks(ax, idx, tick_names)
+    page.source_ticks(ax, idx, tick_names)
     ax.set_ylabel("share (%)")
     more = len(groups) - MAX_PHASES_DRAWN
     ax.set_title("tokens per source against the mixture weights\n(a weight is a sampling share: the % of rows the "
@@ -208,16 +250,20 @@ def render(
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12 if not long_labels else -0.22),
               ncol=2, frameon=False)
 
-    ax = axes[1, 1]
+
+def _documents(ax, page: _Page) -> None:
+    """Documents packed, split into chunks and duplicated, per source."""
+    from matplotlib.ticker import MaxNLocator
+
+    manifest, names, seq, tick_names, long_labels = page.manifest, page.names, page.seq, page.tick_names, page.long_labels
+    dups, dup, dropped = page.dups, page.dup, page.dropped
+    idx = np.arange(len(names))
     packed = np.array([manifest.sources[n].ledger.packed for n in names], float)
     split = np.array([manifest.sources[n].ledger.docs_split for n in names], float)
-    dups = manifest.duplicates
-    dup = np.array([dups["by_source"].get(n, {}).get("documents", 0) if dups else 0 for n in names], float)
     read = np.array([manifest.sources[n].ledger.read for n in names], float)
     w = 0.27
     b1 = ax.bar(idx - w, packed, w, label="documents packed", color="0.6")
     b2 = ax.bar(idx, split, w, label=f"split (longer than {seq:,} tokens)", color="C3")
-    dropped = bool(dups) and dups["mode"] == "exact"
     b3 = ax.bar(idx + w, dup, w, color="C4", hatch="//" if dropped else None,
                 label="exact duplicates of an earlier document" + (", dropped" if dropped else ", packed")
                 if dups else "duplicates: not looked for (dedup: off)")
@@ -225,7 +271,7 @@ def render(
     ax.bar_label(b2, labels=[f"{int(s):,} ({s / p:.0%})" if p else "0" for s, p in zip(split, packed)], fontsize=8)
     ax.bar_label(b3, labels=[f"{int(d):,} ({d / r:.0%})" if dups and r else "-" for d, r in zip(dup, read)],
                  fontsize=8)
-    source_ticks(ax, idx, tick_names)
+    page.source_ticks(ax, idx, tick_names)
     ax.set_ylabel("documents")
     ax.set_ylim(0, max(1.0, float(max(packed.max(), dup.max())) if len(packed) else 1.0) * 1.15)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -233,7 +279,12 @@ def render(
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12 if not long_labels else -0.22), ncol=2,
               frameon=False)
 
-    ax = axes[2, 0]
+
+def _rejected(ax, page: _Page) -> None:
+    """Rejected documents by source and reason."""
+    from matplotlib.ticker import MaxNLocator
+
+    manifest, names, colors, tick_names = page.manifest, page.names, page.colors, page.tick_names
     rows = [(n, r, c) for n in names for r, c in sorted(manifest.sources[n].ledger.rejected.items())]
     if rows:
         y = np.arange(len(rows))
@@ -249,7 +300,12 @@ def render(
         ax.set_yticks([])
     ax.set_title("rejected documents by reason")
 
-    ax = axes[2, 1]
+
+def _totals(ax, page: _Page, failure: Optional[str]) -> None:
+    """The totals table, and the failure's message for a run that was not committed."""
+    import textwrap
+
+    manifest, names, seq, dups, dup, dropped = page.manifest, page.names, page.seq, page.dups, page.dup, page.dropped
     ax.axis("off")
     col = max(6, min(32, max(map(len, names)))) + 1
     table_names = short_names(names, col - 1)
@@ -289,7 +345,3 @@ def render(
         ax.text(0.0, 0.0, "\n".join(wrapped), family="monospace", fontsize=8, va="bottom", color="C3",
                 transform=ax.transAxes)
     ax.set_title("totals (documents read = packed + rejected" + (" + duplicates dropped)" if dropped else ")"))
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": None})
-    return buf.getvalue()

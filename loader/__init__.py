@@ -23,7 +23,8 @@ modules listed before it, never one above it (``tests/test_loader_imports.py`` c
     state        LoaderState: next step + fingerprint; what-changed comparison
     data_loader  build, DataLoader: batch_at, iterate, state, restore, metrics
     checkpoint   the Orbax handler (imported on first use)
-    testing      synthetic datasets and the slower reference forms tests compare against
+    synthetic    synthetic datasets whose every row's origin is known (drills, benchmarks, tests)
+    testing      the slower reference forms tests compare against (no command imports it)
 """
 
 from loader.arrays import BATCH_KEYS
@@ -32,7 +33,6 @@ from loader.index import Schedule, ScheduleError, SkipWindow
 from loader.shards import DatasetError
 from loader.source import RowRef
 from loader.state import LoaderState, ResumeError
-from loader.testing import dense_batch, derive_batch
 
 
 def __getattr__(name):  # Orbax imported only when the checkpoint API is used
@@ -58,6 +58,4 @@ __all__ = [
     "ScheduleError",
     "SkipWindow",
     "build",
-    "dense_batch",
-    "derive_batch",
 ]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import struct
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -90,6 +91,7 @@ def pack_records(
     records: Sequence[bytes], seq_len: int, token_width: int, pad_id: int = 0,
     out_dtype: np.dtype | str = np.int32, vocab_size: int | None = None,
     where: Mapping[int, str] | None = None, six: bool = False, out: np.ndarray | None = None,
+    stamps: list[float] | None = None,
 ) -> tuple[np.ndarray | dict[str, np.ndarray], int]:
     """Tokens, segment ids and positions of encoded rows, straight from the record bytes.
 
@@ -115,6 +117,11 @@ def pack_records(
       ``BATCH_KEYS`` order (when ``None``, a 64-byte-aligned block that nothing else
       uses, from :class:`AlignedPool`). Reusing ``out`` spares the fresh pages (page faults) of
       megabytes of new arrays every step.
+
+    When ``stamps`` is given, ``time.perf_counter()`` is appended to it once every record
+    is decoded and checked (tokens copied, segment lengths read), before the rows' ids,
+    positions and targets are built: the boundary of the "decode" and "rows" stages of
+    ``DataLoader.metrics()["wait_stages_s"]``.
 
     Raises:
       DatasetError: a record fails a check; ``where[i]`` (or "record i") names it.
@@ -182,6 +189,8 @@ def pack_records(
         if over.any():
             i = int(np.argmax(over.any(axis=1)))
             raise DatasetError(f"{_name(where, i)}: token {int(utok[i][over[i]].max())} >= vocab_size {vocab_size}")
+    if stamps is not None:
+        stamps.append(time.perf_counter())
     # Segment ids and positions: one running sum of marks per row (int32, then narrowed).
     starts = np.cumsum(lengths) - lengths - np.repeat(np.cumsum(T) - T, S)  # start slot in its row
     seg = out[2] if six else np.empty((n, L), np.int32)

@@ -60,6 +60,40 @@ def _default_mesh():
     return Mesh(np.asarray(jax.devices()), ("data",))
 
 
+WAIT_STAGES = ("index", "read", "decode", "rows", "transfer", "other")
+"""Where a step's wait for its batch can go (:func:`wait_stages`): the index arithmetic,
+the storage reads, decoding and checking the records, building the rows' arrays, the
+transfer to the devices (the global arrays), and the rest (the step's work not yet begun:
+its thread busy with an earlier step, or the GIL, or a Grain worker's hand-off)."""
+
+
+def wait_stages(t_ask: float, t_got: float, stamps: np.ndarray | None,
+                transfer: tuple[float, float]) -> dict[str, float]:
+    """Where the wait ``[t_ask, t_got]`` for a step's batch went: seconds per stage.
+
+    Each stage of the step (``loader.source.STAGE_BOUNDS``: ``stamps``, float64 ``[5]``, the
+    step's start and the end of its index, read, decode and rows stages; ``transfer``, the
+    start and end of building its global arrays), all ``time.perf_counter()`` seconds, is
+    charged its overlap with the wait; ``"other"`` is what no stage covers. The values add
+    up to ``t_got - t_ask`` (to rounding). Stages that were not waited on are left out, so a
+    step that did not wait gives ``{}``.
+    """
+    wait = t_got - t_ask
+    if wait <= 0:
+        return {}
+    bounds = [] if stamps is None else [float(x) for x in stamps]
+    spans = list(zip(WAIT_STAGES[:4], bounds, bounds[1:])) + [("transfer", *transfer)]
+    out = {}
+    for name, a, b in spans:
+        o = min(b, t_got) - max(a, t_ask)
+        if o > 0:
+            out[name] = o
+    rest = wait - sum(out.values())
+    if rest > 0:
+        out["other"] = rest
+    return out
+
+
 class DataLoader:
     """Deterministic, checkpointable loader; build it with :func:`build`.
 
@@ -129,7 +163,8 @@ class DataLoader:
         self.events: list[dict] = []
         self._next_step = 0
         self._lock = threading.Lock()
-        self._m = {"rows_served": 0, "tokens_served": 0, "wait_s_last_step": 0.0}
+        self._m = {"rows_served": 0, "tokens_served": 0, "wait_s_last_step": 0.0, "occupancy_at_ask": None,
+                   "occupancy_min": None, "wait_stages_s": {}}
         self._prefetch: Prefetch | None = None  # of the open iterator, for metrics()
 
     # Where the targets keys are derived (host or devices) and the transfer's fast path:
@@ -218,12 +253,20 @@ class DataLoader:
         """
         return self._place.to_global(host)
 
-    def _account(self, step: int, host: Mapping[str, np.ndarray], wait_s: float) -> None:
+    def _account(self, step: int, host: Mapping[str, np.ndarray], wait: tuple[float, float],
+                 transfer: tuple[float, float], ready_at_ask: int, ready_min: int) -> None:
+        """Counts the step served and records its input figures (:meth:`metrics`): the wait
+        ``(t_ask, t_got)`` and where it went (:func:`wait_stages`), the buffer's levels."""
+        # a batch ready at the ask is handed over in microseconds: no stall to split
+        stages = wait_stages(wait[0], wait[1], host.get("stamps"), transfer) if ready_at_ask == 0 else {}
         with self._lock:
             self._next_step = step + 1
             self._m["rows_served"] += self.global_batch
             self._m["tokens_served"] += int(host["tokens"])
-            self._m["wait_s_last_step"] = wait_s
+            self._m["wait_s_last_step"] = wait[1] - wait[0]
+            self._m["occupancy_at_ask"] = ready_at_ask
+            self._m["occupancy_min"] = ready_min
+            self._m["wait_stages_s"] = stages
 
     def batch_at(self, step: int) -> dict[str, Any]:
         """The global batch of training ``step`` (pure function of the step); see the module docstring.
@@ -236,9 +279,10 @@ class DataLoader:
           loader.shards.DatasetError: a shard cannot be read or a record does not decode.
         """
         t0 = time.perf_counter()
-        host = self._read_step(step)
-        self._account(int(host["step"]), host, time.perf_counter() - t0)
-        return self.to_global(host)
+        host, batch, transfer = self._read_and_place(step)
+        # no buffer: the caller waits for all of it (levels 0)
+        self._account(int(host["step"]), host, (t0, transfer[1]), transfer, 0, 0)
+        return batch
 
     def _read_step(self, step: int) -> dict[str, np.ndarray]:
         """Host arrays of ``step`` in this process: the six keys when the targets are derived
@@ -249,13 +293,19 @@ class DataLoader:
         """
         return self.source.six(step) if self._host_derive else self.source(step)
 
-    def _read_and_place(self, step: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def _read_and_place(self, step: int) -> tuple[dict[str, np.ndarray], dict[str, Any], tuple[float, float]]:
+        """``(host arrays, global batch, (start, end) of the transfer in perf_counter seconds))``."""
         host = self._read_step(step)
-        return host, self.to_global(host)
+        t0 = time.perf_counter()
+        batch = self.to_global(host)
+        return host, batch, (t0, time.perf_counter())
 
-    def _place_next(self, hosts: Iterator[dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def _place_next(self, hosts: Iterator[dict[str, np.ndarray]]
+                    ) -> tuple[dict[str, np.ndarray], dict[str, Any], tuple[float, float]]:
         host = next(hosts)  # StopIteration ends the prefetch
-        return host, self.to_global(host)
+        t0 = time.perf_counter()
+        batch = self.to_global(host)
+        return host, batch, (t0, time.perf_counter())
 
     def _prefetch_stages(self, steps: range, depth: int) -> Prefetch:
         """The prefetch of ``steps``: ``(host arrays, global batch)`` in step order, ``depth`` ahead."""
@@ -278,13 +328,19 @@ class DataLoader:
         # second thread passing work along would only wait for it.
         return Prefetch(self._read_and_place, steps, depth, name="loader-prefetch")
 
-    def _take(self, step: int, batches: Prefetch) -> dict[str, Any]:
-        """The next batch of the prefetch, which must be ``step``'s; accounted for."""
-        t0 = time.perf_counter()
-        host, batch = next(batches)  # StopIteration cannot come before the steps end
+    def _take(self, step: int, batches: Prefetch, level: list[int]) -> dict[str, Any]:
+        """The next batch of the prefetch, which must be ``step``'s; accounted for.
+
+        ``level[0]``: the buffer's level after the previous take, replaced by the level after
+        this one. Between a take and the next ask the level only rises (nothing is taken), so
+        the step's minimum is the lower of ``level[0]`` and the level at the ask."""
+        host, batch, transfer = next(batches)  # StopIteration cannot come before the steps end
         if int(host["step"]) != step:  # pragma: no cover - an ordering bug, fail loudly
             raise RuntimeError(f"prefetch produced step {int(host['step'])}, expected {step}")
-        self._account(step, host, time.perf_counter() - t0)
+        took = batches.last_take
+        self._account(step, host, (took.t_ask, took.t_got), transfer, took.ready_at_ask,
+                      min(level[0], took.ready_at_ask))
+        level[0] = took.ready_after
         return batch
 
     def iterate(self, start_step: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -310,10 +366,11 @@ class DataLoader:
         steps = self.schedule.steps_from(self._next_step if start_step is None else start_step)
         batches = self._prefetch_stages(steps, max(1, self.prefetch))
         self._prefetch = batches
+        level = [0]  # the buffer's level after the last take; it starts empty
         try:
             for step in steps:
                 # no local keeps the batch: once the trainer drops it, its buffers are free
-                yield step, self._take(step, batches)
+                yield step, self._take(step, batches, level)
         finally:
             if self._prefetch is batches:
                 self._prefetch = None
@@ -330,7 +387,7 @@ class DataLoader:
         """
         import grain
 
-        return grain.MapDataset.range(start_step, stop_step).map(self.source)
+        return grain.MapDataset.range(start_step, stop_step).map(self.source.unstamped)
 
     # ---------------------------------------------------------------- state
     def state(self) -> st.LoaderState:
@@ -366,8 +423,15 @@ class DataLoader:
         """Figures to log each step.
 
         Returns:
-          ``prefetch_occupancy`` (host batches ready in the buffer), ``prefetch_depth``,
-          ``wait_s_last_step`` (seconds the last step waited for data), ``rows_served`` and
+          ``prefetch_occupancy`` (host batches ready in the buffer now), ``prefetch_depth``,
+          ``wait_s_last_step`` (seconds the last step waited for data), and of the last
+          step: ``occupancy_at_ask`` (batches ready when the trainer asked for it; 0 from
+          :meth:`batch_at`, which has no buffer; None before any step), ``occupancy_min``
+          (the lowest level from the previous take to this one: 0 when it waited, and at
+          the first step of :meth:`iterate`, whose buffer starts empty), ``wait_stages_s``
+          (where its wait went, seconds per stage of :data:`WAIT_STAGES`, :func:`wait_stages`;
+          ``{}`` when its batch was ready at the ask: the microseconds of that hand-off are
+          in ``wait_s_last_step`` only); ``rows_served`` and
           ``tokens_served`` (non-padding tokens read by this process), ``next_step``, and
           ``per_source`` ``{name: {"rows": global rows drawn so far, "epochs": rows / records}}``
           over the rows of steps ``[0, next_step)`` of this schedule.
@@ -383,6 +447,9 @@ class DataLoader:
             "prefetch_occupancy": pre.ready() if pre is not None else 0,
             "prefetch_depth": self.prefetch,
             "wait_s_last_step": self._m["wait_s_last_step"],
+            "occupancy_at_ask": self._m["occupancy_at_ask"],
+            "occupancy_min": self._m["occupancy_min"],
+            "wait_stages_s": dict(self._m["wait_stages_s"]),
             "rows_served": self._m["rows_served"],
             "tokens_served": self._m["tokens_served"],
             "next_step": self._next_step,

@@ -21,13 +21,32 @@ import collections
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 log = logging.getLogger("loader")
 # The open Prefetch iterators, whose threads run (each removes itself on close).
 _THREADS: list[Prefetch] = []
 _END = object()  # what a call that raised StopIteration returns: the source is exhausted
+
+
+class Take(NamedTuple):
+    """What the consumer met when it took a result (:attr:`Prefetch.last_take`).
+
+    Attributes:
+      ready_at_ask: results ready at the head of the order when it asked (:meth:`Prefetch.ready`).
+      t_ask, t_got: ``time.perf_counter()`` seconds when it asked and when it had the result:
+        ``t_got - t_ask`` is its wait (0 when the result was ready, up to the microseconds of
+        the hand-off).
+      ready_after: results ready once it had the result (the buffer's level as the
+        consumer's next step begins; until it asks again the level only rises).
+    """
+
+    ready_at_ask: int
+    t_ask: float
+    t_got: float
+    ready_after: int
 
 
 def _call(fn: Callable[[Any], Any], item: Any) -> Any:
@@ -53,7 +72,8 @@ class Prefetch(Iterator):
         (the consumer already has its answer).
 
     A call that raises ``StopIteration`` ends the iteration at its place (an exhausted
-    source). :meth:`close` (also on exhaustion or an error, and at interpreter exit for an
+    source). Each result taken sets :attr:`last_take` (a :class:`Take`: the results ready
+    when the consumer asked, how long it waited, and the results ready after). :meth:`close` (also on exhaustion or an error, and at interpreter exit for an
     iterator never closed) cancels the calls not yet started, waits for those running (no
     thread outlives the iterator) and then closes ``then_close``. ``DataLoader.iterate``
     closes its prefetch when it is closed or dropped.
@@ -74,6 +94,7 @@ class Prefetch(Iterator):
         self._pool: concurrent.futures.ThreadPoolExecutor | None = concurrent.futures.ThreadPoolExecutor(
             threads, thread_name_prefix=name)
         self._lock = threading.Lock()
+        self.last_take: Take | None = None  # of the latest __next__ that returned a result
         _THREADS.append(self)
         self._fill()
 
@@ -89,6 +110,8 @@ class Prefetch(Iterator):
         if self._pool is None or not self._pending:
             self.close()
             raise StopIteration
+        ready = self.ready()
+        t_ask = time.perf_counter()
         head = self._pending.popleft()
         self._fill()  # the trainer's step overlaps the next ``depth`` calls
         try:
@@ -96,9 +119,11 @@ class Prefetch(Iterator):
         except BaseException:
             self.close()
             raise
+        t_got = time.perf_counter()
         if out is _END:
             self.close()
             raise StopIteration
+        self.last_take = Take(ready, t_ask, t_got, self.ready())
         return out
 
     def ready(self) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -66,6 +67,8 @@ def with_next(e: DatasetError, step: str) -> DatasetError:
 def _open_reader(path: str, mode: str = "batched"):
     from array_record.python.array_record_module import ArrayRecordReader
 
+    if mode == "records":  # a seek + read a record: ArrayRecord's default buffer (benchmarks/load.py)
+        return ArrayRecordReader(path, READER_OPTIONS_BY_MODE[mode])
     return ArrayRecordReader(path, READER_OPTIONS_BY_MODE[mode], file_reader_buffer_size=32768)
 
 
@@ -191,11 +194,14 @@ class ShardSet:
         """
         return self.locate_and_read(source, record)[2]
 
-    def locate_and_read(self, source: np.ndarray, record: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+    def locate_and_read(self, source: np.ndarray, record: np.ndarray,
+                        stamps: list[float] | None = None) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
         """:meth:`locate`, then :meth:`read_located`: ``(shard, in_shard, records)``.
 
         Args:
           source, record: int ``[n]``, schedule source index and record of that source.
+          stamps: when given, ``time.perf_counter()`` is appended after :meth:`locate` and
+            again after the reads (the loader's stage clock, ``loader.source.STAGE_BOUNDS``).
 
         Returns:
           ``shard`` and ``in_shard``, int64 ``[n]``, and the ``n`` record bytes, in order.
@@ -204,7 +210,12 @@ class ShardSet:
           DatasetError: a record cannot be read (see :meth:`read_located`).
         """
         shard, in_shard = self.locate(source, record)
-        return shard, in_shard, self.read_located(source, record, shard, in_shard)
+        if stamps is None:
+            return shard, in_shard, self.read_located(source, record, shard, in_shard)
+        stamps.append(time.perf_counter())
+        data = self.read_located(source, record, shard, in_shard)
+        stamps.append(time.perf_counter())
+        return shard, in_shard, data
 
     def read_located(self, source: np.ndarray, record: np.ndarray, shard: np.ndarray,
                      in_shard: np.ndarray) -> list[bytes]:

@@ -18,6 +18,7 @@ May import: ``loader.index``, ``loader.shards``, ``loader.arrays`` (and ``contra
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,13 @@ from contract import codec
 from loader import index as ix
 from loader.arrays import decode_all, pack_records
 from loader.shards import DatasetError, ShardSet, with_next
+
+
+STAGE_BOUNDS = ("start", "index", "read", "decode", "rows")
+"""What each of a host batch's ``stamps`` marks: the start of the step, then the end of its
+index arithmetic (``loader.index`` and ``ShardSet.locate``), of its storage reads
+(``ShardSet.read_located``), of decoding and checking the records and of building the rows'
+arrays (``loader.arrays.pack_records``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +152,11 @@ class StepSource:
           ``packed``: ``[n, 3, seq_len]`` in :attr:`packed_dtype`, tokens, segment ids and
           positions of the host's rows (:func:`unpack`; the targets keys derive from them,
           ``loader.device.derive``); ``step`` (int64 scalar); ``tokens`` (int64
-          scalar, non-padding tokens); ``source`` (int32 ``[n]``, schedule source index).
+          scalar, non-padding tokens); ``source`` (int32 ``[n]``, schedule source index);
+          ``stamps`` (float64 ``[5]``, ``time.perf_counter()`` seconds: the step's start and
+          the end of each of its stages, :data:`STAGE_BOUNDS`; ``perf_counter`` is the
+          system-wide monotonic clock on Linux, so a Grain worker's stamps compare with the
+          trainer's).
 
         Raises:
           loader.index.ScheduleError: a bad step.
@@ -152,6 +164,14 @@ class StepSource:
             with the manifest (named: source record, shard, record in shard).
         """
         return self._read(step, six=False)
+
+    def unstamped(self, step: int) -> dict[str, np.ndarray]:
+        """Calling the source without ``stamps``: the host arrays alone, a pure function of
+        the step (what ``DataLoader.grain_dataset`` gives, so that Grain's checkpoint
+        round trip compares equal elements)."""
+        host = self._read(step, six=False)
+        del host["stamps"]
+        return host
 
     def six(self, step: int, out: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Like calling the source, but the host arrays are the six trainer keys (int32
@@ -167,16 +187,22 @@ class StepSource:
     def _read(self, step: int, six: bool, out: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """The path of a step, each layer entered once: rows (``loader.index``), their record
         bytes (``loader.shards``), host arrays (``loader.arrays``)."""
+        t0 = time.perf_counter()
         loc = self.schedule.step_locations(step, self.local_rows)
-        shard, in_shard, records = self.shards.locate_and_read(loc.source, loc.record)
+        stamps = [t0]  # ShardSet.locate_and_read adds the end of locate, then of the reads
+        shard, in_shard, records = self.shards.locate_and_read(loc.source, loc.record, stamps)
         try:
             arrays, tokens = pack_records(records, self.seq_len, self.token_width, self.pad_id, self.packed_dtype,
                                           self.vocab_size,
                                           _Names(self.schedule.sources, loc, self.shards, shard, in_shard),
-                                          six=six, out=out)
+                                          six=six, out=out, stamps=stamps)
         except DatasetError as e:  # a damaged record: what to do next, as for one that cannot be read
             raise with_next(e, getattr(self.shards, "repair", "")) from None
+        if len(stamps) == 3:  # no rows: nothing was decoded
+            stamps.append(stamps[-1])
+        stamps.append(time.perf_counter())
         host = dict(arrays) if six else {"packed": arrays}
         # int(step): an integer, as step_locations checked
-        host.update(step=np.int64(int(step)), tokens=np.int64(tokens), source=loc.source.astype(np.int32))
+        host.update(step=np.int64(int(step)), tokens=np.int64(tokens), source=loc.source.astype(np.int32),
+                    stamps=np.array(stamps, np.float64))
         return host

@@ -7,7 +7,6 @@ rendered or plotted again. No JAX.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping, Optional
 
 from rich.console import Console
@@ -15,20 +14,12 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
+from common import figures
 from replay.run.progress import loss_text
 from replay.run.writer import write_json  # noqa: F401  (reports are written with report.write_json)
 
 _VERDICT_STYLE = {"convicted": "bold red", "acquitted": "bold green", "ambiguous": "bold yellow"}
 PIPED_WIDTH = 160  # columns of a table when the output is a pipe or a file (which have no width)
-
-
-def _save(fig: Any, path: str, dpi: int) -> None:
-    """Writes a matplotlib figure to ``path`` (its folder made) and closes it."""
-    import matplotlib.pyplot as plt
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
 
 
 def make_console(stderr: bool = False) -> Console:
@@ -68,13 +59,26 @@ def _verdict_panel(report: Mapping[str, Any]) -> Panel:
         lines.append("differing elements (replayed vs checkpointed parameters): "
                      + ", ".join(f"{k}: {v}" for k, v in report["differing_elements"].items()))
     if "evidence" in report:
-        lines.append(f"evidence: {report['evidence']}; independent replays: {report.get('independent_replays')}")
+        lines.append(f"evidence: {evidence_text(report)}; independent replays: {report.get('independent_replays')}")
     if "device_spec" in report and "devices" in report:
         q = report.get("quarantine") or []
         lines.append(f"devices: {report['device_spec']!r} -> {report['devices']}; "
                      + (f"quarantined (left out of 'good'): {q}" if q else "no device quarantined"))
     lines += segment_lines(report)
     return Panel("\n".join(lines), title="verdict")
+
+
+def evidence_text(report: Mapping[str, Any]) -> str:
+    """The comparison's strength in words: the report's (the weakest replay's) when every replay has it,
+    else each placement's, e.g. ``bit-exact on [0, 1, 2, 3] (the run's own devices), per-shard on [4, 5, 6, 7]``."""
+    per: dict[tuple, str] = {}
+    for r in report.get("replays") or []:
+        if r.get("evidence"):
+            per.setdefault(tuple(r["assignment"]), r["evidence"])
+    if len(set(per.values())) <= 1:
+        return str(report["evidence"])
+    own = tuple(report.get("run_devices") or ())
+    return ", ".join(f"{ev} on {list(a)}" + (" (the run's own devices)" if a == own else "") for a, ev in per.items())
 
 
 def segment_lines(report: Mapping[str, Any]) -> list[str]:
@@ -136,8 +140,9 @@ def render_range(report: Mapping[str, Any], console: Optional[Console] = None, m
     losses: dict[int, str] = {}
     for col, r in enumerate(replays):
         for s in r["steps"]:
+            kind = str(s["kind"]).replace("_", " ")  # "device [2]", "all devices [0, 1, 2, 3]", "data"
             cell = "[green]match[/]" if s["ok"] else (
-                f"[red]{s['kind']}[/]" + (f" dev {[int(k) for k in s['devices']]}" if s["devices"] else ""))
+                f"[red]{kind}[/]" + (f" {[int(k) for k in s['devices']]}" if s["devices"] else ""))
             rows.setdefault(s["step"], [""] * len(replays))[col] = cell
             losses[s["step"]] = loss_text(s["loss"]["logged"])  # a float, or "nan"/"inf" (JSON)
     steps = sorted(rows)
@@ -270,13 +275,7 @@ def render_inspect(report: Mapping[str, Any], console: Optional[Console] = None,
 
 def plot_range(report: Mapping[str, Any], path: str) -> None:
     """Writes the PNG of :func:`range_figure` to ``path``."""
-    fig = range_figure(report)  # sets matplotlib's Agg backend before pyplot is imported here
-    import matplotlib.pyplot as plt
-
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    figures.save(range_figure(report), path, dpi=100)
 
 
 def range_figure(report: Mapping[str, Any]):
@@ -287,10 +286,7 @@ def range_figure(report: Mapping[str, Any]):
     orange column = the batch hash differs (data/order); grey = not compared. The first
     divergent step is marked with a vertical line.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
     import numpy as np
     from matplotlib.colors import ListedColormap
 
@@ -461,13 +457,7 @@ def _scan_marks(run_dir: str, start: int, stop: int) -> list[tuple[int, str]]:
 
 def plot_scan(scan: Any, path: str) -> None:
     """Writes the PNG of :func:`scan_figure` (a ``replay.screen.scan.ScanReport``) to ``path``."""
-    fig = scan_figure(scan)  # sets matplotlib's Agg backend before pyplot is imported here
-    import matplotlib.pyplot as plt
-
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    figures.save(scan_figure(scan), path, dpi=90)
 
 
 def scan_figure(scan: Any):
@@ -491,10 +481,7 @@ def scan_figure(scan: Any):
     Phase changes, skipped windows and restores (events.jsonl) are vertical lines on every panel.
     A panel whose values are all 0 says so.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
     import numpy as np
     from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 
@@ -707,10 +694,7 @@ def plot_triage(rep: Any, path: str) -> None:
     (onset shaded), the per-replica gradient-norm ratio, each layer's router entropy and dropped
     fraction, an expert-share heatmap (layers x experts over steps), the canary timeline and the
     loader wait; lineage events as vertical lines on every panel."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
     import numpy as np
 
     sig = rep.series.get("signals") or {}
@@ -819,7 +803,7 @@ def plot_triage(rep: Any, path: str) -> None:
     fig.suptitle(f"replay triage of step {rep.step} in {rep.run_dir}\n{_CAUSE_TEXT[con.cause]} "
                  f"({con.confidence}): {con.explanation[:140]}", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
-    _save(fig, path, dpi=85)
+    figures.save(fig, path, dpi=85)
 
 
 def render_triage_drills(res: Mapping[str, Any], console: Optional[Console] = None) -> None:
@@ -878,6 +862,7 @@ def render_goodput(report: Mapping[str, Any], console: Optional[Console] = None)
     console.print(ledger)
     for line in report.get("unknown") or []:
         console.print(f"[yellow]unknown:[/] {escape(line)}")
+    _render_input_wait(report.get("input") or {}, console)
     mfu = report["mfu"]
     if mfu.get("status") == "ok":
         console.print(f"MFU (median of the lineage's steps): {mfu['median']:.2%} ({mfu['devices']} x "
@@ -898,14 +883,28 @@ def render_goodput(report: Mapping[str, Any], console: Optional[Console] = None)
     console.print(Panel(headline, title="goodput"), soft_wrap=False)
 
 
+def _render_input_wait(inp: Mapping[str, Any], console: Console) -> None:
+    """The input wait line of ``replay goodput``: the loader_wait part split by where it went."""
+    from replay.screen.goodput import INPUT_TEXT
+
+    if not inp or not inp.get("charged_us"):
+        return
+    total = inp["charged_us"]
+    parts = sorted(((v, k) for k, v in inp["us"].items() if v > 0), reverse=True)
+    split = "; ".join(f"{escape(INPUT_TEXT[k])} {_dur(v / 1e6)} ({v / total:.0%})" for v, k in parts)
+    occ = (f"; the buffer was empty at {inp['drained_steps']} of {inp['steps_with_occupancy']} asks"
+           if inp.get("steps_with_occupancy") else "")
+    console.print(f"input wait {_dur(total / 1e6)}: {split}{occ}")
+    if inp.get("worst") and inp["worst"][0][1] > 0:
+        console.print("  longest: " + ", ".join(f"step {s} {_dur(w)} ({escape(INPUT_TEXT.get(k, k))})"
+                                                for s, w, k in inp["worst"][:3]))
+
+
 def plot_goodput(rep: Any, path: str) -> None:
     """Writes a ``replay.screen.goodput.GoodputReport``'s picture: the waterfall (100% of the wall time,
     each part that is not productive taken off in turn, to the net goodput) and goodput over time
     (productive time so far over elapsed time) with restores and rewinds as vertical lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
     import numpy as np
 
     from replay.screen.goodput import PART_TEXT, PARTS
@@ -972,4 +971,4 @@ def plot_goodput(rep: Any, path: str) -> None:
     ax2.set_title("goodput over time; starts, restores, rewinds and skip windows as dashed lines", fontsize=10)
     fig.suptitle(f"replay goodput of {rep.run_dir}", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
-    _save(fig, path, dpi=90)
+    figures.save(fig, path, dpi=90)

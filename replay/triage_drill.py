@@ -119,7 +119,7 @@ class Drills:
     def __init__(self, root: str, log: Optional[Callable[[str], None]] = None):
         import jax
 
-        from loader.testing import synthetic_mixture, write_synthetic_dataset
+        from loader.synthetic import synthetic_mixture, write_synthetic_dataset
         from replay.reference import run as ref_run
         from replay.reference.model import ModelConfig
         from replay.reference.trainer import OptimizerConfig, ReferenceTrainer, make_mesh

@@ -8,7 +8,7 @@ What runs: every fenced ```` ```bash ```` block (one logical command a line, ``\
 joined, comment-only lines dropped; ``export NAME=value`` lines set the environment of the
 commands after them) and every ```` ```python ```` block (run as one script), from the repository
 root, with ``.venv/bin`` first on ``PATH`` and ``XLA_FLAGS`` giving 8 CPU devices. Files run in
-this order: ``README.md``, then ``docs/*.md`` sorted. A command that exits other than 0 (or the
+this order: ``README.md``, then ``docs/*.md`` sorted, then ``examples/*/README.md`` sorted. A command that exits other than 0 (or the
 code its block names) fails the check.
 
 A block that cannot run here says why, in an HTML comment on the line just before its fence,
@@ -163,8 +163,8 @@ def commands_of(path: pathlib.Path, root: pathlib.Path = REPO) -> list[Command]:
 
 
 def doc_files(root: pathlib.Path = REPO) -> list[pathlib.Path]:
-    """``README.md`` first, then ``docs/*.md`` sorted by name."""
-    return [root / "README.md"] + sorted((root / "docs").glob("*.md"))
+    """``README.md`` first, then ``docs/*.md`` sorted by name, then each example's ``examples/*/README.md``."""
+    return [root / "README.md"] + sorted((root / "docs").glob("*.md")) + sorted((root / "examples").glob("*/README.md"))
 
 
 def base_env(root: pathlib.Path = REPO) -> dict[str, str]:
@@ -223,7 +223,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         wanted = {str((REPO / f).resolve()) for f in args.only}
         files = [f for f in files if str(f.resolve()) in wanted]
         if not files:
-            print(f"error: none of {args.only} is README.md or docs/*.md", file=sys.stderr)
+            print(f"error: none of {args.only} is README.md, docs/*.md or examples/*/README.md", file=sys.stderr)
             return 2
     try:
         cmds = [c for f in files for c in commands_of(f, REPO)]

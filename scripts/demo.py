@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dataprep.progress import duration  # noqa: E402
+from common.progress import duration  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,8 +20,10 @@ def _docs(lengths):
 
 
 def _pack(docs, seq_len, max_segments):
-    chunks = [c for k, t in docs.items() for c in packing.split_into_chunks(k, t, seq_len)]
-    return packing.pack_chunks(chunks, seq_len, max_segments)
+    """Rows of chunks: the object form of what the packing step does with its columns
+    (``chunk_columns``, then ``pack_rows``)."""
+    ordered = packing.sort_for_packing(c for k, t in docs.items() for c in packing.split_into_chunks(k, t, seq_len))
+    return [[ordered[i] for i in row] for row in packing.pack_rows([len(c) for c in ordered], seq_len, max_segments)]
 
 
 def test_worked_example_from_the_docstring():

@@ -29,6 +29,7 @@ CHAIN = (
     "index",        # step -> global rows -> (phase, source, epoch, record); pure
     "storage",      # datasets behind a URL, staged locally
     "shards",       # (source, record) -> (shard, record in shard) -> record bytes
+    "slow_store",   # the shard set with injected read latency (stall drills)
     "dataset",      # open and check: manifest, mixture, shards
     "arrays",       # record bytes -> host arrays (the one implementation)
     "source",       # step -> this process's host arrays
@@ -37,7 +38,8 @@ CHAIN = (
     "state",        # LoaderState
     "data_loader",  # build, DataLoader
     "checkpoint",   # Orbax handler
-    "testing",      # synthetic datasets, reference forms
+    "synthetic",    # synthetic datasets (drills, benchmarks, tests)
+    "testing",      # reference forms for tests
 )
 
 # The calls between modules when following one step from DataLoader.batch_at: (caller, callee).
@@ -83,6 +85,23 @@ def test_no_module_imports_one_above_it():
     level = {m: i for i, m in enumerate(CHAIN)}
     upward = {m: sorted(d for d in deps if level[d] > level[m]) for m, deps in import_graph().items()}
     assert {m: d for m, d in upward.items() if d} == {}
+
+
+def test_no_command_imports_the_test_kit():
+    """``loader.testing`` (the reference forms) is for tests: no module of the toolkit, its scripts
+    or benchmarks imports it; the synthetic dataset they use is ``loader.synthetic``."""
+    found = []
+    for folder in ("common", "contract", "dataprep", "loader", "replay", "scripts", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == ROOT / "loader" / "testing.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
+                         if isinstance(node, ast.ImportFrom) else [])
+                if "loader.testing" in names:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found == []
 
 
 def _module(frame) -> str | None:

@@ -74,7 +74,7 @@ def test_targets_never_cross_a_document():
     """A row packed from two documents: every (input, target) pair comes from one document."""
     doc1, doc2 = [11, 12, 13, 14], [21, 22, 23]
     row = codec.decode_row(codec.encode_row([doc1, doc2], ["s/x:1", "s/x:2"], [0, 0], 10, "uint16"))
-    b = loader.dense_batch([row], 10)
+    b = lt.dense_batch([row], 10)
     assert b["inputs"][0].tolist() == [11, 12, 13, 14, 21, 22, 23, 0, 0, 0]
     assert b["targets"][0].tolist() == [12, 13, 14, 0, 22, 23, 0, 0, 0, 0]
     assert b["inputs_segmentation"][0].tolist() == [1, 1, 1, 1, 2, 2, 2, 0, 0, 0]
@@ -103,7 +103,7 @@ def test_context_axis_mesh_gives_same_batch(ds):
     a = loader.build(mix(), ds, global_batch=8, mesh=mesh, context_axis="context")
     b = loader.build(mix(), ds, global_batch=8)
     ba, bb = a.batch_at(7), b.batch_at(7)
-    host = loader.dense_batch(a.read_rows(7), SEQ)  # numpy reference of the device-side derivation
+    host = lt.dense_batch(a.read_rows(7), SEQ)  # numpy reference of the device-side derivation
     for k in loader.BATCH_KEYS:
         np.testing.assert_array_equal(np.asarray(ba[k]), host[k])
         np.testing.assert_array_equal(np.asarray(ba[k]), np.asarray(bb[k]))
@@ -339,8 +339,8 @@ def test_pack_inputs_matches_codec(segments_per_row, L, narrow):
         assert seg[i].tolist() == s.tolist()
         assert pos[i].tolist() == p.tolist()
     # positions derived from the ids alone agree with the host's running sums
-    given_pos = loader.derive_batch(*(x.astype(np.int32) for x in (inputs, seg, pos)))
-    from_ids = loader.derive_batch(inputs.astype(np.int32), seg.astype(np.int32))
+    given_pos = lt.derive_batch(*(x.astype(np.int32) for x in (inputs, seg, pos)))
+    from_ids = lt.derive_batch(inputs.astype(np.int32), seg.astype(np.int32))
     for k in loader.BATCH_KEYS:
         np.testing.assert_array_equal(given_pos[k], from_ids[k])
 

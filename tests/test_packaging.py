@@ -38,12 +38,28 @@ def test_base_dependencies_leave_jax_to_the_train_extra():
 
 
 def test_dataprep_and_contract_import_nothing_of_the_train_extra():
-    """Neither the pipeline nor the contract imports JAX, Grain, Orbax, optax, the loader or replay
-    (a worker would fail to unpickle a DoFn that did)."""
+    """Neither the pipeline, nor the contract, nor the neutral room they use (``common``) imports JAX,
+    Grain, Orbax, optax, the loader or replay (a worker would fail to unpickle a DoFn that did)."""
     found = {}
-    for folder in ("dataprep", "contract"):
+    for folder in ("dataprep", "contract", "common"):
         for path, names in _imported_top_levels(REPO / folder).items():
             bad = names & (TRAIN_ONLY | {"loader", "replay"})
             if bad:
                 found[path] = sorted(bad)
     assert found == {}
+
+
+def test_the_console_scripts_and_python_dash_m_replay():
+    """``replay`` and ``beam`` name callables; ``python -m replay`` is the ``replay`` command."""
+    import importlib
+    import subprocess
+    import sys
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {"replay", "beam"} <= set(scripts)
+    for target in scripts.values():
+        module, func = target.split(":")
+        assert callable(getattr(importlib.import_module(module), func))
+    p = subprocess.run([sys.executable, "-m", "replay", "--help"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith("usage: replay"), p.stderr[-2000:]

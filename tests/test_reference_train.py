@@ -244,9 +244,16 @@ def test_every_step_logs_its_screening_signals(tiny):
         assert np.float32(x.loss).view(np.uint32) == fps[s].loss_bits
         assert np.float32(x.grad_norm).view(np.uint32) == fps[s].grad_norm_bits
         assert x.step_time_s > 0 and x.loader_wait_s >= 0 and isinstance(x.loader_occupancy, int)
+        # the input side: the level at the ask, the step's minimum, where a wait went (stages add up to it)
+        assert isinstance(x.loader_occupancy_min, int) and x.loader_occupancy_min <= x.loader_occupancy
+        assert set(x.loader_wait_stages) <= {"index", "read", "decode", "rows", "transfer", "other"}
+        assert (x.loader_wait_stages == {}) == (x.loader_occupancy > 0)
+        if x.loader_wait_stages:
+            assert sum(x.loader_wait_stages.values()) == pytest.approx(x.loader_wait_s, abs=1e-5)
         assert sorted(x.devices) == list(range(8)) and len(x.replicas) == 8 and len(x.router) == 2
         assert sum(r.dot for r in x.replicas) == pytest.approx(x.grad_norm ** 2, rel=1e-4)
         assert all(sum(layer.expert_share) == pytest.approx(1.0) for layer in x.router)
+    assert sig[0].loader_occupancy == sig[0].loader_occupancy_min == 0  # the first step: the buffer starts empty
 
 
 def _canary_run(tiny, tmp_path, name, steps, **over):
@@ -430,7 +437,7 @@ def test_progress_lines_and_train_png_cover_a_resumed_run(tiny, tmp_path, monkey
     assert series["loss"] == [logged[s].loss for s in range(5)]
     assert series["dropped"] == [[logged[s].router[i].dropped_fraction for s in range(5)] for i in range(2)]
     image = matplotlib.image.imread(str(run_dir / "train.png"))
-    assert image.shape == (850, 1000, 4)
+    assert image.shape == (1100, 1000, 4)
 
 
 def test_full_disk_error_says_what_to_do(tiny, tmp_path, monkeypatch, capsys):

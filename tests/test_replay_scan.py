@@ -93,10 +93,11 @@ def test_clean_logs_are_clean_and_missing_signals_are_not_available(tmp_path):
     assert {k: v["status"] for k, v in rep.checks.items()} == {
         "canary": "not available", "nonfinite": "clear", "norm_spike": "clear", "norm_drift": "clear",
         "expert_drift": "not available", "router": "clear", "expert_load": "not available", "loss_spike": "clear",
-        "loader_stall": "clear"}
+        "loader_stall": "clear", "input": "clear"}
     bare = scan(make_run(str(tmp_path / "b"), signals=False))
     statuses = {k: v["status"] for k, v in bare.checks.items()}
-    assert statuses["norm_drift"] == statuses["router"] == statuses["loader_stall"] == "not available"
+    assert statuses["norm_drift"] == statuses["router"] == statuses["loader_stall"] == statuses["input"] \
+        == "not available"
     assert statuses["loss_spike"] == "clear"  # the loss comes from fingerprints.jsonl
 
 

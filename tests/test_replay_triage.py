@@ -173,7 +173,7 @@ def test_cli_triage_json_and_dashboard(tmp_path, capsys):
         assert f"{n}. {name}:" in text
     assert "HARDWARE" in text and "next: replay --run" in text
     rep = json.loads(out.read_text())
-    assert rep["cause"] == "hardware" and rep["exit_code"] == 10 and set(rep["checks"]) == set(tr.CHECKS)
+    assert rep["cause"] == "hardware" and rep["exit_code"] == 10 and set(rep["checks"]) == {*tr.CHECKS, "input"}
     assert rep["checks"]["replicas"]["subject"]["devices"] == [1]
     assert png.stat().st_size > 10_000
     assert main(["triage", "--run", root, "--step", "500"]) == ExitCode.RUN_ERROR

@@ -56,7 +56,7 @@ from replay.reference.model import ModelConfig, did_you_mean
 from replay.reference.trainer import OptimizerConfig
 from replay.run import protocol as proto
 from replay.run.setup import REFERENCE_FACTORY
-from replay.run.writer import RunDir
+from replay.run.writer import RunDir, input_signals
 from replay.screen.screening import RouterHealth, ScreeningConfig
 
 _KEYS = {
@@ -727,8 +727,7 @@ def train(
                 commit_events(wait=False)
                 if fp.signals is not None:
                     rd.append_signals(dataclasses.replace(
-                        fp.signals, step_time_s=round(dt, 6), loader_wait_s=round(float(metrics["wait_s_last_step"]), 6),
-                        loader_occupancy=int(metrics["prefetch_occupancy"]), t=round(time.time(), 6),
+                        fp.signals, step_time_s=round(dt, 6), **input_signals(metrics), t=round(time.time(), 6),
                         compile_s=round(min(compile_s, dt), 6), canary_s=round(canary_s, 6),
                         checkpoint_s=round(blocked, 6), tokens=now_served - served))
                 blocked = 0.0
@@ -945,8 +944,3 @@ def run_dir_of(path: str, mesh) -> RunDir:
     local = [int(d.id) for d in mesh.devices.reshape(-1) if d.process_index == me]
     count = jax.process_count()
     return RunDir(path, process_index=me, process_count=count, local_devices=local if count > 1 else None)
-
-
-def canary_state(cfg: RunConfig, trainer, mesh):
-    """Canary weights: a fresh ``trainer.init_state`` from ``cfg.canary.seed`` (independent of training)."""
-    return trainer.init_state(mesh, cfg.canary.seed)

@@ -41,7 +41,7 @@ def make_setup(run: RunLog) -> RunSetup:
     trainer = ReferenceTrainer(model, cfg.optimizer)
 
     def make_loader(mesh):  # checked against the inputs the run recorded (replay.run.inputs)
-        from replay.verify.engine import checked_loader
+        from replay.run.setup import checked_loader
 
         return checked_loader(run, ref_run.build_loader(cfg, mesh))
 

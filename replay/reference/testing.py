@@ -94,14 +94,14 @@ def write_tiny_run(
     model: Optional[Mapping[str, Any]] = None,
     extra: Optional[Mapping[str, Any]] = None,
 ) -> str:
-    """Writes a synthetic packed dataset (``loader.testing``), its mixture YAML and a run config.
+    """Writes a synthetic packed dataset (``loader.synthetic``), its mixture YAML and a run config.
 
     ``extra``: further run config fields (e.g. ``{"canary_every": 5}``), written as given.
 
     Returns:
       the run config path ``<folder>/run.yaml`` (dataset in ``<folder>/dataset``).
     """
-    from loader.testing import synthetic_mixture, write_synthetic_dataset
+    from loader.synthetic import synthetic_mixture, write_synthetic_dataset
 
     os.makedirs(folder, exist_ok=True)
     rows = dict(rows or {"a": 200, "b": 100})

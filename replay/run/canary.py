@@ -207,21 +207,18 @@ def write_golden(path: str, table: Mapping[str, Any]) -> None:
 def update_golden(path: str, key: str, entry: Mapping[str, Any], reset: bool = False) -> None:
     """Adds ``entry`` under ``key`` to the table at ``path``, under an exclusive lock, re-reading the
     table first so that concurrent canaries on one run do not drop each other's entries (a
-    corrupt table is replaced only when ``reset``)."""
-    import fcntl
+    corrupt table is replaced only when ``reset``; the lock: ``common.locks``, on ``.<name>.lock``
+    beside the table)."""
+    from common import locks
 
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "." + os.path.basename(path) + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locks.held(os.path.join(folder, "." + os.path.basename(path) + ".lock")):
         try:
-            try:
-                table = read_golden(path)
-            except ValueError:
-                if not reset:
-                    raise
-                table = {}
-            table[key] = dict(entry)
-            write_golden(path, table)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            table = read_golden(path)
+        except ValueError:
+            if not reset:
+                raise
+            table = {}
+        table[key] = dict(entry)
+        write_golden(path, table)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import re
 from typing import Iterable, Mapping, Optional, Sequence
 
@@ -122,18 +121,6 @@ def read_quarantine(path: str) -> frozenset[int]:
                 raise DeviceSpecError(f"{path}:{n}: expected a device id (integer >= 0), got {text!r}")
             ids.add(int(text))
     return frozenset(ids)
-
-
-def run_quarantine(run_dir: str, override: Optional[str] = None) -> frozenset[int]:
-    """The quarantined device ids: from ``override`` when given, else ``<run_dir>/quarantine.txt`` (or none).
-
-    Raises:
-      FileNotFoundError: ``override`` is given and does not exist.
-    """
-    if override is not None:
-        return read_quarantine(override)
-    path = os.path.join(run_dir, QUARANTINE_NAME)
-    return read_quarantine(path) if os.path.exists(path) else frozenset()
 
 
 _RANGE = re.compile(r"^([0-9]+)(?:-([0-9]+))?$")
@@ -296,8 +283,3 @@ def independent_assignments(ids: Sequence[int], mesh_size: int, count: int = 2) 
         raise DeviceSpecError(f"{n} device(s) {list(ids)} are too few for a mesh of {mesh_size}")
     shift = mesh_size if mesh_size % n else 1
     return [[ids[(j + i * shift) % n] for j in range(mesh_size)] for i in range(count)]
-
-
-def assignments_independent(a: Sequence[int], b: Sequence[int]) -> bool:
-    """True when no mesh position has the same device in ``a`` and ``b``."""
-    return all(x != y for x, y in zip(a, b, strict=True))

@@ -36,6 +36,49 @@ class FaultError(ValueError):
     """A drill's fault names a leaf, element, bit or device that does not exist."""
 
 
+def leaf_info(params: Any) -> tuple[list[str], list[int], list[Any]]:
+    """``(leaf_paths, leaf_sizes, leaf_dtypes)`` of a parameter pytree (arrays or ``jax.ShapeDtypeStruct``s,
+    e.g. ``jax.eval_shape`` of the init), in ``jax.tree_util.tree_leaves`` order: the trainer attributes
+    drills use (``jax.tree_util.keystr`` paths; element counts; ``numpy`` dtypes)."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return ([jax.tree_util.keystr(p) for p, _ in flat], [int(np.prod(x.shape)) for _, x in flat],
+            [np.dtype(x.dtype) for _, x in flat])
+
+
+_ONE_DEVICE: dict = {}
+
+
+def one_device_fingerprints(grad_fn: Any, params: Any, batch: Mapping[str, Any], device: Any, fault: Any,
+                            leaf_paths: Sequence[str], leaf_sizes: Sequence[int],
+                            leaf_dtypes: Sequence[Any]) -> dict[str, int]:
+    """``Trainer.single_device_fingerprints`` for any trainer: ``{leaf path: 64-bit fingerprint}`` of
+    ``grad_fn(params, batch)``, the whole batch's gradient computed on ``device`` alone (``replay canary``),
+    with a drill's bit flip applied when ``fault`` (a ``FaultSpec``) names this device.
+
+    Args:
+      grad_fn: ``(params, batch) -> grads`` (a pytree like ``params``), traceable; one compiled program
+        per ``(grad_fn, device)`` is kept, so pass the same function (a bound method is) every time.
+      params: the parameters (any placement: copied to ``device``); batch: int32 ``[B, S]`` arrays
+        (numpy or JAX), copied to ``device``.
+      device: a ``jax.Device``; fault: None or a ``FaultSpec`` (ignored unless on this device).
+
+    Raises:
+      FaultError: the fault names an unknown leaf, an element or bit out of range.
+    """
+    key = (grad_fn, int(device.id))
+    if key not in _ONE_DEVICE:
+        def fn(p, b, flip):
+            grads = inject(grad_fn(p, b), flip, jnp.zeros(4, jnp.float32), jnp.int32(device.id))
+            return jnp.stack([fpm.fingerprint(g, counts=False) for g in jax.tree_util.tree_leaves(grads)])
+
+        _ONE_DEVICE[key] = jax.jit(fn)
+    mine = fault if fault is not None and fault.device_id == device.id else None  # a drill: its device only
+    flip, _ = fault_inputs(mine, None, leaf_paths, leaf_sizes, leaf_dtypes, [device.id])
+    b = {k: jax.device_put(np.asarray(v, np.int32), device) for k, v in batch.items()}
+    fps = np.asarray(_ONE_DEVICE[key](jax.device_put(params, device), b, jax.device_put(flip, device)))
+    return {p: fpm.fingerprint_int(fps[i]) for i, p in enumerate(leaf_paths)}
+
+
 def linear_index(mesh: Any) -> Any:
     """Inside ``shard_map``: this device's row-major position in ``mesh`` (traced int32)."""
     lin = 0
@@ -151,17 +194,26 @@ def inject(grads: Any, flip: Any, drift: Any, device: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def step_fingerprints(step: int, out: Mapping[str, Any], mesh: Any, leaf_paths: Sequence[str], *, loss: Any,
-                      grad_norm: Any, batch: Any, router: Optional[Mapping[str, Any]] = None) -> StepFingerprints:
+def step_fingerprints(step: int, out: Mapping[str, Any], mesh: Any, leaf_paths: Sequence[str], *, loss: Any = None,
+                      grad_norm: Any = None, batch: Any = None,
+                      router: Optional[Mapping[str, Any]] = None) -> StepFingerprints:
     """The step's :class:`StepFingerprints` (with its :class:`StepSignals`) from the host copy of the
     probe outputs (:func:`local`, :func:`reduced`; per-device rows in the mesh's row-major order).
 
     Args:
-      loss, grad_norm: the step's float32 loss and global gradient norm.
+      loss, grad_norm: the step's float32 loss and global gradient norm (None: ``out["loss"]``,
+        ``out["grad_norm"]``).
       batch: uint32 ``[4]``, ``replay.run.fingerprint.fingerprint(batch["inputs"])`` computed in the step
-        (the batch hash; in the step, so that no process needs the whole batch on its host).
+        (the batch hash; in the step, so that no process needs the whole batch on its host; None:
+        ``out["batch"]``).
       router: optional figures for humans (never compared).
+
+    Raises:
+      KeyError: an argument left None whose key ``out`` lacks.
     """
+    loss = out["loss"] if loss is None else loss
+    grad_norm = out["grad_norm"] if grad_norm is None else grad_norm
+    batch = out["batch"] if batch is None else batch
     ids = [int(d.id) for d in mesh.devices.reshape(-1)]
     coords = {}
     for pos in np.ndindex(mesh.devices.shape):

@@ -1,6 +1,6 @@
 """Progress of long step loops: training, range replay, canary, drills.
 
-What is shown (as ``dataprep.progress`` does for ``pack``): on a terminal, a Rich progress bar;
+What is shown (as ``dataprep.progress`` does for ``pack``, through ``common.progress``): on a terminal, a Rich progress bar;
 otherwise (a log file, a pipe) one plain line for the first update, then at most one every
 ``interval`` seconds, and one for the last, e.g.::
 
@@ -36,7 +36,7 @@ import sys
 import time
 from typing import Any, Callable, Iterator, Optional, TextIO
 
-from dataprep.progress import duration
+from common.progress import duration, print_line, rate, rich_bar
 
 INTERVAL_ENV = "REPLAY_PROGRESS_EVERY"
 DEFAULT_INTERVAL = 10.0
@@ -63,15 +63,6 @@ def line_interval(interval: Optional[float] = None) -> float:
     return value
 
 
-def rate(n: float, unit: str) -> str:
-    """``"15.6 k tokens/s"``, ``"1.9 steps/s"``, ``"0.25 steps/s"``: ``n`` per second, with a
-    k/M/G prefix from 10^3 on."""
-    for scale, prefix in ((1e9, "G "), (1e6, "M "), (1e3, "k ")):
-        if abs(n) >= scale:
-            return f"{n / scale:,.1f} {prefix}{unit}/s"
-    return f"{n:.2f} {unit}/s" if abs(n) < 1 else f"{n:.1f} {unit}/s"
-
-
 def loss_text(value: float) -> str:
     """A loss as people read it: 4 decimals (``"5.0869"``; a float32 loss has about 7 significant
     digits, and a spike shows in the first two), ``"nan"``/``"inf"`` as such, 4 significant digits
@@ -86,14 +77,7 @@ def note(label: str, text: str, stream: Optional[TextIO] = None) -> None:
     """Prints ``"<label>: <text>"`` at once: what a command is doing before its steps start (loading,
     restoring, compiling), so that no long wait is silent. Above a live Rich bar when there is one;
     a failed stream is ignored (progress is a view, never the record)."""
-    line = f"{label}: {text}"
-    try:
-        if _LIVE and _LIVE[-1]._bar is not None:
-            _LIVE[-1]._bar.console.print(line, highlight=False, soft_wrap=True, markup=False)
-        else:
-            print(line, file=stream if stream is not None else sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass
+    print_line(f"{label}: {text}", stream if stream is not None else sys.stderr, _LIVE[-1]._bar if _LIVE else None)
 
 
 def _metric(name: str, value: Any) -> str:
@@ -185,15 +169,8 @@ class StepProgress:
     # -- rendering -------------------------------------------------------------------------
 
     def _print(self, line: str) -> None:
-        if self._broken:
-            return
         bar = self._bar if self._bar is not None else (self._via._bar if self._via is not None else None)
-        try:
-            if bar is not None:
-                bar.console.print(line, highlight=False, soft_wrap=True, markup=False)
-            else:
-                print(line, file=self._stream, flush=True)
-        except (OSError, ValueError):
+        if not self._broken and not print_line(line, self._stream, bar):
             self._broken = True
 
     def _rates(self, now: float, whole: bool = False) -> tuple[Optional[float], Optional[float]]:
@@ -264,14 +241,7 @@ class StepProgress:
         return f"{self.label}: {head} done in {spent}{tail}"
 
     def _start_bar(self) -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
-
-        self._bar = Progress(
-            TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TextColumn("{task.fields[detail]}"),
-            console=Console(file=self._stream), transient=True,
-        )
-        self._bar.start()
+        self._bar = rich_bar(self._stream, transient=True)
         _LIVE.append(self)
         self._task = self._bar.add_task(self.label, total=max(self.total, 1),
                                         detail=self._waiting() if self.first else "")

@@ -48,8 +48,7 @@ count of non-finite elements; after the reduction, optionally, ``<g_local, g_red
                           replicas=tuple(ReplicaNorm(r, devices_of_r, norm_sq_r, dot_r) for r ...),
                           devices={d: {"norm_sq": ..., "nonfinite": {leaf: n}} for d ...},
                           router=tuple(RouterLayerStats(...) for each MoE layer),
-                          step_time_s=..., loader_wait_s=data.metrics()["wait_s_last_step"],
-                          loader_occupancy=data.metrics()["prefetch_occupancy"])
+                          step_time_s=..., **replay.run.writer.input_signals(data.metrics()))
     append_line(os.path.join(run_dir, SIGNALS_NAME), signals.to_json())
 
 Glossary: *step* is the global training step (the batch of step ``s`` holds global rows
@@ -513,7 +512,13 @@ class StepSignals:
       step_time_s: wall seconds of the train step (dispatch to results on the host), or None.
       loader_wait_s: seconds the step waited for its batch (the loader's
         ``metrics()["wait_s_last_step"]``), or None; loader_occupancy: batches ready in the
-        prefetch buffer after the step's batch was taken (a stall shows here first), or None.
+        prefetch buffer when the trainer asked for the step's batch (``metrics()["occupancy_at_ask"]``;
+        0: it waited; a stall shows here first), or None.
+      loader_occupancy_min: the buffer's lowest level from the previous batch's take to this
+        one's (``metrics()["occupancy_min"]``), or None.
+      loader_wait_stages: where the wait went, seconds per loader stage (``metrics()["wait_stages_s"]``:
+        ``index``, ``read`` (storage), ``decode``, ``rows``, ``transfer`` (to the devices), ``other``;
+        ``{}`` when the batch was ready), or None (not recorded).
       t: wall clock (Unix seconds) when the step's work ended, after its checkpoint save call:
         consecutive steps' ``t`` bound the interval that ``replay goodput`` splits into the parts
         below (None: not recorded).
@@ -537,6 +542,8 @@ class StepSignals:
     step_time_s: Optional[float] = None
     loader_wait_s: Optional[float] = None
     loader_occupancy: Optional[int] = None
+    loader_occupancy_min: Optional[int] = None
+    loader_wait_stages: Optional[Mapping[str, float]] = None
     t: Optional[float] = None
     compile_s: Optional[float] = None
     canary_s: Optional[float] = None
@@ -544,8 +551,10 @@ class StepSignals:
     tokens: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
-        timing = {k: getattr(self, k) for k in ("t", "compile_s", "canary_s", "checkpoint_s", "tokens")
-                  if getattr(self, k) is not None}
+        timing = {k: getattr(self, k) for k in ("t", "compile_s", "canary_s", "checkpoint_s", "tokens",
+                                                "loader_occupancy_min") if getattr(self, k) is not None}
+        if self.loader_wait_stages is not None:
+            timing["loader_wait_stages"] = {str(k): float(v) for k, v in self.loader_wait_stages.items()}
         return {
             "step": int(self.step), "loss": self.loss, "grad_norm": self.grad_norm,
             "step_time_s": self.step_time_s, "loader_wait_s": self.loader_wait_s,
@@ -570,7 +579,7 @@ class StepSignals:
         """
         opt = {k: (None if d.get(k) is None else _float(d[k]))
                for k in ("step_time_s", "loader_wait_s", "t", "compile_s", "canary_s", "checkpoint_s")}
-        occ = d.get("loader_occupancy")
+        occ, occ_min, stages = d.get("loader_occupancy"), d.get("loader_occupancy_min"), d.get("loader_wait_stages")
         tokens = d.get("tokens")
         return cls(
             step=int(d["step"]), loss=_float(d["loss"]), grad_norm=_float(d["grad_norm"]),
@@ -580,7 +589,9 @@ class StepSignals:
                      for k, v in (d.get("devices") or {}).items()},
             router=tuple(RouterLayerStats.from_dict(r) for r in d.get("router", [])),
             expert_load=tuple(ExpertLoad.from_dict(e) for e in d.get("expert_load") or []),
-            loader_occupancy=None if occ is None else int(occ), tokens=None if tokens is None else int(tokens), **opt,
+            loader_occupancy=None if occ is None else int(occ), tokens=None if tokens is None else int(tokens),
+            loader_occupancy_min=None if occ_min is None else int(occ_min),
+            loader_wait_stages=None if stages is None else {str(k): _float(v) for k, v in stages.items()}, **opt,
         )
 
 

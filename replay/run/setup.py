@@ -30,7 +30,9 @@ import importlib
 import os
 import re
 import sys
-from typing import Any, Callable, Optional
+import types
+import typing
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
@@ -40,6 +42,11 @@ TRAINER_KEY = "trainer"
 REFERENCE_FACTORY = "replay.reference.setup:make_setup"
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 _TRAINER_METHODS = ("init_state", "restore", "train_step")
+
+
+class RunConfigError(RunDirError):
+    """A run config that a trainer's config class cannot take (:func:`config_from`): not a mapping, an
+    unknown or missing key, a value of the wrong type; the message names the file and the key."""
 
 
 class TrainerFactoryError(RunDirError):
@@ -97,6 +104,96 @@ class RunSetup:
     @property
     def mesh_size(self) -> int:
         return int(np.prod(self.shape))
+
+
+def config_from(cls: type, raw: Any, where: str) -> Any:
+    """An instance of the dataclass ``cls`` (a trainer's run config: its fields are the keys) from ``raw``,
+    the run config read from ``where``; the ``trainer:`` key (replay's, written by ``RunWriter``) is left
+    out. The trainer's loop and its factory both read the config through it, so a bad key is refused the
+    same way at training and at replay.
+
+    Args:
+      cls: a dataclass; a field typed ``int``, ``float``, ``str`` or ``bool`` (or ``Optional[...]`` of one)
+        is type-checked (an ``int`` is a ``float``; a ``bool`` is not an ``int``); ``__post_init__`` may
+        raise ``ValueError`` for the rest.
+      raw: the parsed YAML; where: its path, for messages.
+
+    Raises:
+      RunConfigError: ``raw`` is not a mapping; an unknown key (with the keys ``cls`` takes); a missing
+        required key; a value of the wrong type (the key, the value and the type wanted); or the
+        ``ValueError``/``TypeError`` of ``cls(...)``, each message starting with ``where``.
+    """
+    if not isinstance(raw, Mapping):
+        raise RunConfigError(f"{where}: a run config is a mapping of keys to values, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    given = {str(k): v for k, v in raw.items() if k != TRAINER_KEY}
+    unknown = sorted(set(given) - set(fields))
+    if unknown:
+        raise RunConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: "
+                             f"{cls.__name__} takes {', '.join(fields)} (and trainer:); remove "
+                             f"{'them' if len(unknown) > 1 else 'it'} or add a field to {cls.__name__}")
+    missing = [n for n, f in fields.items() if n not in given and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise RunConfigError(f"{where}: missing key{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                             f"({cls.__name__} has no default for {'them' if len(missing) > 1 else 'it'})")
+    hints = typing.get_type_hints(cls)
+    for key, value in given.items():
+        want = _simple_type(hints.get(key))
+        if want is not None and not _is_a(value, *want):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in want)
+            raise RunConfigError(f"{where}: {key}: expected {names}, got {value!r} ({type(value).__name__})")
+    try:
+        return cls(**given)
+    except (TypeError, ValueError) as e:
+        raise RunConfigError(f"{where}: {e}") from None
+
+
+def _simple_type(hint: Any) -> Optional[tuple[type, ...]]:
+    """The types a value of annotation ``hint`` may have, for ``int``/``float``/``str``/``bool`` and
+    ``Optional`` of one; None for anything else (not checked here)."""
+    simple = (int, float, str, bool)
+    if hint in simple:
+        return (hint,)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if all(a in simple or a is type(None) for a in args):
+            return tuple(args)
+    return None
+
+
+def _is_a(value: Any, *kinds: type) -> bool:
+    for kind in kinds:
+        if kind is type(None) and value is None:
+            return True
+        if kind is bool and isinstance(value, bool):
+            return True
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if kind is str and isinstance(value, str):
+            return True
+    return False
+
+
+def checked_loader(run: Any, data: Any) -> Any:
+    """``data`` (a loader rebuilt for ``run`` by a factory's ``make_loader``) once its dataset and mixture
+    schedule are checked to be those the run trained with (``replay.run.inputs.check_rebuilt``: its
+    ``inputs.json``, or for an old run its first checkpoint's loader state); every trainer's
+    ``make_loader`` should return it through this.
+
+    Raises:
+      RunDirError: the dataset's manifest or the schedule differs (each difference named).
+    """
+    from replay.run import inputs as run_inputs
+
+    try:
+        run_inputs.check_rebuilt(run.run_dir, data.manifest_sha256, data.schedule.to_dict(), data.dataset,
+                                 run.checkpoints)
+    except run_inputs.InputsChangedError as e:
+        raise RunDirError(str(e)) from None
+    return data
 
 
 def mesh_record(run: Any) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
@@ -193,11 +290,46 @@ def check_setup(setup: Any, name: str, where: str = "run_config.yaml") -> RunSet
             f"{list(setup.shape)}: one size >= 1 per axis")
     if not callable(setup.make_loader):
         raise TrainerFactoryError(f"{where}: trainer: {name} returned a RunSetup whose make_loader is not callable")
+    for field, value, ok, want in _field_checks(setup):
+        if not ok:
+            raise TrainerFactoryError(
+                f"{where}: trainer: {name} returned a RunSetup whose {field} is {value!r} ({type(value).__name__}): "
+                f"{want}")
     if setup.run_device_ids and len(tuple(setup.run_device_ids)) != setup.mesh_size:
         raise TrainerFactoryError(
             f"{where}: trainer: {name} returned run_device_ids {list(setup.run_device_ids)} for a mesh of "
             f"{setup.mesh_size} devices")
     return setup
+
+
+def _field_checks(setup: RunSetup) -> list[tuple[str, Any, bool, str]]:
+    """``(field, value, ok, what it must be)`` of each :class:`RunSetup` field a factory can get wrong."""
+    def whole(v: Any, low: int) -> bool:
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and int(v) >= low
+
+    def opt(v: Any, low: int) -> bool:
+        return v is None or whole(v, low)
+
+    return [
+        ("axis_names", setup.axis_names, all(isinstance(a, str) for a in setup.axis_names), "a tuple of str"),
+        ("shape", setup.shape, all(whole(v, 1) for v in setup.shape), "a tuple of ints >= 1"),
+        ("run_device_ids", setup.run_device_ids, all(whole(v, 0) for v in setup.run_device_ids),
+         "a tuple of jax.Device.id ints (replay.run.setup.mesh_record(run) gives them)"),
+        ("seed", setup.seed, whole(setup.seed, 0), "an int >= 0"),
+        ("global_batch", setup.global_batch, whole(setup.global_batch, 1), "an int >= 1 (rows per step)"),
+        ("canary_step", setup.canary_step, whole(setup.canary_step, 0), "an int >= 0"),
+        ("canary_seed", setup.canary_seed, whole(setup.canary_seed, 0), "an int >= 0"),
+        ("canary_rows", setup.canary_rows, opt(setup.canary_rows, 1), "None or an int >= 1"),
+        ("canary_seq_len", setup.canary_seq_len, opt(setup.canary_seq_len, 2), "None or an int >= 2"),
+        ("canary_every", setup.canary_every, whole(setup.canary_every, 0), "an int >= 0 (0: no periodic canary)"),
+        ("retrain", setup.retrain, setup.retrain is None or callable(setup.retrain), "None or a function"),
+    ]
+
+
+def _no_trainer_key(where: str) -> str:
+    return (f"; {where} names no trainer: factory, so replay rebuilt the run as the reference trainer's "
+            f"({REFERENCE_FACTORY}). A run of your own trainer names its factory there: trainer: "
+            f"package.module:make_setup (replay.run.writer.RunWriter(..., trainer=...) writes it)")
 
 
 def make_setup(run: Any) -> RunSetup:
@@ -214,12 +346,15 @@ def make_setup(run: Any) -> RunSetup:
     where = os.path.join(run.run_dir, "run_config.yaml")
     name = factory_name(run.config)
     factory = load_factory(name, where)
+    hint = "" if isinstance(run.config, dict) and run.config.get(TRAINER_KEY) is not None else _no_trainer_key(where)
     try:
         setup = factory(run)
-    except RunDirError:
-        raise
+    except RunDirError as e:
+        if not hint:
+            raise
+        raise RunDirError(f"{e}{hint}", nearest=e.nearest) from None
     except Exception as e:  # noqa: BLE001 - a user's factory can fail in any way: name it
-        raise TrainerFactoryError(f"{where}: trainer: {name} raised {type(e).__name__}: {e}") from e
+        raise TrainerFactoryError(f"{where}: trainer: {name} raised {type(e).__name__}: {e}{hint}") from e
     setup = check_setup(setup, name, where)
     if setup.factory is None:
         setup = dataclasses.replace(setup, factory=name)

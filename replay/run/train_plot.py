@@ -1,4 +1,4 @@
-"""``train.png``: a training run's loss, gradient norm and router dropped fraction per step.
+"""``train.png``: a training run's loss, gradient norm, router dropped fraction and input buffer per step.
 
 Read from the run directory's ``signals.jsonl`` (one line per step, kept whole across resumes:
 a resumed run drops the lines from its checkpoint on and appends them again), so the picture
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from common import figures
 from replay.run import protocol as proto
 
 TRAIN_PNG = "train.png"
@@ -30,8 +31,10 @@ def training_series(run_dir: str) -> dict[str, list]:
     """The per-step series of ``train.png`` from ``<run_dir>/signals.jsonl``.
 
     Returns:
-      ``{"steps": [int], "loss": [float], "grad_norm": [float], "dropped": [[float] per MoE layer]}``,
-      steps ascending (each logged step once); empty lists when nothing is logged yet.
+      ``{"steps": [int], "loss": [float], "grad_norm": [float], "dropped": [[float] per MoE layer],
+      "occupancy": [batches ready at the ask, or None], "occupancy_min": [lowest level, or None],
+      "wait_s": [loader wait s, or None]}``, steps ascending (each logged step once); empty lists
+      when nothing is logged yet.
 
     Raises:
       OSError, ValueError: signals.jsonl is unreadable or malformed (``replay.run.protocol.read_signals``).
@@ -45,15 +48,21 @@ def training_series(run_dir: str) -> dict[str, list]:
         "grad_norm": [signals[s].grad_norm for s in steps],
         "dropped": [[signals[s].router[i].dropped_fraction if len(signals[s].router) > i else float("nan")
                      for s in steps] for i in range(layers)],
+        "occupancy": [signals[s].loader_occupancy for s in steps],
+        "occupancy_min": [signals[s].loader_occupancy_min for s in steps],
+        "wait_s": [signals[s].loader_wait_s for s in steps],
     }
 
 
 def plot_training(run_dir: str, path: Optional[str] = None, title: Optional[str] = None) -> str:
     """Writes the training picture of ``run_dir`` (module docstring); returns its path.
 
-    Three panels over the training step (x): the loss (nats per target token), the global
-    gradient norm (L2 of the reduced gradient, log scale) and each MoE layer's router dropped
-    fraction (assignments past expert capacity / all assignments, in [0, 1]).
+    Four panels over the training step (x): the loss (nats per target token), the global
+    gradient norm (L2 of the reduced gradient, log scale), each MoE layer's router dropped
+    fraction (assignments past expert capacity / all assignments, in [0, 1]) and the input
+    side: the loader's prefetch buffer level when the trainer asked for the step's batch and
+    its lowest level over the step (batches; 0 at the ask: the step waited), with the wait
+    (ms, right axis).
 
     Args:
       run_dir: a run directory (``replay.run.protocol`` layout).
@@ -65,20 +74,16 @@ def plot_training(run_dir: str, path: Optional[str] = None, title: Optional[str]
       OSError: the PNG cannot be written. A run with no signal lines yet gives a picture that
         says so, not an error.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     run_dir = os.path.abspath(run_dir)
     path = path or os.path.join(run_dir, TRAIN_PNG)
     series = training_series(run_dir)
     steps = series["steps"]
     if title is None:
         title = f"training run {_run_name(run_dir)} ({run_dir})"
-    fig, axes = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True, height_ratios=(1, 1, 1, 0.9))
     fig.suptitle(title + (f": steps 0:{steps[-1] + 1}" if steps else ": no step logged yet"), fontsize=10)
-    loss_ax, norm_ax, drop_ax = axes
+    loss_ax, norm_ax, drop_ax, input_ax = axes
     if steps:
         loss_ax.plot(steps, series["loss"], color="black", linewidth=1, label="loss")
         norm_ax.plot(steps, series["grad_norm"], color="tab:blue", linewidth=1, label="gradient norm")
@@ -92,6 +97,7 @@ def plot_training(run_dir: str, path: Optional[str] = None, title: Optional[str]
             say_if_all_zero(ax, values, what)
     else:
         loss_ax.text(0.5, 0.5, f"no lines in {proto.SIGNALS_NAME} yet", ha="center", transform=loss_ax.transAxes)
+    _plot_input(input_ax, series)
     _mark_events(run_dir, axes, steps)
     loss_ax.set_ylabel("loss (nats / token)")
     loss_ax.set_title("training loss", fontsize=9)
@@ -100,25 +106,50 @@ def plot_training(run_dir: str, path: Optional[str] = None, title: Optional[str]
     drop_ax.set_ylabel("dropped fraction")
     drop_ax.set_title("router: assignments dropped past expert capacity, per MoE layer", fontsize=9)
     drop_ax.set_ylim(bottom=0)
-    drop_ax.set_xlabel("training step")
+    input_ax.set_xlabel("training step")
     from matplotlib.ticker import MaxNLocator
 
-    drop_ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps, never 2.5
+    input_ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps, never 2.5
     for ax in axes:
         ax.grid(alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()
         if len(handles) > 1:
             ax.legend(fontsize=7, loc="upper right", ncol=min(4, len(handles)))
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    try:
-        fig.savefig(tmp, dpi=100)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+    return figures.save(fig, path, dpi=100)
+
+
+def _plot_input(ax, series) -> None:
+    """The input panel: buffer levels (batches, left) and the loader wait (ms, right), per step."""
+    from matplotlib.ticker import MaxNLocator
+
+    steps, occ = series["steps"], series.get("occupancy") or []
+    ax.set_title("input: prefetch buffer when the trainer asked (0 = drained: the step waited for its batch)",
+                 fontsize=9)
+    ax.set_ylabel("batches ready")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    known = [(s, o) for s, o in zip(steps, occ) if o is not None]
+    if not known:
+        ax.text(0.5, 0.5, "buffer occupancy not logged (loader_occupancy)", ha="center", va="center",
+                transform=ax.transAxes, fontsize=10, color="dimgray")
+        return
+    xs, ys = zip(*known)
+    ax.step(xs, ys, where="mid", color="tab:green", linewidth=1.2, label="ready at the ask")
+    low = [(s, o) for s, o in zip(steps, series.get("occupancy_min") or []) if o is not None]
+    if low:
+        ax.step(*zip(*low), where="mid", color="tab:olive", linestyle=":", linewidth=1, label="lowest over the step")
+    drained = [s for s, o in known if o == 0]
+    if drained:
+        ax.plot(drained, [0] * len(drained), "v", color="tab:red", markersize=5,
+                label=f"drained at the ask ({len(drained)} step{'s' if len(drained) != 1 else ''})")
+    ax.set_ylim(bottom=-0.3, top=max(ys) + 0.8)
+    waits = [(s, w * 1e3) for s, w in zip(steps, series.get("wait_s") or []) if w is not None]
+    if waits:
+        right = ax.twinx()
+        right.plot(*zip(*waits), color="tab:red", linewidth=0.8, alpha=0.6)
+        right.set_ylabel("wait (ms)", color="tab:red")
+        right.set_ylim(bottom=0)
+        right.tick_params(axis="y", colors="tab:red")
 
 
 def say_if_all_zero(ax, series, what: str) -> bool:

@@ -55,6 +55,22 @@ from replay.run import protocol as proto
 from replay.run.protocol import SUPERSEDED_DIR
 
 
+def input_signals(metrics: Optional[Mapping[str, Any]], wait_s: Optional[float] = None,
+                  occupancy: Optional[int] = None) -> dict[str, Any]:
+    """The ``StepSignals`` input fields of a step from the loader's ``metrics()`` (read after its batch
+    was taken): ``loader_wait_s``, ``loader_occupancy`` (at the ask), ``loader_occupancy_min``,
+    ``loader_wait_stages`` (seconds, rounded to the microsecond); ``wait_s`` and ``occupancy`` win
+    where given. Without ``metrics`` only those two."""
+    m = metrics or {}
+    wait = wait_s if wait_s is not None else m.get("wait_s_last_step")
+    occ = occupancy if occupancy is not None else m.get("occupancy_at_ask", m.get("prefetch_occupancy"))
+    stages = m.get("wait_stages_s")
+    return {"loader_wait_s": None if wait is None else round(float(wait), 6),
+            "loader_occupancy": None if occ is None else int(occ),
+            "loader_occupancy_min": None if m.get("occupancy_min") is None else int(m["occupancy_min"]),
+            "loader_wait_stages": None if stages is None else {k: round(float(v), 6) for k, v in stages.items()}}
+
+
 class RunDir:
     """The files of one run directory (``replay.run.protocol`` layout), as one process of the run writes them.
 
@@ -119,10 +135,6 @@ class RunDir:
                 return False
             f.truncate(data.rfind(b"\n") + 1)
         return True
-
-    def truncate_fingerprints(self, before_step: int) -> int:
-        """Keeps only lines of this process's fingerprints file with ``step < before_step``; returns lines dropped."""
-        return self.truncate_log(proto.FINGERPRINTS_NAME, before_step)
 
     def truncate_log(self, name: str, before_step: int) -> int:
         """Keeps only lines of this process's file of the step log ``name`` with ``step < before_step``
@@ -390,13 +402,19 @@ class RunWriter:
         return int(checkpoint)
 
     def log_step(self, fp: proto.StepFingerprints, *, step_time_s: Optional[float] = None,
-                 loader_wait_s: Optional[float] = None, loader_occupancy: Optional[int] = None) -> None:
+                 loader_wait_s: Optional[float] = None, loader_occupancy: Optional[int] = None,
+                 loader: Optional[Mapping[str, Any]] = None) -> None:
         """Appends the step's fingerprints and, when ``fp.signals`` holds them, its screening signals with
-        the loop's timings (seconds; the loader's buffer occupancy)."""
+        the loop's timings (seconds; the loader's buffer occupancy).
+
+        ``loader``: the loader's ``metrics()`` read after the step's batch was taken (``loader.DataLoader``);
+        its input figures fill the signals' ``loader_wait_s``, ``loader_occupancy`` (the level at the ask),
+        ``loader_occupancy_min`` and ``loader_wait_stages`` (``replay.run.protocol.StepSignals``), unless
+        ``loader_wait_s`` or ``loader_occupancy`` are given, which win."""
         self.dir.append_fingerprints(fp)
         if fp.signals is not None:
             self.dir.append_signals(dataclasses.replace(
-                fp.signals, step_time_s=step_time_s, loader_wait_s=loader_wait_s, loader_occupancy=loader_occupancy))
+                fp.signals, step_time_s=step_time_s, **input_signals(loader, loader_wait_s, loader_occupancy)))
 
     def event(self, name: str, step: int, **fields: Any) -> dict[str, Any]:
         """Appends an event (``checkpoint`` once a checkpoint has committed, ``phase_change``,
@@ -406,3 +424,17 @@ class RunWriter:
     def end(self, step: int) -> None:
         """The ``end`` event: training stopped at ``step``."""
         self.dir.event("end", step)
+
+    def record_inputs(self, data: Any) -> bool:
+        """Keeps what the run trains with, from its loader ``data`` (``loader.build(...)``): ``mixture.yaml``
+        (a copy of the mixture config, paths absolute) and ``inputs.json`` (the mixture's sha256 and path,
+        the dataset manifest's sha256, the loader's schedule), once, at the run's first start
+        (``replay.run.inputs.record_inputs``; process 0 writes them). Replay then rebuilds batches with the
+        copy even when the mixture file is edited later, and refuses a dataset that is not the one trained
+        on. Returns whether it wrote them (False: already there, or not process 0)."""
+        from replay.run.inputs import record_inputs
+
+        if not self.dir.primary:
+            return False
+        return record_inputs(self.dir.path, data.mixture, str(self.config.get("mixture", "")), data.dataset,
+                             data.manifest_sha256, data.schedule.to_dict())

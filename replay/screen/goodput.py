@@ -72,7 +72,7 @@ PART_TEXT = {
     "lost": "lost work: steps redone after a crash",
     "rewound": "rewound work: steps abandoned by a rollback or rewind",
     "skipped_window": "steps trained on data later skipped",
-    "loader_wait": "loader waits",
+    "loader_wait": "input wait (the step waited for its batch)",
     "canary": "canary",
     "gap": "gaps between attempts",
     "other": "other host time in the loop",
@@ -137,6 +137,7 @@ class GoodputReport:
     attempts: list[dict[str, Any]]
     unknown: list[str]
     young: dict[str, Any]
+    input: dict[str, Any] = dataclasses.field(default_factory=dict)
     timeline: list[tuple[float, float]] = dataclasses.field(default_factory=list, repr=False)
     events: list[tuple[float, str, int]] = dataclasses.field(default_factory=list, repr=False)
 
@@ -163,7 +164,7 @@ class GoodputReport:
             "time_adds_up": sum(self.time_us.values()) == wall,
             "steps": dict(self.steps), "tokens": dict(self.tokens), "nonpad_tokens": dict(self.nonpad_tokens),
             "reconcile": self.reconcile, "mfu": self.mfu, "attempts": self.attempts, "unknown": self.unknown,
-            "young": self.young,
+            "young": self.young, "input": self.input,
         }
 
 
@@ -181,6 +182,8 @@ class _Step:
     canary_s: Optional[float]
     checkpoint_s: Optional[float]
     tokens: Optional[int]
+    stages: Optional[dict[str, float]] = None  # loader_wait_stages: where the wait went
+    occupancy: Optional[int] = None  # loader_occupancy: batches ready at the ask
 
 
 def _step_of(d: Mapping[str, Any], attempt: int) -> _Step:
@@ -191,7 +194,10 @@ def _step_of(d: Mapping[str, Any], attempt: int) -> _Step:
     tok = d.get("tokens")
     return _Step(step=int(d["step"]), attempt=attempt, t=f("t"), step_s=f("step_time_s"), wait_s=f("loader_wait_s"),
                  compile_s=f("compile_s"), canary_s=f("canary_s"), checkpoint_s=f("checkpoint_s"),
-                 tokens=None if tok is None else int(tok))
+                 tokens=None if tok is None else int(tok),
+                 stages={str(k): float(v) for k, v in d["loader_wait_stages"].items()}
+                 if isinstance(d.get("loader_wait_stages"), dict) else None,
+                 occupancy=None if d.get("loader_occupancy") is None else int(d["loader_occupancy"]))
 
 
 def _steps_by_attempt(run: RunLog) -> dict[int, list[_Step]]:
@@ -370,7 +376,56 @@ def account(run: RunLog, *, peak_flops: Optional[float] = None) -> GoodputReport
     return GoodputReport(run_dir=run.run_dir, wall_us=wall, time_us=time_us, steps=steps, tokens=tokens,
                          nonpad_tokens=nonpad, reconcile=rec, mfu=_mfu(run, step_compute, peak_flops),
                          attempts=att_out, unknown=unknown, young=_young(run, time_us, wall), timeline=timeline,
-                         events=marks)
+                         events=marks, input=input_wait(per_steps, time_us["loader_wait"]))
+
+
+INPUT_PARTS = ("index", "read", "decode", "rows", "transfer", "other", "handoff", "not_split")
+INPUT_TEXT = {"index": "index arithmetic", "read": "storage reads", "decode": "decoding the records",
+              "rows": "building the rows", "transfer": "transfer to the devices",
+              "other": "no stage running (queued, the GIL, a worker's hand-off)",
+              "handoff": "hand-off of batches that were ready", "not_split": "not split (no stages logged)"}
+
+
+def input_wait(per_steps: Mapping[int, Sequence[_Step]], charged_us: int) -> dict[str, Any]:
+    """The input wait part (``loader_wait``) split by where it went, from each step's logged
+    ``loader_wait_stages`` (the loader's ``metrics()["wait_stages_s"]``).
+
+    Charged exactly as :func:`account` charges ``loader_wait``: every logged step (superseded
+    ones included) of the attempts whose steps all have a ``t``, each step's ``loader_wait_s``
+    in integer microseconds. A step that waited is split by its stages (the microseconds its
+    rounded stages miss or exceed go to ``other``); a step whose batch was ready (stages
+    ``{}``) is the ``handoff``; one with no stages logged is ``not_split``. So the parts add up
+    to ``charged_us``.
+
+    Returns:
+      ``{"charged_us", "us": {part: microseconds} (:data:`INPUT_PARTS`), "adds_up": bool,
+      "drained_steps": steps with 0 batches ready at the ask, "steps_with_occupancy",
+      "worst": [(step, wait s, stage that held it most)] of the 5 longest waits}``.
+    """
+    us = {p: 0 for p in INPUT_PARTS}
+    drained = with_occ = 0
+    waits = []
+    for steps in per_steps.values():
+        if not all(s.t is not None for s in steps):
+            continue  # account() leaves such an attempt's time unknown
+        for s in steps:
+            w = _us(s.wait_s or 0)
+            if s.occupancy is not None:
+                with_occ += 1
+                drained += s.occupancy == 0
+            if s.stages is None:
+                us["not_split"] += w
+            elif not s.stages:
+                us["handoff"] += w
+            else:
+                part = {k: _us(v) for k, v in s.stages.items() if k in INPUT_PARTS}
+                part["other"] = part.get("other", 0) + w - sum(part.values())
+                for k, v in part.items():
+                    us[k] += v
+                waits.append((w, s.step, max(part, key=part.get)))
+    worst = [(step, w / 1e6, stage) for w, step, stage in sorted(waits, reverse=True)[:5]]
+    return {"charged_us": charged_us, "us": us, "adds_up": sum(us.values()) == charged_us,
+            "drained_steps": drained, "steps_with_occupancy": with_occ, "worst": worst}
 
 
 def _tokens_per_step(run: RunLog) -> tuple[Optional[int], str]:

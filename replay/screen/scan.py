@@ -27,6 +27,9 @@ numbers and words the findings::
                                                             change, skip window or restore at that step)
     loader_stall  signals.jsonl loader_wait_s              the loader (a wait above stall_fraction of the
                                                             median step time; a start or restore excepted)
+    input         signals.jsonl loader_occupancy (0 at     the loader, naming the stage that held the
+                  the ask: the buffer drained) and          drained steps' waits most (storage reads, decode,
+                  loader_wait_stages                        rows, transfer; the same thresholds and budget)
 
 Suspects are ranked by the strength of their best evidence's kind, in the order of the table
 (a bit-exact canary disagreement first), then by strength. ``suspect_devices`` (written to
@@ -49,7 +52,7 @@ from replay.screen import screening as sc
 from replay.run.runlog import RunDirError, RunLog
 
 CHECKS = ("canary", "nonfinite", "norm_spike", "norm_drift", "expert_drift", "router", "expert_load", "loss_spike",
-          "loader_stall")
+          "loader_stall", "input")
 DEVICE_CHECKS = ("canary", "nonfinite", "norm_spike", "norm_drift", "expert_drift")
 EXPLAINING_EVENTS = ("phase_change", "skipped_window", "skip_window_added", "restore", "start")
 STRENGTH_CAP = 1e6  # a non-finite score is reported as this
@@ -616,6 +619,67 @@ def _loader(signals, steps, start, cfg: sc.ScreeningConfig, restarts: set[int]):
             out, {"steps": steps, "wait": wait, "step_time": st})
 
 
+STAGE_WORDS = {"index": "index arithmetic", "read": "storage reads", "decode": "decoding the records",
+               "rows": "building the rows", "transfer": "the transfer to the devices",
+               "other": "no loader stage (the step's read not begun: queued behind earlier steps, or the GIL)"}
+STAGE_ADVICE = {
+    "read": "storage latency: a deeper prefetch hides a burst and more read threads hide a steady latency "
+            "(docs/loader.md, 'Input stalls': depth >= (burst + latency x reads a step + CPU a step) / step time), "
+            "or read_mode='batched' on a network file system",
+    "decode": "the loader's CPU: more workers (Grain processes) or read threads",
+    "rows": "the loader's CPU: more workers (Grain processes) or read threads",
+    "index": "the loader's CPU (a new epoch's shuffle table): more workers or read threads",
+    "transfer": "the host-to-device transfer: look at the host's memory bandwidth and the devices' queues",
+    "other": "the loader's thread was busy with earlier steps: more read threads or workers",
+}
+
+
+def input_stages(signals, steps) -> dict[str, float]:
+    """Seconds per loader stage (``loader_wait_stages``) summed over ``steps``."""
+    total: dict[str, float] = {}
+    for s in steps:
+        for k, v in (signals[s].loader_wait_stages or {}).items():
+            total[k] = total.get(k, 0.0) + float(v)
+    return total
+
+
+def _input(signals, steps, start, cfg: sc.ScreeningConfig, restarts: set[int]):
+    """The ``input`` check: steps whose buffer was empty at the ask (``loader_occupancy`` 0) and
+    that waited past the stall threshold, a finding when their waits exceed the stall budget;
+    the detail names the stage that held them most."""
+    if signals is None or all(signals[s].loader_occupancy is None for s in steps):
+        return {"status": "not available", "detail": "no buffer occupancy in signals.jsonl"}, [], {}
+    occ = np.array([np.nan if signals[s].loader_occupancy is None else signals[s].loader_occupancy for s in steps],
+                   np.float64)
+    wait = np.array([signals[s].loader_wait_s if signals[s].loader_wait_s is not None else np.nan for s in steps])
+    st = np.array([signals[s].step_time_s if signals[s].step_time_s is not None else np.nan for s in steps])
+    skip = np.array([s in restarts for s in steps]) | ~(occ == 0)
+    drained = [steps[i] for i in sc.loader_stalls(wait, st, skip, cfg) if steps[i] >= start]
+    total = float(sum(signals[s].loader_wait_s for s in drained))
+    step_total = float(np.nansum([x for x, s in zip(st, steps) if s >= start]))
+    stages = input_stages(signals, drained)
+    split = sum(stages.values())
+    top = max(stages, key=stages.get) if stages else None
+    where = (f"{STAGE_WORDS.get(top, top)} held {stages[top] / split:.0%} of it" if top else
+             "where it went is not logged (no loader_wait_stages)")
+    empty = int(np.sum(occ[[s >= start for s in steps]] == 0))
+    out = []
+    if drained and total > cfg.stall_budget * step_total:
+        out.append((("loader", ()), _evidence(
+            "input", drained[0], drained[-1], total / max(cfg.stall_min_s, 1e-9),
+            f"the prefetch buffer was empty at the ask and the step waited at {len(drained)} step(s) "
+            f"{drained[:6]} ({total:.2f} s in all): {where}"
+            + (f"; {STAGE_ADVICE[top]}" if top in STAGE_ADVICE else ""))))
+    detail = (f"buffer empty at {empty} of {int(np.sum(np.isfinite(occ)))} asks; "
+              f"{len(drained)} drained step(s) waited past the threshold, {total:.2f} s"
+              + (f" ({where})" if drained else ""))
+    return ({"status": "found" if out else "clear", "detail": detail}, out,
+            {"steps": steps, "occupancy": occ,
+             "occupancy_min": np.array([np.nan if signals[s].loader_occupancy_min is None
+                                        else signals[s].loader_occupancy_min for s in steps], np.float64),
+             "stages": stages})
+
+
 # ----------------------------------------------------------------------------- scan
 
 
@@ -671,6 +735,8 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     findings += loss_found
     checks["loader_stall"], loader_found, loader_series = _loader(sig, steps_sig, start, cfg, restarts)
     findings += loader_found
+    checks["input"], input_found, input_series = _input(sig, steps_sig, start, cfg, restarts)
+    findings += input_found
 
     grouped: dict[tuple[str, str], list[Evidence]] = {}
     devices_of: dict[tuple[str, str], tuple[int, ...]] = {}
@@ -698,7 +764,7 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
                         series={"replicas": rep_series, "router": router_series, "expert_load": load_series,
                                 "expert_drift": expert_series,
                                 "loss": loss_series,
-                                "loader": loader_series, "canary": canary or []},
+                                "loader": loader_series, "input": input_series, "canary": canary or []},
                         limits={**health.to_dict(), "screening": cfg.to_dict()},
                         lineage=run.lineage.describe() if run.lineage is not None else [])
     report.suggestion = suggest_replay(run, report)

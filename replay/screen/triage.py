@@ -750,6 +750,38 @@ def check_router(signals: Optional[Mapping[int, Any]], lo: int, step: int, onset
 # ----------------------------------------------------------------------------- conclusion
 
 
+def check_input(signals: Optional[Mapping[int, Any]], lo: int, step: int, onset: int,
+                cfg: sc.ScreeningConfig) -> Check:
+    """Whether the steps from the onset to ``step`` met a drained input buffer: the loader's
+    ``loader_occupancy`` 0 at the ask and a wait past the stall threshold (``replay scan``'s
+    ``input`` check), naming the loader stage that held those waits most. ``suspect`` then
+    says the step was slow because its data was late (the pipeline, not the model); it is no
+    cause of a loss spike and :func:`conclude` does not weigh it."""
+    from replay.screen.scan import STAGE_ADVICE, STAGE_WORDS, input_stages
+
+    steps = [s for s in range(lo, step + 1) if signals and s in signals]
+    if not steps or all(signals[s].loader_occupancy is None for s in steps):
+        return Check("input", "not available", "no buffer occupancy in signals.jsonl (an older trainer or writer)")
+    wait = np.array([np.nan if signals[s].loader_wait_s is None else signals[s].loader_wait_s for s in steps])
+    st = np.array([np.nan if signals[s].step_time_s is None else signals[s].step_time_s for s in steps])
+    skip = np.array([not (signals[s].loader_occupancy == 0 and s >= onset) for s in steps])
+    drained = [steps[i] for i in sc.loader_stalls(wait, st, skip, cfg)]
+    if not drained:
+        return Check("input", "clear", f"the buffer held a batch at every ask from step {onset} to {step} "
+                                       "(or the waits were under the stall threshold)")
+    stages = input_stages(signals, drained)
+    top = max(stages, key=stages.get) if stages else None
+    total = float(sum(signals[s].loader_wait_s for s in drained))
+    where = (f"{STAGE_WORDS.get(top, top)} held {stages[top] / sum(stages.values()):.0%} of the wait" if top
+             else "where the wait went is not logged")
+    return Check("input", "suspect",
+                 f"the input buffer was empty at {len(drained)} step(s) {drained[:6]}, {total:.2f} s waited: {where}",
+                 lines=[f"step {s}: waited {signals[s].loader_wait_s:.3f} s, buffer empty at the ask" for s in drained[:6]]
+                 + ([STAGE_ADVICE[top]] if top in STAGE_ADVICE else []),
+                 evidence={"drained_steps": drained, "wait_s": total, "stages_s": stages},
+                 subject={"stage": top, "steps": drained})
+
+
 def skip_plan(run: RunLog, onset: int, step: int) -> Optional[dict[str, Any]]:
     """The rewind and skip of an optimization event: the newest lineage checkpoint ``C <= onset`` and
     the data window ``[A, B)`` = ``[onset, step + 1 + (step + 1 - onset))`` (the data that fed the spike
@@ -917,6 +949,7 @@ def triage_run(run: RunLog, step: int, *, window: Optional[int] = None, replay: 
     checks["data"] = check_data(run, rebuilt, lo, step, onset, config)
     signals, canary = lineage_screening_logs(run)
     checks["router"] = check_router(signals, lo, step, onset, health, config)
+    checks["input"] = check_input(signals, lo, step, onset, scfg)  # reported beside the others; not a cause
     begin = min([onset] + [c.subject["first_step"] for c in checks.values()
                            if c.status == "suspect" and isinstance(c.subject.get("first_step"), int)])
     plan = skip_plan(run, begin, step)  # a checkpoint before the first sign of trouble

@@ -45,6 +45,7 @@ from replay.verify import plan
 from replay.run import devices as dv
 from replay.run.protocol import FaultSpec, StepFingerprints
 from replay.run.runlog import RunDirError, RunLog, missing_steps
+from replay.run.setup import checked_loader  # noqa: F401 - moved to the ground room; kept importable here
 from replay.run.codes import Verdict
 from replay.run.setup import RunSetup
 from replay.verify.localize import describe_site
@@ -96,24 +97,6 @@ def skip_windows(run: RunLog) -> list[tuple[int, int]]:
 def phase_changes(run: RunLog) -> list[dict[str, Any]]:
     """The run's logged mixture phase changes (events of kind ``phase``/``phase_change``)."""
     return run.events_of("phase", "phase_change", "mixture_phase")
-
-
-def checked_loader(run: RunLog, data: Any) -> Any:
-    """``data`` (a loader rebuilt for ``run``) once its dataset and mixture schedule are checked to be
-    those the run trained with (``replay.run.inputs.check_rebuilt``); every trainer's ``make_loader``
-    should return it through this.
-
-    Raises:
-      RunDirError: the dataset's manifest or the schedule differs (each difference named).
-    """
-    from replay.run import inputs as run_inputs
-
-    try:
-        run_inputs.check_rebuilt(run.run_dir, data.manifest_sha256, data.schedule.to_dict(), data.dataset,
-                                 run.checkpoints)
-    except run_inputs.InputsChangedError as e:
-        raise RunDirError(str(e)) from None
-    return data
 
 
 def default_setup(run: RunLog) -> RunSetup:

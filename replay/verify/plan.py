@@ -26,7 +26,6 @@ ends it early), whatever the range's length.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from typing import Mapping, Optional, Sequence
 
@@ -149,10 +148,3 @@ def lanes(assignments: Sequence[Sequence[int]], process_of: Mapping[int, int]) -
     for i in range(n):
         groups.setdefault(find(i), []).append(i)
     return sorted(groups.values(), key=lambda g: g[0])
-
-
-def segment_of(segs: Sequence[Segment], step: int) -> Optional[int]:
-    """The index of the segment holding ``step``, or None."""
-    starts = [s.start for s in segs]
-    i = bisect.bisect_right(starts, step) - 1
-    return i if i >= 0 and segs[i].start <= step < segs[i].stop else None
