@@ -2,7 +2,9 @@
 
 Prints ONE JSON object:
 
-  replay_train_ratio  replay seconds / train seconds for the same k steps (goal < 1.2).
+  replay_train_ratio  seconds to replay the same k steps on the two independent placements a verdict needs
+                      (at the same time, as range replay runs them) / train seconds (goal < 1.2);
+                      replay_one_placement_train_ratio: one placement's, the figure before issue 27.
                       train: ``replay.reference.run.train`` resuming the run at checkpoint c and
                       training steps c..c+k; timed from the ``on_step`` call of step c to that
                       of step c+k (per-step timestamps: k steps), so process start, restore,
@@ -23,12 +25,13 @@ Targeted and concurrent replay (issue 19; ``--part targeted`` / ``--part concurr
 
   targeted            a run with checkpoints every K steps (``checkpoint_every``), 4 segments, mesh
                       {data: 2, expert: 2} on devices 0-3 (the demo's), replayed on 0-3 and 4-7:
-    flip.steps_replayed_to_verdict   steps each placement replayed before the conviction of a bit flip
-                      at a known step (``--onset``: the drill's), against ``exhaustive_steps`` (every
-                      segment, what range replay did before); goal <= K + 1 per placement.
-    drift.steps_replayed_to_verdict  the same for a drift drill (``replay drill --scenario drift``)
-                      whose onset is the one ``replay scan`` found (suspects.json), with the planted and
-                      the found onset and its range.
+    flip.steps_replayed_to_verdict   steps each placement replayed of the whole range [0, end) before the
+                      conviction of one bit-30 flip in device 2's local gradient (``replay drill --scenario
+                      flip --flips 1 --bit 30``, written as a run), targeted at the onset ``replay scan``
+                      found in that run (suspects.json; never the planted step), against
+                      ``exhaustive_steps`` (every segment); goal <= K + 1 per placement.
+    drift.steps_replayed_to_verdict  the same for a drift drill (device 1's local gradient x2 from its
+                      step on, ``--scenario drift --magnitude 1``), with the planted and the found onset.
   concurrent_wall_ratio  wall seconds of a 4-segment range replayed on 2 placements concurrently
                       (threads over disjoint devices) over the same replay run sequentially, on
                       1-device meshes (goal <= 0.65 on 2 cores); ``concurrent_wall_ratio_demo_mesh``: the
@@ -95,13 +98,12 @@ def timed_train(run_dir, cfg, stop, trainer, mesh) -> dict[int, float]:
 
 
 def targeted(tmp: str, quick: bool) -> dict:
-    """Steps replayed to a verdict with a known onset: a flip drill (onset: its step) and a drift drill
-    (onset: what ``replay scan`` found), on a run of 4 checkpoint segments (module docstring)."""
+    """Steps replayed to a verdict targeted at the onset ``replay scan`` found: a flip drill and a drift drill,
+    each written as a run, on a run of 4+ checkpoint segments (module docstring)."""
     import random
 
     from replay import drill
     from replay.screen import scan
-    from replay.verify import plan
 
     every, seq_len = 8, (32 if quick else 64)
     model = {"d_model": 32, "n_layers": 1, "n_heads": 2, "head_dim": 16, "n_experts": 4, "top_k": 2, "d_ff": 64,
@@ -111,29 +113,35 @@ def targeted(tmp: str, quick: bool) -> dict:
     run_dir = os.path.join(tmp, "t", "run")
     ref_run.train(run_dir, cfg, 6 * every, log=lambda s: None, plot=False, progress=open(os.devnull, "w"))
     session = engine.Session(runlog.load_run(run_dir))
-    out = {"checkpoint_every": every, "range": [0, 4 * every], "segments": 4, "placements": [[0, 1, 2, 3], [4, 5, 6, 7]]}
-    onset = 2 * every + 3
-    fault = drill.random_fault(session, random.Random(0), step=onset, device=2)
-    log = drill.drilled_log(session, fault)
-    rep = engine.replay_range(session, 0, 4 * every, device_spec="all", log=log, onset=plan.Onset.at(onset))
-    full = engine.replay_range(session, 0, 4 * every, device_spec="all", log=log, onset=None, exhaustive=True)
-    out["flip"] = {"onset": onset, "verdict": rep.verdict.value, "convicted": list(rep.decision.devices),
-                   "steps_replayed_to_verdict": rep.steps_per_placement(),
-                   "unreplayed_segments": rep.to_dict()["unreplayed_segments"],
-                   "exhaustive_steps": full.steps_per_placement(), "exhaustive_verdict": full.verdict.value}
-    planted = 2 * every + 2
-    scen = drill.run_scenario(session, "drift", os.path.join(tmp, "t", "drift"), rng=random.Random(1), device=1,
-                              start=planted, magnitude=1.0)
-    drifted = runlog.load_run(scen.run_dir)
-    found = scan.scan_run(drifted)
-    scan.write_suspects(found)
-    target = engine.Session(runlog.load_run(scen.run_dir), session.setup)
-    first, end = target.run.checkpoints[0], target.run.logged_steps[1]  # the drilled run: from checkpoint 2K
-    rep = engine.replay_range(target, first, end, device_spec="all", allow_env_drift=True)
-    out["drift"] = {"planted_onset": planted, "scan_onset": found.onset, "verdict": rep.verdict.value,
-                    "convicted": list(rep.decision.devices), "first_divergent_step": rep.decision.step,
-                    "replayed_range": [first, end], "steps_replayed_to_verdict": rep.steps_per_placement(),
-                    "unreplayed_segments": rep.to_dict()["unreplayed_segments"]}
+    out = {"checkpoint_every": every, "segments": 6, "placements": [[0, 1, 2, 3], [4, 5, 6, 7]]}
+    def scanned(scenario: str, planted: int, **kw):
+        """A screening drill written as a run, every checkpoint of the run before the fault copied in (the
+        states are the same), ``replay scan`` of it (its onset in suspects.json), and the range replay of
+        the whole ``[0, end)`` that targets the scan's onset (issue 27: the onset is what scan reports,
+        never the planted step)."""
+        scen = drill.run_scenario(session, scenario, os.path.join(tmp, "t", scenario), rng=random.Random(1),
+                                  device=kw.pop("device"), start=planted, **kw)
+        for c in session.run.checkpoints:
+            dst = os.path.join(scen.run_dir, "checkpoints", str(c))
+            if c < planted and not os.path.exists(dst):
+                shutil.copytree(os.path.join(session.run.run_dir, "checkpoints", str(c)), dst)
+        found = scan.scan_run(runlog.load_run(scen.run_dir))
+        scan.write_suspects(found)
+        target = engine.Session(runlog.load_run(scen.run_dir), session.setup)
+        end = target.run.logged_steps[1]
+        rep = engine.replay_range(target, 0, end, device_spec="all", allow_env_drift=True)  # onset: suspects.json
+        full = engine.replay_range(target, 0, end, device_spec="all", allow_env_drift=True, onset=None,
+                                   exhaustive=True)
+        return {"planted_onset": planted, "scan_onset": found.onset, "verdict": rep.verdict.value,
+                "convicted": list(rep.decision.devices), "first_divergent_step": rep.decision.step,
+                "replayed_range": [0, end], "steps_replayed_to_verdict": rep.steps_per_placement(),
+                "unreplayed_segments": rep.to_dict()["unreplayed_segments"],
+                "exhaustive_steps": full.steps_per_placement(), "exhaustive_verdict": full.verdict.value}
+
+    # flip: one flip of bit 30 (the exponent's top bit: what norm screening can see) in one element of device
+    # 2's local gradient; drift: device 1's local gradient x2 from its step on
+    out["flip"] = scanned("flip", 2 * every + 3, device=2, flips=1, bit=30)
+    out["drift"] = scanned("drift", 2 * every + 2, device=1, magnitude=1.0)
     worst = max(max(out["flip"]["steps_replayed_to_verdict"].values()),
                 max(out["drift"]["steps_replayed_to_verdict"].values()))
     out["goal"] = f"steps_replayed_to_verdict <= checkpoint_every + 1 = {every + 1} per placement: " \
@@ -233,7 +241,15 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         fresh.train_step(session.restore(0, home), session.batch(0, home), 0)
         compile_s = time.perf_counter() - t0
-        train_times, replay_times = [], []
+        # The second placement a verdict needs (replay.run.devices.independent_assignments), compiled once.
+        from concurrent.futures import ThreadPoolExecutor
+
+        from replay.run import devices as dv
+
+        places = [tuple(a) for a in dv.independent_assignments(sorted(session.jax_devices), session.setup.mesh_size, 2)]
+        for pl in places:
+            session.run_steps(pl, 0, 2, log=run.fingerprints)
+        train_times, replay_times, two_times = [], [], []
         for r in range(rounds):
             # train: a copy of the run cut back to checkpoint 0, resumed for steps 0..k (k+1 step lines);
             # the window is from step 0's line to step k's line: steps 1..k, k steps.
@@ -256,6 +272,18 @@ def main(argv=None) -> int:
                 print(f"replay did not reproduce the run: {[d.to_dict() for d in diffs if not d.ok][:1]}",
                       file=sys.stderr)
                 return 1
+            # the two placements a verdict needs, at the same time (as replay_range runs them)
+            for pl in places:
+                session._states[(1, pl)] = session.run_steps(pl, 0, 1, keep_state_at=0)[2][0]
+            session._batches.clear()
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                done = [f.result() for f in [pool.submit(session.run_steps, pl, 1, k + 1, log=run.fingerprints)
+                                             for pl in places]]
+            two_times.append(time.perf_counter() - t0)
+            if not all(d.ok for _, diffs2, _ in done for d in diffs2):
+                print("a placement did not reproduce the run", file=sys.stderr)
+                return 1
         # batch rebuild: early vs late steps, fresh loader, alternating, best of rounds
         data = session.setup.make_loader(mesh)
         data.batch_at(0)
@@ -268,7 +296,7 @@ def main(argv=None) -> int:
                 for s in steps:
                     jax.block_until_ready(data.batch_at(s))
                 acc.append((time.perf_counter() - t0) / len(steps))
-        train_s, replay_s = min(train_times), min(replay_times)
+        train_s, replay_s, two_s = min(train_times), min(replay_times), min(two_times)
         out = {
             "benchmark": "replay",
             "quick": bool(args.quick),
@@ -280,7 +308,10 @@ def main(argv=None) -> int:
             "model": model,
             "train_s": round(train_s, 4),
             "replay_s": round(replay_s, 4),
-            "replay_train_ratio": round(replay_s / train_s, 4),
+            "replay_train_ratio": round(two_s / train_s, 4),
+            "replay_s_two_placements": round(two_s, 4),
+            "placements": [list(pl) for pl in places],
+            "replay_one_placement_train_ratio": round(replay_s / train_s, 4),
             "restore_s": round(restore_s, 4),
             "replay_compile_s": round(compile_s, 3),
             "batch_early_ms": round(1e3 * min(early), 3),

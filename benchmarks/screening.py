@@ -19,9 +19,9 @@ Prints ONE JSON object:
     score of any clean replica-step (the tail the spike threshold ``spike_z`` must clear);
   sweep: per (kind, magnitude) the drills caught; floor: the smallest relative error (scale
     drifts) caught in every drill of the sweep at it and at every larger magnitude;
-  drift: 20 drills with random device, start step and magnitude in [floor, 2 * floor], how many
-    named the right device (and onset errors; other_replicas_max_abs_z: the largest score of the
-    replicas without the fault);
+  drift: 20 drills with random device and start step, magnitudes cycling through the fixed grid
+    DRIFT_GRID (not drawn from this run's own floor), how many named the right device per magnitude
+    (and onset errors; other_replicas_max_abs_z: the largest score of the replicas without the fault);
   flip, canary: drills caught;
   the noise: the median robust sigma of the replicas' log-ratios (the floor scales with it:
     roughly with one over the square root of the tokens a replica sees per step);
@@ -52,6 +52,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 DRILL_MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "head_dim": 8, "n_experts": 4, "top_k": 2, "d_ff": 32,
                "capacity_factor": 2.0, "aux_loss_weight": 0.1, "router_bias_rate": 0.02}
 STEPS = 120
+DRIFT_GRID = (0.02, 0.05, 0.1, 0.2, 0.5)  # the drift drills' magnitudes: a fixed grid, not the run's own floor
 
 
 def make_config(folder: str, canary_every: int = 10):
@@ -193,10 +194,9 @@ def main(argv=None) -> dict:
             for m in (0.3, 0.6, 1.0):
                 bias[m] = [drift(3000 + int(m * 100) + i, m, "bias") for i in range(3)]
         n_drift = 4 if quick else 20
-        lo = floor if floor is not None else max(mags)
         drills = []
-        for i in range(n_drift):
-            m = round(rng.uniform(lo, 2 * lo), 3)
+        for i in range(n_drift):  # magnitudes from the fixed grid, not from this run's own floor (issue 27)
+            m = DRIFT_GRID[i % len(DRIFT_GRID)]
             r = drift(4000 + i, m)
             drills.append({"magnitude": m, "device": r["device"], "caught": r["caught"], "named": r["named"],
                            "max_abs_z_other_replicas": r["max_abs_z_clean"],
@@ -216,13 +216,18 @@ def main(argv=None) -> dict:
             "floor_relative_error_scale": floor,
             "sweep_bias": {str(m): {"caught": sum(r["caught"] for r in rs), "of": len(rs)} for m, rs in bias.items()},
             "drift_drills": {"count": n_drift, "caught": sum(d["caught"] for d in drills),
-                             "magnitude_range": [lo, 2 * lo], "onset_error_steps": onset,
+                             "magnitude_grid": list(DRIFT_GRID),
+                             "caught_per_magnitude": {str(m): [sum(d["caught"] for d in drills if d["magnitude"] == m),
+                                                               sum(d["magnitude"] == m for d in drills)]
+                                                      for m in DRIFT_GRID},
+                             "onset_error_steps": onset,
                              "onset_error_max_abs": max((abs(x) for x in onset), default=None),
                              "other_replicas_max_abs_z": max((d["max_abs_z_other_replicas"] for d in drills
                                                               if d["max_abs_z_other_replicas"] is not None), default=None),
                              "missed": [d for d in drills if not d["caught"]]},
             "spike_z": ScreeningConfig().spike_z,
             "flip_drills": {"count": len(flips), "caught": sum(r["caught"] for r in flips),
+                            "bits": "each flip's bit drawn from 0-31 (replay.drill.scenario_faults), not bit 30",
                             "missed": [{"first": r["first"], "named": r["named"]} for r in flips if not r["caught"]]},
             "canary_drills": {"count": len(canaries), "caught": sum(r["caught"] for r in canaries),
                               "missed": [{"first": r["first"], "named": r["named"]} for r in canaries

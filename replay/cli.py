@@ -37,6 +37,8 @@ verdicts and exit codes:
   3  convicted   replays on >= 2 independent good device placements agree with each other and
                  not with the log, on some devices of the original run: those devices computed
                  wrong bits (silent data corruption) at the reported step and leaf
+  23  link       convicted: at an all-to-all every device sent what the replays sent, and a device
+                 received something else: the link sender -> receiver, neither chip alone
   4  ambiguous   replays disagree with each other (flaky hardware in the replay set: rerun with
                  --repeats or other devices), every device differs (software/environment), only a
                  tolerance comparison was possible, or too few independent replays
@@ -390,23 +392,34 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--leaf", help="parameter leaf path, e.g. \"['layers'][0]['w_in']\"")
     d.add_argument("--element", type=int, help="flat index into the device's local shard of the leaf (default: random)")
     d.add_argument("--bit", type=int, help="0 = lowest mantissa bit")
-    d.add_argument("--where", choices=("local_gradient", "expert_forward", "expert_backward", "attention"),
-                   default="local_gradient",
-                   help="where the bit flips in the device's step: its finished local gradient (default), its "
+    from replay.run.protocol import FAULT_SITES
+
+    d.add_argument("--where", choices=FAULT_SITES, default="local_gradient", metavar="SITE",
+                   help="where the fault enters the device's step: its finished local gradient (default), its "
                         "experts' output in the forward pass, an expert weight's gradient in the backward pass, "
-                        "or an attention output; the last three spread to other devices through the "
-                        "all-to-alls of expert parallelism, and the verdict must still name this device alone "
-                        "and the buffer where the error first appeared")
-    d.add_argument("--layer", type=int, help="--where expert_forward/attention: the layer (default: random)")
+                        "an attention output, or inside the arithmetic (issue 27): ffn_up / ffn_down (the expert "
+                        "FFN matmuls, before the nonlinearity / the down matmul's input), ffn_{up,down}_grad_input "
+                        "/ _grad_weight (the backward's activation- and weight-gradient products), attn_scores / "
+                        "attn_probs / attn_pv (QK^T, the softmax output, PV), router_logits (before top-k), "
+                        "transit_dispatch / transit_combine and their _grad (what the device received at an "
+                        "all-to-all: the verdict names the link sender -> receiver), host_batch (a token of the "
+                        f"device's rows after the loader handed them over). One of: {', '.join(FAULT_SITES)}")
+    d.add_argument("--layer", type=int, help="--where a per-layer site: the layer (default: random)")
+    d.add_argument("--mode", choices=("flip", "scale", "set"), default="flip",
+                   help="flip --bit (default), scale the element by --value, or set it to --value (nan, inf)")
+    d.add_argument("--value", type=float, default=None,
+                   help="--mode scale: the factor (e.g. 1.001); --mode set: the value, 'nan' and 'inf' included")
     d.add_argument("--no-canary", action="store_true", help="check range replay only, not the canary")
     d.add_argument("--to-disk", metavar="DIR",
                    help="write each drill as a short faulty training run DIR/drill-N (fingerprints, a checkpoint "
                         "after the faulty step) and replay it from disk")
-    d.add_argument("--scenario", choices=("drift", "flip", "canary", *TRIAGE_SCENARIOS, "all"),
+    d.add_argument("--scenario", choices=("drift", "flip", "canary", "expert_drift", *TRIAGE_SCENARIOS, "all"),
                    help="a screening drill instead: retrain the run from a checkpoint with a persistent small "
                         "error on one device (drift: --magnitude, --kind), intermittent bit flips (flip: --flips, "
                         "--bit) or a wrong canary (canary), then check that 'replay scan' names that device and "
-                        "the first step; --step is the fault's first step, the drilled runs go to --to-disk "
+                        "the first step (expert_drift: one expert device's experts' output x(1 + --magnitude) "
+                        "at every step, which 'replay scan' must name by its expert_drift check); --step is the "
+                        "fault's first step, the drilled runs go to --to-disk "
                         "(default: a temporary folder). Or a triage drill (sdc, restart, data, duplicate, router, "
                         "router_scale, nonfinite: a device's gradient made NaN or Inf, clean; all: each of them): a "
                         "short training run of its own (no --run) with one planted cause, and 'replay triage' must "
@@ -806,7 +819,7 @@ def _flip_drills(args, console, session, rng, shown) -> int:
     results = []
     for n in range(args.count):
         fault = drill.random_fault(session, rng, args.step, args.device, args.leaf, args.element, args.bit,
-                                   where=args.where, layer=args.layer)
+                                   where=args.where, layer=args.layer, mode=args.mode, value=args.value)
         to_disk = None if not args.to_disk else os.path.join(args.to_disk, f"drill-{n}")
         res = drill.run_drill(session, fault, device_spec=args.devices, canary=not args.no_canary, to_disk=to_disk)
         results.append(res)
@@ -842,8 +855,7 @@ def _scenario_drills(args, console, session, rng, shown) -> int:
     for n in range(args.count):
         out = os.path.join(root, f"{args.scenario}-{n}")
         res = drill.run_scenario(session, args.scenario, out, rng=rng, device=args.device, start=args.step,
-                                 magnitude=args.magnitude, kind=args.kind, flips=args.flips,
-                                 bit=30 if args.bit is None else args.bit)
+                                 magnitude=args.magnitude, kind=args.kind, flips=args.flips, bit=args.bit)
         results.append(res)
         named = res.named
         mark = "[green]caught[/]" if res.caught else "[red]NOT caught[/]"

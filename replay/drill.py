@@ -130,8 +130,12 @@ def _activation_element(session: Any, rng: random.Random, where: str, step: int,
                          "computation (it has no activation_shapes); use --where local_gradient")
     batch = session.numpy_batch(step, session.home_assignment())
     rows, seq_len = (int(n) for n in batch["inputs"].shape)
-    shape = shapes(dict(zip(setup.axis_names, setup.shape)), rows, seq_len)[where]
-    if where == "expert_forward":
+    every = shapes(dict(zip(setup.axis_names, setup.shape)), rows, seq_len)
+    if where not in every:
+        raise DrillError(f"--where {where}: the run's trainer plants no fault there on this run (a transit site needs "
+                         f"model.dispatch all_to_all); sites: {', '.join(sorted(every))}")
+    shape = every[where]
+    if where != "attention":  # any element (what a padding or masked slot hides is the drill's finding)
         return rng.randrange(int(np.prod(shape)))
     b, S, D = shape
     r = list(setup.run_device_ids).index(device)
@@ -145,21 +149,27 @@ def _activation_element(session: Any, rng: random.Random, where: str, step: int,
 
 def random_fault(session: Any, rng: random.Random, step: Optional[int] = None, device: Optional[int] = None,
                  leaf: Optional[str] = None, element: Optional[int] = None, bit: Optional[int] = None, *,
-                 where: str = "local_gradient", layer: Optional[int] = None) -> FaultSpec:
+                 where: str = "local_gradient", layer: Optional[int] = None, mode: str = "flip",
+                 value: Optional[float] = None) -> FaultSpec:
     """A fault with every unchosen field drawn from ``rng``: a logged step with a checkpoint at or
     before it, a device of the run's mesh, the buffer ``where`` names (``FAULT_SITES``: a parameter
     leaf's local gradient, an expert leaf's gradient in the backward pass, or a layer's expert output
-    or attention output in the forward pass), an element of it and a bit of its dtype (bit 0 = the
-    lowest mantissa bit included).
+    or attention output in the forward pass, or one of the sites inside the computation, in transit or on
+    the host: ``replay.run.protocol.INNER_SITES``), an element of it and a bit of its dtype (bit 0 = the
+    lowest mantissa bit included). ``mode``/``value``: a flip (default), or the element scaled by or set
+    to ``value`` (NaN and Inf included; ``FaultSpec.mode``).
 
     Raises:
       DrillError: a chosen field is out of range (named, with the allowed range), or the trainer
         cannot plant a fault ``where``.
     """
-    from replay.run.protocol import FAULT_SITES
+    from replay.run.protocol import FAULT_SITES, LAYER_SITES
 
     if where not in FAULT_SITES:
         raise DrillError(f"--where {where!r}: must be one of {', '.join(FAULT_SITES)}")
+    if mode != "flip" and (value is None or where == "host_batch"):
+        raise DrillError(f"--mode {mode}: needs --value (a factor or a value; nan and inf included), and a float "
+                         "buffer (not host_batch)")
     run, trainer = session.run, session.setup.trainer
     first, stop = run.logged_steps
     # Logged steps with a checkpoint at or before them (from the log itself: a sparse or damaged
@@ -177,19 +187,23 @@ def random_fault(session: Any, rng: random.Random, step: Optional[int] = None, d
         device = rng.choice(ids)
     elif device not in ids:
         raise DrillError(f"--device {device}: not a device of the run's mesh {ids}")
-    if where in ("expert_forward", "attention"):
+    if where in LAYER_SITES or where == "host_batch":
         if leaf:
             raise DrillError(f"--leaf: a {where} fault hits an activation, not a leaf; choose --layer")
         n_layers = int(getattr(getattr(trainer, "model", None), "n_layers", 0) or 0)
         if not n_layers:
             raise DrillError(f"--where {where}: the trainer does not say its layer count (model.n_layers)")
-        if layer is None:
+        if where == "host_batch":
+            if layer is not None:
+                raise DrillError("--layer: a host_batch fault hits the device's rows of the batch, not a layer")
+        elif layer is None:
             layer = rng.randrange(n_layers)
         elif not 0 <= layer < n_layers:
             raise DrillError(f"--layer {layer}: must be in [0, {n_layers})")
         if element is None:
             element = _activation_element(session, rng, where, step, device, layer)
-        nbits = 8 * np.dtype(trainer.leaf_dtypes[0]).itemsize
+        site_bits = getattr(trainer, "site_bits", None)
+        nbits = site_bits(where) if site_bits else 8 * np.dtype(trainer.leaf_dtypes[0]).itemsize
         what = f"the {where} buffer of layer {layer}"
     else:
         if layer is not None:
@@ -217,7 +231,8 @@ def random_fault(session: Any, rng: random.Random, step: Optional[int] = None, d
         bit = rng.randrange(nbits)
     elif not 0 <= bit < nbits:
         raise DrillError(f"--bit {bit}: must be in [0, {nbits}) for {what}")
-    return FaultSpec(step=step, device_id=device, leaf=leaf or "", element=element, bit=bit, where=where, layer=layer)
+    return FaultSpec(step=step, device_id=device, leaf=leaf or "", element=element, bit=bit, where=where, layer=layer,
+                     mode=mode, value=0.0 if value is None else float(value))
 
 
 def expected_site(fault: FaultSpec) -> Optional[str]:
@@ -227,10 +242,16 @@ def expected_site(fault: FaultSpec) -> Optional[str]:
     expert weight's gradient and a finished gradient are carried by no all-to-all)."""
     from replay.run.protocol import send_site
 
-    if fault.where == "expert_forward":
+    if fault.where in ("expert_forward", "ffn_up", "ffn_down", "transit_combine"):
         return send_site(fault.layer, "combine", "forward")
-    if fault.where == "attention":
+    if fault.where in ("attention", "attn_scores", "attn_probs", "attn_pv", "transit_dispatch"):
         return send_site(fault.layer, "dispatch", "forward")
+    if fault.where in ("ffn_up_grad_input", "ffn_down_grad_input", "transit_dispatch_grad"):
+        return send_site(fault.layer, "dispatch", "backward")
+    if fault.where == "transit_combine_grad":
+        return send_site(fault.layer, "combine", "backward")
+    if fault.where in ("router_logits", "host_batch"):
+        return None  # the router's error shows where routing or a gate first changed a buffer; the batch's in its hash
     return "local_gradient"
 
 
@@ -277,6 +298,8 @@ def relabel(fp: Any, mapping: dict[int, int]) -> Any:
     if not mapping or all(mapping.get(d, d) == d for d in fp.devices):
         return fp
     extra = {"sends": {mapping.get(d, d): v for d, v in fp.sends.items()}} if getattr(fp, "sends", None) else {}
+    if getattr(fp, "recvs", None):
+        extra["recvs"] = {mapping.get(d, d): v for d, v in fp.recvs.items()}
     return dataclasses.replace(fp, devices={mapping.get(d, d): v for d, v in fp.devices.items()},
                                device_coords={mapping.get(d, d): c for d, c in fp.device_coords.items()}, **extra)
 
@@ -347,11 +370,24 @@ def run_drill(session: Any, fault: FaultSpec, *, device_spec: str = "all", repla
         log = drilled_log(session, fault)
         rep = replay_range(session, fault.step, fault.step + 1, device_spec=device_spec, log=log,
                            replays=replays, allow_env_drift=True, full_comparison=False)
-    ok = (rep.verdict is Verdict.CONVICTED and rep.decision.devices == (fault.device_id,)
-          and rep.decision.step == fault.step)
+    from replay.run.protocol import TRANSIT_SITES
+    from replay.verify.verdict import Cause
+
+    if fault.where in TRANSIT_SITES:  # a link, sender -> receiver, and neither chip alone
+        setup = session.setup
+        rows, seq_len = (int(n) for n in session.numpy_batch(fault.step)["inputs"].shape)
+        coords = {int(d): dict(c) for d, c in (session.run.mesh.get("device_coords") or {}).items()}
+        link = setup.trainer.link_of(dict(zip(setup.axis_names, setup.shape)), rows, seq_len, fault, coords)
+        ok = rep.decision.cause is Cause.LINK_FAULT and tuple(rep.decision.links) == (link,) \
+            and rep.decision.step == fault.step
+    elif fault.where == "host_batch":  # the data, not a device
+        ok = rep.decision.cause is Cause.DATA_ORDER and rep.decision.step == fault.step
+    else:
+        ok = (rep.verdict is Verdict.CONVICTED and rep.decision.devices == (fault.device_id,)
+              and rep.decision.step == fault.step)
     site_ok = None
     site = getattr(rep.decision, "site", None)
-    if site is not None:
+    if site is not None and expected_site(fault) is not None:
         site_ok = site == expected_site(fault)
         if site_ok and fault.where in ("local_gradient", "expert_backward"):
             site_ok = _site_leaves(rep) == (fault.leaf,)
@@ -375,8 +411,9 @@ def _site_leaves(rep: Any) -> tuple[str, ...]:
 
 # ----------------------------------------------------------------------------- screening drills
 
-SCENARIOS = ("drift", "flip", "canary")
-EXPECTED_CHECK = {"drift": ("norm_drift",), "flip": ("norm_spike", "nonfinite"), "canary": ("canary",)}
+SCENARIOS = ("drift", "flip", "canary", "expert_drift")
+EXPECTED_CHECK = {"drift": ("norm_drift",), "flip": ("norm_spike", "nonfinite"), "canary": ("canary",),
+                  "expert_drift": ("expert_drift",)}
 DRIFT_TOLERANCE = 5  # steps: a drift's onset is an estimate (the CUSUM's last reset before its alarm)
 
 
@@ -426,36 +463,43 @@ def top_device_suspect(scan: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 
 def judge_scan(scan: dict[str, Any], scenario: str, device: int, first_step: int, tolerance: int = 0) -> bool:
-    """True when the scan names exactly ``device`` among the device suspects, with evidence of the
+    """True when the scan names exactly ``device`` among the device suspects (expert_drift: or the pair of
+    ``device`` and its twin, which that check cannot tell apart on two data replicas), with evidence of the
     scenario's kind (drift: ``norm_drift``; flip: ``norm_spike`` or ``nonfinite``; canary:
     ``canary``) whose first step is within ``tolerance`` of ``first_step`` or, for a drift, whose
     onset is marked uncertain with a range that holds ``first_step``."""
-    if scan.get("suspect_devices") != [device]:
+    pair = None  # expert_drift with two twins names the pair, as one suspect: the device and the one holding its experts
+    if scenario == "expert_drift" and len(scan.get("suspect_devices") or []) == 2 and device in scan["suspect_devices"] \
+            and any(s["kind"] == "replica" and s["devices"] == scan["suspect_devices"] for s in scan.get("suspects", [])):
+        pair = list(scan["suspect_devices"])
+    if scan.get("suspect_devices") != [device] and pair is None:
         return False
 
     def right(e) -> bool:
         if abs(e["first_step"] - first_step) <= tolerance:
             return True
         lo_hi = e.get("onset_range")
-        return scenario == "drift" and bool(e.get("onset_uncertain")) and lo_hi is not None \
+        return scenario in ("drift", "expert_drift") and bool(e.get("onset_uncertain")) and lo_hi is not None \
             and lo_hi[0] <= first_step <= lo_hi[1]
 
     for s in scan.get("suspects", []):
-        if s["kind"] in ("device", "replica") and s["devices"] == [device]:
+        if s["kind"] in ("device", "replica") and s["devices"] in ([device], pair):
             return any(e["check"] in EXPECTED_CHECK[scenario] and right(e) for e in s["evidence"])
     return False
 
 
 def scenario_faults(scenario: str, *, device: int, start: int, stop: int, magnitude: float = 0.2,
-                    kind: str = "scale", flips: int = 3, bit: int = 30, leaf: Optional[str] = None,
+                    kind: str = "scale", flips: int = 3, bit: Optional[int] = None, leaf: Optional[str] = None,
                     leaf_paths: Sequence[str] = (), leaf_sizes: Sequence[int] = (),
                     rng: Optional[random.Random] = None) -> tuple[Any, Any, int]:
     """``(train faults, canary fault, first step)`` of a scenario between ``start`` and ``stop``.
 
     drift: a :class:`DriftSpec` on ``device`` from ``start`` on. flip: ``flips`` bit flips of bit
-    ``bit`` (30: the float32 exponent's top bit, so an element below 2 in magnitude grows by 2^128)
-    on ``device`` at ``start`` and at random later steps, each in a random element of ``leaf``
-    (random when None). canary: the canary gradient of ``device`` has a bit flipped from ``start``.
+    ``bit`` (None, the default: each flip's bit drawn from the whole float32 range 0-31, not the
+    exponent's top bit that makes an element 2^128 larger) on ``device`` at ``start`` and at random
+    later steps, each in a random element of ``leaf`` (random when None). canary: the canary gradient
+    of ``device`` has a bit flipped from ``start``. expert_drift: the device's experts' output
+    x(1 + ``magnitude``) at every step from ``start`` (``DriftSpec`` kind ``expert_output``).
 
     Raises:
       DrillError: an unknown scenario, or ``stop - start`` too short for it.
@@ -469,6 +513,8 @@ def scenario_faults(scenario: str, *, device: int, start: int, stop: int, magnit
         raise DrillError(f"the drill needs steps after its start {start}; the run trains to {stop}")
     if scenario == "drift":
         return DriftSpec(device_id=device, start=start, magnitude=magnitude, kind=kind), None, start
+    if scenario == "expert_drift":  # the device's experts' output x(1 + magnitude), inside the forward pass
+        return DriftSpec(device_id=device, start=start, magnitude=magnitude, kind="expert_output"), None, start
     paths = list(leaf_paths)
     if scenario == "flip":
         later = sorted(rng.sample(range(start + 1, stop), min(flips - 1, stop - start - 1)))
@@ -476,7 +522,7 @@ def scenario_faults(scenario: str, *, device: int, start: int, stop: int, magnit
         for s in [start, *later]:
             lf = leaf if leaf is not None else rng.choice(paths)
             out.append(FaultSpec(step=s, device_id=device, leaf=lf, element=rng.randrange(leaf_sizes[paths.index(lf)]),
-                                 bit=bit))
+                                 bit=rng.randrange(32) if bit is None else bit))
         return out, None, start
     lf = leaf if leaf is not None else rng.choice(paths)
     return None, FaultSpec(step=start, device_id=device, leaf=lf, element=rng.randrange(leaf_sizes[paths.index(lf)]),
@@ -485,7 +531,7 @@ def scenario_faults(scenario: str, *, device: int, start: int, stop: int, magnit
 
 def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Random, device: Optional[int] = None,
                  start: Optional[int] = None, magnitude: float = 0.2, kind: str = "scale", flips: int = 3,
-                 bit: int = 30, canary_every: Optional[int] = None, log=None) -> ScenarioReport:
+                 bit: Optional[int] = None, canary_every: Optional[int] = None, log=None) -> ScenarioReport:
     """A screening drill on a reference-trainer run: copies the run into ``out_dir`` up to its
     checkpoint ``c`` (the logs before ``c`` are the history the scan's baselines need), trains
     ``c .. end`` again with the scenario's fault (``scenario_faults``), scans the drilled run and
@@ -574,7 +620,7 @@ def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Rando
     scan = scan_run(load_run(out_dir)).to_dict()
     return ScenarioReport(scenario=scenario, device=device, first_step=first_step, faults=as_dicts,
                           run_dir=out_dir, scan=scan, named=top_device_suspect(scan),
-                          tolerance=DRIFT_TOLERANCE if scenario == "drift" else 0)
+                          tolerance=DRIFT_TOLERANCE if scenario in ("drift", "expert_drift") else 0)
 
 
 def retrain_through_protocol(session: Any, out_dir: str, checkpoint: int, stop: int, *, faults: Any = None,

@@ -44,6 +44,9 @@ def _verdict_panel(report: Mapping[str, Any]) -> Panel:
             lines.append(f"convicted: {dev['label']} at step {report['first_divergent_step']}")
     elif report.get("convicted_devices"):
         lines.append(f"convicted device(s): {report['convicted_devices']} at step {report['first_divergent_step']}")
+    for a, b in report.get("convicted_links") or ():  # sent right, received wrong: neither chip alone
+        lines.append(f"convicted link: device {a} -> device {b} at step {report['first_divergent_step']} "
+                     "(the sender sent it right, the receiver got something else)")
     site = report.get("first_divergent_site")
     if site:
         lines.append(f"first divergent buffer: {site['label']}" + (f" (layer {site['layer']})" if site.get("layer")
@@ -339,6 +342,8 @@ def range_figure(report: Mapping[str, Any]):
         title += f": first divergent step {report['first_divergent_step']}"
     if report.get("convicted_devices"):
         title += f", device(s) {report['convicted_devices']}"
+    if report.get("convicted_links"):
+        title += ", link(s) " + ", ".join(f"{a} -> {b}" for a, b in report["convicted_links"])
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig

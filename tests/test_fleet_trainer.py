@@ -97,7 +97,7 @@ def test_every_command_works_on_the_second_trainers_run(dense_run, cached_factor
 
 def test_a_screening_drill_retrains_the_second_trainer_through_the_protocol(dense_run, cached_factory, tmp_path):
     # no retrain hook in its set-up: replay retrains with train_step and the public writer
-    assert cli.main(["drill", "--run", dense_run[0], "--scenario", "flip", "--step", "5", "--device", "1",
+    assert cli.main(["drill", "--run", dense_run[0], "--scenario", "flip", "--step", "5", "--device", "1", "--bit", "30",
                      "--no-progress", "--to-disk", str(tmp_path / "d"), "--json", str(tmp_path / "s.json")]) == 0
     rep = json.loads((tmp_path / "s.json").read_text())["drills"][0]
     assert rep["caught"] and rep["named"]["devices"] == [1] and rep["named"]["first_step"] == 5

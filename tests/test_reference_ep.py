@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+from replay.reference.model import FAULT_LEN
 from replay.reference.testing import random_batch, tiny_model_config, write_tiny_run
 from replay.reference.trainer import ReferenceTrainer, make_mesh
 from replay.run.codes import Verdict
@@ -56,7 +57,7 @@ def test_all_to_all_agrees_with_gather_on_a_fixed_batch(pair):
 def _all_gather_shapes(trainer, mesh, state, batch):
     fn = trainer._step_fn(mesh, batch["inputs"].shape[0])
     sh = trainer.batch_sharding(mesh)
-    text = fn.lower(state, {k: jax.device_put(v, sh) for k, v in batch.items()}, np.zeros(7, np.int32),
+    text = fn.lower(state, {k: jax.device_put(v, sh) for k, v in batch.items()}, np.zeros(FAULT_LEN, np.int32),
                     np.zeros(4, np.float32)).compile().as_text()
     return {tuple(int(n) for n in dims.split(",") if n) for dims in re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", text)}
 
@@ -305,3 +306,90 @@ def test_canary_under_expert_parallelism_names_a_faulty_device(ep_run):
     fps = trainer.canary_fingerprints(params, batch, FaultSpec(0, 3, "['layers'][0]['w_in']", 4, 7))
     sig = {d: json.dumps(v, sort_keys=True) for d, v in fps.items()}
     assert len({sig[d] for d in sig if d != 3}) == 1 and sig[3] != sig[0]
+
+
+# ----------------------------------------------------------------------------- issue 27: an honest fault campaign
+
+
+def _unmasked_drill(ctx, rng, site, persistence="once", tries=20):
+    """Drills at ``site`` with every field (magnitude class included: bits 0-31 and the scales) drawn from
+    ``rng`` until one is not masked; each masked one on the way must be shown bit-identical."""
+    from replay.verify import faults as fm
+
+    for _ in range(tries):
+        mags = [m for m in fm.MAGNITUDES if site != "host_batch" or m in fm.BIT_CLASSES]
+        fault = fm.draw_fault(ctx.session, rng, site, rng.choice(mags), persistence)
+        row = fm.run_fault_drill(ctx, fault, segment=1 if persistence == "once" else 2, screening=False,
+                                 canary=False)
+        if row["outcome"] != "masked":
+            return row
+        assert row["shown_identical"] is True, row
+    raise AssertionError(f"{site}: {tries} drills in a row were masked")
+
+
+@pytest.mark.parametrize("site,seed", [(s, 2700 + i) for i, s in enumerate((
+    "ffn_up", "ffn_down", "ffn_up_grad_input", "ffn_up_grad_weight", "ffn_down_grad_input", "ffn_down_grad_weight",
+    "attn_scores", "attn_probs", "attn_pv", "router_logits", "transit_dispatch", "transit_combine",
+    "transit_dispatch_grad", "transit_combine_grad", "host_batch"))])
+def test_each_site_inside_the_computation_convicts_through_replay(ep_run, site, seed):
+    from replay.verify import faults as fm
+
+    row = _unmasked_drill(fm.DrillContext(ep_run[0]), random.Random(seed), site)
+    assert row["outcome"] == "right_alone", row
+    if site.startswith("transit"):
+        assert row["finding"] == "link" and row["devices"] == [] and row["links"] == row["expected"]["links"], row
+    elif site == "host_batch":
+        assert row["cause"] == "data_order" and row["devices"] == [], row
+    else:
+        assert row["devices"] == [row["fault"]["device"]] and row["finding"] in ("sent", "local_gradient"), row
+
+
+def test_a_transit_fault_names_the_link_and_neither_chip(ep_run, capsys, monkeypatch, tmp_path):
+    from replay.cli import main
+    from replay.verify import engine
+
+    session = ep_run[0]
+    monkeypatch.setattr(engine, "default_setup", lambda run: dataclasses.replace(session.setup))
+    # device 5 = (data 1, expert 1) receives part 3 of its combine buffer from device 7 = (data 1, expert 3)
+    shape = ep_run[1].activation_shapes(MESH, 16, 32)["transit_combine"]  # [X=4, E/X=1, B=2, C=32, D=32]
+    part = int(np.prod(shape[1:]))  # elements per part
+    code = main(["drill", "--run", session.run.run_dir, "--where", "transit_combine", "--layer", "0", "--step", "30",
+                 "--device", "5", "--element", str(3 * part + 17), "--bit", "4", "--no-canary",
+                 "--json", str(tmp_path / "d.json"), "--no-progress"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    got = json.loads((tmp_path / "d.json").read_text())["drills"][0]["range"]
+    assert got["convicted_links"] == [[7, 5]] and got["convicted_devices"] == [] and got["exit_code"] == 23
+    assert got["cause"] == "link_fault" and "7 -> 5" in got["explanation"]
+
+
+def test_a_masked_fault_leaves_the_final_state_bit_identical(ep_run):
+    from replay.verify import faults as fm
+
+    # QK^T of query 0 against key 5 of row 0: causally masked, so no bit of anything can change
+    fault = fm.Fault(site="attn_scores", device=3, start=30, element=5, layer=1, bit=30, magnitude="exponent",
+                     persistence="every")
+    row = fm.run_fault_drill(fm.DrillContext(ep_run[0]), fault, segment=2, screening=False, canary=False)
+    assert row["outcome"] == "masked" and row["shown_identical"] is True and row["steps_trained"] == 2, row
+
+
+def test_nan_and_scale_faults_and_the_expert_drift_signal(ep_run, tmp_path):
+    from replay import drill
+    from replay.run.protocol import FaultSpec
+
+    session, trainer, mesh, _, _ = ep_run
+    state = session.restore(30, session.home_assignment())
+    batch = session.batch(30, session.home_assignment())
+    _, clean = trainer.train_step(state, batch, 30)
+    _, nan = trainer.train_step(state, batch, 30, FaultSpec(30, 2, "", 9, 0, where="ffn_up", layer=0, mode="set",
+                                                            value=float("nan")))
+    assert nan.signals.devices[2]["nonfinite"] and not clean.signals.devices[2]["nonfinite"]
+    _, tiny = trainer.train_step(state, batch, 30, FaultSpec(30, 2, "", 9, 0, where="ffn_up", layer=0, mode="scale",
+                                                             value=1.0))
+    assert tiny.bits_equal(clean) and tiny.recvs == clean.recvs  # x 1 changes no bit
+    # one expert device's experts' output x1.2 from step 22: replay scan names it by expert_drift, with its twin
+    # (device 2 holds the same expert on the other data replica: two twins cannot be told apart)
+    res = drill.run_scenario(session, "expert_drift", str(tmp_path / "ed"), rng=random.Random(2799), device=6,
+                             magnitude=0.2, start=22)
+    assert res.caught and res.named["devices"] == [2, 6] and res.named["checks"][0] == "expert_drift", res.named
+    assert res.scan["suspect_devices"] == [2, 6] and "norm_drift" not in res.named["checks"]

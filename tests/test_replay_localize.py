@@ -150,3 +150,39 @@ def test_expert_load_ratio_properties(rows, scale):
     assert ratio == pytest.approx(mean.max() / mean.mean())
     assert expert_load_ratio(counts * scale)[0] == pytest.approx(ratio)  # counts, not units
     assert expert_load_ratio(np.full((3, 4), 7.0)) == (1.0, 0)
+
+
+def _with_recvs(fp, bad=None):
+    """``fp`` with receive fingerprints: every part of every site 1, except ``bad`` ({device: {site: {part: v}}})."""
+    import dataclasses
+
+    bad = bad or {}
+    recvs = {d: tuple(tuple(bad.get(d, {}).get(s, {}).get(p, 1) for p in range(4)) for s in fp.send_sites)
+             for d in DEVICES}
+    return dataclasses.replace(fp, recvs=recvs)
+
+
+def test_sent_right_and_received_wrong_names_the_link_and_neither_chip():
+    # device 6 (data 1, expert 2) received part 3 of layer 1's combine wrong: device 7 (data 1, expert 3) sent it
+    # right. Device 6's later sends and its gradient differ, but the first divergent thing is what it received.
+    later = {s: 9 for s in SITES[4:]}
+    logged = _with_recvs(step(sends={6: later}, leaves={6: {"w": 9}}), {6: {SITES[3]: {3: 5}}})
+    diff = compare.compare_step(logged, _with_recvs(step()), {d: d for d in DEVICES})
+    loc = diff.localization
+    assert loc.finding == "link" and loc.links == ((7, 6),) and loc.producers == () and loc.site == SITES[3]
+    assert diff.kind is DivergenceKind.LINK and diff.suspects == ()
+    assert "7 -> 6" in loc.label() and loc.to_dict()["links"] == [[7, 6]]
+    out = [ReplayOutcome((0,) * 8, Evidence.BIT_EXACT, diff.divergence(), "s"),
+           ReplayOutcome((1,) * 8, Evidence.PER_SHARD, diff.divergence(), "s")]
+    d = decide(out, 8)
+    assert d.verdict is Verdict.CONVICTED and d.cause is Cause.LINK_FAULT and d.devices == () and d.links == ((7, 6),)
+    assert decide(out[:1], 8).cause is Cause.TOO_FEW_REPLAYS  # one replay convicts no link either
+    # received right, sent wrong: the sender computed wrong (its send differs at the site, before any receive)
+    logged = _with_recvs(step(sends={7: {SITES[3]: 9, **later}}), {6: {SITES[3]: {3: 5}}})
+    loc = compare.compare_step(logged, _with_recvs(step()), {d: d for d in DEVICES}).localization
+    assert loc.finding == "sent" and loc.producers == (7,) and not loc.links
+    # a log without receive fingerprints names the receiver at its next send, as before
+    loc = compare.compare_step(step(sends={6: later}), step(), {d: d for d in DEVICES}).localization
+    assert loc.finding == "sent" and loc.producers == (6,) and loc.site == SITES[4]
+    rt = StepFingerprints.from_json(logged.to_json())
+    assert rt.recvs == logged.recvs and rt.bits_equal(logged)

@@ -217,7 +217,7 @@ def test_top_level_help_shows_range_options_and_one_line_per_command(monkeypatch
 
 
 @pytest.mark.parametrize("command, codes, absent", [
-    ("range", {0, 1, 2, 3, 4, 5, 6, 20, 21}, ["drill not caught", "suspects found"]),
+    ("range", {0, 1, 2, 3, 4, 5, 6, 20, 21, 23}, ["drill not caught", "suspects found"]),
     ("canary", {0, 1, 2, 3, 4, 5, 20, 21}, ["drill not caught", "suspects found", "environment drift",
                                     "replays on >= 2", "--allow-env-drift"]),
     ("inspect", {0, 2, 5}, ["convicted", "acquitted", "drill not caught", "environment drift", "replays"]),

@@ -93,8 +93,8 @@ def test_clean_logs_are_clean_and_missing_signals_are_not_available(tmp_path):
     assert rep.suspects == [] and rep.exit_code == ExitCode.CLEAN == 0
     assert {k: v["status"] for k, v in rep.checks.items()} == {
         "canary": "not available", "nonfinite": "clear", "norm_spike": "clear", "norm_drift": "clear",
-        "router": "clear", "expert_load": "not available", "loss_spike": "clear", "loader_stall": "clear",
-        "input": "clear"}
+        "expert_drift": "not available", "router": "clear", "expert_load": "not available", "loss_spike": "clear",
+        "loader_stall": "clear", "input": "clear"}
     bare = scan(make_run(str(tmp_path / "b"), signals=False))
     statuses = {k: v["status"] for k, v in bare.checks.items()}
     assert statuses["norm_drift"] == statuses["router"] == statuses["loader_stall"] == statuses["input"] \
@@ -282,7 +282,7 @@ def drill_run(tmp_path_factory):
     return engine.Session(run, dataclasses.replace(engine.default_setup(run), trainer=trainer))
 
 
-@pytest.mark.parametrize("scenario,kw", [("drift", {"magnitude": 1.0, "start": 22}), ("flip", {"start": 25}),
+@pytest.mark.parametrize("scenario,kw", [("drift", {"magnitude": 1.0, "start": 22}), ("flip", {"start": 25, "bit": 30}),
                                          ("canary", {"start": 23})])
 def test_screening_drills_name_the_device_and_first_step(drill_run, tmp_path, scenario, kw):
     from replay import drill

@@ -249,23 +249,29 @@ def attention_mask(segment_ids: jnp.ndarray) -> jnp.ndarray:
     return causal[None] & same & (segment_ids != 0)[:, :, None]
 
 
-def _attention(p, x, segment_ids, positions, cfg: ModelConfig):
+def _attention(p, x, segment_ids, positions, cfg: ModelConfig, hooks: "Hooks" = None, layer: int = 0):
+    """Attention block; ``hooks``: the drill's faults at ``attn_scores`` ([B, H, S, S] float32, before
+    the mask), ``attn_probs`` ([B, H, S, S]) and ``attn_pv`` ([B, S, H, K]) of ``layer``."""
+    hooks = Hooks() if hooks is None else hooks
     q = _rope(jnp.einsum("bsd,dhk->bshk", x, p["wq"]), positions, cfg.rope_theta)
     k = _rope(jnp.einsum("bsd,dhk->bshk", x, p["wk"]), positions, cfg.rope_theta)
     v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
     scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) / math.sqrt(cfg.head_dim)
+    scores = _inner(scores, hooks, "attn_scores", layer)
     mask = attention_mask(segment_ids)[:, None]
     scores = jnp.where(mask, scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum("bhqs,bshk->bqhk", probs, v)
+    probs = _inner(jax.nn.softmax(scores, axis=-1).astype(x.dtype), hooks, "attn_probs", layer)
+    out = _inner(jnp.einsum("bhqs,bshk->bqhk", probs, v), hooks, "attn_pv", layer)
     return jnp.einsum("bqhk,hkd->bqd", out, p["wo"])
 
 
 # ----------------------------------------------------------------------------- instrumentation
 
-FAULT_LEN = 7
-"""The traced fault input: ``int32[7] = [enabled, device_id, leaf_index, element, bit, site, layer]``;
-``site`` is the index of the fault's ``where`` in ``replay.run.protocol.FAULT_SITES``."""
+FAULT_LEN = 9
+"""The traced fault input: ``int32[9] = [enabled, device_id, leaf_index, element, bit, site, layer, mode,
+value]``; ``site`` is the index of the fault's ``where`` in ``replay.run.protocol.FAULT_SITES``, ``mode``
+0 flip / 1 scale / 2 set (``replay.run.protocol.FAULT_MODES``), ``value`` the float32 bit pattern of a
+scale's factor or a set's value."""
 SITE_CODE = {name: i for i, name in enumerate(FAULT_SITES)}
 _COMBINE, _DISPATCH = 0, 1  # probe slots: the transposes run combine first (backward order)
 
@@ -286,15 +292,24 @@ class Hooks:
     Attributes:
       fault: the traced fault input (:data:`FAULT_LEN`), or None (no fault can fire: the plain program).
       device: int32 scalar, this device's id (compared with ``fault[1]``).
-      probes: float32 ``[L, 2, 4]`` zeros, differentiated: the backward pass writes the
+      probes: float32 ``[L, 2, 1 + X, 4]`` zeros, differentiated: the backward pass writes the
         fingerprint of what this device sends at each transposed all-to-all (slot 0: the combine's
-        transpose, slot 1: the dispatch's) into their cotangents, as four exact 16-bit halves
-        (:func:`probe_fingerprints` reads them back). None: no send fingerprints.
+        transpose, slot 1: the dispatch's; row 0) and of each part it receives there (row ``1 + i``: from
+        the ``i``-th device of its expert group) into their cotangents, as four exact 16-bit halves
+        (:func:`probe_fingerprints` reads them back). None: no send or receive fingerprints.
     """
 
     fault: Any = None
     device: Any = None
     probes: Any = None
+    drift: Any = None  # float32[4] drift input (ReferenceTrainer.drift_array): kind 2 scales the experts' output
+
+    def drifting_output(self):
+        """bool scalar: an ``expert_output`` drift is active on this device (None: no drift input)."""
+        if self.drift is None:
+            return None
+        d = self.drift
+        return (d[0] == 1) & (d[1] == self.device.astype(jnp.float32)) & (d[2] == 2)
 
     def hit(self, site: str, layer: int, leaf: Any = None):
         """bool scalar: the fault fires here (this device, this site and layer / leaf)."""
@@ -322,70 +337,138 @@ def _send_fingerprint(x) -> jnp.ndarray:
     return fpm.fingerprint(x, counts=False)[:2]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _exchange(x, probe, axis):
+def _part_fingerprints(x) -> jnp.ndarray:
+    """uint32 ``[X, 2]``: the fingerprint lanes of each part ``x[i]`` of an exchanged buffer, each part
+    indexed from 0 (so a part sent and the same part received have the same value)."""
+    return jnp.stack([fpm.fingerprint(x[i], counts=False)[:2] for i in range(x.shape[0])])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _exchange(x, probe, fault, on_bwd, axis):
     """``jax.lax.all_to_all`` over ``axis`` (``x``: ``[X, ...]``, part ``i`` to device ``i``; the result's
     part ``i`` came from device ``i``) whose backward pass, itself an all-to-all of the cotangent,
-    also fingerprints the cotangent it sends and returns that as ``probe``'s cotangent (axlearn's
-    ``_ragged_all_to_all`` also wraps its exchange in a ``custom_vjp``)."""
+    also fingerprints the cotangent it sends and each part of the cotangent it receives, and returns
+    them as ``probe``'s cotangent (float32 ``[1 + X, 4]``: row 0 the send, row ``1 + i`` the part received
+    from device ``i``; axlearn's ``_ragged_all_to_all`` also wraps its exchange in a ``custom_vjp``).
+    ``fault``/``on_bwd``: a transit fault in the cotangent *received* (:func:`corrupt_element`), or None."""
     return jax.lax.all_to_all(x, axis, 0, 0)
 
 
-def _exchange_fwd(x, probe, axis):
-    return jax.lax.all_to_all(x, axis, 0, 0), None
+def _exchange_fwd(x, probe, fault, on_bwd, axis):
+    return jax.lax.all_to_all(x, axis, 0, 0), (fault, on_bwd)
 
 
-def _exchange_bwd(axis, _, g):
-    return jax.lax.all_to_all(g, axis, 0, 0), _halves(_send_fingerprint(g))
+def _exchange_bwd(axis, res, g):
+    fault, on_bwd = res
+    got = jax.lax.all_to_all(g, axis, 0, 0)
+    if fault is not None:
+        got = corrupt_element(got, fault, on_bwd)
+    rows = [_halves(_send_fingerprint(g))] + [_halves(fp) for fp in _part_fingerprints(got)]
+    return got, jnp.stack(rows), None, None
 
 
 _exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
+def corrupt_element(x, fault, on):
+    """``x`` with one element corrupted where ``on``: ``fault[7]`` (mode) 0 flips bit ``fault[4]`` of flat
+    element ``fault[3]`` (``replay.run.fingerprint.flip_bit``), 1 multiplies it by the float32 whose bits
+    are ``fault[8]``, 2 sets it to that value (NaN, Inf included). Disabled, the result is ``x`` bit for
+    bit. The element index is clipped into range."""
+    mode = fault[7]
+    x = fpm.flip_bit(x, fault[3], fault[4], on & (mode == 0))
+    e = jnp.clip(jnp.asarray(fault[3], jnp.int32), 0, max(x.size - 1, 0))
+    at = jnp.unravel_index(e, x.shape) if x.ndim else ()
+    one = (1,) * x.ndim
+    old = jax.lax.dynamic_slice(x, at, one)
+    v = jax.lax.bitcast_convert_type(fault[8], jnp.float32)
+    oldf = old.astype(jnp.float32)
+    new = jnp.where(on & (mode == 1), oldf * v, jnp.where(on & (mode == 2), v, oldf)).astype(x.dtype)
+    new = jnp.where(on & (mode != 0), new, old)  # disabled or a flip: the element as it is, bit for bit
+    return jax.lax.dynamic_update_slice(x, new, at)
+
+
 @jax.custom_vjp
-def _flip_value(x, element, bit, enabled):
-    """A drill's bit flip in a forward value; the backward pass is the identity (what a transient
-    error in a device's arithmetic does: the backward computes from the wrong value, with its own,
-    correct, formulas)."""
-    return fpm.flip_bit(x, element, bit, enabled)
+def _corrupt_value(x, fault, on):
+    """A fault in a forward value (:func:`corrupt_element`); the backward pass is the identity (the backward
+    computes from the wrong value with its own, correct, formulas)."""
+    return corrupt_element(x, fault, on)
 
 
-def _flip_value_fwd(x, element, bit, enabled):
-    return fpm.flip_bit(x, element, bit, enabled), None
+def _corrupt_value_fwd(x, fault, on):
+    return corrupt_element(x, fault, on), None
 
 
-def _flip_value_bwd(_, g):
-    return g, None, None, None
+def _corrupt_value_bwd(_, g):
+    return g, None, None
 
 
-_flip_value.defvjp(_flip_value_fwd, _flip_value_bwd)
+_corrupt_value.defvjp(_corrupt_value_fwd, _corrupt_value_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _einsum_with_faults(spec, a, b, fault, on_a, on_b):
+    """``jnp.einsum(spec, a, b)`` whose backward pass corrupts the output's cotangent (:func:`corrupt_element`)
+    where it enters the product for ``a``'s gradient (``on_a``: the activation gradient) or the one for
+    ``b``'s (``on_b``: the weight gradient), each alone; both products are the plain ``jax.vjp`` of the
+    einsum, so a disabled fault leaves every bit as autodiff computes it."""
+    return jnp.einsum(spec, a, b)
+
+
+def _einsum_with_faults_fwd(spec, a, b, fault, on_a, on_b):
+    return jnp.einsum(spec, a, b), (a, b, fault, on_a, on_b)
+
+
+def _einsum_with_faults_bwd(spec, res, g):
+    a, b, fault, on_a, on_b = res
+    _, vjp = jax.vjp(lambda u, w: jnp.einsum(spec, u, w), a, b)
+    da = vjp(corrupt_element(g, fault, on_a))[0]
+    db = vjp(corrupt_element(g, fault, on_b))[1]
+    return da, db, None, None, None
+
+
+_einsum_with_faults.defvjp(_einsum_with_faults_fwd, _einsum_with_faults_bwd)
+
+
+def _inner(x, hooks: "Hooks", site: str, layer: int):
+    """``x`` with the drill's forward fault at ``site`` of ``layer`` (:func:`_corrupt_value`), or ``x``."""
+    on = hooks.hit(site, layer)
+    return x if on is None else _corrupt_value(x, hooks.fault, on)
+
+
+def _matmul(spec, a, b, hooks: "Hooks", site: str, layer: int):
+    """``einsum(spec, a, b)``, with the drill's backward faults ``<site>_grad_input`` / ``<site>_grad_weight``
+    (:func:`_einsum_with_faults`) when the step carries a fault input."""
+    if hooks.fault is None:
+        return jnp.einsum(spec, a, b)
+    return _einsum_with_faults(spec, a, b, hooks.fault, hooks.hit(f"{site}_grad_input", layer),
+                               hooks.hit(f"{site}_grad_weight", layer))
 
 
 @jax.custom_vjp
-def _flip_cotangent(w, element, bit, enabled):
-    """Identity on a weight in the forward pass; a drill's bit flip in its gradient where the
-    backward pass computes it (before any reduction)."""
+def _corrupt_cotangent(w, fault, on):
+    """Identity on a weight in the forward pass; a drill's fault (:func:`corrupt_element`) in its gradient
+    where the backward pass computes it (before any reduction)."""
     return w
 
 
-def _flip_cotangent_fwd(w, element, bit, enabled):
-    return w, (element, bit, enabled)
+def _corrupt_cotangent_fwd(w, fault, on):
+    return w, (fault, on)
 
 
-def _flip_cotangent_bwd(res, g):
-    element, bit, enabled = res
-    return fpm.flip_bit(g, element, bit, enabled), None, None, None
+def _corrupt_cotangent_bwd(res, g):
+    fault, on = res
+    return corrupt_element(g, fault, on), None, None
 
 
-_flip_cotangent.defvjp(_flip_cotangent_fwd, _flip_cotangent_bwd)
+_corrupt_cotangent.defvjp(_corrupt_cotangent_fwd, _corrupt_cotangent_bwd)
 
 
 def _maybe_flip(x, hooks: Hooks, site: str, layer: int, leaf: Any = None, backward: bool = False):
     on = hooks.hit(site, layer, leaf)
     if on is None:
         return x
-    fn = _flip_cotangent if backward else _flip_value
-    return fn(x, hooks.fault[3], hooks.fault[4], on)
+    return (_corrupt_cotangent if backward else _corrupt_value)(x, hooks.fault, on)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -412,12 +495,14 @@ def _moe(p, x, valid, cfg: ModelConfig, bias=None, *, ep: Optional[ExpertParalle
       ``max_logit`` (largest router logit of a routed token; -inf when none), ``kept`` [E]
       (assignments that took a slot); under expert parallelism with ``hooks.probes``, ``sends``
       uint32 [2, 2]: the fingerprint lanes of what this device sent at the forward dispatch and
-      combine all-to-alls.
+      combine all-to-alls, and ``recvs`` uint32 [2, X, 2]: those of each part it received there
+      (part ``i`` from the ``i``-th device of its expert group; :func:`_part_fingerprints`).
     """
     B, S, Dm = x.shape
     E, R = cfg.n_experts, cfg.top_k
     C = cfg.capacity(S)
     logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), p["router"].astype(jnp.float32))
+    logits = _inner(logits, hooks, "router_logits", layer)  # [B, S, E] float32, before softmax and top-k
     probs = jax.nn.softmax(logits, axis=-1)  # [B, S, E] float32
     if bias is None:
         gate, idx = jax.lax.top_k(probs, R)  # [B, S, R]
@@ -449,8 +534,9 @@ def _moe(p, x, valid, cfg: ModelConfig, bias=None, *, ep: Optional[ExpertParalle
     w_out = _maybe_flip(p["w_out"], hooks, "expert_backward", layer, leaf_index[1], backward=True)
     extra = {}
     if ep is None:
-        h = jax.nn.gelu(jnp.einsum("becd,edf->becf", expert_in, w_in))
-        expert_out = jnp.einsum("becf,efd->becd", h, w_out)
+        pre = _inner(_matmul("becd,edf->becf", expert_in, w_in, hooks, "ffn_up", layer), hooks, "ffn_up", layer)
+        h = _inner(jax.nn.gelu(pre), hooks, "ffn_down", layer)
+        expert_out = _matmul("becf,efd->becd", h, w_out, hooks, "ffn_down", layer)
         expert_out = _maybe_flip(expert_out, hooks, "expert_forward", layer)
     else:
         X = ep.size
@@ -459,16 +545,27 @@ def _moe(p, x, valid, cfg: ModelConfig, bias=None, *, ep: Optional[ExpertParalle
         send = jnp.transpose(expert_in.reshape(B, X, El, C, Dm), (1, 2, 0, 3, 4))
         if hooks.probes is None:
             recv = jax.lax.all_to_all(send, ep.axis, 0, 0)
-        else:
-            recv = _exchange(send, hooks.probes[layer, _DISPATCH], ep.axis)  # [X (source), E/X, B, C, D]
-        h = jax.nn.gelu(jnp.einsum("xebcd,edf->xebcf", recv, w_in))
-        out = jnp.einsum("xebcf,efd->xebcd", h, w_out)
+        else:  # [X (source), E/X, B, C, D]
+            recv = _exchange(send, hooks.probes[layer, _DISPATCH], hooks.fault,
+                             hooks.hit("transit_dispatch_grad", layer), ep.axis)
+        recv = _inner(recv, hooks, "transit_dispatch", layer)  # what arrived, not what was sent
+        pre = _inner(_matmul("xebcd,edf->xebcf", recv, w_in, hooks, "ffn_up", layer), hooks, "ffn_up", layer)
+        h = _inner(jax.nn.gelu(pre), hooks, "ffn_down", layer)
+        out = _matmul("xebcf,efd->xebcd", h, w_out, hooks, "ffn_down", layer)
         out = _maybe_flip(out, hooks, "expert_forward", layer)
+        drifting = hooks.drifting_output()
+        if drifting is not None:  # a persistent x(1 + m) drift of this device's experts (DriftSpec expert_output)
+            out = jnp.where(drifting, out * (1.0 + hooks.drift[3]).astype(out.dtype), out)
+            extra["out_sq"] = jnp.sum(jnp.square(out.astype(jnp.float32)))
         if hooks.probes is None:
             back = jax.lax.all_to_all(out, ep.axis, 0, 0)
-        else:
-            back = _exchange(out, hooks.probes[layer, _COMBINE], ep.axis)  # [X (owner), E/X, B, C, D]
+        else:  # [X (owner), E/X, B, C, D]
+            back = _exchange(out, hooks.probes[layer, _COMBINE], hooks.fault,
+                             hooks.hit("transit_combine_grad", layer), ep.axis)
+        back = _inner(back, hooks, "transit_combine", layer)
+        if hooks.probes is not None:
             extra["sends"] = jnp.stack([_send_fingerprint(send), _send_fingerprint(out)])
+            extra["recvs"] = jnp.stack([_part_fingerprints(recv), _part_fingerprints(back)])  # [2, X, 2]
         expert_out = jnp.transpose(back, (2, 0, 1, 3, 4)).reshape(B, E, C, Dm)
     # Combine by gathering each token's R outputs and summing them in rank order. (A
     # combine einsum over (e, c) would let the slot positions decide which accumulator
@@ -524,7 +621,7 @@ def forward(params, batch: Mapping[str, jnp.ndarray], cfg: ModelConfig, router_b
     Returns:
       ``(logits, stats)``: logits float32 [B, S, V]; stats: the :func:`_moe` figures of each
       layer stacked on a leading layer axis (float32 [L], ``assigned`` and ``kept`` [L, E],
-      ``sends`` uint32 [L, 2, 2] when taken).
+      ``sends`` uint32 [L, 2, 2] and ``recvs`` uint32 [L, 2, X, 2] when taken).
     """
     tokens = batch["inputs"]
     seg = batch["inputs_segmentation"]
@@ -534,7 +631,7 @@ def forward(params, batch: Mapping[str, jnp.ndarray], cfg: ModelConfig, router_b
     index = _leaf_indices(params) if hooks.fault is not None else {}
     per_layer = []
     for i, p in enumerate(params["layers"]):
-        attn = _attention(p, _rms_norm(x, p["attn_norm"]), seg, pos, cfg)
+        attn = _attention(p, _rms_norm(x, p["attn_norm"]), seg, pos, cfg, hooks, i)
         x = x + _maybe_flip(attn, hooks, "attention", i)
         leaves = tuple(index.get(f"['layers'][{i}]['{w}']") for w in ("w_in", "w_out"))
         y, stats = _moe(p, _rms_norm(x, p["moe_norm"]), valid, cfg, None if router_bias is None else router_bias[i],

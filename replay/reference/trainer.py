@@ -28,11 +28,11 @@ One step (``jax.jit`` with explicit in/out shardings; the per-device part in
         fp_leaf  = psum_d fingerprint(row block d of g)          # blocks add up mod 2^32
     grad_norm = ||g||_2 ; AdamW update (optax)
 
-The fault is a traced ``int32[7]`` input ``[enabled, device_id, leaf_index, element, bit, site,
-layer]`` (:meth:`ReferenceTrainer.fault_array`; ``site`` may also plant the flip inside the
-computation: an expert output, an expert weight's gradient, an attention output; or, with
-``optimizer_update``, in one device's copy of a leaf of the updated state after the optimizer
-step), so a drill never recompiles. Fingerprints only read gradients: the update is bit-identical
+The fault is a traced ``int32[9]`` input ``[enabled, device_id, leaf_index, element, bit, site,
+layer, mode, value]`` (:meth:`ReferenceTrainer.fault_array`; ``site`` may also plant the flip inside the
+computation: an expert output, an expert weight's gradient, an attention output, the sites of
+``replay.run.protocol.INNER_SITES``; or, with ``optimizer_update``, in one device's copy of a leaf of
+the updated state after the optimizer step), so a drill never recompiles. Fingerprints only read gradients: the update is bit-identical
 with and without them (tested).
 """
 
@@ -62,6 +62,7 @@ from replay.run.protocol import (
     StepSignals,
     send_sites_in_program_order,
 )
+from replay.run.protocol import FAULT_MODES, TRANSIT_SITES
 from replay.reference.model import (
     BATCH_KEYS,
     FAULT_LEN,
@@ -69,6 +70,7 @@ from replay.reference.model import (
     ExpertParallel,
     Hooks,
     ModelConfig,
+    corrupt_element,
     count_target_tokens,
     did_you_mean,
     init_params,
@@ -305,8 +307,42 @@ class ReferenceTrainer:
         n = int(np.prod([int(v) for v in mesh_shape.values()]))
         B, C, E, D = global_batch // n, self.model.capacity(seq_len), self.model.n_experts, self.model.d_model
         X = int(mesh_shape["expert"])
-        fwd = (X, E // X, B, C, D) if self.model.dispatch == "all_to_all" else (B, E, C, D)
-        return {"expert_forward": fwd, "attention": (B, seq_len, D)}
+        ep = self.model.dispatch == "all_to_all"
+        fwd = (X, E // X, B, C, D) if ep else (B, E, C, D)
+        out = {"expert_forward": fwd, "attention": (B, seq_len, D)}
+        # issue 27's sites inside the computation (replay.run.protocol.INNER_SITES), per device and layer
+        m, S = self.model, seq_len
+        hid = (X, E // X, B, C, m.d_ff) if ep else (B, E, C, m.d_ff)
+        out.update({"ffn_up": hid, "ffn_down": hid, "ffn_up_grad_input": hid, "ffn_up_grad_weight": hid,
+                    "ffn_down_grad_input": fwd, "ffn_down_grad_weight": fwd,
+                    "attn_scores": (B, m.n_heads, S, S), "attn_probs": (B, m.n_heads, S, S),
+                    "attn_pv": (B, S, m.n_heads, m.head_dim), "router_logits": (B, S, E), "host_batch": (B, S)})
+        if ep:
+            out.update({k: fwd for k in TRANSIT_SITES})
+        return out
+
+    def site_bits(self, where: str) -> int:
+        """Bits of one element of the buffer a fault at ``where`` hits (32 for the float32 attention scores
+        and router logits and the int32 host batch, else the parameter dtype's)."""
+        if where in ("attn_scores", "router_logits", "host_batch"):
+            return 32
+        if where in ("local_gradient", "expert_backward"):
+            raise ValueError(f"{where}: a leaf's bits are its dtype's (leaf_dtypes)")
+        return _leaf_bits(self.model.dtype)
+
+    def link_of(self, mesh_shape: Mapping[str, int], global_batch: int, seq_len: int, fault: FaultSpec,
+                device_coords: Mapping[int, Mapping[str, int]]) -> Optional[tuple[int, int]]:
+        """``(sender, receiver)`` of a transit fault (``TRANSIT_SITES``): the receiver is the fault's device;
+        the sender the device of its expert group whose part of the received buffer holds the element
+        (part ``i`` of ``[X, ...]`` came from the ``i``-th device of the group). None for other sites."""
+        if fault.where not in TRANSIT_SITES:
+            return None
+        shape = self.activation_shapes(mesh_shape, global_batch, seq_len)[fault.where]
+        part = int(fault.element) // int(np.prod(shape[1:]))
+        mine = dict(device_coords[fault.device_id])
+        want = {**mine, "expert": part}
+        sender = next(int(d) for d, c in device_coords.items() if dict(c) == want)
+        return sender, int(fault.device_id)
 
     def state_shardings(self, mesh: Mesh) -> dict[str, Any]:
         """Shardings of the train state: AdamW moments follow their parameters."""
@@ -378,7 +414,7 @@ class ReferenceTrainer:
 
     def fault_array(self, fault: Optional[FaultSpec], step: Optional[int], mesh_ids: Sequence[int], *,
                     sizes: Optional[Mapping[str, Any]] = None) -> np.ndarray:
-        """``int32[7] = [enabled, device_id, leaf_index, element, bit, site, layer]`` for the traced
+        """``int32[9] = [enabled, device_id, leaf_index, element, bit, site, layer, mode, value]`` for the traced
         fault input (``replay.reference.model.FAULT_LEN``; ``site``: the index of ``fault.where`` in
         ``replay.run.protocol.FAULT_SITES``; ``layer``: the fault's layer, -1 for a local-gradient one).
 
@@ -409,12 +445,20 @@ class ReferenceTrainer:
             size = (sizes or {}).get("leaves", self.leaf_sizes)[i]
             layer = leaf_layer(fault.leaf) if where == "expert_backward" else -1
             dtype, what = self.leaf_dtypes[i], fault.leaf
+        elif where == "host_batch":
+            i, layer = 0, -1
+            size = (sizes or {}).get(where)
+            dtype, what = jnp.int32, "the device's rows of the batch's inputs"
         else:
             i, layer = 0, int(fault.layer)
             if not 0 <= layer < self.model.n_layers:
                 raise FaultSpecError(f"fault.layer {layer} outside [0, {self.model.n_layers})")
+            if where in TRANSIT_SITES and self.model.dispatch != "all_to_all":
+                raise FaultSpecError(f"fault.where {where!r}: a transit fault needs model.dispatch all_to_all "
+                                     "(with gather dispatch nothing is exchanged)")
             size = (sizes or {}).get(where)
-            dtype, what = self.model.dtype, f"the {where} buffer of layer {layer}"
+            dtype = jnp.float32 if where in ("attn_scores", "router_logits") else self.model.dtype
+            what = f"the {where} buffer of layer {layer}"
         if size is not None and not 0 <= fault.element < size:
             raise FaultSpecError(f"fault.element {fault.element} outside [0, {size}) for {what}")
         bits = _leaf_bits(dtype)
@@ -422,7 +466,10 @@ class ReferenceTrainer:
             raise FaultSpecError(f"fault.bit {fault.bit} outside [0, {bits}) for {what}")
         if fault.device_id not in mesh_ids:
             raise FaultSpecError(f"fault.device_id {fault.device_id} not in the mesh's devices {sorted(mesh_ids)}")
-        return np.asarray([1, fault.device_id, i, fault.element, fault.bit, SITE_CODE[where], layer], np.int32)
+        mode = FAULT_MODES.index(fault.mode)
+        value = int(np.asarray(fault.value, np.float32).view(np.int32))
+        return np.asarray([1, fault.device_id, i, fault.element, fault.bit, SITE_CODE[where], layer, mode, value],
+                          np.int32)
 
     def _state_fault_array(self, fault: FaultSpec, mesh_ids: Sequence[int], sizes: Optional[Mapping[str, Any]]
                            ) -> np.ndarray:
@@ -443,8 +490,10 @@ class ReferenceTrainer:
             raise FaultSpecError(f"fault.bit {fault.bit} outside [0, {bits}) for {fault.leaf}")
         if fault.device_id not in mesh_ids:
             raise FaultSpecError(f"fault.device_id {fault.device_id} not in the mesh's devices {sorted(mesh_ids)}")
-        return np.asarray([1, fault.device_id, i, fault.element, fault.bit, SITE_CODE["optimizer_update"], -1],
-                          np.int32)
+        mode = FAULT_MODES.index(fault.mode)
+        value = int(np.asarray(fault.value, np.float32).view(np.int32))
+        return np.asarray([1, fault.device_id, i, fault.element, fault.bit, SITE_CODE["optimizer_update"], -1,
+                           mode, value], np.int32)
 
     def _abstract_state_shapes(self) -> dict[str, Any]:
         return {"params": self._abstract_params, "opt_state": jax.eval_shape(self.optimizer.init, self._abstract_params),
@@ -458,8 +507,8 @@ class ReferenceTrainer:
         return [int(np.prod(sh.shard_shape(x.shape))) for x, sh in zip(shapes, shardings)]
 
     def _poison(self, mesh: Mesh, state: Any, fault) -> Any:
-        """The ``optimizer_update`` fault site: flips the fault's bit in its device's copy of one leaf of
-        the updated ``state`` (inside ``shard_map``, so a replicated leaf's copy on that device alone
+        """The ``optimizer_update`` fault site: corrupts (``model.corrupt_element``: a bit flip, a scale or a
+        set value) one element of its device's copy of one leaf of the updated ``state`` (inside ``shard_map``, so a replicated leaf's copy on that device alone
         changes); with the fault off every leaf is bit-identical (``flip_bit`` XORs 0)."""
         specs = jax.tree_util.tree_map(lambda sh: sh.spec, self.state_shardings(mesh))
         dev_table = jnp.asarray([d.id for d in mesh.devices.reshape(-1)], jnp.int32)
@@ -467,7 +516,7 @@ class ReferenceTrainer:
         def per_device(st, f):
             leaves, treedef = jax.tree_util.tree_flatten(st)
             hit = (f[0] == 1) & (f[1] == dev_table[self._linear_index(mesh)]) & (f[5] == SITE_CODE["optimizer_update"])
-            out = [fpm.flip_bit(x, f[3], f[4], hit & (f[2] == i)) if jnp.issubdtype(x.dtype, jnp.floating) else x
+            out = [corrupt_element(x, f, hit & (f[2] == i)) if jnp.issubdtype(x.dtype, jnp.floating) else x
                    for i, x in enumerate(leaves)]
             return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -482,7 +531,7 @@ class ReferenceTrainer:
                 "state": self.local_state_sizes(mesh)}
 
     def drift_array(self, drift: Optional[DriftSpec], step: int, mesh_ids: Sequence[int]) -> np.ndarray:
-        """``float32[4] = [enabled, device_id, kind (0 scale, 1 bias), magnitude]`` for the traced
+        """``float32[4] = [enabled, device_id, kind (0 scale, 1 bias, 2 expert output), magnitude]`` for the traced
         drift input; ``enabled`` is 1 when ``drift`` is given and active at ``step``.
 
         Raises:
@@ -492,7 +541,11 @@ class ReferenceTrainer:
             return np.zeros(4, np.float32)
         if drift.device_id not in mesh_ids:
             raise FaultSpecError(f"drift.device_id {drift.device_id} not in the mesh's devices {sorted(mesh_ids)}")
-        return np.asarray([1, drift.device_id, 0 if drift.kind == "scale" else 1, drift.magnitude], np.float32)
+        if drift.kind == "expert_output" and self.model.dispatch != "all_to_all":
+            raise FaultSpecError("drift.kind expert_output: the device's experts are its own only under expert "
+                                 "parallelism (model.dispatch all_to_all)")
+        kind = {"scale": 0, "bias": 1, "expert_output": 2}[drift.kind]
+        return np.asarray([1, drift.device_id, kind, drift.magnitude], np.float32)
 
     @staticmethod
     def split_faults(fault: Any, step: Optional[int]) -> tuple[Optional[FaultSpec], Optional[DriftSpec]]:
@@ -513,7 +566,7 @@ class ReferenceTrainer:
     def _inject(self, grads, fault, device_id):
         leaves, treedef = jax.tree_util.tree_flatten(grads)
         hit_dev = (fault[0] == 1) & (fault[1] == device_id) & (fault[5] == SITE_CODE["local_gradient"])
-        out = [fpm.flip_bit(g, fault[3], fault[4], hit_dev & (fault[2] == i)) for i, g in enumerate(leaves)]
+        out = [corrupt_element(g, fault, hit_dev & (fault[2] == i)) for i, g in enumerate(leaves)]
         return jax.tree_util.tree_unflatten(treedef, out)
 
     @staticmethod
@@ -531,7 +584,7 @@ class ReferenceTrainer:
 
             return jax.tree_util.tree_map(one, gs)
 
-        on = (drift[0] == 1) & (drift[1] == device_id.astype(jnp.float32))
+        on = (drift[0] == 1) & (drift[1] == device_id.astype(jnp.float32)) & (drift[2] < 2)  # 2: in the forward pass
         return jax.lax.cond(on, hit, lambda gs: gs, grads)
 
     @staticmethod
@@ -575,7 +628,7 @@ class ReferenceTrainer:
         def per_device(params, bias, batch, fault, drift, total_tokens, total_rows):
             dev = dev_table[self._linear_index(mesh)]
             xi = jax.lax.axis_index("expert") if ep is not None else 0
-            hooks = Hooks(fault=fault if instrumented else None, device=dev)
+            hooks = Hooks(fault=fault if instrumented else None, device=dev, drift=drift if with_sig else None)
 
             def loss_fn(p, probes):
                 return local_loss(p, batch, cfg, total_tokens, total_rows, bias if rate > 0 else None, ep=ep,
@@ -583,11 +636,12 @@ class ReferenceTrainer:
 
             if take_sends:  # the backward pass's send fingerprints come back as the probes' cotangents
                 (loss_c, aux), (grads, probe_ct) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-                    params, jnp.zeros((n_layers, 2, 4), jnp.float32))
+                    params, jnp.zeros((n_layers, 2, 1 + ep.size, 4), jnp.float32))
             else:
                 (loss_c, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, None)
             aux = dict(aux)
             fwd_sends, kept = aux.pop("sends", None), aux.pop("kept")
+            fwd_recvs, out_sq = aux.pop("recvs", None), aux.pop("out_sq", None)
             out = {}
             if instrumented:
                 grads = self._drift(self._inject(grads, fault, dev), drift, dev)
@@ -597,10 +651,13 @@ class ReferenceTrainer:
                     fpm.fingerprint_row_block(g, 0, 1, counts=False, row_offset=xi * shard_rows) if s
                     else fpm.fingerprint(g, counts=False) for g, s in zip(local, sharded)])[None]
             if take_sends:  # [4L, 2] lanes, in program order (replay.run.protocol.send_sites_in_program_order)
-                bwd = probe_fingerprints(probe_ct)  # [L, (combine, dispatch), 2]
+                bwd = probe_fingerprints(probe_ct)  # [L, (combine, dispatch), 1 + X, 2]: send, then each part received
                 order = [fwd_sends[i, k] for i in range(n_layers) for k in (0, 1)]
-                order += [bwd[i, k] for i in reversed(range(n_layers)) for k in (0, 1)]
+                order += [bwd[i, k, 0] for i in reversed(range(n_layers)) for k in (0, 1)]
                 out["sends"] = jnp.stack(order)[None]
+                got = [fwd_recvs[i, k] for i in range(n_layers) for k in (0, 1)]
+                got += [bwd[i, k, 1:] for i in reversed(range(n_layers)) for k in (0, 1)]
+                out["recvs"] = jnp.stack(got)[None]  # [1, 4L, X, 2], the sites' order
             if with_sig:  # the local contribution, before the reduction: float32 sums of squares
                 sq = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in local])
                 out["dev_norm_sq"] = jnp.sum(sq)[None]
@@ -608,6 +665,8 @@ class ReferenceTrainer:
                 if ep is not None:  # tokens this device's experts received from its expert group, per layer
                     group = jax.lax.psum(kept, "expert").reshape(n_layers, ep.size, shard_rows)
                     out["recv_tokens"] = jnp.sum(jnp.take(group, xi, axis=1), axis=-1)[None]
+                    if out_sq is not None:  # [1, L]: sum of squares of this device's experts' output per layer
+                        out["out_sq"] = out_sq[None]
             if keep_local:
                 out["local_grads"] = jax.tree_util.tree_map(lambda g: g[None], grads)
             reduced = [jax.lax.psum(g, others) if s else jax.lax.psum(g, axes) for g, s in zip(local, sharded)]
@@ -634,11 +693,11 @@ class ReferenceTrainer:
         if with_fp:
             out_specs_extra.update(devices=P(axes), leaves=P())
         if take_sends:
-            out_specs_extra.update(sends=P(axes))
+            out_specs_extra.update(sends=P(axes), recvs=P(axes))
         if with_sig:
             out_specs_extra.update(dev_norm_sq=P(axes), dev_nonfinite=P(axes), dev_dot=P(axes))
             if ep is not None:
-                out_specs_extra.update(recv_tokens=P(axes))
+                out_specs_extra.update(recv_tokens=P(axes), out_sq=P(axes))
         if keep_local:
             out_specs_extra.update(local_grads=P(axes), reduced_grads=param_specs)
         sharded_fn = jax.shard_map(
@@ -651,6 +710,11 @@ class ReferenceTrainer:
 
         def step(state, batch, fault, drift):
             batch = {k: batch[k] for k in BATCH_KEYS}
+            if instrumented:  # a host_batch drill: one token of the device's rows, after the loader handed it over
+                rows_per, seq = global_batch // n_dev, batch["inputs"].shape[1]
+                pos = jnp.argmax(dev_table == fault[1]).astype(jnp.int32)
+                hit = (fault[0] == 1) & (fault[5] == SITE_CODE["host_batch"])
+                batch["inputs"] = fpm.flip_bit(batch["inputs"], pos * rows_per * seq + fault[3], fault[4], hit)
             total_tokens = count_target_tokens(batch)
             # Rows as a traced value, as local_gradients passes it (XLA may compile a
             # constant divisor as a multiply by its reciprocal, which rounds differently).
@@ -782,7 +846,9 @@ class ReferenceTrainer:
         load = ()
         if "recv_tokens" in out:
             recv = np.asarray(out["recv_tokens"])  # [devices, L]
-            load = tuple(ExpertLoad.from_counts({dev: int(round(float(recv[r, i]))) for r, dev in enumerate(ids)})
+            sq = np.asarray(out["out_sq"]) if "out_sq" in out else None  # [devices, L]
+            load = tuple(ExpertLoad.from_counts({dev: int(round(float(recv[r, i]))) for r, dev in enumerate(ids)},
+                                                None if sq is None else {dev: float(sq[r, i]) for r, dev in enumerate(ids)})
                          for i in range(recv.shape[1]))
         return StepSignals(step=int(step), loss=float(out["loss"]), grad_norm=float(out["grad_norm"]),
                            replicas=tuple(replicas), devices=devices, router=self._router_layers(out, rows),
@@ -808,11 +874,15 @@ class ReferenceTrainer:
                 dev: {p: fpm.fingerprint_int(out["devices"][r, i]) for i, p in enumerate(self.leaf_paths)}
                 for r, dev in enumerate(ids)
             }
-        sites, sends = (), {}
+        sites, sends, recvs = (), {}, {}
         if "sends" in out:
             sites = send_sites_in_program_order(self.model.n_layers)
             sends = {dev: tuple(fpm.fingerprint_int(out["sends"][r, k]) for k in range(len(sites)))
                      for r, dev in enumerate(ids)}
+        if "recvs" in out:
+            got = np.asarray(out["recvs"])  # [devices, sites, X, 2]
+            recvs = {dev: tuple(tuple(fpm.fingerprint_int(got[r, k, i]) for i in range(got.shape[2]))
+                                for k in range(len(sites))) for r, dev in enumerate(ids)}
         return StepFingerprints(
             step=int(step),
             loss_bits=int(np.asarray(out["loss"], np.float32).view(np.uint32)),
@@ -824,6 +894,7 @@ class ReferenceTrainer:
             device_coords=coords,
             send_sites=sites,
             sends=sends,
+            recvs=recvs,
             signals=self._signals(step, out, ids, rows) if "dev_norm_sq" in out else None,
         )
 
@@ -841,8 +912,11 @@ class ReferenceTrainer:
         cfg = self.model
 
         def per_device(params, batch, fault, total_tokens, total_rows):
-            (_, _), grads = jax.value_and_grad(local_loss, has_aux=True)(params, batch, cfg, total_tokens, total_rows)
-            grads = self._inject(grads, fault, dev_table[self._linear_index(mesh)])
+            dev = dev_table[self._linear_index(mesh)]
+            hooks = Hooks(fault=fault, device=dev)  # a persistent fault inside the computation fires here too
+            (_, _), grads = jax.value_and_grad(local_loss, has_aux=True)(params, batch, cfg, total_tokens, total_rows,
+                                                                         hooks=hooks)
+            grads = self._inject(grads, fault, dev)
             return jnp.stack([fpm.fingerprint(g, counts=False) for g in jax.tree_util.tree_leaves(grads)])[None]
 
         sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), P(), P()), out_specs=P(axes),

@@ -33,6 +33,7 @@ class ExitCode(enum.IntEnum):
     POISONED_CHECKPOINT = 21  # replay certify / a restore: a checkpoint's state is poisoned (replicas disagreed, or
     #                           replay on good devices does not reach it): rewind to the certified one named
     NON_FINITE = 22  # the training command: non_finite: stop (a NaN/Inf loss, gradient or state) before a checkpoint held it
+    LINK_CONVICTED = 23  # a range replay convicted a link (sent right, received wrong), neither chip alone
 
 
 class Verdict(enum.Enum):

@@ -91,6 +91,46 @@ FAULT_SITES = ("local_gradient", "expert_forward", "expert_backward", "attention
 The middle three plant the error *inside* the computation, so that under expert parallelism it
 reaches other devices through the all-to-alls within the same step."""
 
+# ---- issue 27: sites inside the arithmetic, in transit and on the data path (one block: a later
+# site, e.g. the optimizer update, is one more entry of FAULT_SITES and of SITE_BUFFERS' table).
+INNER_SITES = (
+    "ffn_up", "ffn_down", "ffn_up_grad_input", "ffn_up_grad_weight", "ffn_down_grad_input", "ffn_down_grad_weight",
+    "attn_scores", "attn_probs", "attn_pv", "router_logits",
+    "transit_dispatch", "transit_combine", "transit_dispatch_grad", "transit_combine_grad",
+    "host_batch",
+)
+"""Fault sites that lie inside one device's arithmetic, on a link, or on the host, never at a buffer the
+checker fingerprints next (``FaultSpec.where``; ``element`` is a flat index into the named buffer of
+one device, whose shape the trainer gives: ``ReferenceTrainer.activation_shapes``):
+
+* ``ffn_up``: the up-projection's output of layer ``layer``'s experts, *before* the nonlinearity
+  (forward); ``ffn_down``: the down-projection's *input* (the nonlinearity's output), so the error
+  passes through the down matmul's sum before anything is sent.
+* ``ffn_up_grad_input`` / ``ffn_up_grad_weight``: the cotangent of the up-projection's output as it
+  enters the activation-gradient product (``dx = g W_in^T``) or the weight-gradient product
+  (``dW_in = x^T g``) of the backward pass, each alone; ``ffn_down_grad_input`` /
+  ``ffn_down_grad_weight``: the same for the down projection (``dh = g W_out^T``, ``dW_out = h^T g``).
+* ``attn_scores`` (``QK^T / sqrt(K)``, before the mask), ``attn_probs`` (the softmax output),
+  ``attn_pv`` (``probs V``, before the output projection) of layer ``layer`` (forward).
+* ``router_logits``: layer ``layer``'s router logits before the softmax and top-k (forward).
+* ``transit_dispatch`` / ``transit_combine``: the buffer a device *received* at layer ``layer``'s
+  dispatch / combine all-to-all, forward (the sender sent it right; part ``x`` came from the
+  ``x``-th device of the expert group); ``transit_dispatch_grad`` / ``transit_combine_grad``: the
+  cotangent received at their transposes in the backward pass.
+* ``host_batch``: the ``inputs`` tokens of the device's rows after the loader handed the batch over
+  (a host's memory or transfer; ``element``: flat index into the device's ``[rows, S]`` block;
+  int32, bit flips only).
+
+Besides a bit flip, a fault may scale the element or set it (``FaultSpec.mode``: ``"scale"``,
+``"set"``, with NaN and Inf as values)."""
+
+LAYER_SITES = ("expert_forward", "attention") + tuple(s for s in INNER_SITES if s != "host_batch")
+"""The sites that take a ``FaultSpec.layer``."""
+TRANSIT_SITES = ("transit_dispatch", "transit_combine", "transit_dispatch_grad", "transit_combine_grad")
+FAULT_MODES = ("flip", "scale", "set")
+FAULT_SITES = FAULT_SITES + INNER_SITES
+# ---- end of issue 27's block
+
 
 @dataclasses.dataclass(frozen=True)
 class FaultSpec:
@@ -105,8 +145,11 @@ class FaultSpec:
       element: flat index into the corrupted buffer on that device (see :data:`FAULT_SITES`).
       bit: bit position in the element's bit pattern (0 = lowest mantissa bit).
       where: one of :data:`FAULT_SITES` (default ``local_gradient``, the drills' first kind).
-      layer: the MoE layer of an ``expert_forward`` or ``attention`` fault (0-based); None for the
+      layer: the MoE layer of a fault at one of :data:`LAYER_SITES` (0-based); None for the
         others (an ``expert_backward`` fault's layer is its leaf's).
+      mode: ``"flip"`` (default: bit ``bit`` of the element), ``"scale"`` (the element times
+        ``value``) or ``"set"`` (the element becomes ``value``: NaN and Inf included).
+      value: the factor or value of a scale or set fault (float32); ignored by a flip.
 
     Raises:
       ValueError: ``where`` is not a known site, or ``layer`` is missing (or given) where it must
@@ -120,24 +163,33 @@ class FaultSpec:
     bit: int
     where: str = "local_gradient"
     layer: Optional[int] = None
+    mode: str = "flip"
+    value: float = 0.0
 
     def __repr__(self) -> str:
         """The dataclass form, leaving out ``where`` and ``layer`` at their defaults (a local-gradient
         flip reads as it always has)."""
         extra = "" if self.where == "local_gradient" and self.layer is None else \
             f", where={self.where!r}" + (f", layer={self.layer!r}" if self.layer is not None else "")
+        if self.mode != "flip":
+            extra += f", mode={self.mode!r}, value={self.value!r}"
         return (f"FaultSpec(step={self.step!r}, device_id={self.device_id!r}, leaf={self.leaf!r}, "
                 f"element={self.element!r}, bit={self.bit!r}{extra})")
 
     def __post_init__(self):
         if self.where not in FAULT_SITES:
             raise ValueError(f"FaultSpec.where: must be one of {list(FAULT_SITES)}, got {self.where!r}")
-        needs_layer = self.where in ("expert_forward", "attention")
+        needs_layer = self.where in LAYER_SITES
         if needs_layer and (self.layer is None or int(self.layer) < 0):
             raise ValueError(f"FaultSpec.layer: a {self.where} fault needs a layer >= 0, got {self.layer!r}")
         if not needs_layer and self.layer is not None:
-            raise ValueError(f"FaultSpec.layer: only expert_forward and attention faults take a layer "
-                             f"(a {self.where} fault's is its leaf's), got {self.layer!r}")
+            raise ValueError(f"FaultSpec.layer: only faults at {', '.join(LAYER_SITES)} take a layer "
+                             f"(a {self.where} fault's is its leaf's, if any), got {self.layer!r}")
+        if self.mode not in FAULT_MODES:
+            raise ValueError(f"FaultSpec.mode: must be one of {list(FAULT_MODES)}, got {self.mode!r}")
+        if self.mode != "flip" and self.where == "host_batch":
+            raise ValueError("FaultSpec.mode: a host_batch fault flips a bit of an int32 token; scale and set "
+                             "need a float buffer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +206,10 @@ class DriftSpec:
       kind: ``"scale"``: ``g_d * (1 + magnitude)`` (the local norm moves by the factor
         ``1 + magnitude``); ``"bias"``: each leaf ``+ magnitude * rms(leaf)`` (a constant offset
         of the same relative size: the norm moves only to second order, by about
-        ``sqrt(1 + magnitude^2)``, so norm screening sees it far less).
+        ``sqrt(1 + magnitude^2)``, so norm screening sees it far less); ``"expert_output"``: the
+        output of the device's experts in every MoE layer times ``1 + magnitude``, inside the
+        forward pass (under expert parallelism it reaches every data replica's gradient together,
+        so replica-norm screening is blind to it; ``replay scan``'s ``expert_drift`` check is not).
     """
 
     device_id: int
@@ -164,8 +219,8 @@ class DriftSpec:
     kind: str = "scale"
 
     def __post_init__(self):
-        if self.kind not in ("scale", "bias"):
-            raise ValueError(f"DriftSpec.kind: must be 'scale' or 'bias', got {self.kind!r}")
+        if self.kind not in ("scale", "bias", "expert_output"):
+            raise ValueError(f"DriftSpec.kind: must be 'scale', 'bias' or 'expert_output', got {self.kind!r}")
         if not (self.magnitude > 0 or self.magnitude != self.magnitude):  # > 0, +inf, or NaN (a non-finite drill)
             raise ValueError(f"DriftSpec.magnitude: must be > 0 (or inf or nan), got {self.magnitude!r}")
         if self.stop is not None and self.stop <= self.start:
@@ -248,6 +303,11 @@ class StepFingerprints:
         the device sent there (every destination's part). The first site, in program order, at
         which a device's send differs from a replay's names the device that computed wrong: the
         others' later differences follow from what it sent them (``replay.verify.localize``).
+      recvs: per device id, aligned with ``send_sites``, the 64-bit fingerprints of each *part* of the
+        buffer the device received there (part ``i`` from the ``i``-th device of its expert group, each
+        part fingerprinted as its own array, so a part received equals the part its sender sent bit for
+        bit). A part received wrong while every send matched names the link, sender -> receiver
+        (``replay.verify.localize``); empty when the trainer does not fingerprint what it receives.
       signals: the step's screening signals (:class:`StepSignals`) when the trainer computes
         them; not part of ``fingerprints.jsonl`` (the training loop writes them, with its
         timings, to ``signals.jsonl``), never compared.
@@ -263,6 +323,7 @@ class StepFingerprints:
     device_coords: Mapping[int, Mapping[str, int]] = dataclasses.field(default_factory=dict)
     send_sites: tuple[str, ...] = ()
     sends: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    recvs: Mapping[int, tuple[tuple[int, ...], ...]] = dataclasses.field(default_factory=dict)
     signals: Optional["StepSignals"] = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -281,6 +342,8 @@ class StepFingerprints:
         if self.send_sites:
             out["send_sites"] = list(self.send_sites)
             out["sends"] = {str(dev): [int(v) for v in fps] for dev, fps in self.sends.items()}
+        if self.recvs:
+            out["recvs"] = {str(dev): [[int(v) for v in parts] for parts in per] for dev, per in self.recvs.items()}
         return out
 
     def to_json(self) -> str:
@@ -305,6 +368,8 @@ class StepFingerprints:
             device_coords={int(dev): dict(c) for dev, c in d.get("device_coords", {}).items()},
             send_sites=tuple(str(x) for x in d.get("send_sites", ())),
             sends={int(dev): tuple(int(v) for v in fps) for dev, fps in (d.get("sends") or {}).items()},
+            recvs={int(dev): tuple(tuple(int(v) for v in parts) for parts in per)
+                   for dev, per in (d.get("recvs") or {}).items()},
         )
 
     @classmethod
@@ -374,22 +439,30 @@ class ExpertLoad:
 
     received: Mapping[int, int]
     max_over_mean: float
+    output_sq: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def from_counts(cls, received: Mapping[int, int]) -> "ExpertLoad":
-        """Computes ``max_over_mean`` from the counts."""
+    def from_counts(cls, received: Mapping[int, int], output_sq: Optional[Mapping[int, float]] = None) -> "ExpertLoad":
+        """Computes ``max_over_mean`` from the counts. ``output_sq``: per device id, the float32 sum of
+        squares of its experts' output in the layer (the buffer it sends back at the combine), which
+        ``replay scan``'s ``expert_drift`` check divides by ``received``; optional."""
         vals = [int(v) for v in received.values()]
         mean = sum(vals) / len(vals) if vals else 0.0
         return cls(received={int(d): int(v) for d, v in received.items()},
-                   max_over_mean=(max(vals) / mean) if mean > 0 else 0.0)
+                   max_over_mean=(max(vals) / mean) if mean > 0 else 0.0,
+                   output_sq={int(d): float(v) for d, v in (output_sq or {}).items()})
 
     def to_dict(self) -> dict[str, Any]:
-        return {"received": {str(d): int(v) for d, v in self.received.items()}, "max_over_mean": self.max_over_mean}
+        out = {"received": {str(d): int(v) for d, v in self.received.items()}, "max_over_mean": self.max_over_mean}
+        if self.output_sq:
+            out["output_sq"] = {str(d): float(v) for d, v in self.output_sq.items()}
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ExpertLoad":
         return cls(received={int(k): int(v) for k, v in d["received"].items()},
-                   max_over_mean=_float(d["max_over_mean"]))
+                   max_over_mean=_float(d["max_over_mean"]),
+                   output_sq={int(k): _float(v) for k, v in (d.get("output_sq") or {}).items()})
 
 
 @dataclasses.dataclass(frozen=True)

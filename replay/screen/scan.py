@@ -15,6 +15,9 @@ numbers and words the findings::
     norm_spike    replica norms, |robust z| > spike_z      the replica's devices, at that step
                   or a non-finite norm
     norm_drift    replica norms, robust CUSUM              the replica's devices, from the change's onset
+    expert_drift  signals.jsonl expert_load[layer]:        the expert device whose output per token moved
+                  output_sq / received per expert device    against the others' (robust CUSUM, as norm_drift;
+                  (expert parallelism)                      floor EXPERT_DRIFT_FLOOR, benchmarks/campaign.py)
     router        signals.jsonl router[layer]              the layer (dropped fraction, or an expert's share
                   vs run config router_health               outside its band after warm-up: share_band,
                                                             widened on small runs by the window's rows)
@@ -49,9 +52,9 @@ from replay.run import protocol as proto
 from replay.screen import screening as sc
 from replay.run.runlog import RunDirError, RunLog
 
-CHECKS = ("canary", "nonfinite", "norm_spike", "norm_drift", "router", "expert_load", "loss_spike", "loader_stall",
-          "input")
-DEVICE_CHECKS = ("canary", "nonfinite", "norm_spike", "norm_drift")
+CHECKS = ("canary", "nonfinite", "norm_spike", "norm_drift", "expert_drift", "router", "expert_load", "loss_spike",
+          "loader_stall", "input")
+DEVICE_CHECKS = ("canary", "nonfinite", "norm_spike", "norm_drift", "expert_drift")
 EXPLAINING_EVENTS = ("phase_change", "skipped_window", "skip_window_added", "restore", "start")
 STRENGTH_CAP = 1e6  # a non-finite score is reported as this
 
@@ -387,6 +390,103 @@ def _replicas(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig):
     return spike_st, drift_st, found, series
 
 
+EXPERT_DRIFT_FLOOR = 0.05
+"""The stated floor of ``expert_drift``: a persistent x(1 + delta) drift of one expert device's output with
+delta >= this is named within 20 steps (``benchmarks/campaign.py`` measures it on the fixed grid
+0.01-0.2, ``scan_expert_drift_named_fraction``)."""
+
+
+def expert_output_per_token(signals, steps: list[int]) -> tuple[list[int], np.ndarray]:
+    """``(devices, x [T, D])``: per step and expert device, the sum over MoE layers of the squared output of
+    its experts divided by the slots they filled (``ExpertLoad.output_sq / received``); NaN where not
+    logged. The mean squared output per token moves by ``(1 + delta)^2`` when a device's experts compute
+    ``x(1 + delta)``, whatever its load."""
+    devs = sorted({d for s in steps for L in signals[s].expert_load for d in L.output_sq})
+    x = np.full((len(steps), len(devs)), np.nan)
+    for t, s in enumerate(steps):
+        for j, d in enumerate(devs):
+            vals = [L.output_sq[d] / max(L.received.get(d, 0), 1) for L in signals[s].expert_load if d in L.output_sq]
+            if vals:
+                x[t, j] = float(np.sum(vals))
+    return devs, x
+
+
+def expert_twins(devs: list[int], coords: Mapping[int, Mapping[str, int]], axis: str = "expert") -> dict[int, list[int]]:
+    """Per device, the other devices that hold the same experts (same index on ``axis``, another on the
+    data axes): its twins, which compute the same expert weights on other tokens."""
+    out = {}
+    for d in devs:
+        mine = (coords.get(d) or {}).get(axis)
+        out[d] = [e for e in devs if e != d and mine is not None and (coords.get(e) or {}).get(axis) == mine]
+    return out
+
+
+def _expert_drift(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig,
+                  coords: Optional[Mapping[int, Mapping[str, int]]] = None):
+    """Expert-device screening (issue 27 item 4). Under expert parallelism one device's drifting expert
+    output moves every data replica's gradient together, so the replica norms cannot see it. Each expert
+    device's output per token (:func:`expert_output_per_token`) is compared with its *twins'* (the devices
+    holding the same experts on the other data replicas, :func:`expert_twins`): the expert's own training
+    dynamics move twins together and cancel; a chip's ``x(1 + delta)`` does not. The log-difference is
+    judged with the replicas' statistics (``screening.screen_replicas``: robust z against its own history,
+    CUSUM). With two twins the difference cannot say which of the two moved, and neither can either one's
+    series against every expert device's (measured: the optimizer's response through the weights the twins
+    share moves the healthy twin by about as much, within a step or two): the pair is named, a replica
+    suspect of two devices, and a range replay from the onset tells which. With three or more twins the
+    device that moved against the others is named alone. Without twins (one data replica) every expert
+    device is compared with the median of all, which the experts' own dynamics can move: weaker.
+    Returns ``(status, findings, series)``."""
+    if signals is None or not any(L.output_sq for s in steps for L in signals[s].expert_load):
+        return {"status": "not available",
+                "detail": "no expert output norms in signals.jsonl (expert_load[].output_sq): the run does not put "
+                          "experts on their own devices, or predates the signal"}, [], {}
+    devs, x = expert_output_per_token(signals, steps)
+    if len(devs) < 3:
+        return {"status": "not available", "detail": f"{len(devs)} expert device(s): at least 3 are needed"}, [], {}
+    twins = expert_twins(devs, coords or {})
+    cfg = dataclasses.replace(cfg, cusum_h=cfg.expert_cusum_h)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lx = np.where(np.isfinite(x) & (x > 0), np.log(np.where(x > 0, x, 1.0)), np.nan)
+    paired = all(twins[d] for d in devs)
+    if paired:  # each device against the mean of its twins (log units of the squared output)
+        idx = {d: j for j, d in enumerate(devs)}
+        y = np.stack([lx[:, idx[d]] - np.nanmean(lx[:, [idx[e] for e in twins[d]]], axis=1) for d in devs], axis=1)
+        res = sc.screen_replicas(np.exp(y), np.isfinite(y), cfg)
+    else:
+        res = sc.screen_replicas(x, np.isfinite(x), cfg)
+    found, named = [], set()
+    for a in sorted(res.drifts, key=lambda a: -a.strength):
+        dev, how = devs[a.replica], "against the median of every expert device"
+        kind, subject = "device", (devs[a.replica],)
+        if paired:
+            group = sorted([dev] + twins[dev])
+            if tuple(group) in named:
+                continue
+            named.add(tuple(group))
+            if len(group) == 2:  # the difference of two cannot say which one moved
+                kind, subject = "replica", tuple(group)
+                how = (f"against each other (devices {group[0]} and {group[1]} hold the same experts on two data "
+                       "replicas: one of the two drifted, and a range replay from the onset tells which)")
+            else:
+                how = f"against its {len(group) - 1} twins (the same experts on the other data replicas)"
+        if steps[-1] < start:
+            continue
+        onset, alarm = steps[a.onset], steps[a.alarm]
+        lo = steps[a.onset if a.onset_lo is None else a.onset_lo]
+        hi = steps[a.onset if a.onset_hi is None else a.onset_hi]
+        rel = math.expm1(abs(a.shift_log))
+        who = f"device {dev}'s" if kind == "device" else "the"
+        found.append(((kind, subject), dataclasses.replace(_evidence(
+            "expert_drift", onset, steps[-1], a.strength,
+            f"{who} expert output per token moved {how}, from step {onset} (alarm at step {alarm}; about "
+            f"{rel:.1%} in output norm)"), onset_range=(lo, hi))))
+    detail = (f"{res.judged} device-steps scored ({len(devs)} expert devices, {len(steps)} steps, "
+              + ("each against its twins" if paired else "each against all (no twins: one data replica)")
+              + f"); stated floor x(1 + {EXPERT_DRIFT_FLOOR:g})")
+    status = "found" if found else ("clear" if res.judged else "not available")
+    return {"status": status, "detail": detail}, found, {"steps": steps, "devices": devs, "z": res.z}
+
+
 def share_ratio(shares) -> float:
     """How far the most unequal expert is from uniform: ``max(max_e s_e * E, 1 / (min_e s_e * E))``
     (1 = uniform; ``inf`` when an expert got nothing)."""
@@ -642,13 +742,16 @@ def _input(signals, steps, start, cfg: sc.ScreeningConfig, restarts: set[int]):
 # ----------------------------------------------------------------------------- scan
 
 
-def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = None) -> ScanReport:
+def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = None, *,
+             screening_logs: Optional[tuple] = None) -> ScanReport:
     """Screens ``run`` from its logs (module docstring). Steps before ``start`` serve as history;
     findings must reach into ``[start, stop)``.
 
     Args:
       run: a loaded run directory.
       start, stop: the half-open range to report on (default: every logged step).
+      screening_logs: ``(signals, canary records)`` to screen instead of the run's files (a drill's logs
+        in memory: ``replay.verify.faults``); default: read from the run directory.
 
     Raises:
       RunDirError: a screening log is malformed, or the run config's thresholds are invalid.
@@ -657,7 +760,7 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     from replay.run.runlog import StepRangeError
 
     health, cfg = _run_thresholds(run)
-    signals, canary = lineage_screening_logs(run)
+    signals, canary = lineage_screening_logs(run) if screening_logs is None else screening_logs
     first, end = run.logged_steps
     start = first if start is None else start
     stop = end if stop is None else stop
@@ -680,6 +783,9 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     findings += dev + runl
     sig = signals if steps_sig else None
     checks["norm_spike"], checks["norm_drift"], dev, rep_series = _replicas(sig, steps_sig, start, cfg)
+    findings += dev
+    coords = {int(k): dict(v) for k, v in (run.mesh.get("device_coords") or {}).items()}
+    checks["expert_drift"], dev, expert_series = _expert_drift(sig, steps_sig, start, cfg, coords)
     findings += dev
     rows = run.config.get("global_batch")
     checks["router"], layer_found, router_series = _router(sig, steps_sig, start, health,
@@ -720,6 +826,7 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
                         explained=explained, suggestion=None,
                         figures=_figures(sig, steps_sig, canary),
                         series={"replicas": rep_series, "router": router_series, "expert_load": load_series,
+                                "expert_drift": expert_series,
                                 "loss": loss_series,
                                 "loader": loader_series, "input": input_series, "canary": canary or []},
                         limits={**health.to_dict(), "screening": cfg.to_dict()},

@@ -152,6 +152,10 @@ class ScreeningConfig:
       stall_min_s: ... and above this many seconds, >= 0.
       stall_budget: stalls are a finding when their waits add up to more than this fraction of
         the steps' time (isolated waits of a busy host are not), >= 0.
+      expert_cusum_h: the CUSUM alarm threshold of ``replay scan``'s ``expert_drift`` check (each expert
+        device's output per token against its twins'), > 0: lower than ``cusum_h``, because the twins'
+        difference has no expert dynamics in it (``benchmarks/campaign.py`` measures its floor and its
+        clean runs' alarms).
     """
 
     baseline_window: int = 40
@@ -168,6 +172,7 @@ class ScreeningConfig:
     stall_fraction: float = 0.25
     stall_min_s: float = 0.05
     stall_budget: float = 0.05
+    expert_cusum_h: float = 10.0
 
     def __post_init__(self):
         s = "screening"
@@ -180,7 +185,7 @@ class ScreeningConfig:
         _check(integer(self.min_history) and 3 <= self.min_history <= self.baseline_window, s, "min_history",
                self.min_history, f"an int in [3, baseline_window={self.baseline_window}]")
         _check(integer(self.loss_window) and self.loss_window >= 3, s, "loss_window", self.loss_window, "an int >= 3")
-        for name in ("sigma_floor", "cusum_h", "clip_z", "spike_z", "loss_spike_z", "stall_fraction"):
+        for name in ("sigma_floor", "cusum_h", "clip_z", "spike_z", "loss_spike_z", "stall_fraction", "expert_cusum_h"):
             _check(getattr(self, name) > 0, s, name, getattr(self, name), "> 0")
         _check(0 < self.freeze <= 1, s, "freeze", self.freeze, "in (0, 1]")
         for name in ("cusum_k", "loss_min_rise", "stall_min_s", "stall_budget"):

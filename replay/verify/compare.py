@@ -32,7 +32,7 @@ import struct
 from typing import Any, Mapping, Optional, Sequence
 
 from replay.run.protocol import StepFingerprints
-from replay.verify.localize import Localization, localize, send_differences
+from replay.verify.localize import Localization, localize, receive_differences, send_differences
 from replay.verify.verdict import Divergence, DivergenceKind, Evidence
 
 
@@ -159,6 +159,8 @@ class StepDiff:
             return DivergenceKind.DATA
         if self.evidence is Evidence.TOLERANCE:
             return None if self.loss_match and self.grad_norm_match else DivergenceKind.TOLERANCE
+        if self.localization is not None and self.localization.links:
+            return DivergenceKind.LINK
         if self.devices or self.sends:
             return DivergenceKind.ALL_DEVICES if len(self.suspects) >= self.num_devices else DivergenceKind.DEVICE
         if self.leaves or not self.loss_match or not self.grad_norm_match:
@@ -175,7 +177,8 @@ class StepDiff:
         loc = self.localization
         return Divergence(self.step, kind, self.suspects, tuple(sorted(leaves)),
                           site=None if loc is None else loc.site, reached=() if loc is None else loc.reached,
-                          site_label=None if loc is None else loc.label())
+                          site_label=None if loc is None else loc.label(),
+                          links=() if loc is None else loc.links)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -245,7 +248,9 @@ def compare_step(
             if bad:
                 devices[ldev] = bad
     sends = send_differences(logged, replayed, pairing) if evidence is not Evidence.TOLERANCE else {}
-    loc = localize(logged, sends, devices) if logged.send_sites and evidence is not Evidence.TOLERANCE else None
+    receives = receive_differences(logged, replayed, pairing) if evidence is not Evidence.TOLERANCE else {}
+    loc = localize(logged, sends, devices, receives) if logged.send_sites and evidence is not Evidence.TOLERANCE \
+        else None
     return StepDiff(
         step=logged.step,
         batch_match=logged.batch_hash == replayed.batch_hash,
@@ -287,6 +292,8 @@ def positional(fp: StepFingerprints, coords: Mapping[int, Position]) -> dict[str
         **({"sends": {position_label(coords[d]): [int(v) for v in fp.sends[d]]
                       for d in sorted(fp.sends, key=lambda d: coords[d])}, "send_sites": list(fp.send_sites)}
            if fp.send_sites else {}),
+        **({"recvs": {position_label(coords[d]): [[int(v) for v in parts] for parts in fp.recvs[d]]
+                      for d in sorted(fp.recvs, key=lambda d: coords[d])}} if fp.recvs else {}),
     }
 
 

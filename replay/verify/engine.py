@@ -560,6 +560,10 @@ class RangeReport:
 
     @property
     def exit_code(self) -> int:
+        if self.decision.cause is Cause.LINK_FAULT:
+            from replay.run.codes import ExitCode
+
+            return int(ExitCode.LINK_CONVICTED)
         return int(self.decision.verdict.exit_code)
 
     @property
@@ -616,8 +620,12 @@ class RangeReport:
             "explanation": d.explanation,
             "first_divergent_step": d.step,
             "convicted_devices": list(d.devices),
+            "convicted_links": [list(x) for x in getattr(d, "links", ())],
             "convicted": self.convicted,
-            "first_divergent_site": describe_site(d.site, self._site_leaves()),
+            "first_divergent_site": None if d.site is None else {
+                **describe_site(d.site, self._site_leaves()),
+                # which of the three it is (replay.verify.localize): a link, a device that sent wrong, a gradient
+                "finding": "link" if d.links else ("local_gradient" if d.site == "local_gradient" else "sent")},
             "reached_devices": list(d.reached),
             "leaves": list(d.leaves),
             "differing_elements": self.differing_elements,

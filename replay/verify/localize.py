@@ -26,8 +26,21 @@ are one device for one fault: each device's sends there depend only on what it r
 sites before, which matched. Two producers at one site mean two faults, or software that is not
 deterministic; the verdict then names both, never one of them.
 
-Limit: a buffer corrupted *in transit* (sent right, received wrong) is named as the receiver, at
-its next send; the receiver's buffers are what the log can see. Pure: no JAX, no I/O.
+Transit: each device also fingerprints each part of what it *received* at each site
+(``StepFingerprints.recvs``). At a site, sends come before receives: when every send there matches the
+replay but a part some device received does not, the buffer was sent right and received wrong, and
+the localization names the *link*, sender -> receiver (:attr:`Localization.links`), and neither chip
+alone. So a localization is one of three findings (:attr:`Localization.finding`):
+
+* ``"link"``: sent right, received wrong: the link between the two devices (or either end's network
+  hardware) corrupted it;
+* ``"sent"``: received right (every receive before matched) but sent wrong: the sending device
+  computed wrong;
+* ``"local_gradient"``: nothing exchanged differs: the device's own gradient, which no all-to-all
+  carries.
+
+A log without receive fingerprints (older runs) names a transit fault as the receiver, at its next
+send. Pure: no JAX, no I/O.
 """
 
 from __future__ import annotations
@@ -55,6 +68,15 @@ class Localization:
     producers: tuple[int, ...]
     reached: tuple[int, ...]
     leaves: tuple[str, ...] = ()
+    links: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def finding(self) -> str:
+        """``"link"`` (sent right, received wrong), ``"sent"`` (a device sent wrong from what it received
+        right) or ``"local_gradient"`` (module docstring)."""
+        if self.links:
+            return "link"
+        return LOCAL_GRADIENT if self.site == LOCAL_GRADIENT else "sent"
 
     @property
     def parts(self) -> Optional[tuple[int, str, str]]:
@@ -70,7 +92,12 @@ class Localization:
         return layers.pop() if len(layers) == 1 else None
 
     def label(self) -> str:
-        """For humans: ``"the combine all-to-all of layer 1 (forward pass)"``."""
+        """For humans: ``"the combine all-to-all of layer 1 (forward pass)"``; a link's says so."""
+        if self.links:
+            pairs = ", ".join(f"{a} -> {b}" for a, b in self.links)
+            layer, collective, direction = self.parts
+            return (f"the link {pairs} at the {collective} all-to-all of layer {layer} ({direction} pass): "
+                    "sent right, received wrong")
         if self.parts is None:
             what = f" ({', '.join(self.leaves[:3])}{' ...' if len(self.leaves) > 3 else ''})" if self.leaves else ""
             return f"the local gradient{what}, which no all-to-all carries"
@@ -79,7 +106,8 @@ class Localization:
 
     def to_dict(self) -> dict[str, Any]:
         return {**describe_site(self.site, self.leaves), "producers": list(self.producers),
-                "reached": list(self.reached), "leaves": list(self.leaves)}
+                "reached": list(self.reached), "leaves": list(self.leaves), "finding": self.finding,
+                "links": [list(x) for x in self.links], **({"label": self.label()} if self.links else {})}
 
 
 def describe_site(site: Optional[str], leaves: tuple[str, ...] = ()) -> Optional[dict[str, Any]]:
@@ -121,8 +149,43 @@ def send_differences(logged: StepFingerprints, replayed: StepFingerprints,
     return out
 
 
+def receive_differences(logged: StepFingerprints, replayed: StepFingerprints,
+                        pairing: Mapping[int, int]) -> dict[int, dict[str, tuple[int, ...]]]:
+    """Per logged device, per send site, the parts (the sending device's index on the expert axis) of
+    what it received that differ from the replay device's at its mesh position; only devices with a
+    difference. Empty when either side logged no receives or their sites differ."""
+    sites = tuple(logged.send_sites)
+    if not logged.recvs or not replayed.recvs or sites != tuple(replayed.send_sites):
+        return {}
+    out: dict[int, dict[str, tuple[int, ...]]] = {}
+    for ldev, rdev in pairing.items():
+        a, b = logged.recvs.get(ldev), replayed.recvs.get(rdev)
+        if a is None or b is None or len(a) != len(sites) or len(b) != len(sites):
+            continue  # no receive record on one side: nothing to say about links (sends still judge)
+        bad = {s: tuple(i for i, (x, y) in enumerate(zip(pa, pb)) if int(x) != int(y))
+               for s, pa, pb in zip(sites, a, b) if tuple(pa) != tuple(pb)}
+        if bad:
+            out[ldev] = bad
+    return out
+
+
+def sender_of(logged: StepFingerprints, receiver: int, part: int, axis: str = "expert") -> Optional[int]:
+    """The logged device that sent part ``part`` of what ``receiver`` received: the device at the
+    receiver's mesh position with ``axis`` = ``part`` (``device_coords``), or None when not logged."""
+    coords = logged.device_coords
+    mine = coords.get(receiver)
+    if not mine or axis not in mine:
+        return None
+    want = {**dict(mine), axis: int(part)}
+    for dev, c in coords.items():
+        if dict(c) == want:
+            return int(dev)
+    return None
+
+
 def localize(logged: StepFingerprints, sends: Mapping[int, tuple[str, ...]],
-             gradients: Mapping[int, tuple[str, ...]]) -> Optional[Localization]:
+             gradients: Mapping[int, tuple[str, ...]],
+             receives: Optional[Mapping[int, Mapping[str, tuple[int, ...]]]] = None) -> Optional[Localization]:
     """The first divergent buffer of one step, in program order (module docstring).
 
     Args:
@@ -130,15 +193,23 @@ def localize(logged: StepFingerprints, sends: Mapping[int, tuple[str, ...]],
       sends: :func:`send_differences` of the step.
       gradients: per logged device, its local-gradient leaves that differ
         (``replay.verify.compare.StepDiff.devices``).
+      receives: :func:`receive_differences` of the step (None or empty: no link can be named).
 
     Returns:
-      the :class:`Localization`, or None when neither a send nor a local gradient differs.
+      the :class:`Localization`, or None when neither a send, a receive nor a local gradient differs.
     """
-    reached = tuple(sorted(set(sends) | set(gradients)))
+    receives = receives or {}
+    reached = tuple(sorted(set(sends) | set(gradients) | set(receives)))
     for site in logged.send_sites:
         producers = tuple(sorted(d for d, bad in sends.items() if site in bad))
         if producers:
             return Localization(site=site, producers=producers, reached=reached)
+        links = sorted({(sender_of(logged, r, p), r) for r, per in receives.items() for p in per.get(site, ())},
+                       key=lambda x: (x[0] is None, x))
+        if links:
+            if any(a is None for a, _ in links):  # no mesh positions logged: the receivers, as before
+                return Localization(site=site, producers=tuple(sorted({b for _, b in links})), reached=reached)
+            return Localization(site=site, producers=(), reached=reached, links=tuple(links))
     if gradients:
         leaves = tuple(sorted({p for ls in gradients.values() for p in ls}))
         return Localization(site=LOCAL_GRADIENT, producers=tuple(sorted(gradients)), reached=reached, leaves=leaves)

@@ -23,7 +23,9 @@ import dataclasses
 import enum
 from typing import Optional, Sequence
 
-from replay.run.codes import Verdict
+from replay.run.codes import ExitCode, Verdict
+
+LINK_EXIT_CODE = ExitCode.LINK_CONVICTED
 
 
 class Cause(str, enum.Enum):
@@ -32,6 +34,7 @@ class Cause(str, enum.Enum):
     REPRODUCED = "reproduced"  # replays reproduce the log: the cause of a spike is data or software
     DATA_ORDER = "data_order"  # the rebuilt batch's hash differs from the logged one
     DEVICE_FAULT = "device_fault"  # some device shards' contributions differ from the log
+    LINK_FAULT = "link_fault"  # sent right, received wrong: the link sender -> receiver, neither chip alone
     REPLAYS_DISAGREE = "replays_disagree"  # replays differ from each other
     TOO_FEW_REPLAYS = "too_few_independent_replays"
     UNLOCALIZED = "unlocalized"  # a difference not attributable to some device shards
@@ -53,6 +56,7 @@ class DivergenceKind(str, enum.Enum):
     DEVICE = "device"  # some, not all, device contributions
     ALL_DEVICES = "all_devices"  # every device contribution
     GLOBAL = "global"  # only the reduced values (loss, norm, reduced leaves)
+    LINK = "link"  # a buffer sent right and received wrong at an all-to-all (replay.verify.localize)
     TOLERANCE = "tolerance"  # loss or norm outside the tolerance
 
 
@@ -80,6 +84,7 @@ class Divergence:
     site: Optional[str] = None
     reached: tuple[int, ...] = ()
     site_label: Optional[str] = None
+    links: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +118,8 @@ class Decision:
       explanation: one sentence for humans, with what to do next.
       site: where the error first appeared at ``step`` (``Divergence.site``), or None.
       reached: the devices that differ at ``step`` (``Divergence.reached``).
+      links: a link conviction's ``(sender, receiver)`` pairs (``Cause.LINK_FAULT``; ``devices`` is then
+        empty: neither chip is convicted alone).
     """
 
     verdict: Verdict
@@ -125,6 +132,7 @@ class Decision:
     explanation: str
     site: Optional[str] = None
     reached: tuple[int, ...] = ()
+    links: tuple[tuple[int, int], ...] = ()
 
 
 def count_independent(assignments: Sequence[Sequence[int]]) -> int:
@@ -161,6 +169,7 @@ def decide(outcomes: Sequence[ReplayOutcome], num_devices: int, *, suspected: Se
             leaves=() if div is None else div.leaves, independent_replays=independent,
             explanation=explanation, site=None if div is None else div.site,
             reached=() if div is None else div.reached,
+            links=() if div is None or cause is not Cause.LINK_FAULT else div.links,
         )
 
     if len({o.signature for o in outcomes}) > 1:
@@ -197,6 +206,22 @@ def decide(outcomes: Sequence[ReplayOutcome], num_devices: int, *, suspected: Se
             "name a device: replay on the run's mesh shape for a bit-exact comparison",
             div,
         )
+    if div.kind is DivergenceKind.LINK:
+        pairs = ", ".join(f"{a} -> {b}" for a, b in div.links)
+        if independent >= 2:
+            return make(
+                Verdict.CONVICTED, Cause.LINK_FAULT,
+                f"step {div.step}: {independent} independent replays agree with each other and not with the "
+                f"log: at {div.site_label or div.site} every device sent what the replays sent, and the "
+                f"link(s) {pairs} delivered something else: the link (sender -> receiver) is convicted, "
+                "neither chip alone; check the interconnect between them (exit code "
+                f"{int(LINK_EXIT_CODE)})",
+                div)
+        return make(
+            Verdict.AMBIGUOUS, Cause.TOO_FEW_REPLAYS,
+            f"step {div.step}: the link(s) {pairs} delivered something other than what was sent, but only "
+            f"{independent} independent replay(s) ran; a conviction needs two: choose more good devices",
+            div)
     if div.kind is DivergenceKind.DEVICE and 0 < len(div.devices) < num_devices:
         if independent >= 2:
             where = ""
