@@ -6,6 +6,7 @@ arguments, prints, writes files and maps outcomes to exit codes (``replay.verify
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import shlex
@@ -167,6 +168,18 @@ MAX_INSPECT_STEPS = 10_000
 
 DRILL_NOT_CAUGHT = int(ExitCode.DRILL_NOT_CAUGHT)
 TRIAGE_SCENARIOS = ("sdc", "restart", "data", "duplicate", "router", "router_scale", "nonfinite", "clean")
+
+
+def _nonfinite_value(value: Optional[float]) -> Optional[str]:
+    """A triage drill's ``--value``: ``"nan"``, ``"inf"`` or None (not given); a finite value is a usage
+    error (the nonfinite scenario plants a NaN or an Inf)."""
+    if value is None:
+        return None
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value) and value > 0:
+        return "inf"
+    raise _Usage(f"--value {value!r}: a triage drill's nonfinite scenario takes nan or inf")
 
 
 def _positive_float(text: str) -> float:
@@ -408,7 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--mode", choices=("flip", "scale", "set"), default="flip",
                    help="flip --bit (default), scale the element by --value, or set it to --value (nan, inf)")
     d.add_argument("--value", type=float, default=None,
-                   help="--mode scale: the factor (e.g. 1.001); --mode set: the value, 'nan' and 'inf' included")
+                   help="--mode scale: the factor (e.g. 1.001); --mode set: the value, 'nan' and 'inf' included; "
+                        "triage drill nonfinite: nan or inf, the value the device's local gradient is multiplied "
+                        "into (default: both, with --grid; else nan)")
     d.add_argument("--no-canary", action="store_true", help="check range replay only, not the canary")
     d.add_argument("--to-disk", metavar="DIR",
                    help="write each drill as a short faulty training run DIR/drill-N (fingerprints, a checkpoint "
@@ -428,9 +443,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--grid", action="store_true",
                    help="triage drills: every magnitude of each scenario's fixed grid (replay.triage_drill.GRIDS), "
                         "with the detections per magnitude")
-    d.add_argument("--value", choices=("nan", "inf"),
-                   help="triage drill nonfinite: the value the device's local gradient is multiplied into "
-                        "(default: both, with --grid; else nan)")
     d.add_argument("--magnitude", type=_positive_float, default=0.2,
                    help="drift: relative error of the device's local gradient, a finite number > 0 (default 0.2)")
     d.add_argument("--kind", choices=("scale", "bias"), default="scale", help="drift: scale or bias (default scale)")
@@ -794,13 +806,14 @@ def _triage_drills(args, console) -> int:
     seeds = list(range(args.seed, args.seed + count))
     from replay.run.progress import step_progress
 
-    per = {name: len(triage_drill.GRIDS[name]) if args.grid and not (args.value and name == "nonfinite") else 1
+    nonfinite = _nonfinite_value(args.value)
+    per = {name: len(triage_drill.GRIDS[name]) if args.grid and not (nonfinite and name == "nonfinite") else 1
            for name in scenarios}
     with step_progress(f"drill {args.scenario}", 0, count * sum(per.values()), unit="drill", counted=True,
                        enabled=not args.no_progress) as shown:
         grids = dict(triage_drill.GRIDS)
-        if args.value:
-            triage_drill.GRIDS["nonfinite"] = (args.value,)
+        if nonfinite:
+            triage_drill.GRIDS["nonfinite"] = (nonfinite,)
         try:
             res = triage_drill.run_drills(scenarios, seeds, root, grid=args.grid, on_result=lambda r, n: (
                 console.print(triage_drill.result_line(r)), shown.update(n)))
