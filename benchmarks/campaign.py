@@ -221,6 +221,7 @@ def main(argv=None) -> dict:
 
     from replay.run.codes import Verdict
     from replay.run.progress import step_progress
+    from replay.screen.scan import scan_run
     from replay.verify import engine
     from replay.verify import faults as fm
 
@@ -246,7 +247,7 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             sessions.append(train_run(root, mesh, args.steps, f"L{i}"))
             train_s.append(round(time.perf_counter() - t0, 1))
-        contexts = [fm.DrillContext(s) for s in sessions]
+        contexts = [fm.DrillContext(s, scan=scan_run) for s in sessions]
         t_drills = time.perf_counter()
         with step_progress("fault drills", 0, len(plan), unit="drill", counted=True) as shown:
             for n, (li, site, mag, pers) in enumerate(plan):

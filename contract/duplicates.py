@@ -70,7 +70,7 @@ def find(manifest: Any, max_fraction: float = DEFAULT_MAX_FRACTION) -> list[Find
     copied_records: dict[str, int] = {}
     for name, entry in manifest.sources.items():
         for sh in entry.shards:
-            if not sh.sha256:
+            if not sh.sha256 or not sh.records:  # empty shards are alike without holding any data twice
                 continue
             kept = first.setdefault(sh.sha256, sh.path)
             if kept != sh.path:

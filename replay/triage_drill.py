@@ -225,7 +225,10 @@ class Drills:
 
         device, k = rng.choice([0, 1, 2, 3]), rng.randrange(20, 28)
         value = float(magnitude)  # g * (1 + nan) is NaN; g * (1 + inf) is +-Inf (and 0 * inf NaN)
-        self.train(out, self.config(seed), STEPS, faults=DriftSpec(device_id=device, start=k, stop=k + 1,
+        # non_finite: warn, as a trainer without the guard would go on (the default, stop, halts at the
+        # step before any checkpoint holds the NaN: tests/test_checkpoint_trust.py); triage must name the device
+        cfg = dataclasses.replace(self.config(seed), non_finite="warn")
+        self.train(out, cfg, STEPS, faults=DriftSpec(device_id=device, start=k, stop=k + 1,
                                                                    magnitude=value))
         return ({"device": device, "step": k, "value": magnitude}, {"cause": "hardware", "devices": [device]},
                 min(k + 2, STEPS - 1), {})

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -260,6 +260,8 @@ class DrillContext:
     clean_scans: dict = dataclasses.field(default_factory=dict)
     canary: Optional[tuple] = None
     signals: Optional[dict] = None  # the run's signals.jsonl, read once
+    scan: Optional[Callable[..., Any]] = None  # the screening judge (replay.screen.scan.scan_run), given by the
+    #                                            caller: verify/ does not import screen/
 
     def run_signals(self) -> dict[int, Any]:
         from replay.run.protocol import read_signals
@@ -277,11 +279,10 @@ class DrillContext:
         return self.clean_states[key]
 
 
-def _scan_findings(session: Any, log: Mapping[int, Any], signals: Mapping[int, Any]) -> tuple[set, list]:
-    """``(findings, device suspects)`` of ``replay scan`` over the run with ``log`` and ``signals`` in place of
-    its own (``(kind, subject, check, first_step)`` per finding)."""
-    from replay.screen.scan import scan_run
-
+def _scan_findings(scan_run: Callable[..., Any], session: Any, log: Mapping[int, Any],
+                   signals: Mapping[int, Any]) -> tuple[set, list]:
+    """``(findings, device suspects)`` of ``scan_run`` (``replay scan``'s) over the run with ``log`` and
+    ``signals`` in place of its own (``(kind, subject, check, first_step)`` per finding)."""
     run = dataclasses.replace(session.run, fingerprints=dict(log))
     rep = scan_run(run, screening_logs=(dict(signals), None))
     found = {(s.kind, s.subject, e.check, e.first_step) for s in rep.suspects for e in s.evidence}
@@ -339,14 +340,16 @@ def run_fault_drill(ctx: DrillContext, fault: Fault, *, segment: int = 1, canary
                        allow_env_drift=True, full_comparison=False, onset=None)
     d = rep.decision
     detected: dict[str, Any] = {"range": d.cause is not Cause.REPRODUCED, "screening": None, "canary": None}
+    if screening and ctx.scan is None:
+        raise ValueError("run_fault_drill(screening=True) needs DrillContext(scan=replay.screen.scan.scan_run)")
     if screening:
         signals = ctx.run_signals()
         sig = {s: v for s, v in signals.items() if s < ckpt}
         sig.update({fp.step: fp.signals for fp in fps if fp.signals is not None})
         if stop not in ctx.clean_scans:
             clean = {s: v for s, v in signals.items() if s < stop}
-            ctx.clean_scans[stop] = _scan_findings(session, run.fingerprints, clean)[0]
-        found, _ = _scan_findings(session, log, sig)
+            ctx.clean_scans[stop] = _scan_findings(ctx.scan, session, run.fingerprints, clean)[0]
+        found, _ = _scan_findings(ctx.scan, session, log, sig)
         detected["screening"] = bool({f for f in found if f[3] >= fault.start} - ctx.clean_scans[stop])
     if canary and fault.persistence != "once" and fault.stage in ("forward", "backward"):
         detected["canary"] = canary_sees(ctx, fault)
