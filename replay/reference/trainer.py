@@ -188,6 +188,24 @@ def leaf_paths(tree: Any) -> list[str]:
     return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def _fault_row(fault: FaultSpec, index: int, layer: int, where: str, dtype: Any, what: str,
+               mesh_ids: Sequence[int]) -> np.ndarray:
+    """The traced fault input ``int32[FAULT_LEN]`` of a checked ``fault`` (its bit against ``dtype``'s width,
+    its device against ``mesh_ids``): ``[1, device_id, index, element, bit, site, layer, mode, value]``.
+
+    Raises:
+      FaultSpecError: the bit or the device does not exist (``what`` names the buffer in the message).
+    """
+    bits = _leaf_bits(dtype)
+    if not 0 <= fault.bit < bits:
+        raise FaultSpecError(f"fault.bit {fault.bit} outside [0, {bits}) for {what}")
+    if fault.device_id not in mesh_ids:
+        raise FaultSpecError(f"fault.device_id {fault.device_id} not in the mesh's devices {sorted(mesh_ids)}")
+    value = int(np.asarray(fault.value, np.float32).view(np.int32))
+    return np.asarray([1, fault.device_id, index, fault.element, fault.bit, SITE_CODE[where], layer,
+                       FAULT_MODES.index(fault.mode), value], np.int32)
+
+
 def _leaf_bits(dtype) -> int:
     return 8 * jnp.dtype(dtype).itemsize
 
@@ -461,15 +479,7 @@ class ReferenceTrainer:
             what = f"the {where} buffer of layer {layer}"
         if size is not None and not 0 <= fault.element < size:
             raise FaultSpecError(f"fault.element {fault.element} outside [0, {size}) for {what}")
-        bits = _leaf_bits(dtype)
-        if not 0 <= fault.bit < bits:
-            raise FaultSpecError(f"fault.bit {fault.bit} outside [0, {bits}) for {what}")
-        if fault.device_id not in mesh_ids:
-            raise FaultSpecError(f"fault.device_id {fault.device_id} not in the mesh's devices {sorted(mesh_ids)}")
-        mode = FAULT_MODES.index(fault.mode)
-        value = int(np.asarray(fault.value, np.float32).view(np.int32))
-        return np.asarray([1, fault.device_id, i, fault.element, fault.bit, SITE_CODE[where], layer, mode, value],
-                          np.int32)
+        return _fault_row(fault, i, layer, where, dtype, what, mesh_ids)
 
     def _state_fault_array(self, fault: FaultSpec, mesh_ids: Sequence[int], sizes: Optional[Mapping[str, Any]]
                            ) -> np.ndarray:
@@ -485,15 +495,7 @@ class ReferenceTrainer:
             raise FaultSpecError(f"fault.element {fault.element} outside [0, {size}) for the device's shard of "
                                  f"{fault.leaf}")
         dtype = jax.tree_util.tree_leaves(self._abstract_state_shapes())[i].dtype
-        bits = _leaf_bits(dtype)
-        if not 0 <= fault.bit < bits:
-            raise FaultSpecError(f"fault.bit {fault.bit} outside [0, {bits}) for {fault.leaf}")
-        if fault.device_id not in mesh_ids:
-            raise FaultSpecError(f"fault.device_id {fault.device_id} not in the mesh's devices {sorted(mesh_ids)}")
-        mode = FAULT_MODES.index(fault.mode)
-        value = int(np.asarray(fault.value, np.float32).view(np.int32))
-        return np.asarray([1, fault.device_id, i, fault.element, fault.bit, SITE_CODE["optimizer_update"], -1,
-                           mode, value], np.int32)
+        return _fault_row(fault, i, -1, "optimizer_update", dtype, fault.leaf, mesh_ids)
 
     def _abstract_state_shapes(self) -> dict[str, Any]:
         return {"params": self._abstract_params, "opt_state": jax.eval_shape(self.optimizer.init, self._abstract_params),
