@@ -44,7 +44,8 @@ from replay.run import statefp
 from replay.run.codes import ExitCode
 from replay.run.runlog import RunDirError
 from replay.verify import plan
-from replay.verify.engine import CheckpointCorruptError, Session, environment_differences, EnvDriftError, _locked
+from replay.verify.engine import (CheckpointCorruptError, EnvDriftError, Session, _locked, environment_differences,
+                                  run_lanes)
 
 VERDICTS = ("trusted", "certified", "poisoned", "damaged", "not_certifiable", "not_checked")
 
@@ -281,15 +282,7 @@ def certify(session: Session, *, start: Optional[int] = None, stop: Optional[int
                 out[k] = _segment(session, a, b, task_of[k], assignments[task_of[k]], advance)
         return out
 
-    if concurrent and len(mine) > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=len(mine), thread_name_prefix="certify-lane") as pool:
-            for part in [pool.submit(lane_work, lane) for lane in mine]:
-                results.update(part.result())
-    else:
-        for lane in mine:
-            results.update(lane_work(lane))
+    results.update(run_lanes(mine, lane_work, concurrent, "certify-lane"))
     # Segments whose start checkpoint is damaged: from the previous segment's replayed state, in order.
     for k, (a, b) in enumerate(segs):
         seg = results.get(k)

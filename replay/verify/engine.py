@@ -800,15 +800,7 @@ def replay_range(
                         out[(r, i, k)] = (fps, diffs, time.perf_counter() - t1)
             return out
 
-        if concurrent and len(mine) > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(max_workers=len(mine), thread_name_prefix="replay-lane") as pool:
-                for part in [pool.submit(lane_work, lane) for lane in mine]:
-                    results.update(part.result())
-        else:
-            for lane in mine:
-                results.update(lane_work(lane))
+        results.update(run_lanes(mine, lane_work, concurrent, "replay-lane"))
         if session.process_count > 1:
             results.update(_gather_round(session, assignments, results, log, tolerance, set(seg_ids)))
         for k in seg_ids:
@@ -851,6 +843,23 @@ def replay_range(
         placements=[_placement_record(session, i, a) for i, a in enumerate(assignments)],
         convicted=dv.name_devices(decision.devices, session.run_device_table(), coords), wall_seconds=wall,
     )
+
+
+def run_lanes(lanes: Sequence[Any], work: Callable[[Any], Mapping], concurrent: bool, name: str) -> dict:
+    """The merged results of ``work(lane)`` for each lane: lanes never share a device, so with
+    ``concurrent`` (and more than one lane) each runs in a thread of its own (``name``: the threads'
+    prefix); otherwise one after the other. An exception of a lane is raised here."""
+    out: dict = {}
+    if concurrent and len(lanes) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=len(lanes), thread_name_prefix=name) as pool:
+            for part in [pool.submit(work, lane) for lane in lanes]:
+                out.update(part.result())
+    else:
+        for lane in lanes:
+            out.update(work(lane))
+    return out
 
 
 def _locked(advance: Callable[[int], None]) -> Callable[[int], None]:
