@@ -48,12 +48,14 @@ import hashlib
 import json
 import os
 import re
-from typing import Annotated, Any, Callable, Iterable, Literal, Mapping, Optional, Sequence, Union
+from typing import Annotated, Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 import pydantic
 import yaml
-from pydantic import BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, WrapValidator
+from pydantic import BeforeValidator, Field, StrictBool, StrictInt, StrictStr
 from pydantic_core import PydanticCustomError
+
+from contract.validation import SECTION, describe, did_you_mean, first_error, json_schema, says, where
 
 DEFAULT_SEQ_LEN = 8192
 # 2**28 tokens a shard: 512 MiB of uint16 tokens for the packing step that holds one bucket
@@ -241,16 +243,6 @@ def _glob_root(pattern: str) -> str:
     return head.rsplit("/", 1)[0] if "/" in head else "."
 
 
-def did_you_mean(unknown: Sequence[Any], allowed: Iterable[str]) -> str:
-    """`` (did you mean 'a' for 'b'?)`` for the unknown names near an allowed one, else ``""``."""
-    import difflib
-
-    pairs = [(k, m[0]) for k in unknown if (m := difflib.get_close_matches(str(k), sorted(allowed), n=1))]
-    if not pairs:
-        return ""
-    return " (did you mean " + ", ".join(f"{m!r} for {k!r}" for k, m in pairs) + "?)"
-
-
 # --------------------------------------------------------------------------- the file's schema
 #
 # What a user writes, declared once as pydantic models: each key's type, range and allowed values,
@@ -259,21 +251,6 @@ def did_you_mean(unknown: Sequence[Any], allowed: Iterable[str]) -> str:
 # Each field carries the message its mistakes get (``_says``), so that an error names the key path
 # and the bad value in the words of the module docstring; what needs several keys at once (unique
 # names, phase order, paths resolved against the file's folder) is :func:`mixture_from_dict`'s.
-
-
-def _says(message: Callable[[Any], str], when: Optional[Callable[[Any], bool]] = None) -> WrapValidator:
-    """The field's own message for a value its type rejects: ``message(value)`` (only ``when(value)``:
-    else the error of the part inside, an item of a list say, stands)."""
-
-    def check(value: Any, handler: Callable[[Any], Any]) -> Any:
-        try:
-            return handler(value)
-        except pydantic.ValidationError:
-            if when is not None and not when(value):
-                raise
-            raise PydanticCustomError("config", message(value)) from None
-
-    return WrapValidator(check)
 
 
 def _int_message(minimum: int, maximum: Optional[int] = None, above: str = "must be <= {maximum}") -> Callable:
@@ -288,7 +265,7 @@ def _int_message(minimum: int, maximum: Optional[int] = None, above: str = "must
 
 
 def _Int(minimum: int, maximum: Optional[int] = None, above: str = "must be <= {maximum}") -> Any:
-    return Annotated[StrictInt, Field(ge=minimum, le=maximum), _says(_int_message(minimum, maximum, above))]
+    return Annotated[StrictInt, Field(ge=minimum, le=maximum), says(_int_message(minimum, maximum, above))]
 
 
 def _weight_message(v: Any) -> str:
@@ -305,13 +282,13 @@ def _enum_message(enum: type[enum.Enum]) -> Callable[[Any], str]:
 
 
 _NonEmptyText = Annotated[str, Field(min_length=1)]  # as the JSON Schema of a value before its conversion says it
-_NonEmpty = Annotated[StrictStr, Field(min_length=1), _says(lambda v: f"must be a non-empty string, got {v!r}")]
+_NonEmpty = Annotated[StrictStr, Field(min_length=1), says(lambda v: f"must be a non-empty string, got {v!r}")]
 _Name = Annotated[StrictStr, Field(min_length=1, pattern=_NAME_RE.pattern),
-                  _says(lambda v: f"must match {_NAME_RE.pattern}, got {v!r}" if isinstance(v, str) and v else
+                  says(lambda v: f"must match {_NAME_RE.pattern}, got {v!r}" if isinstance(v, str) and v else
                         f"must be a non-empty string, got {v!r}")]
-_Weight = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False), _says(_weight_message)]
-_Flag = Annotated[StrictBool, _says(lambda v: f"must be true or false, got {v!r}")]
-_FILE = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+_Weight = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False), says(_weight_message)]
+_Flag = Annotated[StrictBool, says(lambda v: f"must be true or false, got {v!r}")]
+_FILE = SECTION
 
 
 class TokenizerFile(pydantic.BaseModel):
@@ -321,7 +298,7 @@ class TokenizerFile(pydantic.BaseModel):
     path: _NonEmpty
     """the model file; a relative path is relative to the config's folder"""
     sha256: Optional[Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$"),
-                               _says(lambda v: f"must be 64 lowercase hex digits, got {v!r}")]] = None
+                               says(lambda v: f"must be 64 lowercase hex digits, got {v!r}")]] = None
     """the model file's expected sha256 (optional but advised: ``train_tokenizer --pin`` writes it)"""
     add_bos: _Flag = False
     add_eos: _Flag = True
@@ -336,17 +313,17 @@ class SourceFile(pydantic.BaseModel):
     paths: Annotated[list[_NonEmpty], Field(min_length=1),
                      BeforeValidator(lambda v: [v] if isinstance(v, str) else v,
                                      json_schema_input_type=Union[_NonEmptyText, Annotated[list[_NonEmptyText], Field(min_length=1)]]),
-                     _says(lambda v: f"must be a non-empty list of paths or globs, got {v!r}",
+                     says(lambda v: f"must be a non-empty list of paths or globs, got {v!r}",
                            when=lambda v: not isinstance(v, (str, list)) or not v)]
     """input paths or globs (absolute, relative to the config's folder, or URLs such as gs://); one string or a list"""
     root: Optional[_NonEmpty] = None
     """the folder document keys are relative to (default: the common folder of ``paths``)"""
-    format: Annotated[SourceFormat, _says(_enum_message(SourceFormat))]
+    format: Annotated[SourceFormat, says(_enum_message(SourceFormat))]
     text_field: _NonEmpty = "text"
     """the JSON field or Parquet column holding the text"""
     id_field: Optional[_NonEmpty] = "id"
     """the field or column holding the document's own id (a URL, say), kept in each row's provenance; null: none"""
-    text_split: Annotated[TextSplit, _says(_enum_message(TextSplit))] = TextSplit.FILE
+    text_split: Annotated[TextSplit, says(_enum_message(TextSplit))] = TextSplit.FILE
     """text format only: one document per file, or per blank-line separated block"""
     weight: _Weight = 1.0
     """share of rows (before normalization) in the first phase"""
@@ -364,9 +341,9 @@ class PhaseFile(pydantic.BaseModel):
     """One entry of ``phases:``: from global step ``from_step`` on, rows are drawn with ``weights``."""
 
     model_config = _FILE
-    from_step: Annotated[StrictInt, Field(ge=0), _says(_int_message(1))]
+    from_step: Annotated[StrictInt, Field(ge=0), says(_int_message(1))]
     """> the previous phase's; 0 only for a first phase that repeats the sources' weights"""
-    weights: Annotated[dict[str, _Weight], _says(lambda v: f"must be a mapping of source name to weight, got {v!r}",
+    weights: Annotated[dict[str, _Weight], says(lambda v: f"must be a mapping of source name to weight, got {v!r}",
                                                  when=lambda v: not isinstance(v, Mapping))]
     """by source name; a source left out has weight 0"""
 
@@ -387,7 +364,7 @@ class MixtureFile(pydantic.BaseModel):
         Optional[Annotated[StrictInt, Field(ge=1, le=MAX_SHARDS)]],
         BeforeValidator(lambda v: None if v == "auto" else v,
                         json_schema_input_type=Union[Annotated[int, Field(ge=1, le=MAX_SHARDS)], Literal["auto"], None]),
-        _says(lambda v: (f"must be an integer >= 1, or auto (or left out) for counts from the input sizes and "
+        says(lambda v: (f"must be an integer >= 1, or auto (or left out) for counts from the input sizes and "
                          f"target_shard_tokens, got {v!r}") if isinstance(v, str) else _int_message(1, MAX_SHARDS)(v)),
     ] = None
     """exactly this many shards per source; auto or left out: from the input sizes and target_shard_tokens"""
@@ -397,11 +374,11 @@ class MixtureFile(pydantic.BaseModel):
     """cap on documents (segments) packed into one row"""
     max_rejected_fraction: Annotated[
         float, Field(ge=0, le=1, strict=True, allow_inf_nan=False),
-        _says(lambda v: f"must be a number in [0, 1] (1 accepts any loss), got {v!r}")] = DEFAULT_MAX_REJECTED_FRACTION
+        says(lambda v: f"must be a number in [0, 1] (1 accepts any loss), got {v!r}")] = DEFAULT_MAX_REJECTED_FRACTION
     """a source rejecting more of its documents fails the pack"""
     dedup: Annotated[DedupMode, BeforeValidator(lambda v: DedupMode.OFF.value if v is False else v,  # YAML 1.1: off
                                                 json_schema_input_type=Union[DedupMode, Literal[False]]),
-                     _says(_enum_message(DedupMode))] = DedupMode.REPORT
+                     says(_enum_message(DedupMode))] = DedupMode.REPORT
     """exact duplicate documents: off, report (found and reported, all packed) or exact (dropped)"""
     tokenizer: TokenizerFile
     sources: Annotated[list[SourceFile], Field(min_length=1)]
@@ -411,45 +388,13 @@ class MixtureFile(pydantic.BaseModel):
 
 def mixture_json_schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of a mixture config file, from :class:`MixtureFile`."""
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **MixtureFile.model_json_schema(),
-            "title": "mixture config"}
-
-
-_MODELS = {"": MixtureFile, "tokenizer": TokenizerFile, "sources": SourceFile, "phases": PhaseFile}
-
-
-def _where(loc: Sequence[Any]) -> str:
-    """``("sources", 1, "weight")`` -> ``"sources[1].weight"``."""
-    out = ""
-    for p in loc:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out
+    return json_schema(MixtureFile, "mixture config")
 
 
 def _message(errors: list[dict[str, Any]], raw: Mapping[str, Any]) -> str:
-    """The first problem of pydantic's ``errors``, in the order a reader of the file meets them:
-    a mapping's unknown keys, then its missing ones, then each key's value in the schema's order."""
-
-    def model_at(loc: Sequence[Any]) -> type[pydantic.BaseModel]:
-        return _MODELS[str(loc[0])] if loc else MixtureFile
-
-    def rank(err: dict[str, Any]) -> tuple:
-        loc, key = err["loc"], []
-        for depth in range(len(loc) + 1):
-            parent, here = loc[:depth], loc[depth] if depth < len(loc) else None
-            if isinstance(here, int) or here is None:
-                key.append((0, here or 0))
-                continue
-            fields = list(model_at([p for p in parent if isinstance(p, str)][:1]).model_fields)
-            last = depth == len(loc) - 1
-            kind = 0 if last and err["type"] == "extra_forbidden" else 1 if last and err["type"] == "missing" else 2
-            key.append((kind, fields.index(here) if here in fields else len(fields)))
-        return tuple(key)
-
-    for e in errors:  # a key that is no string (YAML's 1: 2) is an unknown key like any other
-        if e["type"] == "invalid_key":
-            e["type"] = "extra_forbidden"
-    err = min(errors, key=rank)
+    """The first problem of pydantic's ``errors`` (``contract.validation.first_error``: in the order a
+    reader of the file meets them), said in the mixture's words."""
+    err = first_error(errors, MixtureFile)
     loc = err["loc"]
     if "[key]" in loc and loc[0] == "phases":  # a phase's weight under a name that is no string
         i, w = loc[1], raw["phases"][loc[1]]["weights"]
@@ -457,25 +402,13 @@ def _message(errors: list[dict[str, Any]], raw: Mapping[str, Any]) -> str:
         unknown = sorted(set(w) - names, key=repr)
         return (f"phases[{i}].weights: unknown source(s) {unknown}{did_you_mean(unknown, map(str, names))}; "
                 f"sources are {sorted(names, key=repr)}")
-    parent = loc[:-1]
-    if err["type"] == "extra_forbidden":
-        unknown = sorted((e["loc"][-1] for e in errors if e["type"] == "extra_forbidden" and e["loc"][:-1] == parent),
-                         key=repr)  # keys of mixed types (1, "x") still sort
-        allowed = set(model_at([p for p in parent if isinstance(p, str)][:1]).model_fields)
-        return (f"{_where(parent) or 'config'}: unknown key(s) {unknown}{did_you_mean(unknown, allowed)}; "
-                f"allowed keys are {sorted(allowed)}")
-    if err["type"] == "missing":
-        if parent and parent[0] == "phases":
-            return f"{_where(parent)}: needs from_step and weights"
-        return f"{_where(loc)}: required"
-    if err["type"] in ("model_type", "dict_type", "model_attributes_type"):
-        got = err["input"]
-        if tuple(loc) == ("tokenizer",):
-            return f"tokenizer: must be a mapping with path and sha256, got {got!r}"
-        return f"{_where(loc)}: must be a mapping, got {got!r}"
+    if err["type"] == "missing" and loc[0] == "phases" and len(loc) > 1:
+        return f"{where(loc[:-1])}: needs from_step and weights"
+    if err["type"] in ("model_type", "dict_type", "model_attributes_type") and tuple(loc) == ("tokenizer",):
+        return f"tokenizer: must be a mapping with path and sha256, got {err['input']!r}"
     if err["type"] in ("list_type", "too_short") and tuple(loc) in (("sources",), ("phases",)):
-        return f"{_where(loc)}: must be a {'non-empty ' if loc[0] == 'sources' else ''}list, got {err['input']!r}"
-    return f"{_where(loc)}: {err['msg']}"
+        return f"{where(loc)}: must be a {'non-empty ' if loc[0] == 'sources' else ''}list, got {err['input']!r}"
+    return describe(err, errors, MixtureFile)
 
 
 def _check_weights(where: str, weights: Mapping[str, float]) -> None:

@@ -57,12 +57,13 @@ it does not know, so that an older reader still reads a manifest with an added f
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from typing import Any, Mapping, Optional
 
 import pydantic
 from pydantic import StrictInt, StrictStr
+
+from contract.validation import adapter, json_schema
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -168,7 +169,7 @@ class Manifest:
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (pydantic's, of the fields above), with each source's derived ``totals``;
         ``duplicates`` left out when there are none (``dedup: off``)."""
-        out = _adapter().dump_python(self, mode="json", exclude_none=True)
+        out = adapter(Manifest).dump_python(self, mode="json", exclude_none=True)
         for name, entry in self.sources.items():
             out["sources"][name]["totals"] = entry.totals()
         return out
@@ -223,14 +224,9 @@ class Manifest:
         if mv != MANIFEST_VERSION:
             raise (NewerManifestError if mv > MANIFEST_VERSION else ManifestError)(f"manifest_version {mv}, this reader knows {MANIFEST_VERSION}")
         try:
-            return _adapter().validate_python(raw)
+            return adapter(Manifest).validate_python(raw)
         except pydantic.ValidationError as e:
             raise ManifestError(_first_problem(e)) from None
-
-
-@functools.cache
-def _adapter() -> pydantic.TypeAdapter:
-    return pydantic.TypeAdapter(Manifest)  # a stdlib dataclass: keys it does not know are ignored
 
 
 _EXPECTED = {"int": "an integer", "string": "a string", "dict": "an object", "list": "a list", "tuple": "a list",
@@ -252,5 +248,4 @@ def _first_problem(e: pydantic.ValidationError) -> str:
 
 def manifest_json_schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of ``manifest.json``, from the dataclasses above."""
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **_adapter().json_schema(),
-            "title": "manifest.json", "description": "The manifest of a packed dataset version (contract/manifest.py)."}
+    return json_schema(Manifest, "manifest.json", "The manifest of a packed dataset version (contract/manifest.py).")

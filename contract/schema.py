@@ -18,7 +18,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from contract.config import mixture_json_schema
 from contract.manifest import manifest_json_schema
@@ -30,41 +30,44 @@ SCHEMAS: dict[str, Callable[[], dict]] = {
 FOLDER = "schemas"
 
 
-def render(name: str) -> str:
-    """The text of the schema file ``name``: sorted keys, 2-space indent, trailing newline."""
-    return json.dumps(SCHEMAS[name](), indent=2, sort_keys=True, ensure_ascii=True) + "\n"
+def render(name: str, schemas: Mapping[str, Callable[[], dict]] = SCHEMAS) -> str:
+    """The text of the schema file ``name`` of ``schemas``: sorted keys, 2-space indent, trailing newline."""
+    return json.dumps(schemas[name](), indent=2, sort_keys=True, ensure_ascii=True) + "\n"
 
 
-def stale(folder: str = FOLDER) -> list[str]:
-    """The schema files under ``folder`` that are missing or differ from :func:`render`."""
+def stale(folder: str = FOLDER, schemas: Mapping[str, Callable[[], dict]] = SCHEMAS) -> list[str]:
+    """The schema files of ``schemas`` under ``folder`` that are missing or differ from :func:`render`."""
     out = []
-    for name in SCHEMAS:
+    for name in schemas:
         path = os.path.join(folder, name)
         try:
             with open(path, encoding="utf-8") as f:
                 current = f.read()
         except FileNotFoundError:
             current = None
-        if current != render(name):
+        if current != render(name, schemas):
             out.append(path)
     return out
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m contract.schema", description=__doc__.split("\n\n")[0])
+def main(argv: Optional[Sequence[str]] = None, schemas: Mapping[str, Callable[[], dict]] = SCHEMAS,
+         prog: str = "python -m contract.schema", description: Optional[str] = None) -> int:
+    """Writes (or, with ``--check``, checks) the files of ``schemas``; the command of this module and of
+    ``replay.schema`` (the run's files)."""
+    ap = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n\n")[0])
     ap.add_argument("--out", default=FOLDER, help="the folder of the schema files (default: schemas)")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file is missing or stale")
     args = ap.parse_args(argv)
     if args.check:
-        bad = stale(args.out)
+        bad = stale(args.out, schemas)
         for path in bad:
-            print(f"{path}: stale; regenerate with: python -m contract.schema --out {args.out}", file=sys.stderr)
+            print(f"{path}: stale; regenerate with: {prog} --out {args.out}", file=sys.stderr)
         return 1 if bad else 0
-    os.makedirs(args.out, exist_ok=True)
-    for name in SCHEMAS:
+    for name in schemas:
         path = os.path.join(args.out, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
-            f.write(render(name))
+            f.write(render(name, schemas))
         print(f"wrote {path}")
     return 0
 
