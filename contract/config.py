@@ -52,10 +52,10 @@ from typing import Annotated, Any, Callable, Literal, Mapping, Optional, Sequenc
 
 import pydantic
 import yaml
-from pydantic import BeforeValidator, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from pydantic_core import PydanticCustomError
 
-from contract.validation import SECTION, describe, did_you_mean, first_error, json_schema, says, where
+from contract.validation import describe, did_you_mean, first_error, json_schema, says, where
 
 DEFAULT_SEQ_LEN = 8192
 # 2**28 tokens a shard: 512 MiB of uint16 tokens for the packing step that holds one bucket
@@ -288,7 +288,7 @@ _Name = Annotated[StrictStr, Field(min_length=1, pattern=_NAME_RE.pattern),
                         f"must be a non-empty string, got {v!r}")]
 _Weight = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False), says(_weight_message)]
 _Flag = Annotated[StrictBool, says(lambda v: f"must be true or false, got {v!r}")]
-_FILE = SECTION
+_FILE = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class TokenizerFile(pydantic.BaseModel):

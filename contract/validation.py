@@ -28,10 +28,10 @@ import difflib
 import functools
 import types
 import typing
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence
+from typing import Annotated, Any, Callable, Iterable, Literal, Mapping, NamedTuple, Optional, Sequence
 
 import pydantic
-from pydantic import ConfigDict, WrapValidator
+from pydantic import ConfigDict, Field, StrictInt, WrapValidator
 from pydantic_core import PydanticCustomError
 
 UNKNOWN = ("extra_forbidden", "unexpected_keyword_argument", "invalid_key")
@@ -71,6 +71,27 @@ def refuse(message: str, at: Sequence[Any] = (), whole: bool = False) -> Pydanti
 def is_number(v: Any) -> bool:
     """An int or a float, not a bool (YAML's true is no number)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def Int(allowed: str, **constraints: Any) -> Any:
+    """An int field (a bool is none) with pydantic's ``constraints`` (``ge=1``), whose mistakes say
+    ``must be <allowed>, got <value>`` (``allowed``: ``"an int >= 1"``)."""
+    return Annotated[StrictInt, Field(**constraints), says(lambda v: f"must be {allowed}, got {v!r}")]
+
+
+def Number(allowed: str, **constraints: Any) -> Any:
+    """A number field (an int is taken as a float; a bool or a string is no number) with pydantic's
+    ``constraints`` (``gt=0``), whose mistakes say ``must be a number, got 'x'`` or ``must be <allowed>,
+    got <value>`` (``allowed``: ``"> 0"``)."""
+    return Annotated[float, Field(strict=True, **constraints),
+                     says(lambda v: f"must be {allowed}, got {v!r}" if is_number(v) else f"must be a number, got {v!r}")]
+
+
+def OneOf(values: Sequence[str], allowed: Optional[str] = None) -> Any:
+    """A string field that takes one of ``values``; its mistakes say ``must be <allowed>, got <value>``
+    (``allowed`` default: ``one of [...]``), with the nearest of ``values``."""
+    allowed = allowed or f"one of {list(values)}"
+    return Annotated[Literal[tuple(values)], says(lambda v: f"must be {allowed}, got {v!r}{did_you_mean([v], values)}")]
 
 
 class Wording(NamedTuple):
@@ -239,7 +260,7 @@ def problem(e: pydantic.ValidationError, root: Any, wording: Wording = MIXTURE, 
 
 # --------------------------------------------------------------------------- config sections
 
-SECTION = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+SECTION = ConfigDict(extra="forbid", use_attribute_docstrings=True, ser_json_inf_nan="constants")  # frozen: the dataclass's
 
 
 def section(name: str, error: type[Exception], wording: Wording = RUN_CONFIG) -> Callable[[type], type]:
@@ -247,7 +268,8 @@ def section(name: str, error: type[Exception], wording: Wording = RUN_CONFIG) ->
     that is the section ``name`` of a config file, raising ``error`` (a ``ValueError`` subclass) with the
     key path under ``name`` (``optimizer.b2: must be in [0, 1), got 1.5``) wherever it is built:
     ``Cls(**fields)``, ``dataclasses.replace``, or ``Cls.from_dict(mapping)``. ``Cls.to_dict()`` gives its
-    fields as plain values.
+    fields as plain values (pydantic's serialization: tuples as lists, a field's ``exclude_if`` followed,
+    NaN and infinities kept).
 
     The same class is a field of the file's declaration (the run config's ``optimizer:``): there pydantic
     validates it in place and the file's :func:`problem` says its mistakes with the same key path."""
@@ -277,7 +299,8 @@ def section(name: str, error: type[Exception], wording: Wording = RUN_CONFIG) ->
                 raise error(problem(e, klass, wording, name)) from None
 
         def to_dict(self: Any) -> dict[str, Any]:
-            return dataclasses.asdict(self)
+            """The section as written to a file: plain values, keys in the declaration's order."""
+            return adapter(type(self)).dump_python(self, mode="json")
 
         cls.__init__ = __init__
         cls.from_dict = classmethod(from_dict)

@@ -53,11 +53,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 
+import pydantic
+from pydantic import StrictInt
+
+from contract.validation import Int, Number, OneOf, refuse, section
 from replay.run import fingerprint as fpm
 from replay.run.protocol import FAULT_SITES
 
@@ -73,24 +77,15 @@ _MASK_VALUE = -1e30
 DISPATCH_MODES = ("gather", "all_to_all")
 
 
-
-def did_you_mean(unknown: Sequence[str], allowed) -> str:
-    """`` (did you mean 'a' for 'b'?)`` for the unknown keys that are near an allowed one, else ``""``."""
-    import difflib
-
-    pairs = [(k, m[0]) for k in unknown if (m := difflib.get_close_matches(str(k), sorted(allowed), n=1))]
-    if not pairs:
-        return ""
-    return " (did you mean " + ", ".join(f"{m!r} for {k!r}" for k, m in pairs) + "?)"
-
-
 class ModelConfigError(ValueError):
     """A model size or weight is out of range; the message names it and the allowed range."""
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@section("model", ModelConfigError)
 class ModelConfig:
-    """Sizes of the reference MoE decoder.
+    """Sizes of the reference MoE decoder (the run config's ``model:``; a frozen pydantic dataclass:
+    ``ModelConfig(...)``, ``dataclasses.replace`` and ``ModelConfig.from_dict`` raise
+    :class:`ModelConfigError` naming the key, its value and the allowed range).
 
     Attributes:
       vocab_size: V, >= 2.
@@ -124,57 +119,35 @@ class ModelConfig:
       init_std: standard deviation of the normal initializer, > 0.
     """
 
-    vocab_size: int
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    head_dim: int = 16
-    n_experts: int = 4
-    top_k: int = 2
-    d_ff: int = 128
-    capacity_factor: float = 1.25
-    aux_loss_weight: float = 0.01
-    z_loss_weight: float = 1e-3
-    router_bias_rate: float = 0.0
-    dispatch: str = "gather"
-    param_dtype: str = "float32"
-    rope_theta: float = 10000.0
-    init_std: float = 0.02
+    vocab_size: Int("an int >= 2", ge=2)
+    d_model: Int("an int >= 1", ge=1) = 64
+    n_layers: Int("an int >= 1", ge=1) = 2
+    n_heads: Int("an int >= 1", ge=1) = 4
+    head_dim: Int("an even int >= 2", ge=2, multiple_of=2) = 16
+    n_experts: Int("an int >= 1", ge=1) = 4
+    top_k: StrictInt = 2
+    d_ff: Int("an int >= 1", ge=1) = 128
+    capacity_factor: Number("> 0", gt=0) = 1.25
+    aux_loss_weight: Number(">= 0", ge=0) = 0.01
+    z_loss_weight: Number(">= 0", ge=0) = 1e-3
+    router_bias_rate: Number(">= 0", ge=0) = 0.0
+    dispatch: OneOf(DISPATCH_MODES, " or ".join(repr(m) for m in DISPATCH_MODES)) = "gather"
+    param_dtype: OneOf(("float32", "bfloat16"), "'float32' or 'bfloat16'") = "float32"
+    rope_theta: Number("> 0", gt=0) = 10000.0
+    init_std: Number("> 0", gt=0) = 0.02
 
-    def __post_init__(self):
-        def need(cond: bool, field: str, allowed: str):
-            if not cond:
-                raise ModelConfigError(f"model.{field}: must be {allowed}, got {getattr(self, field)!r}")
-
-        for f in ("vocab_size",):
-            need(isinstance(getattr(self, f), int) and getattr(self, f) >= 2, f, "an int >= 2")
-        for f in ("d_model", "n_layers", "n_heads", "n_experts", "d_ff"):
-            need(isinstance(getattr(self, f), int) and getattr(self, f) >= 1, f, "an int >= 1")
-        need(isinstance(self.head_dim, int) and self.head_dim >= 2 and self.head_dim % 2 == 0, "head_dim",
-             "an even int >= 2")
-        need(isinstance(self.top_k, int) and 1 <= self.top_k <= self.n_experts, "top_k",
-             f"an int in [1, n_experts={self.n_experts}]")
-        need(self.capacity_factor > 0, "capacity_factor", "> 0")
-        need(self.aux_loss_weight >= 0, "aux_loss_weight", ">= 0")
-        need(self.z_loss_weight >= 0, "z_loss_weight", ">= 0")
-        need(self.router_bias_rate >= 0, "router_bias_rate", ">= 0")
-        need(self.param_dtype in ("float32", "bfloat16"), "param_dtype", "'float32' or 'bfloat16'")
-        need(self.dispatch in DISPATCH_MODES, "dispatch", " or ".join(repr(m) for m in DISPATCH_MODES))
-        need(self.rope_theta > 0, "rope_theta", "> 0")
-        need(self.init_std > 0, "init_std", "> 0")
-
+    @pydantic.field_validator("top_k", mode="wrap")
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
-        """Builds a config from a run config's ``model:`` mapping.
-
-        Raises:
-          ModelConfigError: unknown keys or out-of-range values.
-        """
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ModelConfigError(f"model: unknown keys {unknown}{did_you_mean(unknown, known)}; allowed: {sorted(known)}")
-        return cls(**dict(d))
+    def _top_k_of_n_experts(cls, v: Any, handler: Any, info: pydantic.ValidationInfo) -> int:
+        n = info.data.get("n_experts", "n_experts")
+        allowed = f"an int in [1, n_experts={n}]"
+        try:
+            v = handler(v)
+        except pydantic.ValidationError:
+            raise refuse(f"must be {allowed}, got {v!r}") from None
+        if v < 1 or (isinstance(n, int) and v > n):
+            raise refuse(f"must be {allowed}, got {v!r}")
+        return v
 
     def capacity(self, seq_len: int) -> int:
         """Expert capacity C for rows of ``seq_len`` tokens (formula in the module docstring)."""

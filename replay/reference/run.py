@@ -51,26 +51,23 @@ import json
 import math
 import os
 import sys
-from typing import Any, Callable, Mapping, Optional, Sequence, TextIO
+from typing import Annotated, Any, Callable, Literal, Mapping, Optional, TextIO
 
+import pydantic
 import yaml
+from pydantic import AfterValidator, BeforeValidator, Field, PlainSerializer, StrictStr
 
-from replay.reference.model import ModelConfig, did_you_mean
+from contract.validation import RUN_CONFIG, Int, OneOf, adapter, fields_of, problem, refuse, says, section
+from replay.reference.model import ModelConfig
 from replay.reference.trainer import OptimizerConfig
 from replay.run import protocol as proto
 from replay.run.setup import REFERENCE_FACTORY
 from replay.run.writer import RunDir, input_signals
 from replay.screen.screening import RouterHealth, ScreeningConfig
 
-_KEYS = {
-    "name", "mixture", "dataset", "global_batch", "seed", "mesh", "model", "optimizer", "checkpoint_every",
-    "skip_windows", "loader", "canary", "canary_every", "canary_action", "router_health", "screening", "trainer",
-    "mtbf_s",
-    "non_finite",
-}
 CANARY_ACTIONS = ("warn", "stop")
 NON_FINITE_ACTIONS = ("stop", "skip_step", "warn")
-_REQUIRED = ("name", "mixture", "dataset", "global_batch")
+LOADER_DUPLICATES = ("warn", "refuse", "off")
 
 
 class RunConfigError(ValueError):
@@ -86,43 +83,181 @@ class NonFiniteStopError(RuntimeError):
         self.step, self.what = int(step), what
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+# ----------------------------------------------------------------------------- the run config, declared
+#
+# The run config file is declared once, here and in its sections' own modules (ModelConfig,
+# OptimizerConfig, RouterHealth, ScreeningConfig): pydantic validates a parsed file against these
+# classes, and their JSON Schema is schemas/run_config.schema.json (replay.schema). Mistakes are said
+# with their key path, value and allowed range (contract.validation), in the words the run config
+# always used; what needs several keys (canary.rows <= global_batch, expert parallelism's mesh) is
+# checked by the field that comes later in the file.
+
+_Count = Int("an int >= 0", ge=0)
+
+
+@section("canary", RunConfigError)
 class CanaryConfig:
-    """Attributes: step (int >= 0: whose batch is the canary batch), seed (int >= 0: canary weights),
-    rows (int >= 1: rows of that batch the periodic canary runs; ``replay canary`` takes ``--rows``),
-    seq_len (int >= 2 or None: the periodic canary keeps the first ``seq_len`` slots of each row, a
-    valid packed prefix, to cost less; None: whole rows)."""
+    """The canary batch and its weights (the run config's ``canary:``)."""
 
-    step: int = 0
-    seed: int = 1234
-    rows: int = 1
-    seq_len: Optional[int] = None
+    step: _Count = 0
+    """whose batch is the canary batch (its first rows)"""
+    seed: _Count = 1234
+    """the seed of the canary weights (a fresh init)"""
+    rows: Int("an int >= 1", ge=1) = 1
+    """rows of that batch the periodic canary runs (<= global_batch; replay canary takes --rows)"""
+    seq_len: Optional[Int("an int >= 2", ge=2)] = None
+    """the periodic canary keeps the first seq_len slots of each row, a valid packed prefix, to cost less; null: whole rows"""
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@section("loader", RunConfigError)
+class LoaderConfig:
+    """The run's loader (the run config's ``loader:``; ``loader.build``)."""
+
+    workers: _Count = 0
+    """Grain worker processes (0: in the trainer's process)"""
+    prefetch: _Count = 2
+    """batches the loader keeps ready ahead of the trainer"""
+    duplicates: Annotated[OneOf(LOADER_DUPLICATES, f"one of {list(LOADER_DUPLICATES)} (what duplicated data in the "
+                                                   "dataset gets)"),
+                          Field(exclude_if=lambda v: v == "warn")] = "warn"
+    """what duplicated data in the dataset gets: warn, refuse (the run does not start) or off"""
+
+
+def _or_empty(empty: Any) -> BeforeValidator:
+    """A section left empty in YAML (``loader:`` with nothing under it) reads as ``empty``."""
+    return BeforeValidator(lambda v: empty if v is None else v)
+
+
+def _pairs_as_mapping(v: Any) -> Any:
+    """``RunConfig.mesh`` given as its ``(axis, size)`` pairs (``dataclasses.replace``) reads as the mapping."""
+    if isinstance(v, (tuple, list)) and v and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in v):
+        return dict(v)
+    return v
+
+
+def _mesh_axes(mesh: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    if not mesh:
+        raise refuse(f"must be a mapping axis -> size, got {mesh!r}")
+    for need in ("data", "expert"):
+        if need not in mesh:
+            raise refuse(f"needs axis {need!r}, got {list(mesh)}")
+    return tuple(mesh.items())
+
+
+def _window(w: tuple[int, int]) -> tuple[int, int]:
+    if w[1] < w[0]:
+        raise refuse(f"end {w[1]} < start {w[0]}")
+    return w
+
+
+_Path = Annotated[StrictStr, Field(min_length=1), says(lambda v: f"must be a path string, got {v!r}")]
+_MeshSize = Annotated[int, Field(strict=True), AfterValidator(lambda v: _mesh_size(v)),
+                      says(lambda v: f"must be an int >= 1 or -1, got {v!r}")]
+_Window = Annotated[tuple[_Count, _Count], AfterValidator(_window),
+                    says(lambda v: f"must be [start, end], got {v!r}",
+                         when=lambda v: not isinstance(v, (list, tuple)) or len(v) != 2)]
+
+
+def _mesh_size(v: int) -> int:
+    if v >= 1 or v == -1:
+        return v
+    raise ValueError(f"mesh size {v}")
+
+
+class _ModelSchema:
+    """The JSON Schema of ``model:``: :class:`ModelConfig`'s, ``vocab_size`` optional (the manifest's)."""
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> dict[str, Any]:
+        out = handler.resolve_ref_schema(handler(adapter(ModelConfig).core_schema))
+        out = {**out, "required": [r for r in out.get("required", []) if r != "vocab_size"]}
+        out["properties"] = {**out["properties"], "vocab_size": {
+            **out["properties"]["vocab_size"], "description": "default: the dataset manifest's vocab size"}}
+        return out
+
+
+@section("", RunConfigError)
 class RunConfig:
-    """A validated run config (module docstring). Paths are absolute."""
+    """A validated run config (module docstring): what ``run_config.yaml`` holds, key for key. Paths are
+    absolute (:func:`run_config_from_dict` resolves them); ``mesh`` is its ``(axis, size)`` pairs in mesh
+    order and ``model`` the mapping as written (``vocab_size`` from the manifest unless set:
+    :meth:`model_config`). Built or changed (``dataclasses.replace``), a bad value is a
+    :class:`RunConfigError` naming the key."""
 
-    name: str
-    mixture: str
-    dataset: str
-    global_batch: int
-    seed: int = 0
-    mesh: tuple[tuple[str, int], ...] = (("data", -1), ("expert", 2))
-    model: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    optimizer: OptimizerConfig = OptimizerConfig()
-    checkpoint_every: int = 10
-    skip_windows: tuple[tuple[int, int], ...] = ()
-    loader_workers: int = 0
-    loader_prefetch: int = 2
-    loader_duplicates: str = "warn"  # loader.build's duplicates: warn, refuse or off
-    canary: CanaryConfig = CanaryConfig()
-    canary_every: int = 0
-    canary_action: str = "warn"
-    non_finite: str = "stop"
-    router_health: RouterHealth = RouterHealth()
-    screening: ScreeningConfig = ScreeningConfig()
-    mtbf_s: Optional[float] = None  # the fleet's MTBF for replay goodput's Young interval (None: the design point)
+    name: Annotated[StrictStr, Field(min_length=1), says(lambda v: f"must be a non-empty string, got {v!r}")]
+    """the run's name"""
+    mixture: _Path
+    """the mixture config the dataset was packed from (relative: to the run config's folder)"""
+    dataset: _Path
+    """the packed dataset folder (manifest.json); relative: to the run config's folder"""
+    global_batch: Int("an int >= 1", ge=1)
+    """rows per step, a multiple of the device count"""
+    seed: _Count = 0
+    """parameter init and the loader's shuffle"""
+    mesh: Annotated[dict[str, _MeshSize], BeforeValidator(_pairs_as_mapping, json_schema_input_type=dict[str, _MeshSize]),
+                    AfterValidator(_mesh_axes), PlainSerializer(dict),
+                    says(lambda v: f"must be a mapping axis -> size, got {v!r}", when=lambda v: not isinstance(v, Mapping))
+                    ] = (("data", -1), ("expert", 2))
+    """axes in mesh order (data and expert needed); -1: the remaining devices; fixed sizes using fewer devices than there are take the lowest ids"""
+    model: Annotated[dict[str, Any], _or_empty({}), _ModelSchema] = dataclasses.field(default_factory=dict)
+    """replay.reference.model.ModelConfig fields; vocab_size defaults to the manifest's"""
+    optimizer: Annotated[OptimizerConfig, _or_empty({})] = OptimizerConfig()
+    checkpoint_every: Int("an int >= 1", ge=1) = 10
+    """an Orbax checkpoint every K steps (and at 0 and the end)"""
+    skip_windows: Annotated[tuple[_Window, ...], _or_empty(())] = ()
+    """inclusive training-step windows [start, end] whose data is skipped"""
+    loader: Annotated[LoaderConfig, _or_empty({})] = LoaderConfig()
+    canary: Annotated[CanaryConfig, _or_empty({})] = CanaryConfig()
+    canary_every: _Count = 0
+    """the periodic canary every N steps on every device (0: off)"""
+    canary_action: OneOf(CANARY_ACTIONS) = "warn"
+    """on a canary mismatch: warn (an event and a warning) or stop"""
+    non_finite: OneOf(NON_FINITE_ACTIONS) = "stop"
+    """a NaN/Inf loss, gradient or state: stop (before any checkpoint holds it; exit code 22), skip_step (drop that update) or warn"""
+    router_health: Annotated[RouterHealth, _or_empty({})] = RouterHealth()
+    screening: Annotated[ScreeningConfig, _or_empty({})] = ScreeningConfig()
+    trainer: Annotated[Literal[REFERENCE_FACTORY],
+                       says(lambda v: f"this is the reference trainer's run config, whose factory is "
+                                      f"{REFERENCE_FACTORY!r} (or leave the key out), got {v!r}")] = REFERENCE_FACTORY
+    """the factory replay rebuilds the run with (replay.run.setup); this trainer's"""
+    mtbf_s: Annotated[Optional[float], Field(strict=True, gt=0, allow_inf_nan=False, exclude_if=lambda v: v is None),
+                      says(lambda v: f"must be a number of seconds > 0 (the fleet's mean time between failures), "
+                                     f"got {v!r}")] = None
+    """the fleet's MTBF for replay goodput's Young interval (null: the design point)"""
+
+    @pydantic.field_validator("model")
+    @classmethod
+    def _model_fits_the_mesh(cls, model: dict[str, Any], info: pydantic.ValidationInfo) -> dict[str, Any]:
+        try:
+            mc = adapter(ModelConfig).validate_python({"vocab_size": 2, **model})
+        except pydantic.ValidationError as e:
+            raise refuse(problem(e, ModelConfig, RUN_CONFIG, "model"), whole=True) from None
+        experts = dict(info.data.get("mesh") or {}).get("expert", -1)
+        if mc.dispatch == "all_to_all" and experts != -1 and mc.n_experts % experts:
+            raise refuse(f"all_to_all: model.n_experts {mc.n_experts} must divide by the mesh's expert axis size "
+                         f"{experts} (each device holds n_experts / expert experts); change one of them, or use "
+                         "dispatch: gather", at=("dispatch",))
+        return model
+
+    @pydantic.field_validator("canary")
+    @classmethod
+    def _canary_rows_in_the_batch(cls, canary: CanaryConfig, info: pydantic.ValidationInfo) -> CanaryConfig:
+        batch = info.data.get("global_batch")
+        if batch is not None and canary.rows > batch:
+            raise refuse(f"must be <= global_batch {batch}, got {canary.rows}", at=("rows",))
+        return canary
+
+    @property
+    def loader_workers(self) -> int:
+        return self.loader.workers
+
+    @property
+    def loader_prefetch(self) -> int:
+        return self.loader.prefetch
+
+    @property
+    def loader_duplicates(self) -> str:
+        return self.loader.duplicates
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         """The model config, ``vocab_size`` from the manifest unless the run config sets it.
@@ -136,159 +271,26 @@ class RunConfig:
             raise RunConfigError(f"model.vocab_size: must be >= the dataset's vocab size {vocab_size}, got {v}")
         return ModelConfig.from_dict(d)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The config as written to ``<run>/run_config.yaml`` (absolute paths)."""
-        return {
-            "name": self.name,
-            "mixture": self.mixture,
-            "dataset": self.dataset,
-            "global_batch": self.global_batch,
-            "seed": self.seed,
-            "mesh": dict(self.mesh),
-            "model": dict(self.model),
-            "optimizer": dataclasses.asdict(self.optimizer),
-            "checkpoint_every": self.checkpoint_every,
-            "skip_windows": [list(w) for w in self.skip_windows],
-            "loader": {"workers": self.loader_workers, "prefetch": self.loader_prefetch,
-                       **({"duplicates": self.loader_duplicates} if self.loader_duplicates != "warn" else {})},
-            "canary": dataclasses.asdict(self.canary),
-            "canary_every": self.canary_every,
-            "canary_action": self.canary_action,
-            "non_finite": self.non_finite,
-            "router_health": self.router_health.to_dict(),
-            "screening": self.screening.to_dict(),
-            "trainer": REFERENCE_FACTORY,
-            **({"mtbf_s": self.mtbf_s} if self.mtbf_s is not None else {}),
-        }
 
-
-def _int(raw, field, lo):
-    if isinstance(raw, bool) or not isinstance(raw, int) or raw < lo:
-        raise RunConfigError(f"{field}: must be an int >= {lo}, got {raw!r}")
-    return raw
+_KEYS = frozenset(fields_of(RunConfig))
 
 
 def run_config_from_dict(raw: Mapping[str, Any], base_dir: str = ".") -> RunConfig:
-    """Validates a run config mapping; relative paths are resolved against ``base_dir``.
+    """Validates a run config mapping (:class:`RunConfig`); relative paths are resolved against ``base_dir``.
 
     Raises:
-      RunConfigError: unknown or missing keys, wrong types, out-of-range values (the
-        model and optimizer sections raise their own ``ValueError`` subclasses, wrapped).
+      RunConfigError: the first problem in the file's order (``contract.validation``): unknown keys (with
+        the nearest allowed one), missing keys, wrong types, out-of-range values, each with its key path
+        (``model.top_k: must be an int in [1, n_experts=4], got 9``).
     """
     if not isinstance(raw, Mapping):
         raise RunConfigError(f"run config must be a mapping, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - _KEYS)
-    if unknown:
-        raise RunConfigError(f"unknown keys {unknown}{did_you_mean(unknown, _KEYS)}; allowed: {sorted(_KEYS)}")
-    missing = [k for k in _REQUIRED if k not in raw]
-    if missing:
-        raise RunConfigError(f"missing keys {missing}")
-
-    def path(field):
-        v = raw[field]
-        if not isinstance(v, str) or not v:
-            raise RunConfigError(f"{field}: must be a path string, got {v!r}")
-        return v if "://" in v else os.path.normpath(os.path.join(base_dir, v))
-
-    mesh_raw = raw.get("mesh", {"data": -1, "expert": 2})
-    if not isinstance(mesh_raw, Mapping) or not mesh_raw:
-        raise RunConfigError(f"mesh: must be a mapping axis -> size, got {mesh_raw!r}")
-    mesh = []
-    for k, v in mesh_raw.items():
-        if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and v != -1):
-            raise RunConfigError(f"mesh.{k}: must be an int >= 1 or -1, got {v!r}")
-        mesh.append((str(k), v))
-    for need in ("data", "expert"):
-        if need not in dict(mesh):
-            raise RunConfigError(f"mesh: needs axis {need!r}, got {list(dict(mesh))}")
-    windows = []
-    for i, w in enumerate(raw.get("skip_windows", []) or []):
-        if not isinstance(w, Sequence) or len(w) != 2:
-            raise RunConfigError(f"skip_windows[{i}]: must be [start, end], got {w!r}")
-        a, b = _int(w[0], f"skip_windows[{i}][0]", 0), _int(w[1], f"skip_windows[{i}][1]", 0)
-        if b < a:
-            raise RunConfigError(f"skip_windows[{i}]: end {b} < start {a}")
-        windows.append((a, b))
-    loader = dict(raw.get("loader", {}) or {})
-    bad = sorted(set(loader) - {"workers", "prefetch", "duplicates"})
-    if bad:
-        raise RunConfigError(f"loader: unknown keys {bad}{did_you_mean(bad, {'duplicates', 'prefetch', 'workers'})}; "
-                             "allowed: ['duplicates', 'prefetch', 'workers']")
-    if loader.get("duplicates", "warn") not in ("warn", "refuse", "off"):
-        raise RunConfigError(f"loader.duplicates: must be one of ['warn', 'refuse', 'off'] (what duplicated data in the "
-                             f"dataset gets), got {loader['duplicates']!r}")
-    canary_raw = dict(raw.get("canary", {}) or {})
-    bad = sorted(set(canary_raw) - {"step", "seed", "rows", "seq_len"})
-    if bad:
-        raise RunConfigError(f"canary: unknown keys {bad}{did_you_mean(bad, {'rows', 'seed', 'seq_len', 'step'})}; "
-                             "allowed: ['rows', 'seed', 'seq_len', 'step']")
-    canary_seq = canary_raw.get("seq_len")
-    if canary_seq is not None:
-        canary_seq = _int(canary_seq, "canary.seq_len", 2)
-    action = raw.get("canary_action", "warn")
-    if action not in CANARY_ACTIONS:
-        raise RunConfigError(f"canary_action: must be one of {list(CANARY_ACTIONS)}, got {action!r}")
-    non_finite = raw.get("non_finite", "stop")
-    if non_finite not in NON_FINITE_ACTIONS:
-        raise RunConfigError(f"non_finite: must be one of {list(NON_FINITE_ACTIONS)}, got {non_finite!r}")
-    model = dict(raw.get("model", {}) or {})
-    try:
-        mc = ModelConfig.from_dict({"vocab_size": 2, **model} if "vocab_size" not in model else model)
-        experts_axis = dict(mesh)["expert"]
-        if mc.dispatch == "all_to_all" and experts_axis != -1 and mc.n_experts % experts_axis:
-            raise RunConfigError(f"model.dispatch all_to_all: model.n_experts {mc.n_experts} must divide by the mesh's "
-                                 f"expert axis size {experts_axis} (each device holds n_experts / expert experts); "
-                                 "change one of them, or use dispatch: gather")
-        opt = OptimizerConfig.from_dict(dict(raw.get("optimizer", {}) or {}))
-        health = RouterHealth.from_dict(raw.get("router_health"))
-        screening = ScreeningConfig.from_dict(raw.get("screening"))
-    except (ValueError, TypeError) as e:
-        raise RunConfigError(str(e)) from None
-    global_batch = _int(raw["global_batch"], "global_batch", 1)
-    canary_rows = _int(canary_raw.get("rows", 1), "canary.rows", 1)
-    if canary_rows > global_batch:
-        raise RunConfigError(f"canary.rows: must be <= global_batch {global_batch}, got {canary_rows}")
-    if raw.get("trainer", REFERENCE_FACTORY) != REFERENCE_FACTORY:
-        raise RunConfigError(f"trainer: this is the reference trainer's run config, whose factory is "
-                             f"{REFERENCE_FACTORY!r} (or leave the key out), got {raw['trainer']!r}")
-    name = raw["name"]
-    if not isinstance(name, str) or not name:
-        raise RunConfigError(f"name: must be a non-empty string, got {name!r}")
-    return RunConfig(
-        name=name,
-        mixture=path("mixture"),
-        dataset=path("dataset"),
-        global_batch=global_batch,
-        seed=_int(raw.get("seed", 0), "seed", 0),
-        mesh=tuple(mesh),
-        model=model,
-        optimizer=opt,
-        checkpoint_every=_int(raw.get("checkpoint_every", 10), "checkpoint_every", 1),
-        skip_windows=tuple(windows),
-        loader_workers=_int(loader.get("workers", 0), "loader.workers", 0),
-        loader_prefetch=_int(loader.get("prefetch", 2), "loader.prefetch", 0),
-        loader_duplicates=loader.get("duplicates", "warn"),
-        canary=CanaryConfig(
-            step=_int(canary_raw.get("step", 0), "canary.step", 0), seed=_int(canary_raw.get("seed", 1234), "canary.seed", 0),
-            rows=canary_rows, seq_len=canary_seq,
-        ),
-        canary_every=_int(raw.get("canary_every", 0), "canary_every", 0),
-        canary_action=action,
-        non_finite=non_finite,
-        router_health=health,
-        screening=screening,
-        mtbf_s=_mtbf(raw.get("mtbf_s")),
-    )
-
-
-def _mtbf(raw: Any) -> Optional[float]:
-    """The run config's ``mtbf_s`` (seconds > 0, or absent)."""
-    if raw is None:
-        return None
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw) or raw <= 0:
-        raise RunConfigError(f"mtbf_s: must be a number of seconds > 0 (the fleet's mean time between failures), "
-                             f"got {raw!r}")
-    return float(raw)
+    given = dict(raw)
+    for key in ("mixture", "dataset"):
+        v = given.get(key)
+        if isinstance(v, str) and v and "://" not in v:
+            given[key] = os.path.normpath(os.path.join(base_dir, v))
+    return RunConfig.from_dict(given)
 
 
 def load_run_config(path: str) -> RunConfig:
@@ -377,7 +379,6 @@ def run_devices(axes: Mapping[str, int]) -> list:
     Raises:
       RunConfigError: the fixed sizes need more devices than there are.
     """
-    import math
 
     import jax
 
@@ -858,7 +859,6 @@ def non_finite_in(fp) -> Optional[str]:
     """What was non-finite in a step (``StepFingerprints``): its loss, its gradient norm, or the
     gradient leaves and devices the signals count (``StepSignals.devices[d]["nonfinite"]``); None when
     everything is finite."""
-    import math
 
     import numpy as np
 
@@ -882,7 +882,6 @@ def non_finite_in(fp) -> Optional[str]:
 
 
 def _json_float(v: float):
-    import math
 
     return v if math.isfinite(v) else str(v)
 

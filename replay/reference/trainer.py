@@ -50,6 +50,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from contract.validation import Int, Number, section
 from replay.run import fingerprint as fpm
 from replay.run.protocol import (
     CHECKPOINTS_DIR,
@@ -72,7 +73,6 @@ from replay.reference.model import (
     ModelConfig,
     corrupt_element,
     count_target_tokens,
-    did_you_mean,
     init_params,
     local_loss,
     probe_fingerprints,
@@ -91,9 +91,10 @@ class FaultSpecError(ValueError):
     """A drill's fault names a leaf, element, bit or device that does not exist."""
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@section("optimizer", TrainerConfigError)
 class OptimizerConfig:
-    """AdamW (Loshchilov & Hutter 2019, ``optax.adamw``) with linear warm-up then constant.
+    """AdamW (Loshchilov & Hutter 2019, ``optax.adamw``) with linear warm-up then constant (the run
+    config's ``optimizer:``; built or read, a value out of range is a :class:`TrainerConfigError`).
 
     Attributes:
       learning_rate: peak learning rate, > 0.
@@ -104,34 +105,13 @@ class OptimizerConfig:
       clip_norm: global-norm gradient clipping threshold, > 0, or ``None`` (off).
     """
 
-    learning_rate: float = 3e-3
-    warmup_steps: int = 10
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    clip_norm: Optional[float] = 1.0
-
-    def __post_init__(self):
-        def need(cond, field, allowed):
-            if not cond:
-                raise TrainerConfigError(f"optimizer.{field}: must be {allowed}, got {getattr(self, field)!r}")
-
-        need(self.learning_rate > 0, "learning_rate", "> 0")
-        need(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps", "an int >= 0")
-        need(0 <= self.b1 < 1, "b1", "in [0, 1)")
-        need(0 <= self.b2 < 1, "b2", "in [0, 1)")
-        need(self.eps > 0, "eps", "> 0")
-        need(self.weight_decay >= 0, "weight_decay", ">= 0")
-        need(self.clip_norm is None or self.clip_norm > 0, "clip_norm", "> 0 or null")
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "OptimizerConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise TrainerConfigError(f"optimizer: unknown keys {unknown}{did_you_mean(unknown, known)}; allowed: {sorted(known)}")
-        return cls(**dict(d))
+    learning_rate: Number("> 0", gt=0) = 3e-3
+    warmup_steps: Int("an int >= 0", ge=0) = 10
+    b1: Number("in [0, 1)", ge=0, lt=1) = 0.9
+    b2: Number("in [0, 1)", ge=0, lt=1) = 0.95
+    eps: Number("> 0", gt=0) = 1e-8
+    weight_decay: Number(">= 0", ge=0) = 0.01
+    clip_norm: Optional[Number("> 0 or null", gt=0)] = 1.0
 
     def build(self) -> optax.GradientTransformation:
         if self.warmup_steps:

@@ -45,9 +45,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import numpy as np
+import pydantic
+from pydantic import StrictInt
+
+from contract.validation import Int, Number, refuse, section
 
 MAD_TO_SIGMA = 1.4826  # 1 / Phi^-1(3/4): MAD * this estimates sigma for a normal law
 
@@ -56,24 +60,7 @@ class ScreeningConfigError(ValueError):
     """A screening or router-health threshold is out of range; names the field and the range."""
 
 
-def _check(cond: bool, section: str, field: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise ScreeningConfigError(f"{section}.{field}: must be {allowed}, got {value!r}")
-
-
-def _from_dict(cls, section: str, d: Optional[Mapping[str, Any]]):
-    d = dict(d or {})
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ScreeningConfigError(f"{section}: unknown keys {unknown}; allowed: {sorted(known)}")
-    for k, v in d.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ScreeningConfigError(f"{section}.{k}: must be a number, got {v!r}")
-    return cls(**d)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@section("router_health", ScreeningConfigError)
 class RouterHealth:
     """Router health thresholds (the run config's ``router_health:``; these are the defaults).
 
@@ -93,32 +80,14 @@ class RouterHealth:
         expert group, in counts. >= 1.
     """
 
-    max_dropped_fraction: float = 0.01
-    max_share_ratio: float = 3.0
-    warmup_steps: int = 10
-    window_steps: int = 1
-    max_expert_load_ratio: float = 2.0
-
-    def __post_init__(self):
-        s = "router_health"
-        _check(0 <= self.max_dropped_fraction <= 1, s, "max_dropped_fraction", self.max_dropped_fraction, "in [0, 1]")
-        _check(self.max_share_ratio >= 1, s, "max_share_ratio", self.max_share_ratio, ">= 1")
-        _check(float(self.warmup_steps).is_integer() and self.warmup_steps >= 0, s, "warmup_steps",
-               self.warmup_steps, "an int >= 0")
-        _check(float(self.window_steps).is_integer() and self.window_steps >= 1, s, "window_steps",
-               self.window_steps, "an int >= 1")
-        _check(self.max_expert_load_ratio >= 1, s, "max_expert_load_ratio", self.max_expert_load_ratio, ">= 1")
-
-    @classmethod
-    def from_dict(cls, d: Optional[Mapping[str, Any]]) -> "RouterHealth":
-        """Raises: ScreeningConfigError: unknown keys or values out of range."""
-        return _from_dict(cls, "router_health", d)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    max_dropped_fraction: Number("in [0, 1]", ge=0, le=1) = 0.01
+    max_share_ratio: Number(">= 1", ge=1) = 3.0
+    warmup_steps: Int("an int >= 0", ge=0) = 10
+    window_steps: Int("an int >= 1", ge=1) = 1
+    max_expert_load_ratio: Number(">= 1", ge=1) = 2.0
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@section("screening", ScreeningConfigError)
 class ScreeningConfig:
     """Thresholds of the scan's statistics (the run config's ``screening:``; these are the defaults,
     chosen so that clean runs give no suspect: ``benchmarks/screening.py`` measures the false-alarm
@@ -158,46 +127,37 @@ class ScreeningConfig:
         clean runs' alarms).
     """
 
-    baseline_window: int = 40
-    min_history: int = 10
-    sigma_floor: float = 1e-3
-    cusum_k: float = 0.5
-    cusum_h: float = 14.0
-    clip_z: float = 4.0
-    freeze: float = 0.5
-    spike_z: float = 40.0
-    loss_window: int = 10
-    loss_spike_z: float = 6.0
-    loss_min_rise: float = 0.05
-    stall_fraction: float = 0.25
-    stall_min_s: float = 0.05
-    stall_budget: float = 0.05
-    expert_cusum_h: float = 10.0
+    baseline_window: Int("an int >= 3", ge=3) = 40
+    min_history: StrictInt = 10
+    sigma_floor: Number("> 0", gt=0) = 1e-3
+    cusum_k: Number(">= 0", ge=0) = 0.5
+    cusum_h: Number("> 0", gt=0) = 14.0
+    clip_z: Number("> 0", gt=0) = 4.0
+    freeze: Number("in (0, 1]", gt=0, le=1) = 0.5
+    spike_z: Number("> 0", gt=0) = 40.0
+    loss_window: Int("an int >= 3", ge=3) = 10
+    loss_spike_z: Number("> 0", gt=0) = 6.0
+    loss_min_rise: Number(">= 0", ge=0) = 0.05
+    stall_fraction: Number("> 0", gt=0) = 0.25
+    stall_min_s: Number(">= 0", ge=0) = 0.05
+    stall_budget: Number(">= 0", ge=0) = 0.05
+    expert_cusum_h: Number("> 0", gt=0) = 10.0
 
-    def __post_init__(self):
-        s = "screening"
-
-        def integer(v):
-            return float(v).is_integer()
-
-        _check(integer(self.baseline_window) and self.baseline_window >= 3, s, "baseline_window",
-               self.baseline_window, "an int >= 3")
-        _check(integer(self.min_history) and 3 <= self.min_history <= self.baseline_window, s, "min_history",
-               self.min_history, f"an int in [3, baseline_window={self.baseline_window}]")
-        _check(integer(self.loss_window) and self.loss_window >= 3, s, "loss_window", self.loss_window, "an int >= 3")
-        for name in ("sigma_floor", "cusum_h", "clip_z", "spike_z", "loss_spike_z", "stall_fraction", "expert_cusum_h"):
-            _check(getattr(self, name) > 0, s, name, getattr(self, name), "> 0")
-        _check(0 < self.freeze <= 1, s, "freeze", self.freeze, "in (0, 1]")
-        for name in ("cusum_k", "loss_min_rise", "stall_min_s", "stall_budget"):
-            _check(getattr(self, name) >= 0, s, name, getattr(self, name), ">= 0")
-
+    @pydantic.field_validator("min_history", mode="wrap")
     @classmethod
-    def from_dict(cls, d: Optional[Mapping[str, Any]]) -> "ScreeningConfig":
-        """Raises: ScreeningConfigError: unknown keys or values out of range."""
-        return _from_dict(cls, "screening", d)
+    def _min_history_in_window(cls, v: Any, handler: Any, info: pydantic.ValidationInfo) -> int:
+        w = info.data.get("baseline_window", "baseline_window")
+        allowed = f"an int in [3, baseline_window={w}]"
+        try:
+            v = handler(v)
+        except pydantic.ValidationError:
+            raise refuse(f"must be {allowed}, got {v!r}") from None
+        if v < 3 or (isinstance(w, int) and v > w):
+            raise refuse(f"must be {allowed}, got {v!r}")
+        return v
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+
+DEFAULT_SCREENING = ScreeningConfig()
 
 
 # ----------------------------------------------------------------------------- expert load
@@ -330,7 +290,7 @@ def robust_sigma(values: np.ndarray, clip: float, floor: float = 0.0) -> float:
 
 
 def screen_replicas(norm_sq: np.ndarray, present: Optional[np.ndarray] = None,
-                    config: ScreeningConfig = ScreeningConfig()) -> ReplicaScreen:
+                    config: ScreeningConfig = DEFAULT_SCREENING) -> ReplicaScreen:
     """Screens replicas' squared gradient norms for persistent drift and one-step spikes
     (formulas in the module docstring).
 
@@ -513,7 +473,7 @@ def _column_medians(buf: np.ndarray, filled: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- loss, loader
 
 
-def loss_spikes(loss: np.ndarray, config: ScreeningConfig = ScreeningConfig()) -> list[tuple[int, float]]:
+def loss_spikes(loss: np.ndarray, config: ScreeningConfig = DEFAULT_SCREENING) -> list[tuple[int, float]]:
     """Steps whose loss jumps above its recent level (a robust derivative).
 
     For each step ``t`` with at least 3 finite losses among the previous ``loss_window``:
@@ -550,7 +510,7 @@ def loss_spikes(loss: np.ndarray, config: ScreeningConfig = ScreeningConfig()) -
 
 
 def loader_stalls(wait_s: np.ndarray, step_s: np.ndarray, skip: Optional[np.ndarray] = None,
-                  config: ScreeningConfig = ScreeningConfig()) -> list[int]:
+                  config: ScreeningConfig = DEFAULT_SCREENING) -> list[int]:
     """Steps that waited for data: ``wait > max(stall_fraction * median step time, stall_min_s)``.
 
     Args:
