@@ -132,8 +132,8 @@ def _unwrap(annotation: Any) -> Any:
 
 
 def fields_of(cls: Any) -> dict[str, Any]:
-    """The declared fields (name -> annotation, in declaration order) of a pydantic model or of a
-    dataclass (pydantic's or the standard library's); ``{}`` for anything else."""
+    """The declared fields (name -> annotation, in declaration order) of a pydantic model, a dataclass
+    (pydantic's or the standard library's) or a ``TypedDict``; ``{}`` for anything else."""
     if isinstance(cls, type) and issubclass(cls, pydantic.BaseModel):
         return {n: f.annotation for n, f in cls.model_fields.items()}
     if isinstance(cls, type) and dataclasses.is_dataclass(cls):
@@ -142,6 +142,8 @@ def fields_of(cls: Any) -> dict[str, Any]:
             return {n: f.annotation for n, f in own.items()}
         hints = _hints(cls)
         return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)}
+    if typing.is_typeddict(cls):
+        return dict(_hints(cls))
     return {}
 
 

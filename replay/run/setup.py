@@ -26,16 +26,20 @@ trainer: the trainer sits above them, like a user's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
 import re
 import sys
 import types
 import typing
-from typing import Any, Callable, Mapping, Optional
+from typing import Annotated, Any, Callable, Mapping, Optional
 
 import numpy as np
+import pydantic
+from typing_extensions import NotRequired, TypedDict  # pydantic's TypedDict before Python 3.12 (a pydantic dependency)
 
+from contract.validation import MISSING, UNKNOWN, adapter, did_you_mean, first_error, where
 from replay.run.runlog import RunDirError
 
 TRAINER_KEY = "trainer"
@@ -112,10 +116,15 @@ def config_from(cls: type, raw: Any, where: str) -> Any:
     out. The trainer's loop and its factory both read the config through it, so a bad key is refused the
     same way at training and at replay.
 
+    The keys and their types are ``cls``'s fields, validated by pydantic (:func:`file_model`): a field
+    typed ``int``, ``float``, ``str`` or ``bool`` (or ``Optional[...]`` of one) takes only a value of that
+    type (an ``int`` is a ``float``; a ``bool`` is not an ``int``; YAML's ``1e-3``, a string, is no
+    float); a field of another type pydantic knows (``tuple[int, ...]``, ``dict[str, float]``) takes what
+    converts to it (a YAML list for a tuple); others are passed as given. ``cls.__post_init__`` may raise
+    ``ValueError`` for the rest.
+
     Args:
-      cls: a dataclass; a field typed ``int``, ``float``, ``str`` or ``bool`` (or ``Optional[...]`` of one)
-        is type-checked (an ``int`` is a ``float``; a ``bool`` is not an ``int``); ``__post_init__`` may
-        raise ``ValueError`` for the rest.
+      cls: a dataclass (the standard library's).
       raw: the parsed YAML; where: its path, for messages.
 
     Raises:
@@ -125,33 +134,63 @@ def config_from(cls: type, raw: Any, where: str) -> Any:
     """
     if not isinstance(raw, Mapping):
         raise RunConfigError(f"{where}: a run config is a mapping of keys to values, got {type(raw).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
     given = {str(k): v for k, v in raw.items() if k != TRAINER_KEY}
-    unknown = sorted(set(given) - set(fields))
-    if unknown:
-        raise RunConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: "
-                             f"{cls.__name__} takes {', '.join(fields)} (and trainer:); remove "
-                             f"{'them' if len(unknown) > 1 else 'it'} or add a field to {cls.__name__}")
-    missing = [n for n, f in fields.items() if n not in given and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise RunConfigError(f"{where}: missing key{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
-                             f"({cls.__name__} has no default for {'them' if len(missing) > 1 else 'it'})")
-    hints = typing.get_type_hints(cls)
-    for key, value in given.items():
-        want = _simple_type(hints.get(key))
-        if want is not None and not _is_a(value, *want):
-            names = " or ".join("null" if t is type(None) else t.__name__ for t in want)
-            raise RunConfigError(f"{where}: {key}: expected {names}, got {value!r} ({type(value).__name__})")
+    declared = file_model(cls)
     try:
-        return cls(**given)
+        values = adapter(declared).validate_python(given)
+    except pydantic.ValidationError as e:
+        raise RunConfigError(f"{where}: {_config_problem(e, cls, declared)}") from None
+    try:
+        return cls(**values)
     except (TypeError, ValueError) as e:
         raise RunConfigError(f"{where}: {e}") from None
 
 
+@functools.cache
+def file_model(cls: type) -> type:
+    """The pydantic declaration (a ``TypedDict``) of the run config file of a trainer's config dataclass
+    ``cls``: one key a field, unknown keys refused, plain values strict (:func:`config_from`)."""
+    hints = typing.get_type_hints(cls)
+    keys: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        hint = hints.get(f.name, Any)
+        hint = Annotated[hint, pydantic.Strict()] if _simple_type(hint) else hint
+        try:
+            pydantic.TypeAdapter(hint)
+        except (pydantic.PydanticSchemaGenerationError, TypeError):
+            hint = Any  # a type pydantic cannot check: passed as given, for cls to judge
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        keys[f.name] = hint if required else NotRequired[hint]
+    declared = TypedDict(f"{cls.__name__}File", keys)  # noqa: UP013 - the keys are the dataclass's fields
+    declared.__pydantic_config__ = pydantic.ConfigDict(extra="forbid")
+    return declared
+
+
+def _config_problem(e: pydantic.ValidationError, cls: type, model: type) -> str:
+    """The first problem of a trainer's run config (:func:`contract.validation.first_error`), in its words."""
+    errors = e.errors(include_url=False)
+    err = first_error(errors, model)
+    names = list(typing.get_type_hints(model))
+    if err["type"] in UNKNOWN:
+        unknown = sorted(str(x["loc"][0]) for x in errors if x["type"] in UNKNOWN and len(x["loc"]) == 1)
+        s, them = ("s", "them") if len(unknown) > 1 else ("", "it")
+        return (f"unknown key{s} {', '.join(unknown)}{did_you_mean(unknown, names)}: {cls.__name__} takes "
+                f"{', '.join(names)} (and trainer:); remove {them} or add a field to {cls.__name__}")
+    if err["type"] in MISSING:
+        missing = [n for n in names if any(x["type"] in MISSING and x["loc"] == (n,) for x in errors)]
+        s, them = ("s", "them") if len(missing) > 1 else ("", "it")
+        return f"missing key{s} {', '.join(missing)} ({cls.__name__} has no default for {them})"
+    key, value = err["loc"][0], err["input"]
+    want = _simple_type(typing.get_type_hints(cls).get(key)) if len(err["loc"]) == 1 else None
+    if want is not None:
+        names_of = " or ".join("null" if t is type(None) else t.__name__ for t in want)
+        return f"{key}: expected {names_of}, got {value!r} ({type(value).__name__})"
+    return f"{where(err['loc'])}: {err['msg']}, got {value!r}"
+
+
 def _simple_type(hint: Any) -> Optional[tuple[type, ...]]:
     """The types a value of annotation ``hint`` may have, for ``int``/``float``/``str``/``bool`` and
-    ``Optional`` of one; None for anything else (not checked here)."""
+    ``Optional`` of one; None for anything else."""
     simple = (int, float, str, bool)
     if hint in simple:
         return (hint,)
@@ -160,21 +199,6 @@ def _simple_type(hint: Any) -> Optional[tuple[type, ...]]:
         if all(a in simple or a is type(None) for a in args):
             return tuple(args)
     return None
-
-
-def _is_a(value: Any, *kinds: type) -> bool:
-    for kind in kinds:
-        if kind is type(None) and value is None:
-            return True
-        if kind is bool and isinstance(value, bool):
-            return True
-        if kind is int and isinstance(value, int) and not isinstance(value, bool):
-            return True
-        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True
-        if kind is str and isinstance(value, str):
-            return True
-    return False
 
 
 def checked_loader(run: Any, data: Any) -> Any:
