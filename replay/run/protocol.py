@@ -63,7 +63,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Mapping, Optional, Protocol, runtime_checkable
+from typing import Annotated, Any, Mapping, Optional, Protocol, TypeVar, runtime_checkable
+
+import pydantic
+from pydantic import BeforeValidator, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
+from typing_extensions import TypedDict  # pydantic's TypedDict before Python 3.12 (a pydantic dependency)
+
+from contract.validation import MISSING, adapter, first_error, where
 
 
 FAULT_SITES = ("local_gradient", "expert_forward", "expert_backward", "attention", "optimizer_update")
@@ -230,6 +237,94 @@ class DriftSpec:
         return self.start <= step and (self.stop is None or step < self.stop)
 
 
+# ----------------------------------------------------------------------------- run-log records, declared
+#
+# Each record of the step logs is a frozen standard-library dataclass (built every step by the trainer,
+# without validation: nothing is added to the step's time) whose fields pydantic reads: it serializes a
+# record to its JSON line (to_json: pydantic's plain values, then the standard library's json with sorted
+# keys, so lines are byte for byte those of the hand-written writer before it), validates a line read
+# back (from_dict: key path and value of a bad field; unknown keys ignored, so an older reader reads a
+# newer line), and publishes the JSON Schema of each line (schemas/run_log/, replay.schema).
+
+T = TypeVar("T")
+_OmittedEmpty = Annotated[T, Field(exclude_if=lambda v: not v)]  # left out of the line when empty
+_OmittedNull = Annotated[T, Field(exclude_if=lambda v: v is None)]  # left out of the line when None
+_NullIsEmptyMap = Annotated[T, BeforeValidator(lambda v: {} if v is None else v)]  # null read as {}
+_NullIsEmptyList = Annotated[T, BeforeValidator(lambda v: [] if v is None else v)]  # null read as []
+_NotLogged = Annotated[T, Field(exclude=True), SkipJsonSchema()]  # carried in memory, never written
+
+
+def _plain(value: Any) -> Any:
+    """A NumPy scalar a trainer left in a record, as the Python number it holds (pydantic's fallback)."""
+    return value.item() if hasattr(value, "item") else value
+
+
+class Record:
+    """A run-log record: a frozen dataclass declared for pydantic (the section comment above).
+
+    ``to_dict`` / ``to_json`` give its line; ``from_dict`` / ``from_json`` read one back.
+    """
+
+    __pydantic_config__ = ConfigDict(ser_json_inf_nan="constants")  # NaN and Inf written as json writes them
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values: device ids as string keys (JSON objects key by str), tuples as lists,
+        fields marked omitted left out when empty."""
+        return adapter(type(self)).dump_python(self, mode="json", warnings=False, fallback=_plain)
+
+    def to_json(self) -> str:
+        """One line of its step log (keys sorted, no newline; NaN/Inf written as Python's json does)."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls: type[R], d: Mapping[str, Any]) -> R:
+        """Inverse of :meth:`to_dict` (device ids back to int); unknown keys are ignored.
+
+        Raises:
+          ValueError: a required field is missing (``missing field 'loss'``) or a value is not of its type
+            (``could not convert string to float: 'slow'``, or the key path and the value).
+        """
+        try:
+            return adapter(cls).validate_python(d)
+        except pydantic.ValidationError as e:
+            raise ValueError(_record_problem(e, cls)) from None
+
+    @classmethod
+    def from_json(cls: type[R], line: str) -> R:
+        """Parses one line of its step log."""
+        return cls.from_dict(json.loads(line))
+
+
+R = TypeVar("R", bound=Record)
+
+
+def _record_problem(e: pydantic.ValidationError, cls: type) -> str:
+    """The first problem of a record read back, in the words its readers always used."""
+    errors = e.errors(include_url=False)
+    err = first_error(errors, cls)
+    loc, value = [p for p in err["loc"] if p != "[key]"], err.get("input")
+    if err["type"] in MISSING:
+        return f"missing field {where(loc)!r}"
+    if err["type"] == "float_parsing":
+        return f"could not convert string to float: {value!r}"
+    if err["type"] == "int_parsing":
+        return f"invalid literal for int() with base 10: {value!r}"
+    return f"{where(loc) or cls.__name__}: {err['msg']}, got {value!r}"
+
+
+class DeviceSignals(TypedDict):
+    """One device's entry of :class:`StepSignals` ``devices``."""
+
+    norm_sq: float
+    """float32 ||g_d||^2 of the device's local gradient contribution, before the reduction"""
+    nonfinite: Mapping[str, int]
+    """per leaf path, its NaN + Inf count (only leaves with a non-zero count); {} when none"""
+
+
+_DeviceSignals = Annotated[DeviceSignals, BeforeValidator(
+    lambda v: {**v, "nonfinite": v.get("nonfinite") or {}} if isinstance(v, Mapping) else v)]
+
+
 SEND_COLLECTIVES = ("dispatch", "combine")
 SEND_DIRECTIONS = ("forward", "backward")
 
@@ -281,7 +376,7 @@ def send_sites_in_program_order(n_layers: int) -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepFingerprints:
+class StepFingerprints(Record):
     """What one train step computed, in integers that compare bit for bit.
 
     Attributes:
@@ -311,6 +406,10 @@ class StepFingerprints:
       signals: the step's screening signals (:class:`StepSignals`) when the trainer computes
         them; not part of ``fingerprints.jsonl`` (the training loop writes them, with its
         timings, to ``signals.jsonl``), never compared.
+
+    One line of ``fingerprints.jsonl`` is :meth:`to_json` (keys sorted; device ids as strings; the send
+    fields only when the step has send sites, so a gather-dispatch line is unchanged); :meth:`from_dict`
+    reads one back (unknown keys ignored).
     """
 
     step: int
@@ -321,61 +420,11 @@ class StepFingerprints:
     devices: Mapping[int, Mapping[str, int]]
     router: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     device_coords: Mapping[int, Mapping[str, int]] = dataclasses.field(default_factory=dict)
-    send_sites: tuple[str, ...] = ()
-    sends: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    recvs: Mapping[int, tuple[tuple[int, ...], ...]] = dataclasses.field(default_factory=dict)
-    signals: Optional["StepSignals"] = dataclasses.field(default=None, compare=False, repr=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict; device ids become string keys (JSON objects key by str). The send
-        fields appear only when the step has send sites (a gather-dispatch line is unchanged)."""
-        out = {
-            "step": int(self.step),
-            "loss_bits": int(self.loss_bits),
-            "grad_norm_bits": int(self.grad_norm_bits),
-            "batch_hash": self.batch_hash,
-            "leaves": {k: {f: int(v) for f, v in d.items()} for k, d in self.leaves.items()},
-            "devices": {str(dev): {k: int(v) for k, v in d.items()} for dev, d in self.devices.items()},
-            "router": dict(self.router),
-            "device_coords": {str(dev): {a: int(i) for a, i in c.items()} for dev, c in self.device_coords.items()},
-        }
-        if self.send_sites:
-            out["send_sites"] = list(self.send_sites)
-            out["sends"] = {str(dev): [int(v) for v in fps] for dev, fps in self.sends.items()}
-        if self.recvs:
-            out["recvs"] = {str(dev): [[int(v) for v in parts] for parts in per] for dev, per in self.recvs.items()}
-        return out
-
-    def to_json(self) -> str:
-        """One line of ``fingerprints.jsonl`` (keys sorted, no newline)."""
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "StepFingerprints":
-        """Inverse of :meth:`to_dict` (device ids back to int). Unknown keys are ignored.
-
-        Raises:
-          KeyError: a required field is missing.
-        """
-        return cls(
-            step=int(d["step"]),
-            loss_bits=int(d["loss_bits"]),
-            grad_norm_bits=int(d["grad_norm_bits"]),
-            batch_hash=str(d["batch_hash"]),
-            leaves={k: {f: int(v) for f, v in x.items()} for k, x in d["leaves"].items()},
-            devices={int(dev): {k: int(v) for k, v in x.items()} for dev, x in d["devices"].items()},
-            router=dict(d.get("router", {})),
-            device_coords={int(dev): dict(c) for dev, c in d.get("device_coords", {}).items()},
-            send_sites=tuple(str(x) for x in d.get("send_sites", ())),
-            sends={int(dev): tuple(int(v) for v in fps) for dev, fps in (d.get("sends") or {}).items()},
-            recvs={int(dev): tuple(tuple(int(v) for v in parts) for parts in per)
-                   for dev, per in (d.get("recvs") or {}).items()},
-        )
-
-    @classmethod
-    def from_json(cls, line: str) -> "StepFingerprints":
-        """Parses one line of ``fingerprints.jsonl``."""
-        return cls.from_dict(json.loads(line))
+    send_sites: _OmittedEmpty[tuple[str, ...]] = ()
+    sends: _OmittedEmpty[_NullIsEmptyMap[Mapping[int, tuple[int, ...]]]] = dataclasses.field(default_factory=dict)
+    recvs: _OmittedEmpty[_NullIsEmptyMap[Mapping[int, tuple[tuple[int, ...], ...]]]] = dataclasses.field(
+        default_factory=dict)
+    signals: _NotLogged[Optional[StepSignals]] = dataclasses.field(default=None, compare=False, repr=False)
 
     def bits_equal(self, other: "StepFingerprints") -> bool:
         """True when every bit-compared field (all but ``router``) is equal."""
@@ -384,13 +433,8 @@ class StepFingerprints:
         return a == b
 
 
-def _float(v: Any) -> float:
-    """A JSON number as float (``NaN``/``Infinity`` are written by Python's json and read back)."""
-    return float(v)
-
-
 @dataclasses.dataclass(frozen=True)
-class RouterLayerStats:
+class RouterLayerStats(Record):
     """Router health of one MoE layer at one step, over the whole global batch.
 
     Attributes:
@@ -411,20 +455,8 @@ class RouterLayerStats:
     z_loss: float
     aux_loss: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"entropy": self.entropy, "expert_share": list(self.expert_share),
-                "dropped_fraction": self.dropped_fraction, "max_logit": self.max_logit,
-                "z_loss": self.z_loss, "aux_loss": self.aux_loss}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "RouterLayerStats":
-        return cls(entropy=_float(d["entropy"]), expert_share=tuple(_float(x) for x in d["expert_share"]),
-                   dropped_fraction=_float(d["dropped_fraction"]), max_logit=_float(d["max_logit"]),
-                   z_loss=_float(d["z_loss"]), aux_loss=_float(d["aux_loss"]))
-
-
 @dataclasses.dataclass(frozen=True)
-class ExpertLoad:
+class ExpertLoad(Record):
     """How many tokens each expert device received in one MoE layer at one step (expert parallelism).
 
     Attributes:
@@ -439,7 +471,7 @@ class ExpertLoad:
 
     received: Mapping[int, int]
     max_over_mean: float
-    output_sq: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    output_sq: _OmittedEmpty[_NullIsEmptyMap[Mapping[int, float]]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_counts(cls, received: Mapping[int, int], output_sq: Optional[Mapping[int, float]] = None) -> "ExpertLoad":
@@ -452,21 +484,8 @@ class ExpertLoad:
                    max_over_mean=(max(vals) / mean) if mean > 0 else 0.0,
                    output_sq={int(d): float(v) for d, v in (output_sq or {}).items()})
 
-    def to_dict(self) -> dict[str, Any]:
-        out = {"received": {str(d): int(v) for d, v in self.received.items()}, "max_over_mean": self.max_over_mean}
-        if self.output_sq:
-            out["output_sq"] = {str(d): float(v) for d, v in self.output_sq.items()}
-        return out
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ExpertLoad":
-        return cls(received={int(k): int(v) for k, v in d["received"].items()},
-                   max_over_mean=_float(d["max_over_mean"]),
-                   output_sq={int(k): _float(v) for k, v in (d.get("output_sq") or {}).items()})
-
-
 @dataclasses.dataclass(frozen=True)
-class ReplicaNorm:
+class ReplicaNorm(Record):
     """One data-parallel replica's local gradient contribution at one step.
 
     A *replica* is the set of devices that together compute one contribution, over their own
@@ -493,18 +512,8 @@ class ReplicaNorm:
     norm_sq: float
     dot: Optional[float] = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"replica": self.replica, "devices": list(self.devices), "norm_sq": self.norm_sq, "dot": self.dot}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ReplicaNorm":
-        dot = d.get("dot")
-        return cls(replica=int(d["replica"]), devices=tuple(int(x) for x in d["devices"]),
-                   norm_sq=_float(d["norm_sq"]), dot=None if dot is None else _float(dot))
-
-
 @dataclasses.dataclass(frozen=True)
-class StepSignals:
+class StepSignals(Record):
     """The screening signals of one step: one line of ``signals.jsonl`` (floats, never compared
     bit for bit; ``replay scan`` reads them).
 
@@ -546,67 +555,23 @@ class StepSignals:
     loss: float
     grad_norm: float
     replicas: tuple[ReplicaNorm, ...] = ()
-    devices: Mapping[int, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    devices: _NullIsEmptyMap[Mapping[int, _DeviceSignals]] = dataclasses.field(default_factory=dict)
     router: tuple[RouterLayerStats, ...] = ()
-    expert_load: tuple[ExpertLoad, ...] = ()
+    expert_load: _OmittedEmpty[_NullIsEmptyList[tuple[ExpertLoad, ...]]] = ()
     step_time_s: Optional[float] = None
     loader_wait_s: Optional[float] = None
     loader_occupancy: Optional[int] = None
-    loader_occupancy_min: Optional[int] = None
-    loader_wait_stages: Optional[Mapping[str, float]] = None
-    t: Optional[float] = None
-    compile_s: Optional[float] = None
-    canary_s: Optional[float] = None
-    checkpoint_s: Optional[float] = None
-    tokens: Optional[int] = None
-
-    def to_dict(self) -> dict[str, Any]:
-        timing = {k: getattr(self, k) for k in ("t", "compile_s", "canary_s", "checkpoint_s", "tokens",
-                                                "loader_occupancy_min") if getattr(self, k) is not None}
-        if self.loader_wait_stages is not None:
-            timing["loader_wait_stages"] = {str(k): float(v) for k, v in self.loader_wait_stages.items()}
-        return {
-            "step": int(self.step), "loss": self.loss, "grad_norm": self.grad_norm,
-            "step_time_s": self.step_time_s, "loader_wait_s": self.loader_wait_s,
-            "loader_occupancy": self.loader_occupancy, **timing,
-            "replicas": [r.to_dict() for r in self.replicas],
-            "devices": {str(d): {"norm_sq": v["norm_sq"], "nonfinite": dict(v.get("nonfinite", {}))}
-                        for d, v in self.devices.items()},
-            "router": [r.to_dict() for r in self.router],
-            **({"expert_load": [e.to_dict() for e in self.expert_load]} if self.expert_load else {}),
-        }
-
-    def to_json(self) -> str:
-        """One line of ``signals.jsonl`` (keys sorted; NaN/Inf written as Python's json does)."""
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "StepSignals":
-        """Inverse of :meth:`to_dict`; missing optional fields read as empty/None.
-
-        Raises:
-          KeyError, TypeError, ValueError: a required field is missing or malformed.
-        """
-        opt = {k: (None if d.get(k) is None else _float(d[k]))
-               for k in ("step_time_s", "loader_wait_s", "t", "compile_s", "canary_s", "checkpoint_s")}
-        occ, occ_min, stages = d.get("loader_occupancy"), d.get("loader_occupancy_min"), d.get("loader_wait_stages")
-        tokens = d.get("tokens")
-        return cls(
-            step=int(d["step"]), loss=_float(d["loss"]), grad_norm=_float(d["grad_norm"]),
-            replicas=tuple(ReplicaNorm.from_dict(r) for r in d.get("replicas", [])),
-            devices={int(k): {"norm_sq": _float(v["norm_sq"]),
-                              "nonfinite": {p: int(c) for p, c in (v.get("nonfinite") or {}).items()}}
-                     for k, v in (d.get("devices") or {}).items()},
-            router=tuple(RouterLayerStats.from_dict(r) for r in d.get("router", [])),
-            expert_load=tuple(ExpertLoad.from_dict(e) for e in d.get("expert_load") or []),
-            loader_occupancy=None if occ is None else int(occ), tokens=None if tokens is None else int(tokens),
-            loader_occupancy_min=None if occ_min is None else int(occ_min),
-            loader_wait_stages=None if stages is None else {str(k): _float(v) for k, v in stages.items()}, **opt,
-        )
+    loader_occupancy_min: _OmittedNull[Optional[int]] = None
+    loader_wait_stages: _OmittedNull[Optional[Mapping[str, float]]] = None
+    t: _OmittedNull[Optional[float]] = None
+    compile_s: _OmittedNull[Optional[float]] = None
+    canary_s: _OmittedNull[Optional[float]] = None
+    checkpoint_s: _OmittedNull[Optional[float]] = None
+    tokens: _OmittedNull[Optional[int]] = None
 
 
 @dataclasses.dataclass(frozen=True)
-class CanaryRecord:
+class CanaryRecord(Record):
     """One device's result of one periodic canary: one line of ``canary.jsonl``.
 
     Attributes:
@@ -625,18 +590,9 @@ class CanaryRecord:
     device: int
     signature: str
     status: str
-    golden: str
-    canary: str
-    seconds: float
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "CanaryRecord":
-        return cls(step=int(d["step"]), device=int(d["device"]), signature=str(d["signature"]),
-                   status=str(d["status"]), golden=str(d.get("golden", "")), canary=str(d.get("canary", "")),
-                   seconds=_float(d.get("seconds", 0.0)))
+    golden: str = ""
+    canary: str = ""
+    seconds: float = 0.0
 
 
 @runtime_checkable
