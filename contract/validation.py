@@ -87,6 +87,24 @@ def Number(allowed: str, **constraints: Any) -> Any:
                      says(lambda v: f"must be {allowed}, got {v!r}" if is_number(v) else f"must be a number, got {v!r}")]
 
 
+def IntUpTo(minimum: int, key: str) -> Any:
+    """An int field in ``[minimum, <the value of the earlier field key>]`` (``top_k <= n_experts``), whose
+    mistakes say ``must be an int in [1, n_experts=4], got 9``."""
+
+    def check(v: Any, handler: Callable[[Any], Any], info: pydantic.ValidationInfo) -> int:
+        top = info.data.get(key, key)
+        said = f"must be an int in [{minimum}, {key}={top}], got {v!r}"
+        try:
+            v = handler(v)
+        except pydantic.ValidationError:
+            raise refuse(said) from None
+        if isinstance(top, int) and v > top:
+            raise refuse(said)
+        return v
+
+    return Annotated[StrictInt, Field(ge=minimum), WrapValidator(check)]
+
+
 def OneOf(values: Sequence[str], allowed: Optional[str] = None) -> Any:
     """A string field that takes one of ``values``; its mistakes say ``must be <allowed>, got <value>``
     (``allowed`` default: ``one of [...]``), with the nearest of ``values``."""
@@ -269,8 +287,8 @@ def section(name: str, error: type[Exception], wording: Wording = RUN_CONFIG) ->
     """A class decorator: the class as a frozen, keyword-only pydantic dataclass (unknown keys refused)
     that is the section ``name`` of a config file, raising ``error`` (a ``ValueError`` subclass) with the
     key path under ``name`` (``optimizer.b2: must be in [0, 1), got 1.5``) wherever it is built:
-    ``Cls(**fields)``, ``dataclasses.replace``, or ``Cls.from_dict(mapping)``. ``Cls.to_dict()`` gives its
-    fields as plain values (pydantic's serialization: tuples as lists, a field's ``exclude_if`` followed,
+    ``Cls(**fields)``, ``dataclasses.replace``, or ``Cls.from_dict(mapping)``. ``Cls.to_dict()`` (unless the
+    class defines its own) gives its fields as plain values (pydantic's serialization: tuples as lists,
     NaN and infinities kept).
 
     The same class is a field of the file's declaration (the run config's ``optimizer:``): there pydantic
@@ -306,7 +324,8 @@ def section(name: str, error: type[Exception], wording: Wording = RUN_CONFIG) ->
 
         cls.__init__ = __init__
         cls.from_dict = classmethod(from_dict)
-        cls.to_dict = to_dict
+        if "to_dict" not in cls.__dict__:  # a section that writes itself otherwise keeps its own
+            cls.to_dict = to_dict
         return cls
 
     return decorate

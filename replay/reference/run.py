@@ -55,7 +55,7 @@ from typing import Annotated, Any, Callable, Literal, Mapping, Optional, TextIO
 
 import pydantic
 import yaml
-from pydantic import AfterValidator, BeforeValidator, Field, PlainSerializer, StrictStr
+from pydantic import AfterValidator, BeforeValidator, Field, PlainSerializer, StrictStr, WithJsonSchema
 
 from contract.validation import RUN_CONFIG, Int, OneOf, adapter, fields_of, problem, refuse, says, section
 from replay.reference.model import ModelConfig
@@ -117,9 +117,8 @@ class LoaderConfig:
     """Grain worker processes (0: in the trainer's process)"""
     prefetch: _Count = 2
     """batches the loader keeps ready ahead of the trainer"""
-    duplicates: Annotated[OneOf(LOADER_DUPLICATES, f"one of {list(LOADER_DUPLICATES)} (what duplicated data in the "
-                                                   "dataset gets)"),
-                          Field(exclude_if=lambda v: v == "warn")] = "warn"
+    duplicates: OneOf(LOADER_DUPLICATES, f"one of {list(LOADER_DUPLICATES)} (what duplicated data in the dataset "
+                                         "gets)") = "warn"
     """what duplicated data in the dataset gets: warn, refuse (the run does not start) or off"""
 
 
@@ -152,7 +151,8 @@ def _window(w: tuple[int, int]) -> tuple[int, int]:
 
 _Path = Annotated[StrictStr, Field(min_length=1), says(lambda v: f"must be a path string, got {v!r}")]
 _MeshSize = Annotated[int, Field(strict=True), AfterValidator(lambda v: _mesh_size(v)),
-                      says(lambda v: f"must be an int >= 1 or -1, got {v!r}")]
+                      says(lambda v: f"must be an int >= 1 or -1, got {v!r}"),
+                      WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1}, {"const": -1}]})]
 _Window = Annotated[tuple[_Count, _Count], AfterValidator(_window),
                     says(lambda v: f"must be [start, end], got {v!r}",
                          when=lambda v: not isinstance(v, (list, tuple)) or len(v) != 2)]
@@ -196,6 +196,7 @@ class RunConfig:
     """parameter init and the loader's shuffle"""
     mesh: Annotated[dict[str, _MeshSize], BeforeValidator(_pairs_as_mapping, json_schema_input_type=dict[str, _MeshSize]),
                     AfterValidator(_mesh_axes), PlainSerializer(dict),
+                    Field(json_schema_extra={"default": {"data": -1, "expert": 2}}),
                     says(lambda v: f"must be a mapping axis -> size, got {v!r}", when=lambda v: not isinstance(v, Mapping))
                     ] = (("data", -1), ("expert", 2))
     """axes in mesh order (data and expert needed); -1: the remaining devices; fixed sizes using fewer devices than there are take the lowest ids"""
@@ -220,7 +221,7 @@ class RunConfig:
                        says(lambda v: f"this is the reference trainer's run config, whose factory is "
                                       f"{REFERENCE_FACTORY!r} (or leave the key out), got {v!r}")] = REFERENCE_FACTORY
     """the factory replay rebuilds the run with (replay.run.setup); this trainer's"""
-    mtbf_s: Annotated[Optional[float], Field(strict=True, gt=0, allow_inf_nan=False, exclude_if=lambda v: v is None),
+    mtbf_s: Annotated[Optional[float], Field(strict=True, gt=0, allow_inf_nan=False),
                       says(lambda v: f"must be a number of seconds > 0 (the fleet's mean time between failures), "
                                      f"got {v!r}")] = None
     """the fleet's MTBF for replay goodput's Young interval (null: the design point)"""
@@ -246,6 +247,16 @@ class RunConfig:
         if batch is not None and canary.rows > batch:
             raise refuse(f"must be <= global_batch {batch}, got {canary.rows}", at=("rows",))
         return canary
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as written to ``<run>/run_config.yaml``: every key (defaults filled in, paths absolute),
+        but ``loader.duplicates`` at its default and an unset ``mtbf_s``, which runs before them lack."""
+        out = adapter(RunConfig).dump_python(self, mode="json")
+        if self.loader.duplicates == "warn":
+            del out["loader"]["duplicates"]
+        if self.mtbf_s is None:
+            del out["mtbf_s"]
+        return out
 
     @property
     def loader_workers(self) -> int:

@@ -63,12 +63,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Annotated, Any, Mapping, Optional, Protocol, TypeVar, runtime_checkable
+from typing import Annotated, Any, Callable, Mapping, Optional, Protocol, TypeVar, runtime_checkable
 
 import pydantic
 from pydantic import BeforeValidator, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
-from typing_extensions import TypedDict  # pydantic's TypedDict before Python 3.12 (a pydantic dependency)
+from pydantic_core import PydanticSerializationError
+from typing_extensions import NotRequired, TypedDict  # pydantic's TypedDict before Python 3.12 (a pydantic dependency)
 
 from contract.validation import MISSING, adapter, first_error, where
 
@@ -247,16 +248,29 @@ class DriftSpec:
 # newer line), and publishes the JSON Schema of each line (schemas/run_log/, replay.schema).
 
 T = TypeVar("T")
-_OmittedEmpty = Annotated[T, Field(exclude_if=lambda v: not v)]  # left out of the line when empty
-_OmittedNull = Annotated[T, Field(exclude_if=lambda v: v is None)]  # left out of the line when None
 _NullIsEmptyMap = Annotated[T, BeforeValidator(lambda v: {} if v is None else v)]  # null read as {}
 _NullIsEmptyList = Annotated[T, BeforeValidator(lambda v: [] if v is None else v)]  # null read as []
 _NotLogged = Annotated[T, Field(exclude=True), SkipJsonSchema()]  # carried in memory, never written
 
 
-def _plain(value: Any) -> Any:
-    """A NumPy scalar a trainer left in a record, as the Python number it holds (pydantic's fallback)."""
-    return value.item() if hasattr(value, "item") else value
+def _omitted(when: Callable[[Any], bool], **field: Any) -> Any:
+    """A record field left out of its line when ``when(value)`` (empty, or None); ``field``: the
+    ``dataclasses.field`` keywords (its default)."""
+    return dataclasses.field(metadata={"omitted": when}, **field)
+
+
+def _as_is(**field: Any) -> Any:
+    """A record field of free-form values (``Any``: the router's figures) written as they are, not
+    through pydantic's inference, which writes NaN and Inf inside them as null."""
+    return dataclasses.field(metadata={"as_is": True}, **field)
+
+
+def _empty(v: Any) -> bool:
+    return not v
+
+
+def _none(v: Any) -> bool:
+    return v is None
 
 
 class Record:
@@ -270,7 +284,11 @@ class Record:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values: device ids as string keys (JSON objects key by str), tuples as lists,
         fields marked omitted left out when empty."""
-        return adapter(type(self)).dump_python(self, mode="json", warnings=False, fallback=_plain)
+        try:
+            out = adapter(type(self)).dump_python(self, mode="json", warnings=False)
+        except PydanticSerializationError:  # a NumPy scalar a trainer left in it: as the number it holds
+            out = adapter(type(self)).dump_python(_plain(self), mode="json", warnings=False)
+        return _finish(self, out)
 
     def to_json(self) -> str:
         """One line of its step log (keys sorted, no newline; NaN/Inf written as Python's json does)."""
@@ -296,6 +314,34 @@ class Record:
 
 
 R = TypeVar("R", bound=Record)
+
+
+def _finish(rec: Record, out: dict[str, Any]) -> dict[str, Any]:
+    """``out`` (``rec`` dumped) without the fields :func:`_omitted` leaves out and with those :func:`_as_is`
+    writes as they are, in ``rec`` and the records it holds."""
+    for f in dataclasses.fields(rec):
+        value = getattr(rec, f.name)
+        when = f.metadata.get("omitted")
+        if when is not None and when(value):
+            out.pop(f.name, None)
+        elif f.metadata.get("as_is"):
+            out[f.name] = _plain(dict(value))
+        elif isinstance(value, tuple) and value and isinstance(value[0], Record):
+            for item, dumped in zip(value, out[f.name]):
+                _finish(item, dumped)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with the NumPy scalars in it (dict keys too) made the Python numbers they hold."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                                             if f.init})
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value.item() if hasattr(value, "item") and hasattr(value, "dtype") else value
 
 
 def _record_problem(e: pydantic.ValidationError, cls: type) -> str:
@@ -418,12 +464,11 @@ class StepFingerprints(Record):
     batch_hash: str
     leaves: Mapping[str, Mapping[str, int]]
     devices: Mapping[int, Mapping[str, int]]
-    router: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    router: Mapping[str, Any] = _as_is(default_factory=dict)
     device_coords: Mapping[int, Mapping[str, int]] = dataclasses.field(default_factory=dict)
-    send_sites: _OmittedEmpty[tuple[str, ...]] = ()
-    sends: _OmittedEmpty[_NullIsEmptyMap[Mapping[int, tuple[int, ...]]]] = dataclasses.field(default_factory=dict)
-    recvs: _OmittedEmpty[_NullIsEmptyMap[Mapping[int, tuple[tuple[int, ...], ...]]]] = dataclasses.field(
-        default_factory=dict)
+    send_sites: tuple[str, ...] = _omitted(_empty, default=())
+    sends: _NullIsEmptyMap[Mapping[int, tuple[int, ...]]] = _omitted(_empty, default_factory=dict)
+    recvs: _NullIsEmptyMap[Mapping[int, tuple[tuple[int, ...], ...]]] = _omitted(_empty, default_factory=dict)
     signals: _NotLogged[Optional[StepSignals]] = dataclasses.field(default=None, compare=False, repr=False)
 
     def bits_equal(self, other: "StepFingerprints") -> bool:
@@ -471,7 +516,7 @@ class ExpertLoad(Record):
 
     received: Mapping[int, int]
     max_over_mean: float
-    output_sq: _OmittedEmpty[_NullIsEmptyMap[Mapping[int, float]]] = dataclasses.field(default_factory=dict)
+    output_sq: _NullIsEmptyMap[Mapping[int, float]] = _omitted(_empty, default_factory=dict)
 
     @classmethod
     def from_counts(cls, received: Mapping[int, int], output_sq: Optional[Mapping[int, float]] = None) -> "ExpertLoad":
@@ -557,17 +602,17 @@ class StepSignals(Record):
     replicas: tuple[ReplicaNorm, ...] = ()
     devices: _NullIsEmptyMap[Mapping[int, _DeviceSignals]] = dataclasses.field(default_factory=dict)
     router: tuple[RouterLayerStats, ...] = ()
-    expert_load: _OmittedEmpty[_NullIsEmptyList[tuple[ExpertLoad, ...]]] = ()
+    expert_load: _NullIsEmptyList[tuple[ExpertLoad, ...]] = _omitted(_empty, default=())
     step_time_s: Optional[float] = None
     loader_wait_s: Optional[float] = None
     loader_occupancy: Optional[int] = None
-    loader_occupancy_min: _OmittedNull[Optional[int]] = None
-    loader_wait_stages: _OmittedNull[Optional[Mapping[str, float]]] = None
-    t: _OmittedNull[Optional[float]] = None
-    compile_s: _OmittedNull[Optional[float]] = None
-    canary_s: _OmittedNull[Optional[float]] = None
-    checkpoint_s: _OmittedNull[Optional[float]] = None
-    tokens: _OmittedNull[Optional[int]] = None
+    loader_occupancy_min: Optional[int] = _omitted(_none, default=None)
+    loader_wait_stages: Optional[Mapping[str, float]] = _omitted(_none, default=None)
+    t: Optional[float] = _omitted(_none, default=None)
+    compile_s: Optional[float] = _omitted(_none, default=None)
+    canary_s: Optional[float] = _omitted(_none, default=None)
+    checkpoint_s: Optional[float] = _omitted(_none, default=None)
+    tokens: Optional[int] = _omitted(_none, default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -840,8 +885,53 @@ def read_fingerprints(run_dir: str) -> dict[int, StepFingerprints]:
     return _read_merged(run_dir, FINGERPRINTS_NAME, StepFingerprints.from_dict)
 
 
+class Event(TypedDict):
+    """One line of ``events.jsonl`` (module docstring: who writes which event). Every event has ``event`` and
+    ``step``; a trainer's own kinds and fields are allowed. The fields below are typed wherever an event
+    carries them."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc] - a trainer's own fields are kept
+    event: str
+    """start, restore, checkpoint, checkpoint_failed, phase_change, skipped_window, canary_mismatch,
+    non_finite, non_finite_state, state_replicas_disagree, stopped, end (the training loop); skip_window,
+    rewind (replay skip, the next training run follows them); or a trainer's own"""
+    step: int
+    """the global step the event is at"""
+    t: NotRequired[float]
+    """Unix seconds (microseconds) when it was written"""
+    time: NotRequired[str]
+    """the same, ISO 8601, UTC, readable"""
+    attempt: NotRequired[Optional[int]]
+    """the attempt that wrote it (replay.run.lineage)"""
+    checkpoint: NotRequired[int]
+    """restore, rewind, skip_window: the checkpoint restored from, or to rewind to"""
+    previous_end: NotRequired[int]
+    """restore, rewind: the end of the lineage before it"""
+    reason: NotRequired[str]
+    """restore (resume, rollback, ...), stopped, skip_window, rewind: why"""
+    kind: NotRequired[str]
+    """rewind: rewind, rollback or non_finite"""
+    start: NotRequired[int]
+    """skipped_window, skip_window: the window's first step"""
+    end: NotRequired[int]
+    """skipped_window, skip_window: the window's last step (inclusive)"""
+    stop: NotRequired[int]
+    """skip_window: the first step after the window"""
+    save_start_t: NotRequired[float]
+    """checkpoint, checkpoint_failed: Unix seconds when the save began"""
+    commit_t: NotRequired[float]
+    """checkpoint: Unix seconds when it committed"""
+    state: NotRequired[dict[str, Any]]
+    """checkpoint: what it carries of the checkpoint's state record (replay.run.statefp.event_fields)"""
+    phase: NotRequired[int]
+    """phase_change: the mixture phase from this step on"""
+    devices: NotRequired[list[int]]
+    """canary_mismatch, stopped, state_replicas_disagree: the devices named"""
+
+
 def read_events(run_dir: str) -> list[dict[str, Any]]:
-    """Reads ``<run_dir>/events.jsonl`` (one dict per event, in order; a torn last line is skipped)."""
+    """Reads ``<run_dir>/events.jsonl`` (one dict per event, in order; a torn last line is skipped).
+    Each is an :class:`Event`, whose JSON Schema is ``schemas/run_log/event.schema.json``."""
     import os
 
     path = os.path.join(run_dir, EVENTS_NAME)

@@ -46,7 +46,10 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
+import pydantic
+from typing_extensions import NotRequired, TypedDict  # pydantic's TypedDict before Python 3.12
 
+from contract.validation import adapter, problem
 from replay.run import fingerprint as fpm
 
 RECORD_VERSION = 1
@@ -293,6 +296,77 @@ def event_fields(record: StateRecord, path: Optional[str] = None) -> dict[str, A
     return {"state": out}
 
 
+# ----------------------------------------------------------------------------- the record, declared
+#
+# The state record's JSON form (module docstring), declared for pydantic: read_record validates a record
+# file against it, and its JSON Schema is schemas/run_log/checkpoint_record.schema.json (replay.schema).
+
+
+class ShardRecord(TypedDict):
+    """One shard of a leaf: its block, the device whose copy Orbax writes, and every replica's fingerprint."""
+
+    index: str
+    """the shard's block of the global array, NumPy slice notation (``[0:2, :]``)"""
+    saved_by: int
+    """the device whose copy Orbax writes (``replica_id`` 0)"""
+    fp: str
+    """the fingerprint of that copy (16 hex)"""
+    replicas: dict[str, str]
+    """per device id holding a copy, its copy's fingerprint"""
+
+
+class LeafRecord(TypedDict, total=False):
+    """One leaf of the saved state."""
+
+    fp: str
+    """the leaf's fingerprint: the sum of its shards' saved copies (16 hex)"""
+    nan: int
+    inf: int
+    shape: list[int]
+    dtype: str
+    shards: list[ShardRecord]
+    unsupported: str
+    """a leaf of a dtype the fingerprint does not take: the dtype (no fingerprint)"""
+
+
+class Disagreement(TypedDict, total=False):
+    """A shard whose replicas disagreed at the save."""
+
+    leaf: str
+    shard: str
+    devices: list[int]
+    """the odd replicas' devices"""
+    agree: list[int]
+    """the devices of the agreeing majority"""
+    saved_by: int
+    saved_is_odd: bool
+
+
+class LoaderRecord(TypedDict):
+    sha256: Optional[str]
+    """sha256 of the canonical JSON of the loader state (null: saved without one)"""
+
+
+class StateRecordFile(TypedDict):
+    """The state record of one checkpoint (``checkpoint_records/<step>.json``): what the saved train state
+    held, per leaf, shard and replica, in integers that compare bit for bit (replay.run.statefp)."""
+
+    version: NotRequired[int]
+    fingerprint_version: NotRequired[int]
+    step: int
+    """the checkpoint's step"""
+    leaves: dict[str, LeafRecord]
+    """per leaf path (``jax.tree_util.keystr`` of the whole train state)"""
+    loader: NotRequired[LoaderRecord]
+    finite: NotRequired[bool]
+    nonfinite: NotRequired[dict[str, int]]
+    """per leaf path with NaN or Inf values, their count"""
+    replicas_agree: NotRequired[bool]
+    disagree: NotRequired[list[Disagreement]]
+    seconds: NotRequired[float]
+    """wall seconds the record took"""
+
+
 # ----------------------------------------------------------------------------- the record on disk
 
 
@@ -325,8 +399,12 @@ def read_record(run_dir: str, step: int) -> Optional[StateRecord]:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        if not isinstance(data, dict) or int(data.get("step", -1)) != int(step) or "leaves" not in data:
-            raise ValueError("not a state record of this step")
+        try:
+            adapter(StateRecordFile).validate_python(data, strict=True)
+        except pydantic.ValidationError as e:
+            raise ValueError(f"not a state record: {problem(e, StateRecordFile, prefix='record')}") from None
+        if int(data["step"]) != int(step):
+            raise ValueError(f"the state record of step {data['step']}, not {step}")
     except (ValueError, OSError) as e:
         raise DamagedCheckpointError(
             f"checkpoint {step}: its state record {path} is unreadable ({e}); the checkpoint cannot be trusted: "

@@ -45,13 +45,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
-import pydantic
-from pydantic import StrictInt
-
-from contract.validation import Int, Number, refuse, section
+from contract.validation import Int, IntUpTo, Number, section
 
 MAD_TO_SIGMA = 1.4826  # 1 / Phi^-1(3/4): MAD * this estimates sigma for a normal law
 
@@ -128,7 +125,7 @@ class ScreeningConfig:
     """
 
     baseline_window: Int("an int >= 3", ge=3) = 40
-    min_history: StrictInt = 10
+    min_history: IntUpTo(3, "baseline_window") = 10
     sigma_floor: Number("> 0", gt=0) = 1e-3
     cusum_k: Number(">= 0", ge=0) = 0.5
     cusum_h: Number("> 0", gt=0) = 14.0
@@ -142,19 +139,6 @@ class ScreeningConfig:
     stall_min_s: Number(">= 0", ge=0) = 0.05
     stall_budget: Number(">= 0", ge=0) = 0.05
     expert_cusum_h: Number("> 0", gt=0) = 10.0
-
-    @pydantic.field_validator("min_history", mode="wrap")
-    @classmethod
-    def _min_history_in_window(cls, v: Any, handler: Any, info: pydantic.ValidationInfo) -> int:
-        w = info.data.get("baseline_window", "baseline_window")
-        allowed = f"an int in [3, baseline_window={w}]"
-        try:
-            v = handler(v)
-        except pydantic.ValidationError:
-            raise refuse(f"must be {allowed}, got {v!r}") from None
-        if v < 3 or (isinstance(w, int) and v > w):
-            raise refuse(f"must be {allowed}, got {v!r}")
-        return v
 
 
 DEFAULT_SCREENING = ScreeningConfig()
