@@ -62,7 +62,9 @@ integer fingerprint of docs/design.md ("Gradient fingerprints").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import typing
 from typing import Annotated, Any, Callable, Mapping, Optional, Protocol, TypeVar, runtime_checkable
 
 import pydantic
@@ -319,29 +321,59 @@ R = TypeVar("R", bound=Record)
 def _finish(rec: Record, out: dict[str, Any]) -> dict[str, Any]:
     """``out`` (``rec`` dumped) without the fields :func:`_omitted` leaves out and with those :func:`_as_is`
     writes as they are, in ``rec`` and the records it holds."""
-    for f in dataclasses.fields(rec):
-        value = getattr(rec, f.name)
-        when = f.metadata.get("omitted")
+    marked, nested = _marks(type(rec))
+    for name, when, as_is in marked:
+        value = getattr(rec, name)
         if when is not None and when(value):
-            out.pop(f.name, None)
-        elif f.metadata.get("as_is"):
-            out[f.name] = _plain(dict(value))
-        elif isinstance(value, tuple) and value and isinstance(value[0], Record):
-            for item, dumped in zip(value, out[f.name]):
-                _finish(item, dumped)
+            out.pop(name, None)
+        elif as_is:
+            out[name] = _plain(dict(value))
+    for name in nested:
+        for item, dumped in zip(getattr(rec, name), out.get(name, ())):
+            _finish(item, dumped)
     return out
+
+
+@functools.cache
+def _marks(cls: type) -> tuple[tuple[tuple[str, Any, bool], ...], tuple[str, ...]]:
+    """``(marked, nested)`` of a record class, once: its fields with :func:`_omitted` or :func:`_as_is`
+    ``(name, when, as_is)``, and its fields holding records that have such fields (a step's hot path)."""
+    hints = typing.get_type_hints(cls)
+    marked = tuple((f.name, f.metadata.get("omitted"), bool(f.metadata.get("as_is")))
+                   for f in dataclasses.fields(cls) if f.metadata)
+    nested = []
+    for f in dataclasses.fields(cls):
+        bare = _bare(hints[f.name])
+        inner = [a for a in typing.get_args(bare) if isinstance(a, type) and issubclass(a, Record)]
+        if typing.get_origin(bare) is tuple and any(_marks(a)[0] for a in inner):  # a tuple of records
+            nested.append(f.name)
+    return marked, tuple(nested)
+
+
+def _bare(annotation: Any) -> Any:
+    while typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return annotation
 
 
 def _plain(value: Any) -> Any:
     """``value`` with the NumPy scalars in it (dict keys too) made the Python numbers they hold."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    if kind is dict:
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if kind is list or kind is tuple:
+        return kind(_plain(v) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.replace(value, **{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
                                              if f.init})
     if isinstance(value, Mapping):
         return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
     return value.item() if hasattr(value, "item") and hasattr(value, "dtype") else value
+
+
+_PLAIN = frozenset({int, float, str, bool, type(None)})
 
 
 def _record_problem(e: pydantic.ValidationError, cls: type) -> str:
