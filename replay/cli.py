@@ -6,16 +6,18 @@ arguments, prints, writes files and maps outcomes to exit codes (``replay.verify
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import random
 import shlex
 import sys
 import traceback
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from replay.run import distributed
 from replay.run.codes import ExitCode
+from replay.run.protocol import FAULT_SITES
 
 DEVICE_SPEC_HELP = """\
 device spec (--devices):
@@ -196,8 +198,6 @@ def _positive_float(text: str) -> float:
 RUN_HELP = ("the training run directory (run_config.yaml, env.json, fingerprints.jsonl, ...); default: "
             "$REPLAY_RUN, else the current folder if it is a run directory")
 
-COMMANDS = ("range", "canary", "inspect", "scan", "triage", "skip", "goodput", "drill", "certify")
-
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's default exit code 2 is ExitCode.USAGE already; keep its text
@@ -224,18 +224,75 @@ class _TopParser(_Parser):
         return head.rstrip("\n") + "\n\n" + options + sep + tail if sep else text + "\n" + options
 
 
-def _common(p: argparse.ArgumentParser, devices_default: str) -> None:
-    p.add_argument("--run", metavar="DIR", help=RUN_HELP)
-    p.add_argument("--devices", metavar="SPEC", default=devices_default, help=f"device spec (default {devices_default}); see below")
-    p.add_argument("--quarantine", metavar="FILE", help="quarantined device ids, one a line (default: <run>/quarantine.txt)")
-    p.add_argument("--json", metavar="OUT", help="write the full report as JSON here")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress bar or progress lines (the closing 'done in' line stays)")
-    distributed.add_arguments(p)
+# ----------------------------------------------------------------------------- the commands, declared
+#
+# Each subcommand is one Command of COMMAND_TABLE (at the end of this module, beside the handlers): its
+# help line, description and epilog (its exit codes), the shared parent parsers its first options come
+# from, its own options, and its handler. build_parser makes the parser from the table; main dispatches
+# through it.
+
+Arg = tuple[tuple[str, ...], dict[str, Any]]
+
+
+def _arg(*flags: str, **kwargs: Any) -> Arg:
+    """One option of a command: ``add_argument``'s flags and keywords."""
+    return flags, kwargs
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One ``replay`` subcommand: ``replay <name> --help`` shows ``description``, then the options of its
+    ``parents`` (shared parent parsers, made fresh for each command) and its own ``args``, then ``epilog``;
+    ``help`` is its line in ``replay --help``; ``handler(args, console)`` returns its exit code."""
+
+    name: str
+    help: str
+    description: str
+    epilog: str
+    handler: Callable[[Any, Any], int]
+    parents: tuple[Callable[[], argparse.ArgumentParser], ...] = ()
+    args: tuple[Arg, ...] = ()
+
+
+def _parent(*args: Arg, processes: bool = False) -> argparse.ArgumentParser:
+    """A parent parser (options several commands share) holding ``args``, and with ``processes`` the
+    process flags of ``replay.run.distributed`` in their group."""
+    p = argparse.ArgumentParser(add_help=False)
+    for flags, kwargs in args:
+        p.add_argument(*flags, **kwargs)
+    if processes:
+        distributed.add_arguments(p)
+    return p
+
+
+def _run_option(help: str = RUN_HELP) -> Callable[[], argparse.ArgumentParser]:
+    """The parent of ``--run DIR``."""
+    return lambda: _parent(_arg("--run", metavar="DIR", help=help))
+
+
+def _processes() -> argparse.ArgumentParser:
+    """The parent of the process flags (commands that can run as several processes)."""
+    return _parent(processes=True)
+
+
+def _device_work(devices: str) -> Callable[[], argparse.ArgumentParser]:
+    """The parent of the commands that run steps on devices (range, canary, drill, certify): ``--run``,
+    ``--devices`` (default ``devices``), ``--quarantine``, ``--json``, ``--no-progress`` and the
+    process flags."""
+    return lambda: _parent(
+        _arg("--run", metavar="DIR", help=RUN_HELP),
+        _arg("--devices", metavar="SPEC", default=devices, help=f"device spec (default {devices}); see below"),
+        _arg("--quarantine", metavar="FILE", help="quarantined device ids, one a line (default: <run>/quarantine.txt)"),
+        _arg("--json", metavar="OUT", help="write the full report as JSON here"),
+        _arg("--no-progress", action="store_true",
+             help="no progress bar or progress lines (the closing 'done in' line stays)"),
+        processes=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``replay`` parser: the top-level help, then one subparser per :data:`COMMAND_TABLE` entry."""
     fmt = argparse.RawDescriptionHelpFormatter
+    names = ",".join(COMMANDS)
     parser = _TopParser(
         prog="replay",
         usage="replay [range] [--run DIR] --steps A:B [--devices SPEC] [range options]\n"
@@ -255,215 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "  replay certify --run DIR [--from STEP]          walk the checkpoints, certify the newest clean\n\n"
                     "--run DIR may be left out: $REPLAY_RUN, else the current folder if it is a run directory.",
         epilog=DEVICE_SPEC_HELP + "\n" + VERDICT_HELP, formatter_class=fmt)
-    sub = parser.add_subparsers(dest="command", title="commands",
-                                metavar="{range,canary,inspect,scan,triage,skip,goodput,drill,certify}",
-                                parser_class=_Parser)
-
-    r = sub.add_parser("range", prog="replay range", help="rerun steps and diff them with the log (the default)",
-                       description="Restore the newest checkpoint at or before A (read-only), rebuild the "
-                                   "batches with the loader (phases and skipped windows followed), replay steps "
-                                   "checkpoint..B-1 on two independent placements of the chosen devices and "
-                                   "compare every step with the logged fingerprints.",
-                       epilog=DEVICE_SPEC_HELP + "\n" + RANGE_EXIT_HELP, formatter_class=fmt)
-    _common(r, "good")
-    r.add_argument("--steps", metavar="A:B", required=True, help="A:B, steps A..B-1 (half-open), or one step A")
-    r.add_argument("--repeats", type=int, default=1, help="replays per placement (faulty chips are often inconsistent)")
-    r.add_argument("--placements", type=int, default=2, help="independent device placements (>= 2 to convict)")
-    r.add_argument("--plot", metavar="OUT.png", help="write a steps x devices plot with mismatches marked")
-    r.add_argument("--allow-env-drift", action="store_true",
-                   help="replay even if library versions, XLA flags, device kind or mesh differ from env.json")
-    r.add_argument("--tolerance", type=float, metavar="RTOL",
-                   help="compare loss and gradient norm within RTOL only (weaker evidence: can acquit, never convict)")
-    r.add_argument("--onset", type=int, metavar="STEP",
-                   help="the first suspect step: replay its checkpoint segment first and stop at a conviction there "
-                        "(default: the onset 'replay scan' wrote to suspects.json, if any)")
-    r.add_argument("--exhaustive", action="store_true",
-                   help="replay every segment of the range, even after a conviction")
-    r.add_argument("--sequential", action="store_true",
-                   help="run the placements one after the other (default: placements on disjoint devices at once)")
-
-    c = sub.add_parser("canary", prog="replay canary", help="run the fixed canary batch on each device",
-                       description="Forward and backward of a fixed, versioned canary batch with fixed weights on "
-                                   "each chosen device, --repeats times; all must be bit-identical and equal to "
-                                   "the golden value of this environment (created from the majority when absent). "
-                                   "The odd device out is named.",
-                       epilog=DEVICE_SPEC_HELP + "\n" + CANARY_EXIT_HELP, formatter_class=fmt)
-    _common(c, "all")
-    c.add_argument("--repeats", type=int, default=2, help="runs per device; all must give the same fingerprints")
-    c.add_argument("--checkpoint", type=int, help="weights from this checkpoint step (default: seeded init)")
-    c.add_argument("--step", type=int, help="canary batch: rows of this step (default: run config canary.step or 0)")
-    c.add_argument("--rows", type=int, help="canary batch rows (default: the run config's canary.rows)")
-    c.add_argument("--seq-len", type=int, help="keep the first N slots of each row, a valid packed prefix "
-                                                "(default: the run config's canary.seq_len; whole rows when unset)")
-    c.add_argument("--golden", metavar="FILE", help="golden values file (default <run>/canary/golden.json)")
-    c.add_argument("--reset-golden", action="store_true", help="re-create this environment's golden value")
-
-    i = sub.add_parser("inspect", prog="replay inspect", help="list the documents of each row of any steps",
-                       description="For each step and row: source, document key, chunk and token span; a "
-                                   "per-source summary; the shards and records touched. Needs no device work "
-                                   "(no --devices): a batch is a pure function of the step, so any step can be "
-                                   "looked up, logged or not (e.g. the batches a run is about to train on), "
-                                   f"at most {MAX_INSPECT_STEPS} steps a call.",
-                       epilog=INSPECT_TEXT_HELP + "\n" + INSPECT_EXIT_HELP, formatter_class=fmt)
-    i.add_argument("--run", metavar="DIR", help=RUN_HELP + " (its run config names the dataset)")
-    distributed.add_arguments(i)
-    i.add_argument("--steps", metavar="A:B", required=True, help="A:B (half-open) or A")
-    i.add_argument("--text", action="store_true",
-                   help="decode each document's tokens with the dataset's tokenizer (normalized text: below); the "
-                        "table shows the start of each, --json OUT the whole text")
-    i.add_argument("--json", metavar="OUT",
-                   help="write the full report (every row and document, with its token_ids) as JSON here")
-    i.add_argument("--max-rows", type=int, default=200, help="documents shown in the table (default 200; the JSON has all)")
-
-    sc = sub.add_parser("scan", prog="replay scan", help="screen a run from its logs alone, rank suspects",
-                        description="From the run's logs alone (signals.jsonl, canary.jsonl, fingerprints.jsonl, "
-                                    "events.jsonl; no device work): replica gradient-norm drift and spikes (robust "
-                                    "log-ratios against the cross-replica median), canary mismatches, NaN/Inf per "
-                                    "leaf and device, loss spikes, router health per layer (the run config's "
-                                    "router_health), loader stalls. Prints the ranked suspects, writes "
-                                    "<run>/suspects.json (used by --devices suspect / good) and suggests the range "
-                                    "replay to run.",
-                        epilog=SCAN_EXIT_HELP, formatter_class=fmt)
-    sc.add_argument("--run", metavar="DIR", help=RUN_HELP)
-    distributed.add_arguments(sc)
-    sc.add_argument("--steps", metavar="A:B", help="A:B: report findings in steps A..B-1 (earlier steps serve as history)")
-    sc.add_argument("--json", metavar="OUT", help="write the full report as JSON here")
-    sc.add_argument("--plot", metavar="OUT.png", help="write the per-step signals with the suspects marked")
-    sc.add_argument("--follow", action="store_true",
-                    help="watch a live run: score each new step as it lands, print each new suspect, until "
-                         "the run ends (its 'end' event) or --timeout; with --on-suspect, run CMD once, at the "
-                         "first suspect, with the suspect's JSON on stdin")
-    sc.add_argument("--on-suspect", metavar="CMD",
-                    help="with --follow: a shell command run the first time a suspect appears (page someone, "
-                         "or start 'replay triage'); stdin: the suspect as JSON, with its next step")
-    sc.add_argument("--interval", type=float, default=2.0, help="with --follow: seconds between looks (default 2)")
-    sc.add_argument("--timeout", type=float, help="with --follow: stop after this many seconds")
-
-    t = sub.add_parser("triage", prog="replay triage", help="walk a loss spike: events, replicas, data, router",
-                       description="The triage of a loss spike at --step, in the field's order, from the run's "
-                                   "lineage: 1 events in the window (with the exact restore check from the logged "
-                                   "loader states and batch hashes), 2 replicas (replay scan's statistics; "
-                                   "--replay runs the range replay on good devices), 3 data (the onset's rows "
-                                   "against earlier rows, per shard and source), 4 router health per layer. Each "
-                                   "check is clear, suspect or not available; the conclusion gives the cause, the "
-                                   "confidence and the next command.",
-                       epilog=TRIAGE_EXIT_HELP, formatter_class=fmt)
-    t.add_argument("--run", metavar="DIR", help=RUN_HELP)
-    t.add_argument("--step", type=int, required=True, help="the step of the loss spike")
-    t.add_argument("--window", type=int, default=1000, help="steps before --step the checks look at (default 1000)")
-    t.add_argument("--replay", action="store_true",
-                   help="run the range replay on good devices from the newest checkpoint before the onset")
-    t.add_argument("--devices", metavar="SPEC", default="good", help="with --replay: the device spec (default good)")
-    t.add_argument("--quarantine", metavar="FILE", help="quarantined device ids (default: <run>/quarantine.txt)")
-    t.add_argument("--json", metavar="OUT", help="write the full report as JSON here")
-    t.add_argument("--plot", metavar="OUT.png", help="write the dashboard over the window (events as lines)")
-    t.add_argument("--no-progress", action="store_true", help="no progress of the range replay")
-
-    k = sub.add_parser("skip", prog="replay skip", help="rewind to a checkpoint and skip a data window",
-                       description="Record, as events of the run (never an edit of a file), a rewind to "
-                                   "checkpoint C (default: the newest at or before A) and a skipped data window "
-                                   "A:B (steps A..B-1: from step A on, step s trains on the data of s + B - A). "
-                                   "The next 'python -m replay.reference.train --run DIR' resumes from C with "
-                                   "the window skipped; the steps trained after C become a superseded attempt, "
-                                   "kept. replay inspect and range replay follow the window at once.",
-                       epilog=SKIP_EXIT_HELP, formatter_class=fmt)
-    k.add_argument("--run", metavar="DIR", help=RUN_HELP)
-    k.add_argument("--steps", metavar="A:B", required=True, help="the data window to skip, A:B (half-open) or A")
-    k.add_argument("--reason", required=True, help="why (recorded in the events)")
-    k.add_argument("--checkpoint", type=int, metavar="C", help="the checkpoint to rewind to (default: newest <= A)")
-    k.add_argument("--json", metavar="OUT", help="write what was recorded as JSON here")
-
-    g = sub.add_parser("goodput", prog="replay goodput", help="where the run's wall time and tokens went",
-                       description="From the run directory alone: the wall time from the first launch to the last "
-                                   "record split into productive step time of the lineage, start-up, compilation, "
-                                   "checkpoint save stalls and restores, work lost to crashes, rewound work, steps "
-                                   "trained on later-skipped data, loader waits, the canary, gaps between attempts, "
-                                   "the loop's other host time and what the log cannot tell (unknown); the parts "
-                                   "add up exactly. Tokens split the same way and reconcile with the loader's "
-                                   "step -> rows arithmetic. MFU per step from the trainer's logged FLOPs.",
-                       epilog=GOODPUT_EXIT_HELP, formatter_class=fmt)
-    g.add_argument("--run", metavar="DIR", help=RUN_HELP)
-    g.add_argument("--json", metavar="OUT", help="write the full report as JSON here")
-    g.add_argument("--plot", metavar="OUT.png", help="write the waterfall and goodput over time")
-    g.add_argument("--peak-flops", type=_positive_float, metavar="F",
-                   help="peak FLOP/s of one device for MFU (default: a table of known device kinds)")
-    g.add_argument("--mtbf", type=_positive_float, metavar="S",
-                   help="the fleet's mean time between failures in seconds, for Young's checkpoint interval "
-                        "(default: the run config's mtbf_s, else the seed's design point, 8,800 s)")
-
-    d = sub.add_parser("drill", prog="replay drill", help="inject a bit flip, check replay and canary catch it",
-                       description="Flip one bit (chosen, or random from --seed) in one device's local gradient "
-                                   "(or, with --where, inside its computation) at one step of a replay of the run, then check that range replay convicts "
-                                   "that device at that step and that the canary names it. Exit 0 when caught, "
-                                   f"{DRILL_NOT_CAUGHT} when not.",
-                       epilog=DEVICE_SPEC_HELP + "\n" + DRILL_EXIT_HELP, formatter_class=fmt)
-    _common(d, "all")
-    d.add_argument("--seed", type=int, default=0, help="seed of the random fault fields")
-    d.add_argument("--count", type=int, help="number of drills (default 1; triage scenarios: 5 seeds each)")
-    d.add_argument("--step", type=int, help="the logged step the fault fires at (default: random)")
-    d.add_argument("--device", type=int, help="jax.Device.id of the faulty device of the run's mesh (default: random)")
-    d.add_argument("--leaf", help="parameter leaf path, e.g. \"['layers'][0]['w_in']\"")
-    d.add_argument("--element", type=int, help="flat index into the device's local shard of the leaf (default: random)")
-    d.add_argument("--bit", type=int, help="0 = lowest mantissa bit")
-    from replay.run.protocol import FAULT_SITES
-
-    d.add_argument("--where", choices=FAULT_SITES, default="local_gradient", metavar="SITE",
-                   help="where the fault enters the device's step: its finished local gradient (default), its "
-                        "experts' output in the forward pass, an expert weight's gradient in the backward pass, "
-                        "an attention output, or inside the arithmetic (issue 27): ffn_up / ffn_down (the expert "
-                        "FFN matmuls, before the nonlinearity / the down matmul's input), ffn_{up,down}_grad_input "
-                        "/ _grad_weight (the backward's activation- and weight-gradient products), attn_scores / "
-                        "attn_probs / attn_pv (QK^T, the softmax output, PV), router_logits (before top-k), "
-                        "transit_dispatch / transit_combine and their _grad (what the device received at an "
-                        "all-to-all: the verdict names the link sender -> receiver), host_batch (a token of the "
-                        f"device's rows after the loader handed them over). One of: {', '.join(FAULT_SITES)}")
-    d.add_argument("--layer", type=int, help="--where a per-layer site: the layer (default: random)")
-    d.add_argument("--mode", choices=("flip", "scale", "set"), default="flip",
-                   help="flip --bit (default), scale the element by --value, or set it to --value (nan, inf)")
-    d.add_argument("--value", type=float, default=None,
-                   help="--mode scale: the factor (e.g. 1.001); --mode set: the value, 'nan' and 'inf' included; "
-                        "triage drill nonfinite: nan or inf, the value the device's local gradient is multiplied "
-                        "into (default: both, with --grid; else nan)")
-    d.add_argument("--no-canary", action="store_true", help="check range replay only, not the canary")
-    d.add_argument("--to-disk", metavar="DIR",
-                   help="write each drill as a short faulty training run DIR/drill-N (fingerprints, a checkpoint "
-                        "after the faulty step) and replay it from disk")
-    d.add_argument("--scenario", choices=("drift", "flip", "canary", "expert_drift", *TRIAGE_SCENARIOS, "all"),
-                   help="a screening drill instead: retrain the run from a checkpoint with a persistent small "
-                        "error on one device (drift: --magnitude, --kind), intermittent bit flips (flip: --flips, "
-                        "--bit) or a wrong canary (canary), then check that 'replay scan' names that device and "
-                        "the first step (expert_drift: one expert device's experts' output x(1 + --magnitude) "
-                        "at every step, which 'replay scan' must name by its expert_drift check); --step is the "
-                        "fault's first step, the drilled runs go to --to-disk "
-                        "(default: a temporary folder). Or a triage drill (sdc, restart, data, duplicate, router, "
-                        "router_scale, nonfinite: a device's gradient made NaN or Inf, clean; all: each of them): a "
-                        "short training run of its own (no --run) with one planted cause, and 'replay triage' must "
-                        "name it; --count seeds each (default 5), from --seed, at the largest magnitude of the "
-                        "scenario's grid (--grid: at each, down to the check's floor; nonfinite: --value)")
-    d.add_argument("--grid", action="store_true",
-                   help="triage drills: every magnitude of each scenario's fixed grid (replay.triage_drill.GRIDS), "
-                        "with the detections per magnitude")
-    d.add_argument("--magnitude", type=_positive_float, default=0.2,
-                   help="drift: relative error of the device's local gradient, a finite number > 0 (default 0.2)")
-    d.add_argument("--kind", choices=("scale", "bias"), default="scale", help="drift: scale or bias (default scale)")
-    d.add_argument("--flips", type=int, default=3, help="flip: number of bit flips (default 3)")
-    ce = sub.add_parser("certify", prog="replay certify", help="certify the newest clean checkpoint",
-                        description="From a checkpoint taken as trusted (the first, or --from), replay each checkpoint "
-                                    "segment on good devices and compare the state it reaches with the next "
-                                    "checkpoint's state record, leaf by leaf; restore each checkpoint and check its "
-                                    "files against its record. Each checkpoint is certified, poisoned (replicas "
-                                    "disagreed at the save, or the replay does not reach it), damaged (its files do "
-                                    "not match its record) or not certifiable; segments on disjoint placements run at "
-                                    "the same time.",
-                        epilog=DEVICE_SPEC_HELP + "\n" + CERTIFY_EXIT_HELP, formatter_class=fmt)
-    _common(ce, "good")
-    ce.add_argument("--from", dest="from_step", type=int, metavar="STEP",
-                    help="the checkpoint taken as trusted (default: the run's first)")
-    ce.add_argument("--to", dest="to_step", type=int, metavar="STEP", help="the last checkpoint to judge (default: newest)")
-    ce.add_argument("--plot", metavar="OUT.png", help="write the chain: checkpoints on a step axis, each marked")
-    ce.add_argument("--allow-env-drift", action="store_true", help="certify even if the environment differs")
-    ce.add_argument("--sequential", action="store_true", help="one placement at a time")
-    parser.range_parser = r
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="{" + names + "}", parser_class=_Parser)
+    for c in COMMAND_TABLE:
+        p = sub.add_parser(c.name, prog=f"replay {c.name}", help=c.help, description=c.description, epilog=c.epilog,
+                           formatter_class=fmt, parents=[make() for make in c.parents])
+        for flags, kwargs in c.args:
+            p.add_argument(*flags, **kwargs)
+        if c.name == "range":
+            parser.range_parser = p
     return parser
 
 
@@ -1060,6 +916,303 @@ def _join_dash_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
+COMMAND_TABLE: tuple[Command, ...] = (
+    Command(
+        "range", help="rerun steps and diff them with the log (the default)",
+        description="Restore the newest checkpoint at or before A (read-only), rebuild the batches with the loader "
+                    "(phases and skipped windows followed), replay steps checkpoint..B-1 on two independent "
+                    "placements of the chosen devices and compare every step with the logged fingerprints.",
+        epilog=DEVICE_SPEC_HELP + "\n" + RANGE_EXIT_HELP, handler=_cmd_range, parents=(_device_work("good"),),
+        args=(
+            _arg("--steps", metavar="A:B", required=True, help="A:B, steps A..B-1 (half-open), or one step A"),
+            _arg("--repeats", type=int, default=1, help="replays per placement (faulty chips are often inconsistent)"),
+            _arg("--placements", type=int, default=2, help="independent device placements (>= 2 to convict)"),
+            _arg("--plot", metavar="OUT.png", help="write a steps x devices plot with mismatches marked"),
+            _arg("--allow-env-drift", action="store_true",
+                 help="replay even if library versions, XLA flags, device kind or mesh differ from env.json"),
+            _arg("--tolerance", type=float, metavar="RTOL",
+                 help="compare loss and gradient norm within RTOL only (weaker evidence: can acquit, never convict)"),
+            _arg("--onset", type=int, metavar="STEP",
+                 help="the first suspect step: replay its checkpoint segment first and stop at a conviction there "
+                      "(default: the onset 'replay scan' wrote to suspects.json, if any)"),
+            _arg("--exhaustive", action="store_true", help="replay every segment of the range, even after a conviction"),
+            _arg("--sequential", action="store_true",
+                 help="run the placements one after the other (default: placements on disjoint devices at once)"),
+        )),
+    Command(
+        "canary", help="run the fixed canary batch on each device",
+        description="Forward and backward of a fixed, versioned canary batch with fixed weights on each chosen "
+                    "device, --repeats times; all must be bit-identical and equal to the golden value of this "
+                    "environment (created from the majority when absent). The odd device out is named.",
+        epilog=DEVICE_SPEC_HELP + "\n" + CANARY_EXIT_HELP, handler=_cmd_canary, parents=(_device_work("all"),),
+        args=(
+            _arg("--repeats", type=int, default=2, help="runs per device; all must give the same fingerprints"),
+            _arg("--checkpoint", type=int, help="weights from this checkpoint step (default: seeded init)"),
+            _arg("--step", type=int, help="canary batch: rows of this step (default: run config canary.step or 0)"),
+            _arg("--rows", type=int, help="canary batch rows (default: the run config's canary.rows)"),
+            _arg("--seq-len", type=int, help="keep the first N slots of each row, a valid packed prefix (default: the "
+                                              "run config's canary.seq_len; whole rows when unset)"),
+            _arg("--golden", metavar="FILE", help="golden values file (default <run>/canary/golden.json)"),
+            _arg("--reset-golden", action="store_true", help="re-create this environment's golden value"),
+        )),
+    Command(
+        "inspect", help="list the documents of each row of any steps",
+        description="For each step and row: source, document key, chunk and token span; a per-source summary; the "
+                    "shards and records touched. Needs no device work (no --devices): a batch is a pure function "
+                    "of the step, so any step can be looked up, logged or not (e.g. the batches a run is about to "
+                    f"train on), at most {MAX_INSPECT_STEPS} steps a call.",
+        epilog=INSPECT_TEXT_HELP + "\n" + INSPECT_EXIT_HELP, handler=_cmd_inspect,
+        parents=(_run_option(RUN_HELP + " (its run config names the dataset)"), _processes),
+        args=(
+            _arg("--steps", metavar="A:B", required=True, help="A:B (half-open) or A"),
+            _arg("--text", action="store_true",
+                 help="decode each document's tokens with the dataset's tokenizer (normalized text: below); the "
+                      "table shows the start of each, --json OUT the whole text"),
+            _arg("--json", metavar="OUT",
+                 help="write the full report (every row and document, with its token_ids) as JSON here"),
+            _arg("--max-rows", type=int, default=200, help="documents shown in the table (default 200; the JSON has all)"),
+        )),
+    Command(
+        "scan", help="screen a run from its logs alone, rank suspects",
+        description="From the run's logs alone (signals.jsonl, canary.jsonl, fingerprints.jsonl, events.jsonl; no "
+                    "device work): replica gradient-norm drift and spikes (robust log-ratios against the "
+                    "cross-replica median), canary mismatches, NaN/Inf per leaf and device, loss spikes, router "
+                    "health per layer (the run config's router_health), loader stalls. Prints the ranked suspects, "
+                    "writes <run>/suspects.json (used by --devices suspect / good) and suggests the range replay to "
+                    "run.",
+        epilog=SCAN_EXIT_HELP, handler=_cmd_scan, parents=(_run_option(), _processes),
+        args=(
+            _arg("--steps", metavar="A:B", help="A:B: report findings in steps A..B-1 (earlier steps serve as history)"),
+            _arg("--json", metavar="OUT", help="write the full report as JSON here"),
+            _arg("--plot", metavar="OUT.png", help="write the per-step signals with the suspects marked"),
+            _arg("--follow", action="store_true",
+                 help="watch a live run: score each new step as it lands, print each new suspect, until the run ends "
+                      "(its 'end' event) or --timeout; with --on-suspect, run CMD once, at the first suspect, with "
+                      "the suspect's JSON on stdin"),
+            _arg("--on-suspect", metavar="CMD",
+                 help="with --follow: a shell command run the first time a suspect appears (page someone, or start "
+                      "'replay triage'); stdin: the suspect as JSON, with its next step"),
+            _arg("--interval", type=float, default=2.0, help="with --follow: seconds between looks (default 2)"),
+            _arg("--timeout", type=float, help="with --follow: stop after this many seconds"),
+        )),
+    Command(
+        "triage", help="walk a loss spike: events, replicas, data, router",
+        description="The triage of a loss spike at --step, in the field's order, from the run's lineage: 1 events in "
+                    "the window (with the exact restore check from the logged loader states and batch hashes), 2 "
+                    "replicas (replay scan's statistics; --replay runs the range replay on good devices), 3 data (the "
+                    "onset's rows against earlier rows, per shard and source), 4 router health per layer. Each check "
+                    "is clear, suspect or not available; the conclusion gives the cause, the confidence and the next "
+                    "command.",
+        epilog=TRIAGE_EXIT_HELP, handler=_cmd_triage, parents=(_run_option(),),
+        args=(
+            _arg("--step", type=int, required=True, help="the step of the loss spike"),
+            _arg("--window", type=int, default=1000, help="steps before --step the checks look at (default 1000)"),
+            _arg("--replay", action="store_true",
+                 help="run the range replay on good devices from the newest checkpoint before the onset"),
+            _arg("--devices", metavar="SPEC", default="good", help="with --replay: the device spec (default good)"),
+            _arg("--quarantine", metavar="FILE", help="quarantined device ids (default: <run>/quarantine.txt)"),
+            _arg("--json", metavar="OUT", help="write the full report as JSON here"),
+            _arg("--plot", metavar="OUT.png", help="write the dashboard over the window (events as lines)"),
+            _arg("--no-progress", action="store_true", help="no progress of the range replay"),
+        )),
+    Command(
+        "skip", help="rewind to a checkpoint and skip a data window",
+        description="Record, as events of the run (never an edit of a file), a rewind to checkpoint C (default: the "
+                    "newest at or before A) and a skipped data window A:B (steps A..B-1: from step A on, step s "
+                    "trains on the data of s + B - A). The next 'python -m replay.reference.train --run DIR' resumes "
+                    "from C with the window skipped; the steps trained after C become a superseded attempt, kept. "
+                    "replay inspect and range replay follow the window at once.",
+        epilog=SKIP_EXIT_HELP, handler=_cmd_skip, parents=(_run_option(),),
+        args=(
+            _arg("--steps", metavar="A:B", required=True, help="the data window to skip, A:B (half-open) or A"),
+            _arg("--reason", required=True, help="why (recorded in the events)"),
+            _arg("--checkpoint", type=int, metavar="C", help="the checkpoint to rewind to (default: newest <= A)"),
+            _arg("--json", metavar="OUT", help="write what was recorded as JSON here"),
+        )),
+    Command(
+        "goodput", help="where the run's wall time and tokens went",
+        description="From the run directory alone: the wall time from the first launch to the last record split into "
+                    "productive step time of the lineage, start-up, compilation, checkpoint save stalls and "
+                    "restores, work lost to crashes, rewound work, steps trained on later-skipped data, loader "
+                    "waits, the canary, gaps between attempts, the loop's other host time and what the log cannot "
+                    "tell (unknown); the parts add up exactly. Tokens split the same way and reconcile with the "
+                    "loader's step -> rows arithmetic. MFU per step from the trainer's logged FLOPs.",
+        epilog=GOODPUT_EXIT_HELP, handler=_cmd_goodput, parents=(_run_option(),),
+        args=(
+            _arg("--json", metavar="OUT", help="write the full report as JSON here"),
+            _arg("--plot", metavar="OUT.png", help="write the waterfall and goodput over time"),
+            _arg("--peak-flops", type=_positive_float, metavar="F",
+                 help="peak FLOP/s of one device for MFU (default: a table of known device kinds)"),
+            _arg("--mtbf", type=_positive_float, metavar="S",
+                 help="the fleet's mean time between failures in seconds, for Young's checkpoint interval (default: "
+                      "the run config's mtbf_s, else the seed's design point, 8,800 s)"),
+        )),
+    Command(
+        "drill", help="inject a bit flip, check replay and canary catch it",
+        description="Flip one bit (chosen, or random from --seed) in one device's local gradient (or, with --where, "
+                    "inside its computation) at one step of a replay of the run, then check that range replay "
+                    "convicts that device at that step and that the canary names it. Exit 0 when caught, "
+                    f"{DRILL_NOT_CAUGHT} when not.",
+        epilog=DEVICE_SPEC_HELP + "\n" + DRILL_EXIT_HELP, handler=_cmd_drill, parents=(_device_work("all"),),
+        args=(
+            _arg("--seed", type=int, default=0, help="seed of the random fault fields"),
+            _arg("--count", type=int, help="number of drills (default 1; triage scenarios: 5 seeds each)"),
+            _arg("--step", type=int, help="the logged step the fault fires at (default: random)"),
+            _arg("--device", type=int, help="jax.Device.id of the faulty device of the run's mesh (default: random)"),
+            _arg("--leaf", help="parameter leaf path, e.g. \"['layers'][0]['w_in']\""),
+            _arg("--element", type=int, help="flat index into the device's local shard of the leaf (default: random)"),
+            _arg("--bit", type=int, help="0 = lowest mantissa bit"),
+            _arg("--where", choices=FAULT_SITES, default="local_gradient", metavar="SITE",
+                 help="where the fault enters the device's step: its finished local gradient (default), its experts' "
+                      "output in the forward pass, an expert weight's gradient in the backward pass, an attention "
+                      "output, or inside the arithmetic (issue 27): ffn_up / ffn_down (the expert FFN matmuls, before "
+                      "the nonlinearity / the down matmul's input), ffn_{up,down}_grad_input / _grad_weight (the "
+                      "backward's activation- and weight-gradient products), attn_scores / attn_probs / attn_pv "
+                      "(QK^T, the softmax output, PV), router_logits (before top-k), transit_dispatch / "
+                      "transit_combine and their _grad (what the device received at an all-to-all: the verdict names "
+                      "the link sender -> receiver), host_batch (a token of the device's rows after the loader "
+                      f"handed them over). One of: {', '.join(FAULT_SITES)}"),
+            _arg("--layer", type=int, help="--where a per-layer site: the layer (default: random)"),
+            _arg("--mode", choices=("flip", "scale", "set"), default="flip",
+                 help="flip --bit (default), scale the element by --value, or set it to --value (nan, inf)"),
+            _arg("--value", type=float, default=None,
+                 help="--mode scale: the factor (e.g. 1.001); --mode set: the value, 'nan' and 'inf' included; triage "
+                      "drill nonfinite: nan or inf, the value the device's local gradient is multiplied into "
+                      "(default: both, with --grid; else nan)"),
+            _arg("--no-canary", action="store_true", help="check range replay only, not the canary"),
+            _arg("--to-disk", metavar="DIR",
+                 help="write each drill as a short faulty training run DIR/drill-N (fingerprints, a checkpoint after "
+                      "the faulty step) and replay it from disk"),
+            _arg("--scenario", choices=("drift", "flip", "canary", "expert_drift", *TRIAGE_SCENARIOS, "all"),
+                 help="a screening drill instead: retrain the run from a checkpoint with a persistent small error on "
+                      "one device (drift: --magnitude, --kind), intermittent bit flips (flip: --flips, --bit) or a "
+                      "wrong canary (canary), then check that 'replay scan' names that device and the first step "
+                      "(expert_drift: one expert device's experts' output x(1 + --magnitude) at every step, which "
+                      "'replay scan' must name by its expert_drift check); --step is the fault's first step, the "
+                      "drilled runs go to --to-disk (default: a temporary folder). Or a triage drill (sdc, restart, "
+                      "data, duplicate, router, router_scale, nonfinite: a device's gradient made NaN or Inf, "
+                      "clean; all: each of them): a short training run of its own (no --run) with one planted "
+                      "cause, and 'replay triage' must name it; --count seeds each (default 5), from --seed, at the "
+                      "largest magnitude of the scenario's grid (--grid: at each, down to the check's floor; "
+                      "nonfinite: --value)"),
+            _arg("--grid", action="store_true",
+                 help="triage drills: every magnitude of each scenario's fixed grid (replay.triage_drill.GRIDS), with "
+                      "the detections per magnitude"),
+            _arg("--magnitude", type=_positive_float, default=0.2,
+                 help="drift: relative error of the device's local gradient, a finite number > 0 (default 0.2)"),
+            _arg("--kind", choices=("scale", "bias"), default="scale", help="drift: scale or bias (default scale)"),
+            _arg("--flips", type=int, default=3, help="flip: number of bit flips (default 3)"),
+        )),
+    Command(
+        "certify", help="certify the newest clean checkpoint",
+        description="From a checkpoint taken as trusted (the first, or --from), replay each checkpoint segment on "
+                    "good devices and compare the state it reaches with the next checkpoint's state record, leaf by "
+                    "leaf; restore each checkpoint and check its files against its record. Each checkpoint is "
+                    "certified, poisoned (replicas disagreed at the save, or the replay does not reach it), damaged "
+                    "(its files do not match its record) or not certifiable; segments on disjoint placements run at "
+                    "the same time.",
+        epilog=DEVICE_SPEC_HELP + "\n" + CERTIFY_EXIT_HELP, handler=_cmd_certify, parents=(_device_work("good"),),
+        args=(
+            _arg("--from", dest="from_step", type=int, metavar="STEP",
+                 help="the checkpoint taken as trusted (default: the run's first)"),
+            _arg("--to", dest="to_step", type=int, metavar="STEP", help="the last checkpoint to judge (default: newest)"),
+            _arg("--plot", metavar="OUT.png", help="write the chain: checkpoints on a step axis, each marked"),
+            _arg("--allow-env-drift", action="store_true", help="certify even if the environment differs"),
+            _arg("--sequential", action="store_true", help="one placement at a time"),
+        )),
+)
+COMMANDS = tuple(c.name for c in COMMAND_TABLE)
+_HANDLERS = {c.name: c.handler for c in COMMAND_TABLE}
+
+
+def _parse(argv: Sequence[str]):
+    """``(args, None)``, or ``(None, exit code)`` when there is nothing to run: no arguments (the help, exit
+    2), ``--help`` (0) or a usage error argparse printed (2). A first argument that is no command is the
+    range command's (``replay --run DIR --steps A:B``)."""
+    argv = _join_dash_values(argv)
+    if argv and argv[0] not in (*COMMANDS, "-h", "--help"):
+        argv = ["range", *argv]
+    parser = build_parser()
+    if not argv:
+        parser.print_help()
+        return None, int(ExitCode.USAGE)
+    try:
+        return parser.parse_args(argv), None
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
+        return None, int(e.code or 0)
+
+
+def _check_usage(args) -> None:
+    """The usage errors found before any work: a malformed ``--steps`` (before the run directory is looked
+    for), no run directory (``--run``, ``$REPLAY_RUN`` or the current folder), a typo in ``--devices``. Sets
+    ``args.run`` and ``args.run_source``.
+
+    Raises:
+      RunNotGivenError, DeviceSpecError, StepsSpecError: the usage error.
+    """
+    from replay.run.devices import parse_spec
+    from replay.run.runlog import parse_steps, resolve_run_dir
+
+    if getattr(args, "steps", None) is not None:
+        parse_steps(args.steps)
+    if args.command == "drill" and args.scenario in (*TRIAGE_SCENARIOS, "all"):
+        args.run, args.run_source = args.run or "", "--run"  # a triage drill trains runs of its own
+    else:
+        args.run, args.run_source = resolve_run_dir(args.run)
+    if hasattr(args, "devices"):
+        parse_spec(args.devices)
+
+
+def _failures() -> tuple[tuple[tuple[type, ...], str, ExitCode], ...]:
+    """What each error a command raises is called and the exit code it gives, first match wins (a
+    subclass before its base); anything else is an internal error (a traceback, exit 1)."""
+    from contract.config import ConfigError
+    from replay.drill import DrillError
+    from replay.run.devices import DeviceSpecError
+    from replay.run.runlog import RunDirError, StepRangeError, StepsSpecError
+    from replay.run.statefp import DamagedCheckpointError, PoisonedCheckpointError
+    from replay.screen.forensics import TokenizerUnavailableError
+    from replay.verify.compare import PairingError
+    from replay.verify.engine import EnvDriftError
+
+    return (
+        ((StepsSpecError, DeviceSpecError, DrillError, _Usage), "usage error", ExitCode.USAGE),
+        ((EnvDriftError,), "environment drift", ExitCode.ENV_DRIFT),
+        ((DamagedCheckpointError,), "damaged checkpoint", ExitCode.DAMAGED_CHECKPOINT),
+        ((PoisonedCheckpointError,), "poisoned checkpoint", ExitCode.POISONED_CHECKPOINT),
+        ((StepRangeError,), "run directory or data error", ExitCode.RUN_ERROR),
+        ((RunDirError, ConfigError, TokenizerUnavailableError, FileNotFoundError, PairingError),
+         "run directory or data error", ExitCode.RUN_ERROR),
+        ((OSError,), "run directory or data error", ExitCode.RUN_ERROR),  # permission denied, disk full, ...
+    )
+
+
+def _report_failure(e: Exception, typed: Sequence[str], args, err) -> int:
+    """Says ``e`` on stderr as :func:`_failures` names it, with the next command to try where there is one
+    (the nearest logged range, the nearest run directory); returns the exit code."""
+    from rich.markup import escape
+
+    from replay.run.runlog import StepRangeError
+
+    named = next(((kind, code) for kinds, kind, code in _failures() if isinstance(e, kinds)), None)
+    if named is None and type(e).__module__.startswith("loader") and isinstance(e, ValueError):
+        named = ("run directory or data error", ExitCode.RUN_ERROR)  # the loader's checks of the dataset
+    if named is None:
+        traceback.print_exc()
+        return int(ExitCode.INTERNAL)
+    kind, code = named
+    message = str(e)
+    if isinstance(e, OSError) and kind == "run directory or data error" and not isinstance(e, FileNotFoundError):
+        message = f"{f'cannot read or write {e.filename}: ' if e.filename else ''}{e.strerror or e}"
+    err.print(f"[red]{kind}:[/] {escape(message)}")
+    if isinstance(e, StepRangeError):
+        for n, (command, why) in enumerate(_next_commands(typed, args, e)):
+            err.print(f"{'next' if n == 0 else '  or'}: {escape(command)}   ({why})")
+    elif getattr(e, "nearest", None):  # a run directory that is not there: the same command on the nearest
+        err.print(f"next: {escape(shlex.join(['replay', *_with_steps(typed, e.nearest, '--run')]))}")
+    return int(code)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``replay`` console script; returns the exit code (``ExitCode``).
 
@@ -1067,18 +1220,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     directory (``replay.run.runlog.resolve_run_dir``); when not ``--run``, one line on stderr says which
     (``run: DIR (from REPLAY_RUN)``). Messages go to stderr, never wrapped (``report.make_console``).
     """
+    import logging
+
     from rich.markup import escape
 
-    from contract.config import ConfigError
-    from replay.verify.compare import PairingError
-    from replay.run.devices import DeviceSpecError, parse_spec
-    from replay.drill import DrillError
-    from replay.verify.engine import EnvDriftError
-    from replay.run.statefp import DamagedCheckpointError, PoisonedCheckpointError
-    from replay.screen.forensics import TokenizerUnavailableError
     from replay.report import make_console
-    from replay.run.runlog import (RunDirError, RunNotGivenError, StepRangeError, StepsSpecError, parse_steps,
-                                   resolve_run_dir)
+    from replay.run.devices import DeviceSpecError
+    from replay.run.runlog import RunNotGivenError, StepsSpecError
 
     if argv is None:  # the console script: a whole process of its own
         from replay.run.quiet import exit_quietly_after_failed_restore
@@ -1087,28 +1235,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         exit_quietly_after_failed_restore(code)
         return code
     typed = list(argv)
-    argv = _join_dash_values(argv)
-    if argv and argv[0] not in (*COMMANDS, "-h", "--help"):
-        argv = ["range", *argv]  # `replay --run DIR --steps A:B` is the range command
-    parser = build_parser()
-    if not argv:
-        parser.print_help()
-        return int(ExitCode.USAGE)
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
-        return int(e.code or 0)
+    args, code = _parse(argv)
+    if args is None:
+        return code
     console = make_console()  # one width policy: messages never wrap, tables fit (160 columns when piped)
     err = make_console(stderr=True)
     try:
-        if getattr(args, "steps", None) is not None:
-            parse_steps(args.steps)  # a malformed range is a usage error before the run directory is looked for
-        if args.command == "drill" and args.scenario in (*TRIAGE_SCENARIOS, "all"):
-            args.run, args.run_source = args.run or "", "--run"  # a triage drill trains runs of its own
-        else:
-            args.run, args.run_source = resolve_run_dir(args.run)
-        if hasattr(args, "devices"):
-            parse_spec(args.devices)  # a typo in --devices is reported before any work starts
+        _check_usage(args)
     except (RunNotGivenError, DeviceSpecError, StepsSpecError) as e:
         err.print(f"[red]usage error:[/] {escape(str(e))}")
         return int(ExitCode.USAGE)
@@ -1124,46 +1257,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         import io
 
         console.file = io.StringIO()
-    import logging
-
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on read-only restores are not news
-    handlers = {"range": _cmd_range, "canary": _cmd_canary, "inspect": _cmd_inspect, "scan": _cmd_scan,
-                "triage": _cmd_triage, "skip": _cmd_skip, "goodput": _cmd_goodput,
-                "drill": _cmd_drill, "certify": _cmd_certify}
-
-    def fail(kind: str, message: str, code: ExitCode) -> int:
-        err.print(f"[red]{kind}:[/] {escape(message)}")
-        return int(code)
-
     try:
-        return handlers[args.command](args, console)
-    except (StepsSpecError, DeviceSpecError, DrillError, _Usage) as e:
-        return fail("usage error", str(e), ExitCode.USAGE)
-    except EnvDriftError as e:
-        return fail("environment drift", str(e), ExitCode.ENV_DRIFT)
-    except DamagedCheckpointError as e:
-        return fail("damaged checkpoint", str(e), ExitCode.DAMAGED_CHECKPOINT)
-    except PoisonedCheckpointError as e:
-        return fail("poisoned checkpoint", str(e), ExitCode.POISONED_CHECKPOINT)
-    except StepRangeError as e:
-        code = fail("run directory or data error", str(e), ExitCode.RUN_ERROR)
-        for n, (command, why) in enumerate(_next_commands(typed, args, e)):
-            err.print(f"{'next' if n == 0 else '  or'}: {escape(command)}   ({why})")
-        return code
-    except (RunDirError, ConfigError, TokenizerUnavailableError, FileNotFoundError, PairingError) as e:
-        code = fail("run directory or data error", str(e), ExitCode.RUN_ERROR)
-        if getattr(e, "nearest", None):  # a run directory that is not there: the same command on the nearest
-            err.print(f"next: {escape(shlex.join(['replay', *_with_steps(typed, e.nearest, '--run')]))}")
-        return code
-    except OSError as e:  # e.g. permission denied, disk full, on a run file or an output file
-        what = f"cannot read or write {e.filename}: " if e.filename else ""
-        return fail("run directory or data error", f"{what}{e.strerror or e}", ExitCode.RUN_ERROR)
-    except Exception as e:
-        name = type(e).__module__
-        if name.startswith("loader") and isinstance(e, ValueError):
-            return fail("run directory or data error", str(e), ExitCode.RUN_ERROR)
-        traceback.print_exc()
-        return int(ExitCode.INTERNAL)
+        return _HANDLERS[args.command](args, console)
+    except Exception as e:  # noqa: BLE001 - each error has its exit code (_failures); the rest is a bug, traced
+        return _report_failure(e, typed, args, err)
 
 
 if __name__ == "__main__":
