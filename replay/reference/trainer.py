@@ -578,6 +578,11 @@ class ReferenceTrainer:
         return lin
 
     def _step_fn(self, mesh: Mesh, global_batch: int, keep_local: bool = False):
+        # Over 120 lines (149): the builder of the one jit(shard_map) program of a train step, whose
+        # per-device body (per_device) is a function of its own and whose other lines are that body's
+        # closure (specs, reductions, fingerprints, the optimizer update). Every run's logged
+        # fingerprints are this program's bits; a split is a move worth its own commit, checked byte
+        # for byte against logged runs (tests/test_reference_train.py), not part of a schema change.
         key = ("step", mesh, global_batch, self.fingerprints, self.signals, self.sends, keep_local)
         if key in self._compiled:
             return self._compiled[key]
