@@ -96,26 +96,39 @@ def plain_loop(data, steps):
     return rows, time.perf_counter() - t0
 
 
-def record_loop(data, steps):
-    """The second reference: the same records read one at a time (seek + read, no pool)."""
-    from loader.shards import READER_OPTIONS_BY_MODE
-
-    from array_record.python.array_record_module import ArrayRecordReader
-
-    shards = data.source.shards
-    readers = {}
-    plan = []
+def record_plan(data, steps):
+    """Per step, its records as ``(source, shard, record in shard)``, computed before any clock starts."""
+    shards, plan = data.source.shards, []
     for s in steps:
         loc = data.schedule.locate(data.schedule.step_rows(s))
         shard, in_shard = shards.locate(loc.source, loc.record)
         plan.append(list(zip(loc.source.tolist(), shard.tolist(), in_shard.tolist())))
+    return plan
+
+
+def record_readers(data, plan):
+    """A records-mode ``ArrayRecordReader`` (seek + read, no pool) per ``(source, shard)`` of ``plan``."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    from loader.shards import READER_OPTIONS_BY_MODE
+
+    shards, readers = data.source.shards, {}
+    for step in plan:
+        for key in step:
+            if key[:2] not in readers:
+                readers[key[:2]] = ArrayRecordReader(shards.path(*key[:2]), READER_OPTIONS_BY_MODE["records"])
+    return readers
+
+
+def record_loop(data, steps):
+    """The second reference: the same records read one at a time (seek + read, no pool)."""
+    plan = record_plan(data, steps)
+    readers = record_readers(data, plan)
     t0 = time.perf_counter()
     rows = 0
     for step in plan:
         for key in step:
-            r = readers.get(key[:2])
-            if r is None:
-                r = readers[key[:2]] = ArrayRecordReader(shards.path(*key[:2]), READER_OPTIONS_BY_MODE["records"])
+            r = readers[key[:2]]
             r.seek(key[2])
             codec.decode_row(r.read())
             rows += 1
@@ -126,21 +139,14 @@ def record_parts(data, steps):
     """The record loop's time per batch split into its two parts: ``read`` (seek + read) and
     ``decode`` (``contract.codec.decode_row``), seconds, timed apart (a separate pass: the
     clocks would slow the timed loop)."""
-    from loader.shards import READER_OPTIONS_BY_MODE
-
-    from array_record.python.array_record_module import ArrayRecordReader
-
-    shards = data.source.shards
-    readers, read_s, decode_s = {}, 0.0, 0.0
-    for s in steps:
-        loc = data.schedule.locate(data.schedule.step_rows(s))
-        shard, in_shard = shards.locate(loc.source, loc.record)
+    plan = record_plan(data, steps)
+    readers = record_readers(data, plan)
+    read_s, decode_s = 0.0, 0.0
+    for step in plan:
         t0 = time.perf_counter()
         recs = []
-        for key in zip(loc.source.tolist(), shard.tolist(), in_shard.tolist()):
-            r = readers.get(key[:2])
-            if r is None:
-                r = readers[key[:2]] = ArrayRecordReader(shards.path(*key[:2]), READER_OPTIONS_BY_MODE["records"])
+        for key in step:
+            r = readers[key[:2]]
             r.seek(key[2])
             recs.append(r.read())
         t1 = time.perf_counter()
@@ -175,10 +181,7 @@ def cpu_parts(data, steps):
     arrays built) and ``transfer`` (``DataLoader.to_global`` of those arrays, the global
     arrays' deletion included); the record loop's ``read`` (seek + read) and ``decode``
     (``contract.codec.decode_row``)."""
-    from array_record.python.array_record_module import ArrayRecordReader
-
     from loader.arrays import pack_records
-    from loader.shards import READER_OPTIONS_BY_MODE
 
     src, shards, n = data.source, data.source.shards, len(steps)
     clock = time.process_time
@@ -197,14 +200,13 @@ def cpu_parts(data, steps):
         c = clock()
         jax.block_until_ready(data.to_global(host))  # dropped at once: deleted inside the clock
         transfer += clock() - c
-    readers, plan = {}, [list(zip(loc.source.tolist(), at[0].tolist(), at[1].tolist())) for loc, at in zip(locs, located)]
+    plan = record_plan(data, steps)
+    readers = record_readers(data, plan)
     t4 = clock()
     recs = []
     for step in plan:
         for key in step:
-            r = readers.get(key[:2])
-            if r is None:
-                r = readers[key[:2]] = ArrayRecordReader(shards.path(*key[:2]), READER_OPTIONS_BY_MODE["records"])
+            r = readers[key[:2]]
             r.seek(key[2])
             recs.append(r.read())
     t5 = clock()
