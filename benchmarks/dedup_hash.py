@@ -1,6 +1,6 @@
 """Benchmark: the duplicate report's text hashing, batch form against the per-document reference, same run.
 
-    python benchmarks/dedup_hash.py            # about 40 s on 2 cores
+    python benchmarks/dedup_hash.py            # about 15 s on 2 cores
     python benchmarks/dedup_hash.py --quick    # a smoke test, not a figure
 
 What ``dedup: report`` (the config default) adds to packing is, per document, the hash of its
