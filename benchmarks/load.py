@@ -28,6 +28,13 @@ Prints ONE JSON object:
                   timed by its own stage clock, ``metrics()["wait_stages_s"]``: index, read,
                   decode, rows, transfer, other) and the record loop's read and decode (timed
                   apart in a separate pass), beside each loop's timed seconds per batch.
+  cpu_ms_per_batch_parts
+                  CPU milliseconds per batch of each part, each run alone over the profiled
+                  steps (``cpu_parts``; best of ``--rounds``): the loader's index, read,
+                  decode_and_rows (``pack_records``: decode, check, the six arrays) and
+                  transfer (``to_global`` and the arrays' deletion); the record loop's read
+                  and decode. ``cpu_ratio_parts``: record loop / loader, their sums;
+                  ``cpu_ratio_parts_without_transfer``: the same without the transfer.
   occupancy_overhead  seconds per step that measuring the input side adds (the stage stamps,
                   the take's record, the wait's split; ``input_clock_cost``) / the loader's
                   seconds per batch.
@@ -37,6 +44,7 @@ Prints ONE JSON object:
   batch_at_ratio  time of batch_at(10**7) / time of batch_at(10) (goal: within 20% of 1).
   state_bytes     size of the loader state's JSON.
   restore_s       seconds to build a loader from a saved state and produce its first batch.
+  load_average    the 1-minute load average before and after (the machine may be shared).
 
 Usage:  python benchmarks/load.py [--quick] [--rows N] [--seq-len L] [--global-batch B] [--steps S]
                                  [--rounds R] [--devices D] [--workers W] [--read-threads T]
@@ -88,26 +96,39 @@ def plain_loop(data, steps):
     return rows, time.perf_counter() - t0
 
 
-def record_loop(data, steps):
-    """The second reference: the same records read one at a time (seek + read, no pool)."""
-    from loader.shards import READER_OPTIONS_BY_MODE
-
-    from array_record.python.array_record_module import ArrayRecordReader
-
-    shards = data.source.shards
-    readers = {}
-    plan = []
+def record_plan(data, steps):
+    """Per step, its records as ``(source, shard, record in shard)``, computed before any clock starts."""
+    shards, plan = data.source.shards, []
     for s in steps:
         loc = data.schedule.locate(data.schedule.step_rows(s))
         shard, in_shard = shards.locate(loc.source, loc.record)
         plan.append(list(zip(loc.source.tolist(), shard.tolist(), in_shard.tolist())))
+    return plan
+
+
+def record_readers(data, plan):
+    """A records-mode ``ArrayRecordReader`` (seek + read, no pool) per ``(source, shard)`` of ``plan``."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    from loader.shards import READER_OPTIONS_BY_MODE
+
+    shards, readers = data.source.shards, {}
+    for step in plan:
+        for key in step:
+            if key[:2] not in readers:
+                readers[key[:2]] = ArrayRecordReader(shards.path(*key[:2]), READER_OPTIONS_BY_MODE["records"])
+    return readers
+
+
+def record_loop(data, steps):
+    """The second reference: the same records read one at a time (seek + read, no pool)."""
+    plan = record_plan(data, steps)
+    readers = record_readers(data, plan)
     t0 = time.perf_counter()
     rows = 0
     for step in plan:
         for key in step:
-            r = readers.get(key[:2])
-            if r is None:
-                r = readers[key[:2]] = ArrayRecordReader(shards.path(*key[:2]), READER_OPTIONS_BY_MODE["records"])
+            r = readers[key[:2]]
             r.seek(key[2])
             codec.decode_row(r.read())
             rows += 1
@@ -118,21 +139,14 @@ def record_parts(data, steps):
     """The record loop's time per batch split into its two parts: ``read`` (seek + read) and
     ``decode`` (``contract.codec.decode_row``), seconds, timed apart (a separate pass: the
     clocks would slow the timed loop)."""
-    from loader.shards import READER_OPTIONS_BY_MODE
-
-    from array_record.python.array_record_module import ArrayRecordReader
-
-    shards = data.source.shards
-    readers, read_s, decode_s = {}, 0.0, 0.0
-    for s in steps:
-        loc = data.schedule.locate(data.schedule.step_rows(s))
-        shard, in_shard = shards.locate(loc.source, loc.record)
+    plan = record_plan(data, steps)
+    readers = record_readers(data, plan)
+    read_s, decode_s = 0.0, 0.0
+    for step in plan:
         t0 = time.perf_counter()
         recs = []
-        for key in zip(loc.source.tolist(), shard.tolist(), in_shard.tolist()):
-            r = readers.get(key[:2])
-            if r is None:
-                r = readers[key[:2]] = ArrayRecordReader(shards.path(*key[:2]), READER_OPTIONS_BY_MODE["records"])
+        for key in step:
+            r = readers[key[:2]]
             r.seek(key[2])
             recs.append(r.read())
         t1 = time.perf_counter()
@@ -156,6 +170,52 @@ def loader_parts(data, steps):
         for k, v in data.metrics()["wait_stages_s"].items():
             total[k] += v
     return {k: v / len(steps) for k, v in total.items()}
+
+
+def cpu_parts(data, steps):
+    """CPU milliseconds per batch of each part of the loader's path and of the record loop's,
+    each part run alone over ``steps`` (``time.process_time``: every thread of the process;
+    steadier than the wall clock on a shared machine): the loader's ``index`` (the schedule's
+    rows and ``ShardSet.locate``), ``read`` (``ShardSet.read_located``), ``decode_and_rows``
+    (``loader.arrays.pack_records(six=True)``: records checked, tokens copied, the six
+    arrays built) and ``transfer`` (``DataLoader.to_global`` of those arrays, the global
+    arrays' deletion included); the record loop's ``read`` (seek + read) and ``decode``
+    (``contract.codec.decode_row``)."""
+    from loader.arrays import pack_records
+
+    src, shards, n = data.source, data.source.shards, len(steps)
+    clock = time.process_time
+    t0 = clock()
+    locs = [data.schedule.step_locations(s, data.local_rows) for s in steps]
+    located = [shards.locate(loc.source, loc.record) for loc in locs]
+    t1 = clock()
+    records = [shards.read_located(loc.source, loc.record, *at) for loc, at in zip(locs, located)]
+    t2 = clock()
+    for recs in records:
+        pack_records(recs, src.seq_len, src.token_width, src.pad_id, vocab_size=src.vocab_size, six=True)
+    t3 = clock()
+    transfer = 0.0
+    for recs in records:
+        host, _ = pack_records(recs, src.seq_len, src.token_width, src.pad_id, vocab_size=src.vocab_size, six=True)
+        c = clock()
+        jax.block_until_ready(data.to_global(host))  # dropped at once: deleted inside the clock
+        transfer += clock() - c
+    plan = record_plan(data, steps)
+    readers = record_readers(data, plan)
+    t4 = clock()
+    recs = []
+    for step in plan:
+        for key in step:
+            r = readers[key[:2]]
+            r.seek(key[2])
+            recs.append(r.read())
+    t5 = clock()
+    for rec in recs:
+        codec.decode_row(rec)
+    t6 = clock()
+    ms = 1e3 / n
+    return ({"index": (t1 - t0) * ms, "read": (t2 - t1) * ms, "decode_and_rows": (t3 - t2) * ms, "transfer": transfer * ms},
+            {"read": (t5 - t4) * ms, "decode": (t6 - t5) * ms})
 
 
 def input_clock_cost(repeats=20000):
@@ -230,6 +290,7 @@ def main(argv=None):
     seq_len = args.seq_len or (1024 if args.quick else 2048)
     B = args.global_batch or 64
     steps = args.steps or (60 if args.quick else 200)
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         ds = os.path.join(tmp, "ds")
         lt.write_synthetic_dataset(ds, {"web": rows, "code": rows // 2}, seq_len, shards_per_source=4,
@@ -267,6 +328,8 @@ def main(argv=None):
         prof = range(2, 2 + min(steps, 100))
         rec_parts = record_parts(data, prof)
         load_parts = loader_parts(data, prof)
+        cpu_loader, cpu_record = min((cpu_parts(data, prof) for _ in range(args.rounds)),
+                                     key=lambda parts: sum(parts[0].values()))
         clock_s = input_clock_cost()
         state = data2.state()
         state_json = state.to_json()
@@ -292,6 +355,11 @@ def main(argv=None):
         "cpu_ms_per_batch": {"baseline": round(min(c[0] for c in cpu) * B * 1e3, 4),
                              "record_reads": round(min(c[1] for c in cpu) * B * 1e3, 4),
                              "loader": round(min(c[2] for c in cpu) * B * 1e3, 4)},
+        "cpu_ms_per_batch_parts": {"loader": {k: round(v, 4) for k, v in cpu_loader.items()},
+                                   "record_reads": {k: round(v, 4) for k, v in cpu_record.items()}},
+        "cpu_ratio_parts": round(sum(cpu_record.values()) / sum(cpu_loader.values()), 3),
+        "cpu_ratio_parts_without_transfer": round(sum(cpu_record.values())
+                                                  / (sum(cpu_loader.values()) - cpu_loader["transfer"]), 3),
         "occupancy_overhead": round(clock_s / loader_batch_s, 5),
         "input_clock_us_per_step": round(clock_s * 1e6, 2),
         "per_batch_ms": {"loader": {k: round(v * 1e3, 4) for k, v in load_parts.items()},
@@ -305,6 +373,7 @@ def main(argv=None):
         "batch_at_1e7_s": round(late, 5),
         "state_bytes": len(state_json.encode()),
         "restore_s": round(restore_s, 4),
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "config": {"rows_per_source": [rows, rows // 2], "seq_len": seq_len, "global_batch": B, "steps": steps,
                    "devices": mesh.size, "quick": args.quick,
                    "read_threads": args.read_threads, "workers": args.workers, "read_mode": args.read_mode, "rounds": args.rounds},

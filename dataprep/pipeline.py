@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import itertools
 import json
 import os
 import tempfile
@@ -323,7 +324,9 @@ class ReadAndTokenize(beam.DoFn):
         n = 0
         stage = self._stager.add
         hashes = self._hashes.add if self._dedup_buckets else None
-        for source, (key, text, doc_id), tokens in zip(sources, batch, encoded):
+        # the batch's text hashes at once (dataprep.dedup.text_hashes: no object a word)
+        digests = dedup.text_hashes([doc.text for doc in batch]) if hashes is not None else itertools.repeat(None)
+        for source, (key, text, doc_id), tokens, digest in zip(sources, batch, encoded, digests):
             size = tokens.size
             if not size or text.isspace():  # whitespace alone is no document, whatever the tokenizer keeps of it
                 self._counters[source, f"rejected.{readers.Reason.EMPTY.value}"].inc()
@@ -333,7 +336,6 @@ class ReadAndTokenize(beam.DoFn):
             self._tokens_in[source] += size
             stage((source, self._bucket[source](key)), key, tokens, doc_id)
             if hashes is not None:
-                digest = dedup.text_hash(text)
                 hashes(dedup.dedup_bucket(digest, self._dedup_buckets), key,
                        dedup.RECORD.pack(digest, self._source_index[source], size))
         self._token_beat.add(tokens=n)

@@ -3,9 +3,11 @@
 :func:`pack_records` parses a step's encoded rows (``contract.codec``, format versions 1 and 2)
 straight from their bytes into tokens, segment ids and positions, and, for a loader that
 derives the targets on the host, all six trainer arrays (:data:`BATCH_KEYS`) in the same
-pass, in one 64-byte-aligned block from :class:`AlignedPool`. It checks every record as it
-goes; a record that fails a check is explained (:func:`_explain`) by decoding it with
-``contract.codec``.
+pass, in one 64-byte-aligned block from :class:`AlignedPool`. Its parts, each over the whole
+step at once: :func:`_parse` (headers and segment tables, checked), :func:`_copy_tokens`,
+:func:`_check_vocab`, :func:`_ids_and_positions` (one ``np.repeat`` per array over the
+step's runs of segments and padding). A record that fails a check is explained
+(:func:`_explain`) by decoding it with ``contract.codec``.
 
 Two more functions, each for one case: :func:`derive_packed` makes the six arrays of the
 narrower tokens, ids and positions that Grain worker processes send (a quarter of the
@@ -20,11 +22,13 @@ May import: ``loader.shards`` (for ``DatasetError``) and ``contract``.
 
 from __future__ import annotations
 
+import math
 import struct
 import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -76,15 +80,32 @@ def derive_packed(packed: np.ndarray) -> dict[str, np.ndarray]:
     }
 
 
-# The record header of contract.codec (format versions 1 and 2), parsed here without building
-# PackedRow objects: the loader's hot path only needs tokens and segment lengths.
+# The record header of contract.codec (format versions 1 and 2), read as five little-endian
+# u32 words without building PackedRow objects (the loader's hot path only needs tokens and
+# segment lengths): magic, version | width << 8 | reserved << 16, seq_len, tokens, segments.
 _HEADER = struct.Struct("<4sBBHIII")
-assert _HEADER.size == codec._HEADER.size  # noqa: SLF001 - same layout as the codec
+assert _HEADER.size == codec._HEADER.size == 20  # noqa: SLF001 - same layout as the codec
+_MAGIC_WORD = int.from_bytes(codec.MAGIC, "little")
+# u32 words per segment after the tokens (lengths, chunk indices, key lengths; version 2 adds
+# id lengths), by format version; 0 for a version this reader does not know.
+_SEGMENT_WORDS = np.zeros(256, np.int64)
+for _v in codec.READABLE_VERSIONS:
+    _SEGMENT_WORDS[_v] = 3 if _v == 1 else 4
 
 
-_HEADER_DTYPE = np.dtype([("magic", "S4"), ("version", "u1"), ("width", "u1"), ("reserved", "<u2"),
-                          ("seq_len", "<u4"), ("tokens", "<u4"), ("segments", "<u4")])
-assert _HEADER_DTYPE.itemsize == _HEADER.size
+class _Rows(NamedTuple):
+    """What :func:`pack_records` parsed of a step's records (``n`` rows, ``s`` segments in all),
+    every field int64: ``T``, ``S``, ``W`` ``[n]`` the tokens, segments and token width of each
+    row; ``row``, ``rank``, ``lengths`` ``[s]`` the row of each segment (row after row), its
+    index in that row and its length; ``starts`` ``[s]`` its first slot in its row."""
+
+    T: np.ndarray
+    S: np.ndarray
+    W: np.ndarray
+    row: np.ndarray
+    rank: np.ndarray
+    lengths: np.ndarray
+    starts: np.ndarray
 
 
 def pack_records(
@@ -96,14 +117,18 @@ def pack_records(
     """Tokens, segment ids and positions of encoded rows, straight from the record bytes.
 
     The loader's per-step path: the same values as the per-row reference
-    ``loader.testing.pack_inputs(decode_all(records), ...)`` without building :class:`contract.codec.PackedRow` objects (one header unpack and two
-    ``np.frombuffer`` per row; everything else over the whole step at once).
+    ``loader.testing.pack_inputs(decode_all(records), ...)`` without building
+    :class:`contract.codec.PackedRow` objects: the records' headers and segment tables are
+    joined and parsed as arrays (:func:`_parse`), the tokens copied in one conversion
+    (:func:`_copy_tokens`), and ids and positions written run by run (:func:`_ids_and_positions`);
+    no work per row in Python beyond slicing its bytes.
 
     Checks every record as ``contract.codec.decode_row`` does (magic, version, width,
     ``T <= seq_len``, lengths partition the tokens, no truncation or trailing bytes; the
     document keys' bytes are counted, not decoded), and also that its seq_len is
     ``seq_len``, its token width is ``token_width`` (``None``: 2 or 4 bytes, but not
-    wider than ``out_dtype``: a wider token would be silently narrowed) and, when ``vocab_size`` is given, that every token is below it.
+    wider than ``out_dtype``: a wider token would be silently narrowed) and, when
+    ``vocab_size`` is given, that every token is below it.
 
     Legend: ``n`` records, ``L = seq_len``.
 
@@ -144,95 +169,142 @@ def pack_records(
             return packed, 0
     # token_width None: each record's own width (2 or 4), as long as out_dtype holds it
     widths = (token_width,) if token_width else tuple(w for w in (2, 4) if w <= max(out_dtype.itemsize, 2))
-    hsize = _HEADER.size
-    # All headers at once (a record shorter than a header makes the joined size wrong).
-    heads = b"".join([rec[:hsize] for rec in records])
-    if len(heads) != hsize * n:
-        _explain(records, next(i for i, r in enumerate(records) if len(r) < hsize), L, widths, where)
-    hdr = np.frombuffer(heads, _HEADER_DTYPE)
-    T = hdr["tokens"].astype(np.int64)
-    S = hdr["segments"].astype(np.int64)
-    W = hdr["width"].astype(np.int64)
-    size = np.fromiter(map(len, records), np.int64, n)
-    meta_at = hsize + T * W
-    version = hdr["version"].astype(np.int64)
-    M = np.where(version == 1, 3, 4)  # u32 words per segment after the tokens (v2 adds id lengths)
-    bad = ((hdr["magic"] != codec.MAGIC) | ~np.isin(version, codec.READABLE_VERSIONS) | (hdr["seq_len"] != L)
-           | (W != widths[0]) & (W != widths[-1]) | (T > L) | (size < meta_at + 4 * M * S))
-    if bad.any():
-        _explain(records, int(np.argmax(bad)), L, widths, where)
-    _copy_tokens(records, tok, T, W, hsize, pad_id, pad_rows=six or bool(pad_id))
-    # lengths, chunk indices, key lengths (and id lengths, v2): M x S u32 of every row, back to back
-    meta = [rec[a: a + 4 * m * sg] for rec, a, m, sg in zip(records, meta_at.tolist(), M.tolist(), S.tolist())]
-    # Segment lengths and key and id lengths of every segment of the step, row after row.
-    allmeta = np.frombuffer(b"".join(meta), "<u4").astype(np.int64)
-    n_seg = int(S.sum())
-    seg_first = np.cumsum(S) - S  # first segment of each row
-    row = np.repeat(np.arange(n), S)
-    rank = np.arange(n_seg) - seg_first[row]  # segment index within its row
-    base = (np.cumsum(M * S) - M * S)[row] + rank
-    lengths = allmeta[base]
-    keylens = allmeta[base + 2 * S[row]]
-    strings = np.bincount(row, keylens, minlength=n)
-    v2 = M[row] == 4
-    if v2.any():
-        strings += np.bincount(row[v2], allmeta[base[v2] + 3 * S[row[v2]]], minlength=n)
-    bad = (np.bincount(row, lengths, minlength=n) != T) | (meta_at + 4 * M * S + strings != size)
-    if n_seg and lengths.min() == 0:
-        bad[row[lengths == 0]] = True
-    if bad.any():
-        _explain(records, int(np.argmax(bad)), L, widths, where)
-    # compared unsigned: a 4-byte token >= 2**31 is negative in int32 and would slip below vocab_size
-    utok = tok.view(np.uint32) if tok.dtype == np.int32 else tok
-    if vocab_size is not None and int(utok.max()) >= vocab_size:
-        over = (utok >= vocab_size) & (np.arange(L) < T[:, None])
-        if over.any():
-            i = int(np.argmax(over.any(axis=1)))
-            raise DatasetError(f"{_name(where, i)}: token {int(utok[i][over[i]].max())} >= vocab_size {vocab_size}")
+    rows = _parse(records, L, widths, where)
+    _copy_tokens(records, tok, rows.T, rows.W, _HEADER.size, pad_id, pad_rows=six or bool(pad_id))
+    if vocab_size is not None:
+        _check_vocab(tok, rows.T, vocab_size, where)
     if stamps is not None:
         stamps.append(time.perf_counter())
-    # Segment ids and positions: one running sum of marks per row (int32, then narrowed).
-    starts = np.cumsum(lengths) - lengths - np.repeat(np.cumsum(T) - T, S)  # start slot in its row
-    seg = out[2] if six else np.empty((n, L), np.int32)
-    pos = out[4] if six else np.empty((n, L), np.int32)
-    marks = _scratch(n, L)  # reused per thread: no fresh pages every step
-    later = np.flatnonzero(rank > 0)
-    # ids: +1 at each segment start, -S at the first padding slot (column L when full)
-    marks.fill(0)
-    marks[row, starts] = 1
-    marks[np.arange(n), T] -= S.astype(np.int32)
-    np.cumsum(marks[:, :L], axis=1, dtype=np.int32, out=seg)
-    # positions: +1 per token after the first, 1 - previous length at a later start; in
-    # rows with padding, minus the last position at the first padding slot and 0 after it
-    marks.fill(1)
-    marks[:, 0] = 0
-    short = np.flatnonzero(T < L)
-    if short.size:
-        for i, t in zip(short.tolist(), T[short].tolist()):  # a slice a row: 4-5x a mask's speed
-            marks[i, t + 1:] = 0
-        has = short[S[short] > 0]
-        marks[has, T[has]] = 1 - lengths[np.cumsum(S)[has] - 1]
-    marks[row[later], starts[later]] = 1 - lengths[later - 1]
-    np.cumsum(marks[:, :L], axis=1, dtype=np.int32, out=pos)
     if not six:
+        seg, pos = _ids_and_positions(rows, n, L)
         packed[:, 1] = seg
         packed[:, 2] = pos
-        return packed, int(T.sum())
+        return packed, int(rows.T.sum())
+    _ids_and_positions(rows, n, L, out[2], out[4])
     # The targets keys (loader.testing.derive_batch): slot j has a target when slot j + 1 holds a token of
     # the same segment, i.e. unless j is the last slot of a segment or padding. Ids and
     # positions are already 0 on padding; so are the shifted tokens when pad_id is 0.
-    ends_row, ends = row, starts + lengths - 1  # last slot of every segment
+    ends_row, ends = rows.row, rows.starts + rows.lengths - 1  # last slot of every segment
     targets = out[1]
     targets[:, :-1] = tok[:, 1:]
     targets[:, -1] = 0
     if pad_id:
-        targets[np.arange(L) >= T[:, None]] = 0
+        targets[_columns(n, L) >= rows.T[:, None]] = 0
     targets[ends_row, ends] = 0
-    out[3] = seg
-    out[3][ends_row, ends] = 0
-    out[5] = pos
-    out[5][ends_row, ends] = 0
-    return dict(zip(BATCH_KEYS, out)), int(T.sum())
+    for ids, kept in ((out[2], out[3]), (out[4], out[5])):
+        np.copyto(kept, ids)
+        kept[ends_row, ends] = 0
+    return dict(zip(BATCH_KEYS, out)), int(rows.T.sum())
+
+
+def _parse(records: Sequence[bytes], L: int, widths: tuple[int, ...], where) -> _Rows:
+    """Headers and segment tables of every record, checked (:func:`pack_records`), as arrays.
+
+    Two joins of byte slices, one of the 20-byte headers and one of the ``M x S`` u32 words
+    after each row's tokens (segment lengths, chunk indices, key lengths, and id lengths in
+    version 2); everything else over the whole step at once. Raises DatasetError through
+    :func:`_explain` for the first record that fails a check.
+    """
+    n, hsize = len(records), _HEADER.size
+    # All headers at once (a record shorter than a header makes the joined size wrong).
+    heads = b"".join([rec[:hsize] for rec in records])
+    if len(heads) != hsize * n:
+        _explain(records, next(i for i, r in enumerate(records) if len(r) < hsize), L, widths, where)
+    words = np.frombuffer(heads, "<u4").reshape(n, 5).astype(np.int64)
+    T, S = words[:, 3], words[:, 4]
+    version, W = words[:, 1] & 0xFF, (words[:, 1] >> 8) & 0xFF
+    M = _SEGMENT_WORDS[version]  # u32 words per segment after the tokens; 0: unknown version
+    size = np.fromiter(map(len, records), np.int64, n)
+    meta_at = hsize + T * W
+    meta_end = meta_at + 4 * M * S
+    bad = ((words[:, 0] != _MAGIC_WORD) | (M == 0) | (words[:, 2] != L) | (W != widths[0]) & (W != widths[-1])
+           | (T > L) | (size < meta_end))
+    if bad.any():
+        _explain(records, int(np.argmax(bad)), L, widths, where)
+    # lengths, chunk indices, key lengths (and id lengths, v2): M x S u32 of every row, back to back
+    meta = np.frombuffer(b"".join([rec[a:b] for rec, a, b in zip(records, meta_at.tolist(), meta_end.tolist())]),
+                         "<u4")
+    row = np.repeat(np.arange(n), S)
+    first = np.cumsum(S) - S  # first segment of each row (of the step's segments)
+    rank = np.arange(row.size) - first[row]  # segment index within its row
+    base = (np.cumsum(M * S) - M * S)[row] + rank  # word of its length
+    lengths = meta[base].astype(np.int64)
+    Sr = S[row]
+    strings = meta[base + 2 * Sr].astype(np.int64)  # key lengths
+    if M.max() == 4:
+        v2 = np.flatnonzero(M[row] == 4)
+        strings[v2] += meta[base[v2] + 3 * Sr[v2]]  # id lengths
+    # per-row sums as differences of running sums at the rows' first segments
+    at = np.concatenate([first, [row.size]])
+    run = np.concatenate([[0], np.cumsum(lengths)])
+    text = np.concatenate([[0], np.cumsum(strings)])
+    bad = (run[at[1:]] - run[at[:-1]] != T) | (meta_end + text[at[1:]] - text[at[:-1]] != size)
+    if row.size and lengths.min() == 0:
+        bad[row[lengths == 0]] = True
+    if bad.any():
+        _explain(records, int(np.argmax(bad)), L, widths, where)
+    return _Rows(T, S, W, row, rank, lengths, run[:-1] - run[first][row])
+
+
+def _check_vocab(tok: np.ndarray, T: np.ndarray, vocab_size: int, where) -> None:
+    """Raises DatasetError naming the first row of ``tok`` ``[n, L]`` with a token (of its first
+    ``T`` slots) >= ``vocab_size``, compared unsigned: a 4-byte token >= 2**31 is negative in
+    int32 and would slip below it."""
+    utok = tok.view(np.uint32) if tok.dtype == np.int32 else tok
+    if int(utok.max()) >= vocab_size:
+        over = (utok >= vocab_size) & (_columns(*tok.shape) < T[:, None])
+        if over.any():
+            i = int(np.argmax(over.any(axis=1)))
+            raise DatasetError(f"{_name(where, i)}: token {int(utok[i][over[i]].max())} >= vocab_size {vocab_size}")
+
+
+def _ids_and_positions(rows: _Rows, n: int, L: int, seg: np.ndarray | None = None,
+                       pos: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Segment ids and positions, int32 ``[n, L]``, written into ``seg`` and ``pos`` (allocated
+    when ``None``) run by run: each row is its segments, then its padding (possibly empty)::
+
+        lengths 3, 2 in L = 7:   runs     [a a a][b b][. .]
+        ids        np.repeat([1, 2, 0], [3, 2, 2])         -> 1 1 1 2 2 0 0
+        positions  column - np.repeat([0, 3, 7], [3, 2, 2]) -> 0 1 2 0 1 -2 -1
+                   then 0 where np.repeat([F, F, T], ...)  -> 0 1 2 0 1 0 0
+
+    One ``np.repeat`` per array over the step's runs (no running sum, no loop over rows).
+    """
+    seg = np.empty((n, L), np.int32) if seg is None else seg
+    pos = np.empty((n, L), np.int32) if pos is None else pos
+    k = rows.row.size
+    at_seg = np.arange(k) + rows.row  # run of each segment: one padding run per earlier row
+    at_pad = np.cumsum(rows.S) + np.arange(n)  # padding run of each row
+    run_len = np.empty(k + n, np.int64)
+    run_len[at_seg] = rows.lengths
+    run_len[at_pad] = L - rows.T
+    ids = np.zeros(k + n, np.int32)
+    ids[at_seg] = rows.rank + 1
+    begin = np.full(k + n, L, np.int32)
+    begin[at_seg] = rows.starts
+    padding = np.zeros(k + n, bool)
+    padding[at_pad] = True
+    seg[...] = np.repeat(ids, run_len).reshape(n, L)
+    np.subtract(_columns(n, L), np.repeat(begin, run_len).reshape(n, L), out=pos)
+    np.copyto(pos, 0, where=np.repeat(padding, run_len).reshape(n, L))
+    return seg, pos
+
+
+_COLUMNS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _columns(n: int, L: int) -> np.ndarray:
+    """The column index of every slot, int32 ``[n, L]`` (``np.arange(L)`` in every row),
+    read-only, kept per shape (a subtraction of same-shape arrays is twice as fast as a
+    broadcast one)."""
+    hit = _COLUMNS.get((n, L))
+    if hit is None:
+        hit = np.tile(np.arange(L, dtype=np.int32), (n, 1))
+        hit.flags.writeable = False
+        if len(_COLUMNS) > 8:
+            _COLUMNS.clear()
+        _COLUMNS[(n, L)] = hit
+    return hit
 
 
 def aligned_empty(shape: Sequence[int], dtype: np.dtype | str = np.int32, align: int = 64) -> np.ndarray:
@@ -245,13 +317,12 @@ def aligned_empty(shape: Sequence[int], dtype: np.dtype | str = np.int32, align:
     are a multiple of ``align``.
     """
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    return _aligned_view(np.empty(nbytes + align, np.uint8), shape, dtype, align)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return _aligned_view(np.empty(nbytes + align, np.uint8), shape, dtype, nbytes, align)
 
 
-def _aligned_view(raw: np.ndarray, shape, dtype: np.dtype, align: int = 64) -> np.ndarray:
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    start = (-raw.ctypes.data) % align
+def _aligned_view(raw: np.ndarray, shape, dtype: np.dtype, nbytes: int, align: int = 64) -> np.ndarray:
+    start = (-raw.__array_interface__["data"][0]) % align
     return raw[start: start + nbytes].view(dtype).reshape(tuple(shape))
 
 
@@ -274,7 +345,8 @@ class AlignedPool:
     def take(self, shape: Sequence[int], dtype: np.dtype | str = np.int32, align: int = 64) -> np.ndarray:
         """An uninitialized aligned array of ``shape``/``dtype`` (contents undefined)."""
         dtype = np.dtype(dtype)
-        need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize + align
+        nbytes = math.prod(shape) * dtype.itemsize
+        need = nbytes + align
         with self._lock:
             blocks, chosen = self._blocks, None
             # idle: only the pool's list and getrefcount's argument refer to the block
@@ -289,21 +361,10 @@ class AlignedPool:
             if chosen is None:
                 chosen = np.empty(need, np.uint8)
                 blocks.append(chosen)
-            return _aligned_view(chosen, shape, dtype, align)
+            return _aligned_view(chosen, shape, dtype, nbytes, align)
 
 
 _POOL = AlignedPool()
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(n: int, L: int) -> np.ndarray:
-    """Per-thread work array of :func:`pack_records`: int32 ``[n, L + 1]`` marks (contents undefined)."""
-    have = getattr(_SCRATCH, "marks", None)
-    if have is None or have.shape != (n, L + 1):
-        have = _SCRATCH.marks = np.empty((n, L + 1), np.int32)
-    return have
 
 
 _PAD_BYTES: dict = {}

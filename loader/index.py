@@ -755,10 +755,13 @@ class Schedule:
         if g.size and g.min() < 0:
             raise ScheduleError(f"global rows must be >= 0, got {g.min()}")
         phase = np.searchsorted(self.phase_row_starts, g, side="right") - 1
+        if g.size and phase[0] == phase[-1] and (len(self.phases) == 1 or (phase == phase[0]).all()):
+            groups = [(int(phase[0]), slice(None))]  # all in one phase: every step's rows but one a phase
+        else:
+            groups = [(int(p), phase == p) for p in np.unique(phase)]
         source = np.empty_like(g)
         draw = np.empty_like(g)
-        for p in np.unique(phase):
-            sel = phase == p
+        for p, sel in groups:
             a, D = self._quotas[p]
             src_tab, draw_tab = interleave_period(a)
             q, s = np.divmod(g[sel] - self.phase_row_starts[p], D)
@@ -769,12 +772,13 @@ class Schedule:
         epoch, index = np.divmod(draw, n)
         record = np.empty_like(g)
         # one group per (source, epoch): usually one or two per source in a step
-        key_order = np.lexsort((epoch, source))
-        ks, es = source[key_order], epoch[key_order]
-        cuts = np.flatnonzero((np.diff(ks) != 0) | (np.diff(es) != 0)) + 1
-        for grp in np.split(key_order, cuts) if g.size else ():
-            k, e = int(source[grp[0]]), int(epoch[grp[0]])
-            record[grp] = shuffled_records(index[grp], self.records[k], self.seed, self.sources[k], e)
+        for k in np.unique(source).tolist() if g.size else ():
+            sel = np.flatnonzero(source == k)
+            e = epoch[sel]
+            one = bool(e[0] == e[-1]) and bool((e == e[0]).all())
+            for ep in [int(e[0])] if one else np.unique(e).tolist():
+                at = sel if one else sel[e == ep]
+                record[at] = shuffled_records(index[at], self.records[k], self.seed, self.sources[k], ep)
         return RowLocations(g, phase.astype(np.int64), source, draw, epoch, index, record)
 
     def source_counts(self, rows: int) -> np.ndarray:

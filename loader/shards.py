@@ -2,10 +2,10 @@
 
 (source, record of the source) -> (shard, record in shard) -> the record's bytes. The
 caller computes every record of a step first (``loader.index``); :meth:`ShardSet.read_located`
-then issues one read per shard touched, in either read mode:
+then reads them in either read mode:
 
-- ``"records"``: ``seek`` + ``read`` per record in the calling thread (least CPU on a
-  local disk or the page cache);
+- ``"records"``: ``seek`` + ``read`` per record in the calling thread, in batch order
+  (least CPU on a local disk or the page cache);
 - ``"batched"``: one ``ArrayRecordReader.read(indices)`` per shard and step, in
   ArrayRecord's C++ thread pool with the GIL released (for network and FUSE file systems,
   where reads wait; ``"auto"`` tells them apart from ``/proc/self/mounts``,
@@ -229,30 +229,46 @@ class ShardSet:
         n = len(shard)
         if n == 0:
             return []
+        if self.read_mode == "records":  # in batch order: a seek and a read a record, nothing to group
+            return self._read_records(source.tolist(), shard.tolist(), in_shard.tolist())
         # one group per (source, shard), in (source, shard) order: a stable sort of one key
         key = source * (1 << 32) + shard
         order = np.argsort(key, kind="stable")
-        skey = key[order]
-        bounds = np.flatnonzero(np.diff(skey)) + 1
+        cuts = (np.flatnonzero(np.diff(key[order])) + 1).tolist()
         out: list[bytes | None] = [None] * n
-        for grp in np.split(order, bounds):
+        for a, b in zip([0, *cuts], [*cuts, n]):
+            grp = order[a:b]
             k, s = int(source[grp[0]]), int(shard[grp[0]])
             idx = in_shard[grp].tolist()
             try:
-                reader = self._reader(k, s)
-                if self.read_mode == "records":
-                    data = []
-                    for i in idx:
-                        reader.seek(i)
-                        data.append(reader.read())
-                else:
-                    data = reader.read(idx)
+                data = self._reader(k, s).read(idx)
             except Exception as e:  # array_record raises RuntimeError/OSError/IndexError variants
                 self._local.readers.pop((k, s), None)  # a failed reader may be left mid-record
                 raise DatasetError(self._read_fault(k, s, idx, e) + self.repair) from e
             for j, d in zip(grp.tolist(), data):
                 out[j] = d
         return out  # type: ignore[return-value]
+
+    def _read_records(self, source: list[int], shard: list[int], in_shard: list[int]) -> list[bytes]:
+        """Records mode: ``seek`` + ``read`` of each record in the given order, readers kept per
+        (source, shard) in this thread."""
+        readers = getattr(self._local, "readers", None)
+        if readers is None:
+            readers = self._local.readers = {}
+        out = []
+        k = s = None
+        try:
+            for k, s, i in zip(source, shard, in_shard):
+                reader = readers.get((k, s))
+                if reader is None:
+                    reader = self._reader(k, s)
+                reader.seek(i)
+                out.append(reader.read())
+        except Exception as e:  # array_record raises RuntimeError/OSError/IndexError variants
+            readers.pop((k, s), None)  # a failed reader may be left mid-record
+            idx = [i for kk, ss, i in zip(source, shard, in_shard) if (kk, ss) == (k, s)]
+            raise DatasetError(self._read_fault(k, s, idx, e) + self.repair) from e
+        return out
 
     def _read_fault(self, source: int, shard: int, idx: list[int], err: Exception) -> str:
         """The message for a failed batched read: finds the records that fail one by one."""

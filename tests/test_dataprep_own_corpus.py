@@ -33,6 +33,45 @@ def test_normalized_text_and_its_hash_are_pinned():
     assert dedup.dedup_bucket(dedup.text_hash("Call me Ishmael."), 7) == 1
 
 
+# Whitespace of every kind str.split() knows, characters that share their UTF-8 lead bytes
+# (0xC2, 0xE1-0xE3) without being whitespace, a combining accent (NFC), a lone surrogate.
+_ALPHABET = (list(dedup.WHITESPACE)
+             + list("aZ.0") + ["\u00e0", "\u00c2", "\u20ac", "\u2030", "\u200b", "\u3001", "\u1681", "\u0301",
+                                "e\u0301", "\ud800", "\U0001f600", "\u65e5"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(_ALPHABET), max_size=12).map("".join), max_size=8))
+def test_text_hashes_equal_text_hash_one_by_one(texts):
+    """The batch form (normalization on the joined bytes with NumPy) gives the reference's bytes."""
+    assert dedup.text_hashes(texts) == [dedup.text_hash(t) for t in texts]
+
+
+def test_whitespace_is_what_str_split_splits_on():
+    assert dedup.WHITESPACE == "".join(chr(c) for c in range(0x110000) if chr(c).isspace())
+    assert {c for lo, hi in dedup._ASCII_RANGES for c in range(lo, hi + 1)} == {
+        ord(w) for w in dedup.WHITESPACE if ord(w) < 0x80}
+
+
+def test_text_hashes_exact_cases():
+    texts = ["  Call me\tIshmael.\r\n\n", "", " \u3000\n", "Call me Ishmael.", "Caf\u00e9", "Cafe\u0301",
+             "a\u00a0\u2028b", "a b", "\u00e0\u20ac", "x"]
+    got = dedup.text_hashes(texts)
+    assert got == [dedup.text_hash(t) for t in texts]
+    assert got[0] == got[3] and got[0].hex() == "4f26d467074725bab34186ddb7128579"
+    assert got[1] == got[2] and got[4] == got[5] and got[6] == got[7] and len(set(got)) == 6
+    assert dedup.text_hashes([]) == []
+
+
+def test_text_hashes_across_joins(monkeypatch):
+    """Texts are joined a few hundred thousand characters at a time; with joins of 3 characters,
+    every text boundary is also a join boundary, and the digests are the same."""
+    texts = ["  Call me\tIshmael.\r\n\n", "", " \u3000\n", "ab", "Cafe\u0301 x", "a\u00a0\u2028b"]
+    want = [dedup.text_hash(t) for t in texts]
+    monkeypatch.setattr(dedup, "JOIN_CHARS", 3)
+    assert dedup.text_hashes(texts) == want
+
+
 def test_key_position_is_file_order():
     keys = ["s/a.jsonl:10", "s/a.jsonl:2", "s/b.jsonl:1", "s/a.jsonl:file", "s/a.jsonl:9"]
     assert sorted(keys) == ["s/a.jsonl:10", "s/a.jsonl:2", "s/a.jsonl:9", "s/a.jsonl:file", "s/b.jsonl:1"]

@@ -130,6 +130,23 @@ def test_phase_change_continues_each_source(w0, w1, B, S, n_records):
     assert sch.source_counts(len(rows)).tolist() == np.bincount(loc.source, minlength=K).tolist()
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.integers(1, 9), min_size=1, max_size=3), st.integers(1, 5), st.integers(1, 6),
+    st.integers(1, 11), st.lists(st.integers(0, 200), min_size=0, max_size=40),
+)
+def test_locate_any_row_order_equals_one_row_at_a_time(w, B, S, n_records, rows):
+    """``locate`` groups rows by phase and by (source, epoch) to shuffle each group at once; rows in
+    any order, repeated, across a phase change and several epochs, get what each row gets alone."""
+    sch = schedule(w, [n_records] * len(w), B=B, phases=[(S, list(reversed(w)))], seed=3)
+    loc = sch.locate(np.asarray(rows, np.int64))
+    for i, g in enumerate(rows):
+        one = sch.locate([g])
+        got = [int(getattr(loc, f)[i]) for f in ("global_row", "phase", "source", "draw", "epoch", "record")]
+        assert got == [int(getattr(one, f)[0]) for f in ("global_row", "phase", "source", "draw", "epoch", "record")]
+        assert got[-1] == ix.shuffled_record(int(one.index_in_epoch[0]), n_records, 3, f"s{got[2]}", got[4])
+
+
 @pytest.mark.parametrize(
     "windows, step, expected",
     [

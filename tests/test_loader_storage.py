@@ -181,6 +181,27 @@ def test_read_modes_give_identical_batches(local_ds, mode):
     it.close()
 
 
+@pytest.mark.parametrize("mode", ["records", "batched"])
+def test_read_located_keeps_the_given_order(local_ds, mode):
+    """Records mode reads in the given order, batched mode in (source, shard) groups put back in
+    order: either way record ``i`` of the answer is the ``i``-th asked for, repeats included."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    shards = loader.build(mix(), local_ds, global_batch=8, read_mode=mode).source.shards
+    rng = np.random.default_rng(7)
+    source = rng.integers(0, len(shards.shards), 30)
+    record = np.array([rng.integers(0, int(shards.offsets[k][-1])) for k in source.tolist()])
+    record[5], source[5] = record[2], source[2]  # a repeat
+    shard, in_shard = shards.locate(source, record)
+    got = shards.read_located(source, record, shard, in_shard)
+    want = []
+    for k, s, i in zip(source.tolist(), shard.tolist(), in_shard.tolist()):
+        r = ArrayRecordReader(shards.path(k, s))
+        want.append(r.read([i])[0])
+        r.close()
+    assert got == want and len(set(zip(source.tolist(), shard.tolist()))) > 2
+
+
 def test_read_mode_auto_follows_the_file_system(local_ds, monkeypatch):
     assert loader.build(mix(), local_ds, global_batch=8).source.shards.read_mode in ("records", "batched")
     for fstype, want in (("ext4", "records"), ("tmpfs", "records"), ("overlay", "records"), (None, "records"),
@@ -306,6 +327,26 @@ def test_full_rows_and_single_segment_rows_exact():
     np.testing.assert_array_equal(six["targets_segmentation"], [[1] * 5 + [0], [1, 0, 0, 3, 3, 0], [1, 0, 0, 0, 0, 0]])
     np.testing.assert_array_equal(six["inputs_position"], [[0, 1, 2, 3, 4, 5], [0, 1, 0, 0, 1, 2], [0, 1, 0, 0, 0, 0]])
     np.testing.assert_array_equal(six["targets_position"], [[0, 1, 2, 3, 4, 0], [0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0]])
+
+
+def test_runs_of_segments_and_padding_exact():
+    """The worked example of ``loader.arrays._ids_and_positions`` (segments of 3 and 2 tokens in 7
+    slots), a row with no segment and a full one, with a pad id that is not 0: every value by hand."""
+    L, pad = 7, 9
+    recs = [codec.encode_row([np.array([1, 2, 3]), np.array([4, 5])], ["a", "b"], [0, 0], L, "uint16"),
+            codec.encode_row([], [], [], L, "uint16"),
+            codec.encode_row([np.arange(10, 17)], ["c"], [0], L, "uint16")]
+    six, tokens = ar.pack_records(recs, L, 2, pad, six=True)
+    assert tokens == 5 + 0 + 7
+    assert six["inputs"].tolist() == [[1, 2, 3, 4, 5, 9, 9], [9] * 7, list(range(10, 17))]
+    assert six["targets"].tolist() == [[2, 3, 0, 5, 0, 0, 0], [0] * 7, list(range(11, 17)) + [0]]
+    assert six["inputs_segmentation"].tolist() == [[1, 1, 1, 2, 2, 0, 0], [0] * 7, [1] * 7]
+    assert six["targets_segmentation"].tolist() == [[1, 1, 0, 2, 0, 0, 0], [0] * 7, [1] * 6 + [0]]
+    assert six["inputs_position"].tolist() == [[0, 1, 2, 0, 1, 0, 0], [0] * 7, list(range(7))]
+    assert six["targets_position"].tolist() == [[0, 1, 0, 0, 0, 0, 0], [0] * 7, list(range(6)) + [0]]
+    packed, _ = ar.pack_records(recs, L, 2, pad, np.uint16)
+    for j, k in enumerate(("inputs", "inputs_segmentation", "inputs_position")):
+        assert packed[:, j].tolist() == six[k].tolist()
 
 
 def test_cpu_batches_use_the_host_path(local_ds):
