@@ -49,4 +49,9 @@ def test_the_per_device_step_is_maxtexts_update(tmp_path):
     assert float(scalars["learning/moe_lb_loss"]) > 0  # the batch-level MoE term is in the loss
     assert float(out["loss"]) == pytest.approx(float(scalars["learning/loss"]), rel=1e-5)
     assert float(out["grad_norm"]) == pytest.approx(float(scalars["learning/raw_grad_norm"]), rel=1e-4)
+    # the batch hash, added up from each device's block of rows in the step, is the whole batch's fingerprint
+    from replay.run import fingerprint as fpm
+
+    host = np.asarray(jax.device_get(batch["inputs"]))
+    assert fpm.fingerprint_int(np.asarray(out["batch"])) == fpm.fingerprint_int(fpm.fingerprint_np(host))
     ctx.iterator.close()

@@ -218,25 +218,33 @@ def make_step(ctx: Context, leaf_paths: Sequence[str], fingerprints: bool = True
 
             loss, grads = jax.value_and_grad(contribution)(params)
             if not fingerprints:
-                return jax.lax.psum(grads, axes), jax.lax.psum(loss, axes), {}
+                return jax.lax.psum(grads, axes), jax.lax.psum(loss, axes)
             grads = probe.inject(grads, flip, drift, probe.device_id(mesh))
-            out = probe.local(grads)
             reduced = jax.lax.psum(grads, axes)
-            out.update(probe.reduced(grads, reduced, mesh, dot=False))
-            return reduced, jax.lax.psum(loss, axes), out
+            # the device's block of the batch hash (global row indices) and its loss contribution ride in
+            # the probe's row: the step's per-device outputs leave in one all-gather
+            rows = b["inputs"].shape[0]
+            block = fpm.fingerprint(b["inputs"], global_shape=(rows * n, b["inputs"].shape[1]),
+                                    offsets=(probe.linear_index(mesh) * rows, 0))
+            extra = jnp.concatenate([jax.lax.bitcast_convert_type(loss, jnp.uint32)[None], block])
+            return reduced, probe.row(grads, reduced, mesh, extra)
 
-        grads, loss, out = jax.shard_map(
+        grads, second = jax.shard_map(
             per_device, mesh=mesh, in_specs=(P(), P(), P(axes), P(), P(), P()),
-            out_specs=(P(), P(), probe.specs(mesh, dot=False) if fingerprints else {}),
-            check_vma=False)(params, rest, batch, total, flip, drift)
+            out_specs=(P(), P(axes) if fingerprints else P()), check_vma=False)(params, rest, batch, total, flip, drift)
+        if fingerprints:
+            out = probe.unrow(second, len(leaf_paths))
+            extra = out.pop("extra")
+            loss = jnp.sum(jax.lax.bitcast_convert_type(extra[:, 0], jnp.float32))
+            out["batch"] = jnp.sum(extra[:, 1:5], axis=0, dtype=jnp.uint32)
+        else:
+            out, loss = {}, second
         grads = jax.tree_util.tree_map(lambda x: x.astype(config.grad_dtype) if x.dtype == jnp.float32 else x, grads)
         norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree_util.tree_leaves(grads)))
         if config.gradient_clipping_threshold > 0:
             grads = clip(grads, None, config.gradient_clipping_threshold)
         ts.apply_gradients(grads)
         out = dict(out, loss=loss, grad_norm=norm)
-        if fingerprints:
-            out["batch"] = fpm.fingerprint(batch["inputs"])
         return nnx.state(ts, nnx.Not(nnx.Intermediate)), out
 
     rep = NamedSharding(mesh, P())

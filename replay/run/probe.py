@@ -146,6 +146,44 @@ def reduced(local_grads: Any, reduced_grads: Any, mesh: Any, dot: bool = True) -
     return out
 
 
+def row(local_grads: Any, reduced_grads: Any, mesh: Any, extra: Any = None) -> Any:
+    """Inside ``shard_map``, after the reduction: :func:`local` and this device's part of :func:`reduced`
+    (``dot=False``) packed in one uint32 row, so that the step's per-device outputs leave the ``shard_map``
+    as one array: one collective (the all-gather that replicates it) instead of one per output and the
+    ``psum`` of the reduced fingerprint's row blocks (:func:`unrow` adds them after the gather).
+
+    Args:
+      extra: optional uint32 1-D array appended to the row (a trainer's own per-device values, e.g. its
+        loss contribution's bits; :func:`unrow` returns it as ``extra``).
+
+    Returns:
+      uint32 ``[1, 9 L + 1 + X]``: ``devices`` (``4 L``), ``dev_norm_sq``'s bits (1), ``dev_nonfinite`` (``L``),
+      this device's row block of each reduced leaf's fingerprint (``4 L``), ``extra`` (``X``). ``out_specs``:
+      ``PartitionSpec(tuple(mesh.axis_names))``.
+    """
+    loc = local(local_grads)
+    lin = linear_index(mesh)
+    parts = jnp.stack([fpm.fingerprint_row_block(g, lin, mesh.size) for g in jax.tree_util.tree_leaves(reduced_grads)])
+    pieces = [loc["devices"].reshape(-1), jax.lax.bitcast_convert_type(loc["dev_norm_sq"], jnp.uint32),
+              loc["dev_nonfinite"].astype(jnp.uint32).reshape(-1), parts.reshape(-1)]
+    if extra is not None:
+        pieces.append(jnp.asarray(extra, jnp.uint32).reshape(-1))
+    return jnp.concatenate(pieces)[None]
+
+
+def unrow(rows: Any, n_leaves: int) -> dict[str, Any]:
+    """The outputs of :func:`local` and :func:`reduced` (``dot=False``) from :func:`row`'s rows gathered over
+    the mesh (uint32 ``[D, K]``, rows in the mesh's row-major order), in or out of ``jax.jit``: ``devices``,
+    ``dev_norm_sq``, ``dev_nonfinite``, ``leaves`` (the row blocks added, uint32 wrap) and ``extra``
+    (uint32 ``[D, X]``)."""
+    L, D = int(n_leaves), rows.shape[0]
+    parts = rows[:, 5 * L + 1:9 * L + 1].reshape(D, L, 4)
+    return {"devices": rows[:, :4 * L].reshape(D, L, 4),
+            "dev_norm_sq": jax.lax.bitcast_convert_type(rows[:, 4 * L], jnp.float32),
+            "dev_nonfinite": rows[:, 4 * L + 1:5 * L + 1].astype(jnp.int32),
+            "leaves": jnp.sum(parts, axis=0, dtype=jnp.uint32), "extra": rows[:, 9 * L + 1:]}
+
+
 def fault_inputs(fault: Any, step: Optional[int], leaf_paths: Sequence[str], leaf_sizes: Sequence[int],
                  leaf_dtypes: Sequence[Any], mesh_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """The traced fault inputs of a step (so that drills never recompile):
