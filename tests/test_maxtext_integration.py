@@ -169,3 +169,35 @@ def test_canary_runs_maxtext_on_each_device_alone(runs):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "ACQUITTED (exit code 0): all 2 device(s) agree" in p.stdout
     assert (root / "whole" / "canary" / "golden.json").exists()
+
+
+
+def test_a_two_process_run_trains_and_replays(tmp_path):
+    """Two training processes under jax.distributed on localhost (gloo collectives), 2 CPU devices each and
+    one mesh of 4 (data 2 x expert 2), train 2 steps into one run directory; a one-process replay of them
+    (4 of 8 devices, with gloo as the run recorded) reproduces their log."""
+    from integrations.maxtext.testing import write_dataset
+    from replay.run import distributed
+
+    write_dataset(str(tmp_path))
+    port = distributed.free_port()
+    procs, errs = [], []
+    for i in range(2):
+        errs.append(open(tmp_path / f"p{i}.stderr", "w"))
+        procs.append(subprocess.Popen(
+            [sys.executable, *_launcher(tmp_path, "two", "--coordinator-address", f"127.0.0.1:{port}",
+                                        "--num-processes", "2", "--process-id", str(i), steps=2)],
+            cwd=tmp_path, env=_env(2), stdout=subprocess.DEVNULL, stderr=errs[-1]))
+    codes = [p.wait(timeout=900) for p in procs]
+    for f in errs:
+        f.close()
+    assert codes == [0, 0], (tmp_path / "p0.stderr").read_text()[-3000:]
+    run = tmp_path / "two"
+    env = json.loads((run / "env.json").read_text())
+    assert env["backend"]["process_count"] == 2 and env["backend"]["collectives"] == "gloo"
+    assert sorted(os.listdir(run / "checkpoints" / "0" / "iter")) == ["commit_success.txt", "process_0-of-2.json",
+                                                                      "process_1-of-2.json"]
+    p = _run(["-c", "import sys; from replay.cli import main; sys.exit(main())", "range", "--steps", "0:2",
+              "--devices", "good", "--placements", "1", "--no-progress", "--run", str(run)], 8, tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "ACQUITTED (exit code 0): the replay reproduces the log" in p.stdout

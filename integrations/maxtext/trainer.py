@@ -358,7 +358,7 @@ class MaxTextTrainer:
         # MaxText's activation constraints (logical names -> those axes) would name manual axes
         with jax.set_mesh(ctx.mesh):
             state, out = fn(state, batch, flip, drift)
-        out = jax.device_get(out)
+        out = jax.tree_util.tree_map(lambda x: np.asarray(x.addressable_data(0)), out)  # replicated: any process
         return state, probe.step_fingerprints(step, out, ctx.mesh, self.leaf_paths, loss=out["loss"],
                                               grad_norm=out["grad_norm"], batch=out["batch"])
 
