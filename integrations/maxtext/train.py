@@ -22,6 +22,13 @@ toolkit's convention: replay restores ``c`` to rerun steps ``c..``); MaxText's s
 ``learning_rate_schedule_steps`` (set it: otherwise it follows ``steps``, and a resumed run with other
 ``steps`` would learn at other rates).
 
+Several processes: the same command in each, with JAX's settings (``--coordinator-address HOST:PORT
+--num-processes N --process-id I``, or a cluster's environment: ``replay.run.distributed``); the launcher
+starts ``jax.distributed`` (gloo collectives on CPU) before MaxText, whose mesh then spans every
+process's devices; each process reads its own rows, MaxText saves each process's loader state
+(``iter/process_<i>-of-<n>.json``) and the run directory is one for all (``RunWriter``'s per-process
+files).
+
 ``--stop-after STEP`` ends after training step ``STEP - 1`` (a planned stop, as a kill after that
 checkpoint would leave the run; rerun without it to resume).
 """
@@ -35,6 +42,7 @@ import time
 from typing import Optional, Sequence
 
 from integrations.maxtext import internals
+from replay.run import distributed
 
 RECORDED_EXCLUDED = ("steps=",)  # how far to train is not part of the run's identity
 
@@ -48,6 +56,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--mixture", required=True, help="the mixture config YAML")
     p.add_argument("--seed", type=int, default=0, help="the loader's shuffle seed (default 0)")
     p.add_argument("--stop-after", type=int, default=None, help="stop before this step (a planned interruption)")
+    distributed.add_arguments(p)
     args = p.parse_args(argv)
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
@@ -137,6 +146,13 @@ def train(base_yml: str, overrides: Sequence[str], *, dataset: str, mixture: str
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        dargs = distributed.from_args(args)
+        if dargs is not None:  # several processes: jax.distributed (gloo on CPU) before MaxText touches JAX
+            distributed.initialize(dargs)
+    except distributed.DistributedConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     internals.require()
     train(args.base_yml, args.overrides, dataset=args.dataset, mixture=args.mixture, seed=args.seed,
           stop_after=args.stop_after)

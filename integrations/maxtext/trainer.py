@@ -8,30 +8,36 @@ on its own rows of the batch (MaxText's input sharding gives each device its row
 fingerprinted, the drill's faults (traced inputs) are applied to it, then a ``psum`` reduces; after it,
 MaxText's gradient clipping and ``TrainStateNNX.apply_gradients`` (its optimizer) update the state.
 
-**One device's contribution** (the MoE batch-level terms). MaxText's loss is ``xent_sum / total_weights
-+ moe_lb_loss`` over the global batch. A device's contribution here is
+**One device's contribution** (the MoE batch-level terms). MaxText's loss (``train.loss_fn``, 0.2.5) is
+``L = xent_sum / (W + EPS) + moe_lb_loss``: ``xent_sum`` the cross entropy (z-loss included, as MaxText's
+``cross_entropy_with_logits`` adds it) summed over the batch's target tokens, ``W`` the count of target
+tokens (``targets_segmentation != 0``), ``moe_lb_loss`` the mean over MoE layers of each layer's
+load-balancing loss, which MaxText computes *per sequence* (``RoutedMoE.load_balance_loss``: token
+density and router probability averaged over each row, their product averaged over rows and experts).
+A device's contribution here is
 
     c_d = xent_sum_d / W  +  moe_lb_loss_d / N
 
-with ``xent_sum_d`` the cross entropy (z-loss included, as MaxText adds it) summed over the device's
-target tokens, ``W`` the *global* count of target tokens (``targets_segmentation != 0`` over the whole
-batch: a batch-level term computed once, before the ``shard_map``, so every device divides by the same
-number), ``moe_lb_loss_d`` MaxText's load-balancing loss computed over the device's own rows, ``N`` the
-devices. ``sum_d grad c_d`` is the step's gradient: for the cross entropy exactly MaxText's (a sum
-split by rows), for the load-balancing term the mean over devices of each device's loss (a per-device
-routing group, as in a data-parallel trainer that computes it locally) rather than MaxText's
-global-batch one (a product of batch means, which no device's rows alone determine). With
-``load_balance_loss_weight: 0`` (MaxText's default) the two objectives are the same.
+with ``xent_sum_d`` and ``moe_lb_loss_d`` MaxText's own terms over the device's rows (its ``B / N`` rows of
+the global batch), ``W`` the *global* count of target tokens (a batch-level term, computed once before
+the ``shard_map`` so that every device divides by the same number) and ``N`` the devices. Both terms are
+sums or means of per-row quantities, so ``sum_d c_d = L`` exactly in real arithmetic (every device holds
+the same number of rows; ``EPS`` is below float32's resolution of ``W >= 1``): the step's gradient is
+MaxText's, summed in another order, and a device's contribution depends on its rows and the weights
+alone. Tested: the loss and gradient norm of this step equal MaxText's own ``train_step``'s on the same
+state and batch to float rounding, with ``load_balance_loss_weight > 0``.
 
 **Expert parallelism.** Inside the ``shard_map`` every weight is whole on every device (the expert
 weights, stored split over ``expert`` by MaxText, are gathered for the step, like the reference
 trainer's ``dispatch: gather``): a device computes every expert for its own rows and exchanges nothing
 before the reduction, so its gradient depends on its rows and the weights alone and a wrong number on
-one chip shows in that chip's fingerprint only. MaxText's expert-parallel all-to-all
-(``sparse_matmul=True``, ``layers/moe.py``) is not probed: its exchanges are inside MaxText's MoE layer,
-which has no hook for a send fingerprint, so localization under MaxText's own EP program would reach
-"the devices whose gradient differs", not the producer. The step here trades the all-to-all for the
-gather (memory: every expert on every device) to keep per-device localization exact.
+one chip shows in that chip's fingerprint only. MaxText's own step does the same work for the dense MoE
+path (``sparse_matmul=false``): GSPMD all-gathers each layer's expert weights over ``expert`` and every
+device computes all experts for its rows (its compiled program has the same matmuls, of the same
+shapes, as this step's). MaxText's expert-parallel exchanges (``sparse_matmul=true``: a
+``ragged_all_to_all``, or ``use_ring_of_experts``' all-gather and ``psum_scatter``) live inside its own
+``shard_map`` in ``layers/moe.py``, which this step's ``shard_map`` cannot contain; docs/trainer.md
+("The step, and what localization reaches") says what probing them takes.
 
 Supported configs: those MaxText's step handles without its optional branches (no gradient
 accumulation, host offload, diloco, MTP, router bias updates, QK-clip, dropless fallback, dropout):
@@ -212,25 +218,33 @@ def make_step(ctx: Context, leaf_paths: Sequence[str], fingerprints: bool = True
 
             loss, grads = jax.value_and_grad(contribution)(params)
             if not fingerprints:
-                return jax.lax.psum(grads, axes), jax.lax.psum(loss, axes), {}
+                return jax.lax.psum(grads, axes), jax.lax.psum(loss, axes)
             grads = probe.inject(grads, flip, drift, probe.device_id(mesh))
-            out = probe.local(grads)
             reduced = jax.lax.psum(grads, axes)
-            out.update(probe.reduced(grads, reduced, mesh))
-            return reduced, jax.lax.psum(loss, axes), out
+            # the device's block of the batch hash (global row indices) and its loss contribution ride in
+            # the probe's row: the step's per-device outputs leave in one all-gather
+            rows = b["inputs"].shape[0]
+            block = fpm.fingerprint(b["inputs"], global_shape=(rows * n, b["inputs"].shape[1]),
+                                    offsets=(probe.linear_index(mesh) * rows, 0))
+            extra = jnp.concatenate([jax.lax.bitcast_convert_type(loss, jnp.uint32)[None], block])
+            return reduced, probe.row(grads, reduced, mesh, extra)
 
-        grads, loss, out = jax.shard_map(
+        grads, second = jax.shard_map(
             per_device, mesh=mesh, in_specs=(P(), P(), P(axes), P(), P(), P()),
-            out_specs=(P(), P(), probe.specs(mesh) if fingerprints else {}),
-            check_vma=False)(params, rest, batch, total, flip, drift)
+            out_specs=(P(), P(axes) if fingerprints else P()), check_vma=False)(params, rest, batch, total, flip, drift)
+        if fingerprints:
+            out = probe.unrow(second, len(leaf_paths))
+            extra = out.pop("extra")
+            loss = jnp.sum(jax.lax.bitcast_convert_type(extra[:, 0], jnp.float32))
+            out["batch"] = jnp.sum(extra[:, 1:5], axis=0, dtype=jnp.uint32)
+        else:
+            out, loss = {}, second
         grads = jax.tree_util.tree_map(lambda x: x.astype(config.grad_dtype) if x.dtype == jnp.float32 else x, grads)
         norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree_util.tree_leaves(grads)))
         if config.gradient_clipping_threshold > 0:
             grads = clip(grads, None, config.gradient_clipping_threshold)
         ts.apply_gradients(grads)
         out = dict(out, loss=loss, grad_norm=norm)
-        if fingerprints:
-            out["batch"] = fpm.fingerprint(batch["inputs"])
         return nnx.state(ts, nnx.Not(nnx.Intermediate)), out
 
     rep = NamedSharding(mesh, P())
@@ -344,7 +358,7 @@ class MaxTextTrainer:
         # MaxText's activation constraints (logical names -> those axes) would name manual axes
         with jax.set_mesh(ctx.mesh):
             state, out = fn(state, batch, flip, drift)
-        out = jax.device_get(out)
+        out = jax.tree_util.tree_map(lambda x: np.asarray(x.addressable_data(0)), out)  # replicated: any process
         return state, probe.step_fingerprints(step, out, ctx.mesh, self.leaf_paths, loss=out["loss"],
                                               grad_norm=out["grad_norm"], batch=out["batch"])
 

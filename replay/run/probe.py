@@ -93,42 +93,95 @@ def device_id(mesh: Any) -> Any:
     return table[linear_index(mesh)]
 
 
-def specs(mesh: Any) -> dict[str, Any]:
-    """``out_specs`` of :func:`local` and :func:`reduced`'s outputs: per-device rows over every axis."""
+def specs(mesh: Any, dot: bool = True) -> dict[str, Any]:
+    """``out_specs`` of :func:`local` and :func:`reduced`'s outputs: per-device rows over every axis
+    (``dot``: as passed to :func:`reduced`)."""
     axes = tuple(mesh.axis_names)
-    return {"devices": P(axes), "dev_norm_sq": P(axes), "dev_nonfinite": P(axes), "dev_dot": P(axes), "leaves": P()}
+    out = {"devices": P(axes), "dev_norm_sq": P(axes), "dev_nonfinite": P(axes), "dev_dot": P(axes), "leaves": P()}
+    if not dot:
+        del out["dev_dot"]
+    return out
 
 
 def local(grads: Any) -> dict[str, Any]:
     """Inside ``shard_map``, before the reduction: this device's contribution.
 
     Returns:
-      ``devices``: uint32 ``[1, L, 4]`` fingerprints of each local gradient leaf; ``dev_norm_sq``:
-      float32 ``[1]`` sum of squares of the contribution; ``dev_nonfinite``: int32 ``[1, L]`` NaN + Inf
-      count per leaf.
+      ``devices``: uint32 ``[1, L, 4]`` fingerprints of each local gradient leaf (``[fp_0, fp_1, nan,
+      inf]``); ``dev_norm_sq``: float32 ``[1]`` sum of squares of the contribution; ``dev_nonfinite``:
+      int32 ``[1, L]`` NaN + Inf count per leaf.
+
+    Two passes over each leaf: the fingerprint, whose one variadic reduce also counts the non-finite
+    elements (its NaN and Inf lanes give ``dev_nonfinite``: a separate ``sum(~isfinite(g))`` is an
+    integer sum that XLA:CPU rewrites into a slower tree of ``reduce-window``), and the sum of squares.
     """
     leaves = jax.tree_util.tree_leaves(grads)
     sq = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves])
-    return {"devices": jnp.stack([fpm.fingerprint(g, counts=False) for g in leaves])[None],
-            "dev_norm_sq": jnp.sum(sq)[None],
-            "dev_nonfinite": jnp.stack([jnp.sum(~jnp.isfinite(g), dtype=jnp.int32) for g in leaves])[None]}
+    fps = jnp.stack([fpm.fingerprint(g, counts=True) for g in leaves])
+    return {"devices": fps[None], "dev_norm_sq": jnp.sum(sq)[None],
+            "dev_nonfinite": (fps[:, 2] + fps[:, 3]).astype(jnp.int32)[None]}
 
 
-def reduced(local_grads: Any, reduced_grads: Any, mesh: Any) -> dict[str, Any]:
+def reduced(local_grads: Any, reduced_grads: Any, mesh: Any, dot: bool = True) -> dict[str, Any]:
     """Inside ``shard_map``, after the reduction (``reduced_grads = psum(local_grads)``).
+
+    Args:
+      dot: also compute ``dev_dot`` (a pass over both gradients; ``False``: the step's
+        ``ReplicaNorm.dot`` is None, which the protocol allows and nothing compares).
 
     Returns:
       ``leaves``: uint32 ``[L, 4]`` fingerprints of the reduced gradient (each device fingerprints one
-      row block, a ``psum`` adds the blocks: ``fingerprint_row_block``); ``dev_dot``: float32 ``[1]``
-      ``<g_local, g_reduced>`` (these add up to ``||g||^2`` over the devices).
+      row block, a ``psum`` adds the blocks: ``fingerprint_row_block``); with ``dot``, ``dev_dot``:
+      float32 ``[1]`` ``<g_local, g_reduced>`` (these add up to ``||g||^2`` over the devices).
     """
     axes = tuple(mesh.axis_names)
     lin = linear_index(mesh)
     red = jax.tree_util.tree_leaves(reduced_grads)
     parts = jnp.stack([fpm.fingerprint_row_block(g, lin, mesh.size) for g in red])
-    dots = [jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32))
-            for a, b in zip(jax.tree_util.tree_leaves(local_grads), red)]
-    return {"leaves": jax.lax.psum(parts, axes), "dev_dot": jnp.sum(jnp.stack(dots))[None]}
+    out = {"leaves": jax.lax.psum(parts, axes)}
+    if dot:
+        dots = [jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32))
+                for a, b in zip(jax.tree_util.tree_leaves(local_grads), red)]
+        out["dev_dot"] = jnp.sum(jnp.stack(dots))[None]
+    return out
+
+
+def row(local_grads: Any, reduced_grads: Any, mesh: Any, extra: Any = None) -> Any:
+    """Inside ``shard_map``, after the reduction: :func:`local` and this device's part of :func:`reduced`
+    (``dot=False``) packed in one uint32 row, so that the step's per-device outputs leave the ``shard_map``
+    as one array: one collective (the all-gather that replicates it) instead of one per output and the
+    ``psum`` of the reduced fingerprint's row blocks (:func:`unrow` adds them after the gather).
+
+    Args:
+      extra: optional uint32 1-D array appended to the row (a trainer's own per-device values, e.g. its
+        loss contribution's bits; :func:`unrow` returns it as ``extra``).
+
+    Returns:
+      uint32 ``[1, 9 L + 1 + X]``: ``devices`` (``4 L``), ``dev_norm_sq``'s bits (1), ``dev_nonfinite`` (``L``),
+      this device's row block of each reduced leaf's fingerprint (``4 L``), ``extra`` (``X``). ``out_specs``:
+      ``PartitionSpec(tuple(mesh.axis_names))``.
+    """
+    loc = local(local_grads)
+    lin = linear_index(mesh)
+    parts = jnp.stack([fpm.fingerprint_row_block(g, lin, mesh.size) for g in jax.tree_util.tree_leaves(reduced_grads)])
+    pieces = [loc["devices"].reshape(-1), jax.lax.bitcast_convert_type(loc["dev_norm_sq"], jnp.uint32),
+              loc["dev_nonfinite"].astype(jnp.uint32).reshape(-1), parts.reshape(-1)]
+    if extra is not None:
+        pieces.append(jnp.asarray(extra, jnp.uint32).reshape(-1))
+    return jnp.concatenate(pieces)[None]
+
+
+def unrow(rows: Any, n_leaves: int) -> dict[str, Any]:
+    """The outputs of :func:`local` and :func:`reduced` (``dot=False``) from :func:`row`'s rows gathered over
+    the mesh (uint32 ``[D, K]``, rows in the mesh's row-major order), in or out of ``jax.jit``: ``devices``,
+    ``dev_norm_sq``, ``dev_nonfinite``, ``leaves`` (the row blocks added, uint32 wrap) and ``extra``
+    (uint32 ``[D, X]``)."""
+    L, D = int(n_leaves), rows.shape[0]
+    parts = rows[:, 5 * L + 1:9 * L + 1].reshape(D, L, 4)
+    return {"devices": rows[:, :4 * L].reshape(D, L, 4),
+            "dev_norm_sq": jax.lax.bitcast_convert_type(rows[:, 4 * L], jnp.float32),
+            "dev_nonfinite": rows[:, 4 * L + 1:5 * L + 1].astype(jnp.int32),
+            "leaves": jnp.sum(parts, axis=0, dtype=jnp.uint32), "extra": rows[:, 9 * L + 1:]}
 
 
 def fault_inputs(fault: Any, step: Optional[int], leaf_paths: Sequence[str], leaf_sizes: Sequence[int],
@@ -226,7 +279,7 @@ def step_fingerprints(step: int, out: Mapping[str, Any], mesh: Any, leaf_paths: 
         sig_dev[dev] = {"norm_sq": float(out["dev_norm_sq"][r]),
                         "nonfinite": {p: int(counts[i]) for i, p in enumerate(leaf_paths) if counts[i]}}
         replicas.append(ReplicaNorm(replica=r, devices=(dev,), norm_sq=float(out["dev_norm_sq"][r]),
-                                    dot=float(out["dev_dot"][r])))
+                                    dot=float(out["dev_dot"][r]) if "dev_dot" in out else None))
     return StepFingerprints(
         step=int(step), loss_bits=int(np.asarray(loss32).view(np.uint32)),
         grad_norm_bits=int(np.asarray(norm32).view(np.uint32)), batch_hash=fpm.fingerprint_hex(batch),
