@@ -14,7 +14,7 @@ import sys
 import traceback
 from typing import Optional, Sequence
 
-from replay.run import distributed
+from replay.runtime import distributed
 from replay.run.codes import ExitCode
 
 DEVICE_SPEC_HELP = """\
@@ -984,7 +984,7 @@ def _pin_determinism_flags(run_dir: Optional[str]) -> list[str]:
 
 def _start_processes(args, err) -> None:
     """Joins the replay's processes (``--coordinator-address``/``--num-processes``/``--process-id``, or
-    the cluster JAX detects: ``replay.run.distributed``) before JAX starts; as one process, reduces as
+    the cluster JAX detects: ``replay.runtime.distributed``) before JAX starts; as one process, reduces as
     the run recorded (a run that reduced with gloo replays under a one-process ``jax.distributed`` with
     gloo: the collectives decide a step's bits). Does nothing when JAX's backend has started (a test
     calling ``main`` in-process) or for commands without devices."""
@@ -1003,7 +1003,7 @@ def _start_processes(args, err) -> None:
     except Exception:  # noqa: BLE001 - load_run reports an unreadable run directory
         return
     if distributed.match_collectives(recorded):
-        err.print("collectives: gloo in one process, as the run reduced (replay.run.distributed)")
+        err.print("collectives: gloo in one process, as the run reduced (replay.runtime.distributed)")
 
 
 def _with_steps(typed: Sequence[str], steps: str, option: str = "--steps") -> list[str]:

@@ -681,7 +681,7 @@ def train(
         by_step = _writer_of(lineage)
         moved = rd.supersede(start, by_step, attempt)  # each process its own step-log files
         moved_ckpts = rd.supersede_checkpoints(start, attempt) if rd.primary else []
-        from replay.run import distributed
+        from replay.runtime import distributed
 
         distributed.sync("replay-train-superseded")  # every process past it before any saves again
         # a restore nobody asked to roll back is a resume, also when newer checkpoints of the lineage are

@@ -18,7 +18,7 @@ record, ``replay.run.statefp``), 21 it is poisoned (its replicas disagreed at th
 a non-finite loss, gradient or state (``non_finite: stop``) before a checkpoint held it.
 
 Several processes (``jax.distributed``; on CPU with gloo collectives), one run directory: every
-process runs the same command with JAX's process settings (``replay.run.distributed``)::
+process runs the same command with JAX's process settings (``replay.runtime.distributed``)::
 
     python -m replay.reference.train --run RUN --config run.yaml --steps 30 \
         --coordinator-address 127.0.0.1:1234 --num-processes 2 --process-id 0 &
@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 
 LAUNCHED_AT = time.time()  # the command's start: the start of its attempt's start-up (replay goodput)
 
-from replay.run import distributed  # noqa: E402  (after LAUNCHED_AT: imports are start-up)
+from replay.runtime import distributed  # noqa: E402  (after LAUNCHED_AT: imports are start-up)
 from replay.run.env import pin_determinism_flags  # noqa: E402
 from replay.run.progress import loss_text  # noqa: E402
 from replay.run import statefp  # noqa: E402
@@ -74,7 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if dargs is not None and dargs.num_processes != 1 and argv is None and not distributed.supervised():
         # One of several processes: run as a watched worker, so that the death of another process ends
-        # this one with a clear error (replay.run.distributed.supervise).
+        # this one with a clear error (replay.runtime.distributed.supervise).
         return distributed.supervise([sys.executable, "-m", "replay.reference.train", *sys.argv[1:]],
                                      what_next=lambda: _restart_hint(args, dargs),
                                      heartbeat_timeout_s=dargs.heartbeat_timeout_s)

@@ -73,7 +73,7 @@ def record_environment(mesh: Any = None) -> dict[str, Any]:
       (:data:`RELEVANT_ENV_VARS` that are set), ``jax_config``
       (:data:`RELEVANT_JAX_FLAGS`), ``backend`` (platform, device kind, device count, local
       device count, process index and count, platform version, ``collectives``: what reduces
-      across devices, ``replay.run.distributed.collectives``), ``mesh`` (axis names, shape, device
+      across devices, ``replay.runtime.distributed.collectives``), ``mesh`` (axis names, shape, device
       ids in mesh order, per device id its coordinates), ``hostname`` (this process's), ``processes``
       (per process index: its host name and device ids) and ``devices`` (per global device id:
       ``process``, ``local`` (its index among its process's devices), ``host``, ``kind``): what a
@@ -83,7 +83,7 @@ def record_environment(mesh: Any = None) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    from replay.run import distributed
+    from replay.runtime import distributed
     from replay.run.fingerprint import FINGERPRINT_VERSION
 
     devices = jax.devices()

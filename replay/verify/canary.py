@@ -13,7 +13,7 @@ import os
 from typing import Any, Optional
 
 from replay.run import devices as dv
-from replay.run import distributed
+from replay.runtime import distributed
 from replay.run.canary import (
     GOLDEN_DEFAULT,
     CanaryDecision,

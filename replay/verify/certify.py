@@ -318,7 +318,7 @@ def _gather(session: Session, results: Mapping[int, _Segment], assignments: Sequ
             ) -> dict[int, _Segment]:
     """Every process's segment outcomes (a collective): each reported by the lowest process of its
     placement; the step differences travel as the replayed step's judgement (kind, step, devices, leaves)."""
-    from replay.run import distributed
+    from replay.runtime import distributed
 
     process_of = {i: d.process_index for i, d in session.jax_devices.items()}
     mine = []

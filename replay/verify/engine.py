@@ -156,7 +156,7 @@ class Session:
 
     def device_infos(self) -> list[dv.DeviceInfo]:
         """The replay job's devices as an operator finds them (host, process, local index, global id)."""
-        from replay.run import distributed
+        from replay.runtime import distributed
 
         hosts = distributed.process_hosts()
         by_proc: dict[int, list[int]] = {}
@@ -896,7 +896,7 @@ def _gather_round(session: Session, assignments, results, log, tolerance, seg_id
     """Every process's results of this round's segments (a collective: every process calls it after the
     round). Each task is reported by the lowest process of its placement; the diffs are recomputed from
     the fingerprints (pure), so that only fingerprints cross processes."""
-    from replay.run import distributed
+    from replay.runtime import distributed
 
     process_of = {i: d.process_index for i, d in session.jax_devices.items()}
     mine = []
@@ -916,7 +916,7 @@ def _full_comparison(session: Session, assignment: Sequence[int], step: int) -> 
     ``step`` (the run's own faulty state against a healthy one), or None when that checkpoint cannot be
     restored. Computed by the processes of ``assignment`` when it is local to one process; shared with the
     others."""
-    from replay.run import distributed
+    from replay.runtime import distributed
 
     run = session.run
     out = None
