@@ -220,7 +220,7 @@ def main(argv=None) -> dict:
     import jax
 
     from replay.run.codes import Verdict
-    from replay.run.progress import step_progress
+    from replay.runtime.progress import step_progress
     from replay.screen.scan import scan_run
     from replay.verify import engine
     from replay.verify import faults as fm

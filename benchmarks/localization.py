@@ -103,7 +103,7 @@ def main(argv=None) -> dict:
 
     from replay import drill
     from replay.run.codes import Verdict
-    from replay.run.progress import step_progress
+    from replay.runtime.progress import step_progress
     from replay.verify import engine
 
     t_start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Terminal progress shared by ``dataprep.progress`` (``pack``) and ``replay.run.progress`` (step loops).
+"""Terminal progress shared by ``dataprep.progress`` (``pack``) and ``replay.runtime.progress`` (step loops).
 
 What both show: on a terminal a Rich bar (:func:`rich_bar`), otherwise plain lines
 (:func:`print_line`); durations (:func:`duration`) and rates (:func:`rate`) as people read them.

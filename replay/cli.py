@@ -489,8 +489,8 @@ def _cmd_certify(args, console) -> int:
 
 def _progress(args, label, unit="step", breakdown=None, first=None):
     """A ``total -> advance`` factory (what ``replay_range`` and ``run_canary`` take) of counted
-    ``replay.run.progress`` progress on stderr, and the list that :func:`_close` closes."""
-    from replay.run.progress import StepProgress
+    ``replay.runtime.progress`` progress on stderr, and the list that :func:`_close` closes."""
+    from replay.runtime.progress import StepProgress
 
     stack = []
 
@@ -781,7 +781,7 @@ def _cmd_drill(args, console) -> int:
     _check_outputs(run.run_dir, json=args.json, to_disk=args.to_disk)
     session = engine.Session(run)
     rng = random.Random(args.seed)
-    from replay.run.progress import step_progress
+    from replay.runtime.progress import step_progress
 
     with step_progress("drill" + (f" {args.scenario}" if args.scenario else ""), 0, args.count, unit="drill",
                        counted=True, enabled=not args.no_progress) as shown:
@@ -804,7 +804,7 @@ def _triage_drills(args, console) -> int:
     root = args.to_disk or tempfile.mkdtemp(prefix="replay-triage-drill-")
     scenarios = TRIAGE_SCENARIOS if args.scenario == "all" else (args.scenario,)
     seeds = list(range(args.seed, args.seed + count))
-    from replay.run.progress import step_progress
+    from replay.runtime.progress import step_progress
 
     nonfinite = _nonfinite_value(args.value)
     per = {name: len(triage_drill.GRIDS[name]) if args.grid and not (nonfinite and name == "nonfinite") else 1

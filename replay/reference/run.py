@@ -526,7 +526,7 @@ def train(
       trainer, mesh: a prepared :class:`ReferenceTrainer` and its mesh (tests reuse the
         compiled step); default from ``cfg``.
       log: warnings of the loop (a canary mismatch; default: stderr).
-      progress: the stream of the step progress (``replay.run.progress``: a Rich bar on a terminal, a
+      progress: the stream of the step progress (``replay.runtime.progress``: a Rich bar on a terminal, a
         line every ``$REPLAY_PROGRESS_EVERY`` s otherwise, with step, steps/s, tokens/s, step time,
         loss and ETA; and a closing ``train: steps A:B done in ...`` line); default stderr.
       plot: write ``<run_dir>/train.png`` (``replay.run.train_plot.plot_training``: the whole run,
@@ -561,7 +561,7 @@ def train(
     from replay.run import inputs as run_inputs
     from replay.run import lineage as lin
     from replay.run.env import compare_environment, record_environment
-    from replay.run.progress import line_interval, note, step_progress
+    from replay.runtime.progress import line_interval, note, step_progress
     from replay.reference import checkpoint as ckpt
 
     launched_at = time.time() if launched_at is None else float(launched_at)

@@ -46,7 +46,7 @@ LAUNCHED_AT = time.time()  # the command's start: the start of its attempt's sta
 
 from replay.runtime import distributed  # noqa: E402  (after LAUNCHED_AT: imports are start-up)
 from replay.run.env import pin_determinism_flags  # noqa: E402
-from replay.run.progress import loss_text  # noqa: E402
+from replay.runtime.progress import loss_text  # noqa: E402
 from replay.run import statefp  # noqa: E402
 from replay.run.codes import ExitCode  # noqa: E402
 from replay.reference.run import RunConfigError, load_run_config, train  # noqa: E402

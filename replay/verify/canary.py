@@ -97,7 +97,7 @@ def run_canary(
       reset_golden: ignore and overwrite this environment's golden value.
       fault: a drill: flips a bit in ``fault.device_id``'s gradient.
       advance: called with 1 after each canary run (one device, one repeat).
-      progress: a ``total -> advance`` factory (``replay.run.progress.StepProgress.advance``), called
+      progress: a ``total -> advance`` factory (``replay.runtime.progress.StepProgress.advance``), called
         once with the number of runs (devices x repeats) when they are known; replaces ``advance``.
 
     Raises:
