@@ -159,7 +159,7 @@ def bitrot(run_dir: str, trainer, flips: int, seed: int, scratch: str) -> dict:
 
     from replay.run import statefp
     from replay.run.runlog import load_run
-    from replay.run.quiet import quiet_aborted_reads
+    from replay.runtime.quiet import quiet_aborted_reads
     from replay.verify import bitrot as br
     from replay.verify import engine
 

@@ -1081,7 +1081,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                    resolve_run_dir)
 
     if argv is None:  # the console script: a whole process of its own
-        from replay.run.quiet import exit_quietly_after_failed_restore
+        from replay.runtime.quiet import exit_quietly_after_failed_restore
 
         code = main(sys.argv[1:])
         exit_quietly_after_failed_restore(code)

@@ -16,8 +16,8 @@ from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import orbax.checkpoint as ocp
 
-from replay.run import quiet
-from replay.run.quiet import exit_quietly_after_failed_restore, quiet_aborted_reads  # noqa: F401  (re-exported)
+from replay.runtime import quiet
+from replay.runtime.quiet import exit_quietly_after_failed_restore, quiet_aborted_reads  # noqa: F401  (re-exported)
 
 ITEMS = ("state", "loader")
 

@@ -306,7 +306,7 @@ class Session:
             except FileNotFoundError as e:
                 raise RunDirError(str(e)) from None
             except Exception as e:  # noqa: BLE001 - Orbax/TensorStore report a damaged checkpoint many ways
-                from replay.run.quiet import quiet_aborted_reads
+                from replay.runtime.quiet import quiet_aborted_reads
 
                 quiet_aborted_reads()
                 first = (str(e).strip().splitlines() or [""])[0][:400]
