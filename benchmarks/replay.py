@@ -241,10 +241,10 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         fresh.train_step(session.restore(0, home), session.batch(0, home), 0)
         compile_s = time.perf_counter() - t0
-        # The second placement a verdict needs (replay.run.devices.independent_assignments), compiled once.
+        # The second placement a verdict needs (replay.runtime.devices.independent_assignments), compiled once.
         from concurrent.futures import ThreadPoolExecutor
 
-        from replay.run import devices as dv
+        from replay.runtime import devices as dv
 
         places = [tuple(a) for a in dv.independent_assignments(sorted(session.jax_devices), session.setup.mesh_size, 2)]
         for pl in places:

@@ -923,7 +923,7 @@ def _check_outputs(run_dir: str, **paths: Optional[str]) -> None:
     run's own files (its config, env record, logs, quarantine file or checkpoints): replay reads a
     run directory and never writes into it, but for its documented outputs (canary/golden.json,
     and suspects.json from scan)."""
-    from replay.run.devices import QUARANTINE_NAME
+    from replay.runtime.devices import QUARANTINE_NAME
     from replay.run.runlog import CHECKPOINTS, ENV_JSON, EVENTS, FINGERPRINTS, RUN_CONFIG
 
     run = os.path.realpath(run_dir)
@@ -1071,7 +1071,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from contract.config import ConfigError
     from replay.verify.compare import PairingError
-    from replay.run.devices import DeviceSpecError, parse_spec
+    from replay.runtime.devices import DeviceSpecError, parse_spec
     from replay.drill import DrillError
     from replay.verify.engine import EnvDriftError
     from replay.run.statefp import DamagedCheckpointError, PoisonedCheckpointError

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from test_replay_scan import make_run
 
 from replay import cli, drill
-from replay.run import devices as dv
+from replay.runtime import devices as dv
 from replay.run import env as envm, protocol as proto, runlog
 from replay.runtime import distributed
 from replay.run.codes import Verdict

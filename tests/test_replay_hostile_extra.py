@@ -20,7 +20,7 @@ from test_replay_support import STEPS
 from replay.run.canary import read_golden, update_golden
 from replay.verify import canary
 from replay import cli
-from replay.run import devices
+from replay.runtime import devices
 from replay import drill
 from replay.verify import engine
 from replay.run import env

@@ -13,7 +13,7 @@ from replay.run import protocol as proto
 from replay.screen import scan as scan_mod
 from replay.screen import screening as sc
 from replay.cli import main
-from replay.run.devices import DeviceInfo, select_devices
+from replay.runtime.devices import DeviceInfo, select_devices
 from replay.run.runlog import load_run
 from replay.run.codes import ExitCode
 

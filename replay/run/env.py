@@ -77,7 +77,7 @@ def record_environment(mesh: Any = None) -> dict[str, Any]:
       ids in mesh order, per device id its coordinates), ``hostname`` (this process's), ``processes``
       (per process index: its host name and device ids) and ``devices`` (per global device id:
       ``process``, ``local`` (its index among its process's devices), ``host``, ``kind``): what a
-      report names a device by (``replay.run.devices.device_table``). With several processes the first
+      report names a device by (``replay.runtime.devices.device_table``). With several processes the first
       call is a collective (the host names are gathered): every process calls it.
     """
     import jax

@@ -34,7 +34,7 @@ from typing import Any, Mapping, Optional
 import yaml
 
 from replay.run import inputs as run_inputs
-from replay.run.devices import QUARANTINE_NAME, DeviceSpecError, read_quarantine
+from replay.runtime.devices import QUARANTINE_NAME, DeviceSpecError, read_quarantine
 from replay.run.lineage import Lineage, lineage_of_run
 from replay.run.protocol import StepFingerprints, log_files, merge_step_parts, shard_name
 

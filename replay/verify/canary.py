@@ -12,7 +12,7 @@ import dataclasses
 import os
 from typing import Any, Optional
 
-from replay.run import devices as dv
+from replay.runtime import devices as dv
 from replay.runtime import distributed
 from replay.run.canary import (
     GOLDEN_DEFAULT,
@@ -37,7 +37,7 @@ class CanaryReport:
     decision: CanaryDecision
     golden_path: Optional[str]
     repeats: int
-    table: dict = dataclasses.field(default_factory=dict)  # device id -> replay.run.devices.DeviceInfo
+    table: dict = dataclasses.field(default_factory=dict)  # device id -> replay.runtime.devices.DeviceInfo
 
     @property
     def exit_code(self) -> int:
@@ -84,7 +84,7 @@ def run_canary(
 
     Args:
       session: a ``replay.verify.engine.Session``.
-      device_spec: see ``replay.run.devices`` (any number of devices >= 1).
+      device_spec: see ``replay.runtime.devices`` (any number of devices >= 1).
       repeats: runs per device, >= 1.
       checkpoint: weights from this checkpoint step; None: the trainer's init from the run
         config's ``canary.seed``.
@@ -101,7 +101,7 @@ def run_canary(
         once with the number of runs (devices x repeats) when they are known; replaces ``advance``.
 
     Raises:
-      replay.run.devices.DeviceSpecError; replay.run.runlog.RunDirError (no such checkpoint); ValueError.
+      replay.runtime.devices.DeviceSpecError; replay.run.runlog.RunDirError (no such checkpoint); ValueError.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")

@@ -39,7 +39,7 @@ import dataclasses
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from replay.run import devices as dv
+from replay.runtime import devices as dv
 from replay.run import statefp
 from replay.run.codes import ExitCode
 from replay.run.runlog import RunDirError
@@ -234,7 +234,7 @@ def certify(session: Session, *, start: Optional[int] = None, stop: Optional[int
       session: the opened run.
       start: the checkpoint taken as trusted (restored and checked against its record).
       stop: the last checkpoint to judge.
-      device_spec: the devices to replay on (``replay.run.devices``); as many disjoint placements of the
+      device_spec: the devices to replay on (``replay.runtime.devices``); as many disjoint placements of the
         run's mesh as they hold run segments at the same time.
       concurrent: run placements on disjoint devices at the same time (False: one after the other).
       progress: ``total -> advance`` factory (total: the steps this process replays).

@@ -42,7 +42,7 @@ import numpy as np
 
 from replay.verify import compare as cmp
 from replay.verify import plan
-from replay.run import devices as dv
+from replay.runtime import devices as dv
 from replay.run.protocol import FaultSpec, StepFingerprints
 from replay.run.runlog import RunDirError, RunLog, missing_steps
 from replay.run.setup import checked_loader  # noqa: F401 - moved to the ground room; kept importable here
@@ -720,7 +720,7 @@ def replay_range(
     Args:
       session: the opened run.
       start, stop: the half-open step range (must be logged).
-      device_spec: see ``replay.run.devices``; must leave at least the run's mesh size.
+      device_spec: see ``replay.runtime.devices``; must leave at least the run's mesh size.
       repeats: how many times each independent assignment replays (flaky hardware is often
         inconsistent), >= 1.
       tolerance: relative tolerance: compare loss and norm only (weaker evidence).
@@ -738,7 +738,7 @@ def replay_range(
     Raises:
       replay.run.runlog.StepRangeError, MissingCheckpointError: the range is not logged / has no
         checkpoint at or before it.
-      replay.run.devices.DeviceSpecError: a bad spec or too few devices.
+      replay.runtime.devices.DeviceSpecError: a bad spec or too few devices.
       EnvDriftError: environment drift without ``allow_env_drift`` or ``tolerance``.
       RunDirError: the run logged another fingerprint formula (``versions.fingerprint``).
       ValueError: ``repeats`` or ``replays`` < 1.
