@@ -137,7 +137,7 @@ def test_replay_says_the_nearest_run_and_the_command_to_paste(tmp_path, monkeypa
 
 
 def test_training_into_a_new_folder_names_the_nearest_run(tmp_path, monkeypatch):
-    from replay.reference.run import _new_run_note
+    from replay.reference.loop import _new_run_note
 
     _fake_run(tmp_path / "build" / "demo" / "run")
     monkeypatch.chdir(tmp_path)

@@ -10,7 +10,7 @@ and ``--steps`` may be left out: the run's own ``run_config.yaml`` (with its cop
 ``mixture.yaml``) and the last target it was given. A rewind recorded by ``replay skip`` is
 followed: training resumes from its checkpoint with its data window skipped. ``--from-checkpoint``
 rolls back to an older checkpoint of the run; the steps after it are kept as a superseded attempt
-(``replay.run.lineage``). Thin over :func:`replay.reference.run.train`. Exit codes: 0 done, 2 a
+(``replay.run.lineage``). Thin over :func:`replay.reference.loop.train`. Exit codes: 0 done, 2 a
 config, data or file error, 3 stopped by a canary mismatch (``canary_action: stop``), 4 another
 process of the run died (this one stopped too: restart them all with the same commands; they resume
 from the last checkpoint), 20 the checkpoint to resume from is damaged (it does not match its state
@@ -49,7 +49,8 @@ from replay.run.env import pin_determinism_flags  # noqa: E402
 from replay.runtime.progress import loss_text  # noqa: E402
 from replay.run import statefp  # noqa: E402
 from replay.run.codes import ExitCode  # noqa: E402
-from replay.reference.run import RunConfigError, load_run_config, train  # noqa: E402
+from replay.reference.loop import Launch, train  # noqa: E402
+from replay.reference.run import RunConfigError, load_run_config  # noqa: E402
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -83,8 +84,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             distributed.initialize(dargs)
         cfg, steps = _config_and_steps(args)
         args.config, args.steps = args.config or "(the run's own)", steps
-        summary = train(args.run, cfg, steps, rewind_to=args.from_checkpoint, rewind_reason=args.reason,
-                        launched_at=start)
+        summary = train(args.run, cfg, steps,
+                        launch=Launch(rewind_to=args.from_checkpoint, rewind_reason=args.reason, launched_at=start))
     except (statefp.DamagedCheckpointError, statefp.PoisonedCheckpointError) as e:
         damaged = isinstance(e, statefp.DamagedCheckpointError)
         print(f"error: {'damaged' if damaged else 'poisoned'} checkpoint: {e}", file=sys.stderr)

@@ -170,6 +170,19 @@ class Lineage:
         """The number the next start or restore takes."""
         return max((a.id for a in self.attempts if a.index >= 0), default=0) + 1
 
+    def writer_of(self, step: int) -> Optional[int]:
+        """The attempt whose line of ``step`` the step log holds: the last attempt that trained it (None:
+        none did). What a restore tags the lines it moves to ``superseded/`` with."""
+        for a in reversed(self.attempts):
+            end = a.trained_end if a.trained_end is not None else self.end
+            if a.start <= step < max(end, a.lineage[1]):
+                return a.id
+        return None
+
+    def checkpoint_steps(self) -> list[int]:
+        """The steps of the lineage's ``checkpoint`` events, in log order."""
+        return [int(e["step"]) for e in self.events if e.get("event") == "checkpoint" and isinstance(e.get("step"), int)]
+
     def superseded_spans(self) -> list[dict[str, Any]]:
         """Every superseded span: ``{"attempt", "steps": [lo, hi), "cut_by": attempt (0: pending rewind),
         "kind": the cutting attempt's kind ("resume", "rollback", "rewind"; "rewind" when pending)}``."""
@@ -445,6 +458,23 @@ def lineage_of_run(run_dir: str, events: Sequence[Mapping[str, Any]], logged_ste
     ends = superseded_trained_ends(sup)
     return build_lineage(events, steps[-1] + 1 if steps else None, logged_first=steps[0] if steps else 0,
                          trained_ends=ends or None)
+
+
+def resume_checkpoint(lineage: Lineage, checkpoints: Sequence[int]) -> Optional[int]:
+    """The checkpoint the next attempt starts from: the one a pending rewind names, else the newest of
+    ``checkpoints`` (the run's committed checkpoints, ascending); None: a new run.
+
+    Raises:
+      LineageError: the pending rewind names no committed checkpoint.
+    """
+    pending = lineage.pending_rewind
+    if pending is None:
+        return checkpoints[-1] if checkpoints else None
+    checkpoint = int(pending.get("checkpoint", pending["step"]))
+    if checkpoint not in checkpoints:
+        raise LineageError(f"the rewind to checkpoint {checkpoint} that was recorded ({pending.get('by', 'replay skip')})"
+                           f" names no committed checkpoint (checkpoints: {list(checkpoints)})")
+    return checkpoint
 
 
 def validate_rewind(lineage: Lineage, checkpoint: int, checkpoints: Sequence[int]) -> None:
