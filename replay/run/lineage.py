@@ -319,17 +319,7 @@ def build_lineage(events: Sequence[Mapping[str, Any]], logged_end: Optional[int]
                 for c in h["cuts"]:
                     if c[1] == 0:
                         c[1] = a
-            why = e.get("reason")
-            if kind == "start":
-                rkind = "start"
-            elif why in RESTORE_KINDS:
-                rkind = why
-            elif pending is not None:
-                rkind = "rewind"
-            elif newest_ckpt is not None and step < newest_ckpt:
-                rkind = "rollback"
-            else:
-                rkind = "resume"
+            rkind = _attempt_kind(e, step, pending is not None, newest_ckpt)
             cut(step, a)
             pending = None
             heads[a] = {"start": step, "kind": rkind, "index": i, "event": e, "lo": step, "hi": step,
@@ -361,16 +351,7 @@ def build_lineage(events: Sequence[Mapping[str, Any]], logged_end: Optional[int]
         h = heads[open_head]
         h["hi"] = max(h["lo"], logged_end if logged_end is not None else h["lo"])
         h["end"] = h["hi"] if h["end"] is None else max(h["end"], h["hi"])
-    attempts = []
-    for a in order:
-        h = heads[a]
-        lo, hi = h["lo"], h["hi"]
-        share_end = hi if hi > lo else h["start"]
-        sup = (share_end, h["end"]) if h["end"] is not None and h["end"] > share_end else None
-        cuts = tuple((int(at), int(by)) for at, by in h["cuts"])
-        by = cuts[0][1] if cuts and (sup is not None or h["end"] is None) else None
-        attempts.append(Attempt(id=a, start=h["start"], kind=h["kind"], trained_end=h["end"], lineage=(lo, hi),
-                                superseded=sup, superseded_by=by, event=h["event"], index=h["index"], cuts=cuts))
+    attempts = [_attempt_of(a, heads[a]) for a in order]
     shares = [a.lineage for a in attempts if a.lineage[1] > a.lineage[0]]
     first = min((lo for lo, _ in shares), default=logged_first)
     end = max((hi for _, hi in shares), default=attempts[-1].start)
@@ -378,6 +359,33 @@ def build_lineage(events: Sequence[Mapping[str, Any]], logged_end: Optional[int]
     return Lineage(attempts=tuple(attempts), first=first, end=end, events=tuple(lin_events),
                    superseded_events=tuple(sup_events), requests=tuple(requests), pending_rewind=pending,
                    skip_windows=tuple(windows))
+
+
+def _attempt_kind(e: Mapping[str, Any], step: int, pending: bool, newest_ckpt: Optional[int]) -> str:
+    """What a ``start`` or ``restore`` event (at ``step``) began: ``start``; the restore's own ``reason`` when it is one
+    of :data:`RESTORE_KINDS`; else ``rewind`` after a pending rewind, ``rollback`` to a checkpoint older
+    than the newest of the lineage, or ``resume``."""
+    why = e.get("reason")
+    if e.get("event") == "start":
+        return "start"
+    if why in RESTORE_KINDS:
+        return why
+    if pending:
+        return "rewind"
+    if newest_ckpt is not None and step < newest_ckpt:
+        return "rollback"
+    return "resume"
+
+
+def _attempt_of(a: int, h: Mapping[str, Any]) -> Attempt:
+    """Attempt ``a`` from its head record (:func:`build_lineage`): its lineage share, superseded span and cuts."""
+    lo, hi = h["lo"], h["hi"]
+    share_end = hi if hi > lo else h["start"]
+    sup = (share_end, h["end"]) if h["end"] is not None and h["end"] > share_end else None
+    cuts = tuple((int(at), int(by)) for at, by in h["cuts"])
+    by = cuts[0][1] if cuts and (sup is not None or h["end"] is None) else None
+    return Attempt(id=a, start=h["start"], kind=h["kind"], trained_end=h["end"], lineage=(lo, hi),
+                   superseded=sup, superseded_by=by, event=h["event"], index=h["index"], cuts=cuts)
 
 
 def classify_events(events: Sequence[Mapping[str, Any]], ids: Sequence[Optional[int]],
