@@ -271,12 +271,6 @@ def test_unsupported_dtype_is_a_clear_error():
         fpm.fingerprint_np(np.zeros(3, np.float64))
 
 
-def test_tree_fingerprints_keys_are_leaf_paths():
-    tree = {"a": jnp.ones((2,)), "b": [jnp.zeros((3,), jnp.bfloat16)]}
-    out = fpm.tree_fingerprints(tree)
-    assert sorted(out) == ["['a']", "['b'][0]"]
-
-
 def test_environment_record_and_compare():
     mesh = Mesh(np.asarray(sorted(jax.devices(), key=lambda d: d.id)).reshape(4, 2), ("data", "expert"))
     rec = envm.record_environment(mesh)

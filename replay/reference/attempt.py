@@ -38,6 +38,7 @@ from replay.reference.run import (
 )
 from replay.run import protocol as proto
 from replay.run.writer import RunDir
+from replay.runtime.quiet import quiet_aborted_reads
 
 STEP_LOGS = (proto.FINGERPRINTS_NAME, proto.SIGNALS_NAME, proto.CANARY_NAME)  # truncated at a new run
 
@@ -279,7 +280,7 @@ def _restore(plan: AttemptPlan, trainer, mesh, say: Callable[[str], None], note:
     try:
         state, loader_state = trainer.restore(rd.path, latest, mesh)
     except Exception as e:  # noqa: BLE001 - Orbax/TensorStore report a damaged checkpoint many ways
-        ckpt.quiet_aborted_reads()
+        quiet_aborted_reads()
         first = (str(e).strip().splitlines() or [""])[0][:300]
         older = [c for c in ckpt.all_steps(rd.checkpoints) if c < latest]
         raise RunConfigError(

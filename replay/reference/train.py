@@ -93,9 +93,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (RunConfigError, FileNotFoundError, ValueError, distributed.DistributedConfigError) as e:
         print(f"error: {e}{_dataset_hint(e, args.config)}", file=sys.stderr)
         if argv is None:  # the command: a process of its own
-            from replay.reference import checkpoint
+            from replay.runtime.quiet import exit_quietly_after_failed_restore
 
-            checkpoint.exit_quietly_after_failed_restore(2)
+            exit_quietly_after_failed_restore(2)
         return 2
     except OSError as e:  # e.g. --config is a folder, --run is a file, permission denied, disk full
         print(f"error: {os_error_message(e, args.run, args.config, args.steps)}", file=sys.stderr)
