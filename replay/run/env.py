@@ -236,6 +236,14 @@ def compare_environment(recorded: Mapping[str, Any], current: Mapping[str, Any])
     return out
 
 
+def replay_differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """The differences of :func:`compare_environment` that decide bits when a run is replayed on other
+    devices: the mesh's device ids and the process index are left out (replaying on other devices is
+    the point; the mesh shape and axis names still count), and informational notes are dropped."""
+    return [d for d in compare_environment(recorded, current) if not d.startswith("note: ")
+            and not d.startswith("mesh.device_ids") and not d.startswith("backend.process_index")]
+
+
 # Flags the reference trainer pins so that a rerun computes the same bits (docs/trainer.md).
 # CPU needs none (XLA:CPU is deterministic for a fixed program and device order); these are
 # read only by the GPU compiler and accepted, unused, elsewhere.

@@ -114,7 +114,7 @@ def run_canary(
     seq_len = setup.canary_seq_len if seq_len is None else seq_len
     if step < 0:
         raise ValueError(f"canary step must be >= 0, got {step}")
-    chosen = dv.select_devices(device_spec, session.device_infos(), run.held_suspect, minimum=1)
+    chosen = session.chosen_devices(device_spec, 1)
     path = os.path.join(run.run_dir, GOLDEN_DEFAULT) if golden_path == "default" else golden_path
     if not reset_golden:
         read_golden(path)  # a corrupt golden file is reported before any device work
