@@ -1,4 +1,4 @@
-"""A training run of the reference trainer: run config, run directory, resumable loop.
+"""The reference trainer's run config and the run directory it fits: config, checks, loader, mesh, trainer.
 
 Run config (YAML; relative paths are resolved against the config file's folder)::
 
