@@ -67,6 +67,7 @@ def train_run(root: str, mesh: dict, steps: int, name: str):
     import dataclasses
 
     from replay.reference import run as runm
+    from replay.reference import loop
     from replay.reference.testing import write_tiny_run
     from replay.run.runlog import load_run
     from replay.verify import engine
@@ -77,7 +78,7 @@ def train_run(root: str, mesh: dict, steps: int, name: str):
     cfg = runm.load_run_config(path)
     trainer, m, _ = runm.make_trainer(cfg)
     run_dir = os.path.join(root, f"run-{name}")
-    runm.train(run_dir, cfg, steps, trainer=trainer, mesh=m, log=lambda s: None, plot=False)
+    loop.train(run_dir, cfg, steps, trainer=trainer, mesh=m, output=loop.Output(log=lambda s: None, plot=False))
     run = load_run(run_dir)
     return engine.Session(run, dataclasses.replace(engine.default_setup(run), trainer=trainer))
 
@@ -220,7 +221,7 @@ def main(argv=None) -> dict:
     import jax
 
     from replay.run.codes import Verdict
-    from replay.run.progress import step_progress
+    from replay.runtime.progress import step_progress
     from replay.screen.scan import scan_run
     from replay.verify import engine
     from replay.verify import faults as fm

@@ -139,6 +139,7 @@ def small_run(root: str) -> tuple[str, object]:
     import jax
 
     from replay.reference import run as ref_run
+    from replay.reference import loop
     from replay.reference.trainer import make_mesh
 
     mix, data = _inputs(root, 16, 64, 40)
@@ -150,7 +151,8 @@ def small_run(root: str) -> tuple[str, object]:
     run_dir = os.path.join(root, "run")
     import io
 
-    ref_run.train(run_dir, cfg, 8, trainer=trainer, mesh=mesh, log=lambda s: None, plot=False, progress=io.StringIO())
+    loop.train(run_dir, cfg, 8, trainer=trainer, mesh=mesh,
+               output=loop.Output(log=lambda s: None, plot=False, progress=io.StringIO()))
     return run_dir, trainer
 
 
@@ -159,7 +161,7 @@ def bitrot(run_dir: str, trainer, flips: int, seed: int, scratch: str) -> dict:
 
     from replay.run import statefp
     from replay.run.runlog import load_run
-    from replay.run.quiet import quiet_aborted_reads
+    from replay.runtime.quiet import quiet_aborted_reads
     from replay.verify import bitrot as br
     from replay.verify import engine
 

@@ -57,6 +57,7 @@ def train_run(root: str, steps: int):
     import dataclasses
 
     from replay.reference import run as runm
+    from replay.reference import loop
     from replay.reference.testing import write_tiny_run
     from replay.run.runlog import load_run
     from replay.verify import engine
@@ -67,7 +68,7 @@ def train_run(root: str, steps: int):
     cfg = runm.load_run_config(path)
     trainer, mesh, _ = runm.make_trainer(cfg)
     run_dir = os.path.join(root, "run")
-    runm.train(run_dir, cfg, steps, trainer=trainer, mesh=mesh, log=lambda s: None, plot=False)
+    loop.train(run_dir, cfg, steps, trainer=trainer, mesh=mesh, output=loop.Output(log=lambda s: None, plot=False))
     run = load_run(run_dir)
     return engine.Session(run, dataclasses.replace(engine.default_setup(run), trainer=trainer)), cfg
 
@@ -103,7 +104,7 @@ def main(argv=None) -> dict:
 
     from replay import drill
     from replay.run.codes import Verdict
-    from replay.run.progress import step_progress
+    from replay.runtime.progress import step_progress
     from replay.verify import engine
 
     t_start = time.perf_counter()

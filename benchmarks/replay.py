@@ -69,6 +69,7 @@ from contract.config import load_mixture
 from loader import synthetic as lt
 from replay.verify import engine
 from replay.run import runlog
+from replay.reference import loop
 from replay.reference import run as ref_run
 from replay.reference.trainer import ReferenceTrainer, make_mesh
 
@@ -93,7 +94,7 @@ def timed_train(run_dir, cfg, stop, trainer, mesh) -> dict[int, float]:
     def on_step(step: int, loss: float) -> None:
         stamps[step] = time.perf_counter()
 
-    ref_run.train(run_dir, cfg, stop, trainer=trainer, mesh=mesh, on_step=on_step, plot=False)
+    loop.train(run_dir, cfg, stop, trainer=trainer, mesh=mesh, output=loop.Output(on_step=on_step, plot=False))
     return stamps
 
 
@@ -111,7 +112,8 @@ def targeted(tmp: str, quick: bool) -> dict:
     cfg = make_run(os.path.join(tmp, "t"), seq_len=seq_len, model=model, global_batch=8, rows=600)
     cfg = dataclasses.replace(cfg, mesh=(("data", 2), ("expert", 2)), checkpoint_every=every)
     run_dir = os.path.join(tmp, "t", "run")
-    ref_run.train(run_dir, cfg, 6 * every, log=lambda s: None, plot=False, progress=open(os.devnull, "w"))
+    loop.train(run_dir, cfg, 6 * every,
+               output=loop.Output(log=lambda s: None, plot=False, progress=open(os.devnull, "w")))
     session = engine.Session(runlog.load_run(run_dir))
     out = {"checkpoint_every": every, "segments": 6, "placements": [[0, 1, 2, 3], [4, 5, 6, 7]]}
     def scanned(scenario: str, planted: int, **kw):
@@ -162,7 +164,8 @@ def concurrent(tmp: str, quick: bool, rounds: int) -> dict:
         cfg = make_run(os.path.join(tmp, name), seq_len=seq_len, model=model, global_batch=8, rows=600)
         cfg = dataclasses.replace(cfg, mesh=mesh, checkpoint_every=every)
         run_dir = os.path.join(tmp, name, "run")
-        ref_run.train(run_dir, cfg, 4 * every, log=lambda s: None, plot=False, progress=open(os.devnull, "w"))
+        loop.train(run_dir, cfg, 4 * every,
+                   output=loop.Output(log=lambda s: None, plot=False, progress=open(os.devnull, "w")))
         session = engine.Session(runlog.load_run(run_dir))
         for flag in (True, False):  # compile and restore once per placement
             engine.replay_range(session, 0, 4 * every, device_spec=spec, onset=None, concurrent=flag)
@@ -241,10 +244,10 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         fresh.train_step(session.restore(0, home), session.batch(0, home), 0)
         compile_s = time.perf_counter() - t0
-        # The second placement a verdict needs (replay.run.devices.independent_assignments), compiled once.
+        # The second placement a verdict needs (replay.runtime.devices.independent_assignments), compiled once.
         from concurrent.futures import ThreadPoolExecutor
 
-        from replay.run import devices as dv
+        from replay.runtime import devices as dv
 
         places = [tuple(a) for a in dv.independent_assignments(sorted(session.jax_devices), session.setup.mesh_size, 2)]
         for pl in places:

@@ -87,7 +87,8 @@ class Drills:
     def run(self, seed: int, scenario=None, **fault) -> dict:
         """One run (clean when ``scenario`` is None); returns its scan report (dict) and timings."""
         from replay import drill
-        from replay.reference import run as runm
+        from replay.reference import loop
+        from replay.reference.drills import DrillHooks
         from replay.run.runlog import load_run
         from replay.screen.scan import scan_run
 
@@ -107,8 +108,9 @@ class Drills:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # canary mismatch warnings are the canary drill's point
-            summary = runm.train(out, cfg, self.steps, trainer=self.trainer, mesh=self.mesh, log=lambda s: None,
-                                 faults=faults, canary_fault=canary_fault)
+            summary = loop.train(out, cfg, self.steps, trainer=self.trainer, mesh=self.mesh,
+                                 output=loop.Output(log=lambda s: None),
+                                 drill=DrillHooks(faults=faults, canary_fault=canary_fault))
         rep = scan_run(load_run(out))
         d = rep.to_dict()
         ser = rep.series.get("replicas") or {}

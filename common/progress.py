@@ -1,4 +1,4 @@
-"""Terminal progress shared by ``dataprep.progress`` (``pack``) and ``replay.run.progress`` (step loops).
+"""Terminal progress shared by ``dataprep.progress`` (``pack``) and ``replay.runtime.progress`` (step loops).
 
 What both show: on a terminal a Rich bar (:func:`rich_bar`), otherwise plain lines
 (:func:`print_line`); durations (:func:`duration`) and rates (:func:`rate`) as people read them.
@@ -65,3 +65,13 @@ def rich_bar(stream: TextIO, *, transient: bool, eta: bool = False) -> Any:
                    transient=transient)
     bar.start()
     return bar
+
+
+def stop_bar(bar: Any) -> bool:
+    """Stops a bar from :func:`rich_bar`; returns False when its stream failed on the way (``OSError``,
+    ``ValueError``: the caller then stops printing)."""
+    try:
+        bar.stop()
+    except (OSError, ValueError):
+        return False
+    return True

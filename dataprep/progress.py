@@ -34,7 +34,7 @@ import time
 import uuid
 from typing import Callable, Iterator, Mapping, Optional, TextIO
 
-from common.progress import duration, print_line, rich_bar
+from common.progress import duration, print_line, rich_bar, stop_bar
 
 HEARTBEAT_S = 0.5
 READ, TOKENIZE, PACK = "read", "tokenize", "pack"
@@ -248,9 +248,7 @@ class Monitor:
 
     def close(self) -> None:
         if self._bar is not None:
-            try:
-                self._bar.stop()
-            except (OSError, ValueError):
+            if not stop_bar(self._bar):
                 self._broken = True
             self._bar = None
 

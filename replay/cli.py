@@ -15,7 +15,7 @@ import sys
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
-from replay.run import distributed
+from replay.runtime import distributed
 from replay.run.codes import ExitCode
 from replay.run.protocol import FAULT_SITES
 
@@ -345,8 +345,8 @@ def _cmd_certify(args, console) -> int:
 
 def _progress(args, label, unit="step", breakdown=None, first=None):
     """A ``total -> advance`` factory (what ``replay_range`` and ``run_canary`` take) of counted
-    ``replay.run.progress`` progress on stderr, and the list that :func:`_close` closes."""
-    from replay.run.progress import StepProgress
+    ``replay.runtime.progress`` progress on stderr, and the list that :func:`_close` closes."""
+    from replay.runtime.progress import StepProgress
 
     stack = []
 
@@ -637,7 +637,7 @@ def _cmd_drill(args, console) -> int:
     _check_outputs(run.run_dir, json=args.json, to_disk=args.to_disk)
     session = engine.Session(run)
     rng = random.Random(args.seed)
-    from replay.run.progress import step_progress
+    from replay.runtime.progress import step_progress
 
     with step_progress("drill" + (f" {args.scenario}" if args.scenario else ""), 0, args.count, unit="drill",
                        counted=True, enabled=not args.no_progress) as shown:
@@ -660,7 +660,7 @@ def _triage_drills(args, console) -> int:
     root = args.to_disk or tempfile.mkdtemp(prefix="replay-triage-drill-")
     scenarios = TRIAGE_SCENARIOS if args.scenario == "all" else (args.scenario,)
     seeds = list(range(args.seed, args.seed + count))
-    from replay.run.progress import step_progress
+    from replay.runtime.progress import step_progress
 
     nonfinite = _nonfinite_value(args.value)
     per = {name: len(triage_drill.GRIDS[name]) if args.grid and not (nonfinite and name == "nonfinite") else 1
@@ -779,7 +779,7 @@ def _check_outputs(run_dir: str, **paths: Optional[str]) -> None:
     run's own files (its config, env record, logs, quarantine file or checkpoints): replay reads a
     run directory and never writes into it, but for its documented outputs (canary/golden.json,
     and suspects.json from scan)."""
-    from replay.run.devices import QUARANTINE_NAME
+    from replay.runtime.devices import QUARANTINE_NAME
     from replay.run.runlog import CHECKPOINTS, ENV_JSON, EVENTS, FINGERPRINTS, RUN_CONFIG
 
     run = os.path.realpath(run_dir)
@@ -840,7 +840,7 @@ def _pin_determinism_flags(run_dir: Optional[str]) -> list[str]:
 
 def _start_processes(args, err) -> None:
     """Joins the replay's processes (``--coordinator-address``/``--num-processes``/``--process-id``, or
-    the cluster JAX detects: ``replay.run.distributed``) before JAX starts; as one process, reduces as
+    the cluster JAX detects: ``replay.runtime.distributed``) before JAX starts; as one process, reduces as
     the run recorded (a run that reduced with gloo replays under a one-process ``jax.distributed`` with
     gloo: the collectives decide a step's bits). Does nothing when JAX's backend has started (a test
     calling ``main`` in-process) or for commands without devices."""
@@ -859,7 +859,7 @@ def _start_processes(args, err) -> None:
     except Exception:  # noqa: BLE001 - load_run reports an unreadable run directory
         return
     if distributed.match_collectives(recorded):
-        err.print("collectives: gloo in one process, as the run reduced (replay.run.distributed)")
+        err.print("collectives: gloo in one process, as the run reduced (replay.runtime.distributed)")
 
 
 def _with_steps(typed: Sequence[str], steps: str, option: str = "--steps") -> list[str]:
@@ -1150,7 +1150,7 @@ def _check_usage(args) -> None:
     Raises:
       RunNotGivenError, DeviceSpecError, StepsSpecError: the usage error.
     """
-    from replay.run.devices import parse_spec
+    from replay.runtime.devices import parse_spec
     from replay.run.runlog import parse_steps, resolve_run_dir
 
     if getattr(args, "steps", None) is not None:
@@ -1168,7 +1168,7 @@ def _failures() -> tuple[tuple[tuple[type, ...], str, ExitCode], ...]:
     subclass before its base); anything else is an internal error (a traceback, exit 1)."""
     from contract.config import ConfigError
     from replay.drill import DrillError
-    from replay.run.devices import DeviceSpecError
+    from replay.runtime.devices import DeviceSpecError
     from replay.run.runlog import RunDirError, StepRangeError, StepsSpecError
     from replay.run.statefp import DamagedCheckpointError, PoisonedCheckpointError
     from replay.screen.forensics import TokenizerUnavailableError
@@ -1225,11 +1225,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from rich.markup import escape
 
     from replay.report import make_console
-    from replay.run.devices import DeviceSpecError
+    from replay.runtime.devices import DeviceSpecError
     from replay.run.runlog import RunNotGivenError, StepsSpecError
 
     if argv is None:  # the console script: a whole process of its own
-        from replay.run.quiet import exit_quietly_after_failed_restore
+        from replay.runtime.quiet import exit_quietly_after_failed_restore
 
         code = main(sys.argv[1:])
         exit_quietly_after_failed_restore(code)

@@ -270,7 +270,7 @@ def drilled_log(session: Any, fault: FaultSpec, extra_steps: int = 0) -> dict[in
     """The run's log with steps ``fault.step .. fault.step + extra_steps`` recomputed with the fault
     injected, from the checkpoint before it, on the run's own mesh shape (the home placement; every
     process of it computes them, the others receive them), relabelled with the run's device ids."""
-    from replay.run import distributed
+    from replay.runtime import distributed
     from replay.run.protocol import StepFingerprints
 
     run = session.run
@@ -552,7 +552,7 @@ def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Rando
       DrillError: the run is too short, or ``device``/``start`` are out of range.
       FileExistsError: ``out_dir`` exists and is not empty.
     """
-    from replay.run import distributed
+    from replay.runtime import distributed
     from replay.run import protocol as proto
     from replay.run.runlog import ENV_JSON, EVENTS, RUN_CONFIG, load_run
     from replay.screen.scan import scan_run
@@ -631,7 +631,7 @@ def retrain_through_protocol(session: Any, out_dir: str, checkpoint: int, stop: 
     ``canary_every`` steps the canary (the run's canary batch and weights, ``single_device_fingerprints``
     on each device of the run's mesh, ``canary_fault`` from its step on), one record per device."""
     from replay.run import canary as cn
-    from replay.run import distributed
+    from replay.runtime import distributed
     from replay.run.protocol import CanaryRecord
 
     setup, trainer = session.setup, session.setup.trainer

@@ -15,7 +15,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from common import figures
-from replay.run.progress import loss_text
+from replay.runtime.progress import loss_text
 from replay.run.writer import write_json  # noqa: F401  (reports are written with report.write_json)
 
 _VERDICT_STYLE = {"convicted": "bold red", "acquitted": "bold green", "ambiguous": "bold yellow"}

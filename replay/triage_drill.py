@@ -177,13 +177,19 @@ class Drills:
                "router_health": {"window_steps": 4}}
         return self.ref_run.run_config_from_dict(raw, self.root)
 
-    def train(self, run_dir: str, cfg, steps: int, trainer=None, **kw) -> dict[str, Any]:
+    def train(self, run_dir: str, cfg, steps: int, trainer=None, *, drill=None, launch=None,
+              on_step: Optional[Callable[[int, float], None]] = None) -> dict[str, Any]:
+        """``replay.reference.loop.train`` on the drills' mesh, quietly; ``drill``: a
+        ``replay.reference.drills.DrillHooks``; ``launch``: a ``replay.reference.loop.Launch``."""
         import warnings
+
+        from replay.reference import loop
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return self.ref_run.train(run_dir, cfg, steps, trainer=trainer or self.trainer, mesh=self.mesh,
-                                      log=lambda s: None, plot=False, progress=_Quiet(), **kw)
+            return loop.train(run_dir, cfg, steps, trainer=trainer or self.trainer, mesh=self.mesh, launch=launch,
+                              output=loop.Output(log=lambda s: None, plot=False, progress=_Quiet(), on_step=on_step),
+                              drill=drill)
 
     def triage(self, run_dir: str, step: int, replay: bool = False, trainer=None) -> dict[str, Any]:
         from replay.run.runlog import load_run
@@ -213,14 +219,17 @@ class Drills:
                            time.perf_counter() - t0, rep)
 
     def _sdc(self, out, seed, rng, magnitude):
+        from replay.reference.drills import DrillHooks
         from replay.run.protocol import DriftSpec
 
         device, k = rng.choice([0, 1, 2, 3]), rng.randrange(20, 28)
-        self.train(out, self.config(seed), STEPS, faults=DriftSpec(device_id=device, start=k, magnitude=magnitude))
+        self.train(out, self.config(seed), STEPS,
+                   drill=DrillHooks(faults=DriftSpec(device_id=device, start=k, magnitude=magnitude)))
         return ({"device": device, "step": k}, {"cause": "hardware", "devices": [device]},
                 min(k + 10, STEPS - 1), {"replay": True})
 
     def _nonfinite(self, out, seed, rng, magnitude):
+        from replay.reference.drills import DrillHooks
         from replay.run.protocol import DriftSpec
 
         device, k = rng.choice([0, 1, 2, 3]), rng.randrange(20, 28)
@@ -228,12 +237,14 @@ class Drills:
         # non_finite: warn, as a trainer without the guard would go on (the default, stop, halts at the
         # step before any checkpoint holds the NaN: tests/test_checkpoint_trust.py); triage must name the device
         cfg = dataclasses.replace(self.config(seed), non_finite="warn")
-        self.train(out, cfg, STEPS, faults=DriftSpec(device_id=device, start=k, stop=k + 1,
-                                                                   magnitude=value))
+        self.train(out, cfg, STEPS, drill=DrillHooks(faults=DriftSpec(device_id=device, start=k, stop=k + 1,
+                                                                      magnitude=value)))
         return ({"device": device, "step": k, "value": magnitude}, {"cause": "hardware", "devices": [device]},
                 min(k + 2, STEPS - 1), {})
 
     def _restart(self, out, seed, rng, magnitude):
+        from replay.reference.drills import DrillHooks
+
         c = rng.choice([20, 30])
         crash, shift = c + rng.randrange(2, 8), rng.choice([-1, 1]) * int(magnitude)
         cfg = self.config(seed)
@@ -246,7 +257,8 @@ class Drills:
             self.train(out, cfg, STEPS, on_step=crash_at)
         except _Crash:
             pass
-        self.train(out, cfg, STEPS, loader_shift=shift)  # the restore event logs the checkpoint's own state
+        # the restore event logs the checkpoint's own state, the loader starts `shift` steps off
+        self.train(out, cfg, STEPS, drill=DrillHooks(loader_shift=shift))
         return ({"restore": c, "crash_after": crash, "loader_shift": shift},
                 {"cause": "restart", "restore": c, "offset": shift}, min(c + 3, STEPS - 1), {})
 

@@ -82,11 +82,13 @@ def kit(replay_made):
 
 
 def train(kit, path, steps, *, faults=None, **over):
-    from replay.reference import run as ref_run
+    from replay.reference import loop
+    from replay.reference.drills import DrillHooks
 
     cfg = run_config(kit.root, kit.mix, **{"skip_windows": [], **over})
-    out = ref_run.train(path, cfg, steps, trainer=kit.trainer, mesh=kit.mesh, log=_quiet, plot=False, faults=faults,
-                        progress=io.StringIO())
+    out = loop.train(path, cfg, steps, trainer=kit.trainer, mesh=kit.mesh,
+                     output=loop.Output(log=_quiet, plot=False, progress=io.StringIO()),
+                     drill=DrillHooks(faults=faults))
     return cfg, out
 
 
@@ -209,11 +211,12 @@ def test_a_silently_restored_flip_is_a_damaged_checkpoint_never_a_conviction(run
     assert rep["certified"] == 12 and rep["first_failure"]["reason"].startswith("the replay reaches its record, but")
     # the trainer: rolling back onto the damaged copy stops with the damaged-checkpoint error
     from replay.reference import run as ref_run
+    from replay.reference import loop
 
     cfg = ref_run.run_config_from_dict(load_run(run_copy).config, run_copy)
     with pytest.raises(statefp.DamagedCheckpointError, match="checkpoint 8 is damaged"):
-        ref_run.train(run_copy, cfg, STEPS, trainer=kit.trainer, mesh=kit.mesh, log=_quiet, plot=False,
-                      rewind_to=8, progress=io.StringIO())
+        loop.train(run_copy, cfg, STEPS, trainer=kit.trainer, mesh=kit.mesh, launch=loop.Launch(rewind_to=8),
+                   output=loop.Output(log=_quiet, plot=False, progress=io.StringIO()))
 
 
 def test_the_training_command_maps_damaged_and_poisoned_checkpoints_to_their_codes(monkeypatch, tmp_path, capsys):

@@ -271,12 +271,6 @@ def test_unsupported_dtype_is_a_clear_error():
         fpm.fingerprint_np(np.zeros(3, np.float64))
 
 
-def test_tree_fingerprints_keys_are_leaf_paths():
-    tree = {"a": jnp.ones((2,)), "b": [jnp.zeros((3,), jnp.bfloat16)]}
-    out = fpm.tree_fingerprints(tree)
-    assert sorted(out) == ["['a']", "['b'][0]"]
-
-
 def test_environment_record_and_compare():
     mesh = Mesh(np.asarray(sorted(jax.devices(), key=lambda d: d.id)).reshape(4, 2), ("data", "expert"))
     rec = envm.record_environment(mesh)
@@ -336,15 +330,16 @@ def test_version_mismatch_says_which_versions_and_what_to_do():
 def test_replay_refuses_a_run_logged_with_another_fingerprint_version(tmp_path, recorded):
     """Comparing fingerprints of two formulas would convict every device: replay_range refuses
     before any device work, even with allow_env_drift or a tolerance, naming env.json (the CLI
-    exits RUN_ERROR on a RunDirError). A stand-in session: the refusal reads only the run's
-    env record, and the shared trained run stays out of this module."""
+    exits RUN_ERROR on a RunDirError). A stand-in session over a run log with nothing but its env
+    record: the refusal reads only that, and the shared trained run stays out of this module."""
     import types
 
     from replay.verify import engine
-    from replay.run.runlog import RunDirError
+    from replay.run.runlog import RunDirError, RunLog
 
     versions = {"jax": jax.__version__} if recorded is None else {"fingerprint": recorded}
-    run = types.SimpleNamespace(env={"versions": versions}, run_dir=str(tmp_path))
+    run = RunLog(run_dir=str(tmp_path), config={}, env={"versions": versions}, events=[], fingerprints={},
+                 relogged_conflicts=[], checkpoints=[], quarantine=frozenset())
     session = types.SimpleNamespace(run=run, setup=None)
     for kwargs in ({}, {"allow_env_drift": True}, {"tolerance": 1e-3}):
         with pytest.raises(RunDirError) as err:

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from test_replay_scan import make_run
 
 from replay import cli, drill
-from replay.run import devices as dv
-from replay.run import distributed, env as envm, protocol as proto, runlog
+from replay.runtime import devices as dv
+from replay.run import env as envm, protocol as proto, runlog
+from replay.runtime import distributed
 from replay.run.codes import Verdict
 from replay.run.protocol import FaultSpec
 from replay.run.writer import RunDir
@@ -322,9 +323,10 @@ def _replay_imports(path):
 
 
 @pytest.mark.parametrize("room,allowed", [
-    ("run", ("replay.run",)),
-    ("verify", ("replay.run", "replay.verify")),
-    ("screen", ("replay.run", "replay.verify", "replay.screen")),
+    ("runtime", ("replay.runtime",)),
+    ("run", ("replay.runtime", "replay.run")),
+    ("verify", ("replay.runtime", "replay.run", "replay.verify")),
+    ("screen", ("replay.runtime", "replay.run", "replay.verify", "replay.screen")),
 ])
 def test_lower_rooms_never_import_higher_ones_nor_a_trainer(room, allowed):
     folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "replay", room)

@@ -1,10 +1,10 @@
-"""replay.run.progress: the plain lines on a non-terminal stream, the closing line, counted progress, the bar."""
+"""replay.runtime.progress: the plain lines on a non-terminal stream, the closing line, counted progress, the bar."""
 
 import io
 
 import pytest
 
-from replay.run.progress import StepProgress, line_interval, rate, step_progress
+from replay.runtime.progress import StepProgress, line_interval, rate, step_progress
 
 
 class Clock:

@@ -170,6 +170,7 @@ def test_run_config_refuses_experts_that_do_not_split(tmp_path):
 def ep_run(tmp_path_factory):
     """(session, trainer, mesh, cfg, folder) of the module docstring's run."""
     from replay.reference import run as runm
+    from replay.reference import loop
     from replay.run.runlog import load_run
     from replay.verify import engine
 
@@ -180,22 +181,22 @@ def ep_run(tmp_path_factory):
     cfg = runm.load_run_config(path)
     trainer, mesh, _ = runm.make_trainer(cfg)
     run_dir = str(folder / "run")
-    runm.train(run_dir, cfg, 25, trainer=trainer, mesh=mesh, log=lambda s: None, plot=False)
+    loop.train(run_dir, cfg, 25, trainer=trainer, mesh=mesh, output=loop.Output(log=lambda s: None, plot=False))
     import shutil
 
     shutil.rmtree(os.path.join(run_dir, "checkpoints", "25"))  # killed before checkpoint 25 committed:
-    runm.train(run_dir, cfg, 40, trainer=trainer, mesh=mesh, log=lambda s: None, plot=False)  # resumed from 20
+    loop.train(run_dir, cfg, 40, trainer=trainer, mesh=mesh, output=loop.Output(log=lambda s: None, plot=False))  # resumed from 20
     run = load_run(run_dir)
     session = engine.Session(run, dataclasses.replace(engine.default_setup(run), trainer=trainer))
     return session, trainer, mesh, cfg, folder
 
 
 def test_resume_gives_the_uninterrupted_runs_fingerprints(ep_run):
-    from replay.reference import run as runm
+    from replay.reference import loop
 
     session, trainer, mesh, cfg, folder = ep_run
     straight = str(folder / "straight")
-    runm.train(straight, cfg, 40, trainer=trainer, mesh=mesh, log=lambda s: None, plot=False)
+    loop.train(straight, cfg, 40, trainer=trainer, mesh=mesh, output=loop.Output(log=lambda s: None, plot=False))
     a = open(os.path.join(session.run.run_dir, "fingerprints.jsonl"), "rb").read()
     b = open(os.path.join(straight, "fingerprints.jsonl"), "rb").read()
     assert a == b and b.count(b"\n") == 40

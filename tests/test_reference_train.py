@@ -16,6 +16,8 @@ import yaml
 
 from replay.run import protocol as proto
 from replay.reference import checkpoint as ckpt
+from replay.reference import hooks, loop
+from replay.reference.drills import DrillHooks
 from replay.reference import run as runm
 from replay.reference.testing import write_tiny_run
 from replay.reference.train import main as train_main
@@ -31,7 +33,8 @@ def tiny(tmp_path_factory):
     cfg = runm.load_run_config(path)
     trainer, mesh, _ = runm.make_trainer(cfg)
     run_a = folder / "run_a"
-    summary = runm.train(str(run_a), cfg, STEPS, trainer=trainer, mesh=mesh, log=lambda s: None)
+    summary = loop.train(str(run_a), cfg, STEPS, trainer=trainer, mesh=mesh,
+                         output=loop.Output(log=lambda s: None))
     return folder, path, cfg, trainer, mesh, run_a, summary
 
 
@@ -42,7 +45,7 @@ def _lines(run_dir):
 def test_two_runs_of_30_steps_have_bit_identical_fingerprints(tiny):
     folder, path, cfg, trainer, mesh, run_a, _ = tiny
     run_b = folder / "run_b"
-    runm.train(str(run_b), cfg, STEPS, trainer=trainer, mesh=mesh, log=lambda s: None)
+    loop.train(str(run_b), cfg, STEPS, trainer=trainer, mesh=mesh, output=loop.Output(log=lambda s: None))
     a, b = _lines(run_a), _lines(run_b)
     assert len(a) == STEPS
     assert [json.loads(x)["step"] for x in a] == list(range(STEPS))
@@ -132,7 +135,7 @@ def test_sigkill_at_a_random_step_then_restart_matches_uninterrupted(tiny):
     # restart: a new train() call on the same run directory (in this process, reusing the
     # compiled step; the subprocess above is the one killed)
     cfg_w = runm.load_run_config(str(cfg_path))
-    runm.train(str(run_k), cfg_w, STEPS, trainer=trainer, mesh=mesh, log=lambda s: None)
+    loop.train(str(run_k), cfg_w, STEPS, trainer=trainer, mesh=mesh, output=loop.Output(log=lambda s: None))
     assert _lines(run_k) == _lines(run_a)  # the uninterrupted run's history, byte for byte
     # the screening signals too: one line per step, none twice (timings differ, so not byte for byte)
     sig_steps = [json.loads(x)["step"] for x in (run_k / proto.SIGNALS_NAME).read_text().splitlines()]
@@ -199,7 +202,7 @@ def test_run_directory_refuses_another_config(tiny, tmp_path):
 
     other = dataclasses.replace(cfg, seed=1)
     with pytest.raises(runm.RunConfigError, match=r"started with another config \(differs in \['seed'\]\)"):
-        runm.train(str(run_a), other, STEPS, trainer=trainer, mesh=mesh, log=lambda s: None)
+        loop.train(str(run_a), other, STEPS, trainer=trainer, mesh=mesh, output=loop.Output(log=lambda s: None))
 
 
 DEMO_CONFIG = REPO / "configs" / "runs" / "demo.yaml"
@@ -212,7 +215,7 @@ def test_demo_trains_and_loss_goes_down(tmp_path):
     cfg = runm.load_run_config(str(DEMO_CONFIG))
     if not os.path.exists(os.path.join(cfg.dataset, "manifest.json")):
         pytest.skip(f"demo dataset not built at {cfg.dataset} (see docs/trainer.md)")
-    summary = runm.train(str(tmp_path / "demo"), cfg, 20, log=lambda s: None)
+    summary = loop.train(str(tmp_path / "demo"), cfg, 20, output=loop.Output(log=lambda s: None))
     losses = summary["losses"]
     assert np.mean([losses[s] for s in range(15, 20)]) < np.mean([losses[s] for s in range(5)]) - 0.5
 
@@ -226,7 +229,7 @@ def test_restart_may_append_a_skip_window(tiny, tmp_path):
     run_c = tmp_path / "run_c"
     shutil.copytree(run_a, run_c)
     grown = dataclasses.replace(cfg, skip_windows=cfg.skip_windows + ((40, 44),))
-    runm.train(str(run_c), grown, STEPS, trainer=trainer, mesh=mesh, log=lambda s: None)
+    loop.train(str(run_c), grown, STEPS, trainer=trainer, mesh=mesh, output=loop.Output(log=lambda s: None))
     events = proto.read_events(str(run_c))
     restore = [e for e in events if e["event"] == "restore"][-1]
     assert restore["step"] == STEPS and restore["skip_windows_changed"] == [[3, 4], [40, 44]]
@@ -267,8 +270,9 @@ def _canary_run(tiny, tmp_path, name, steps, **over):
 def test_periodic_canary_runs_every_n_steps_and_names_a_mismatching_device(tiny, tmp_path):
     cfg, trainer, mesh, run_dir = _canary_run(tiny, tmp_path, "canary", 10)
     fault = proto.FaultSpec(step=5, device_id=3, leaf="['layers'][0]['wq']", element=7, bit=0)
-    with pytest.warns(runm.CanaryMismatchWarning, match=r"canary before step 8: device\(s\) \[3\]"):
-        summary = runm.train(str(run_dir), cfg, 10, trainer=trainer, mesh=mesh, log=lambda s: None, canary_fault=fault)
+    with pytest.warns(hooks.CanaryMismatchWarning, match=r"canary before step 8: device\(s\) \[3\]"):
+        summary = loop.train(str(run_dir), cfg, 10, trainer=trainer, mesh=mesh,
+                             output=loop.Output(log=lambda s: None), drill=DrillHooks(canary_fault=fault))
     recs = proto.read_canary(str(run_dir))
     assert [(r.step, r.device) for r in recs] == [(s, d) for s in (0, 4, 8) for d in range(8)]
     assert {r.golden for r in recs if r.step == 0} == {"created"} and {r.golden for r in recs if r.step == 4} == {"matched"}
@@ -286,8 +290,9 @@ def test_periodic_canary_runs_every_n_steps_and_names_a_mismatching_device(tiny,
 def test_canary_action_stop_stops_at_the_mismatch_with_a_checkpoint(tiny, tmp_path):
     cfg, trainer, mesh, run_dir = _canary_run(tiny, tmp_path, "stop", 10, canary_action="stop")
     fault = proto.FaultSpec(step=3, device_id=6, leaf="['embed']", element=0, bit=0)
-    with pytest.warns(runm.CanaryMismatchWarning):
-        summary = runm.train(str(run_dir), cfg, 10, trainer=trainer, mesh=mesh, log=lambda s: None, canary_fault=fault)
+    with pytest.warns(hooks.CanaryMismatchWarning):
+        summary = loop.train(str(run_dir), cfg, 10, trainer=trainer, mesh=mesh,
+                             output=loop.Output(log=lambda s: None), drill=DrillHooks(canary_fault=fault))
     assert summary["stopped"]["step"] == 4 and sorted(summary["losses"]) == [0, 1, 2, 3]
     kinds = [(e["event"], e["step"]) for e in proto.read_events(str(run_dir))]
     assert ("stopped", 4) in kinds and ("checkpoint", 4) in kinds and kinds[-1] == ("end", 4)
@@ -338,7 +343,7 @@ def test_checkpoint_event_only_after_the_async_save_commits(tiny, tmp_path):
     assert [e["step"] for e in proto.read_events(str(run_dir)) if e["event"] == "checkpoint"] == [0]
     assert not ckpt.is_committed(str(run_dir / "checkpoints"), 4) and ckpt.is_committed(str(run_dir / "checkpoints"), 0)
     cfg4 = runm.load_run_config(str(cfg_path))
-    runm.train(str(run_dir), cfg4, 8, trainer=trainer, mesh=mesh, log=lambda s: None)
+    loop.train(str(run_dir), cfg4, 8, trainer=trainer, mesh=mesh, output=loop.Output(log=lambda s: None))
     events = proto.read_events(str(run_dir))
     assert [e["step"] for e in events if e["event"] == "restore"] == [0]
     assert [e["step"] for e in events if e["event"] == "checkpoint"] == [0, 4, 8]
@@ -385,7 +390,7 @@ def test_resume_refuses_a_run_logged_with_another_fingerprint_version(tiny, tmp_
     before = _lines(run_v)
     with pytest.raises(runm.RunConfigError, match=r"cannot resume .*run_v: its fingerprints.jsonl holds fingerprints "
                                                   r"of formula version 1 .* this code computes version 2"):
-        runm.train(str(run_v), cfg, STEPS + 5, trainer=trainer, mesh=mesh, log=lambda s: None)
+        loop.train(str(run_v), cfg, STEPS + 5, trainer=trainer, mesh=mesh, output=loop.Output(log=lambda s: None))
     assert _lines(run_v) == before  # nothing written
 
 
@@ -408,9 +413,11 @@ def test_progress_lines_and_train_png_cover_a_resumed_run(tiny, tmp_path, monkey
     monkeypatch.setenv("REPLAY_PROGRESS_EVERY", "0")
     run_dir = tmp_path / "run"
     first, second = io.StringIO(), io.StringIO()
-    s1 = runm.train(str(run_dir), cfg, 3, trainer=trainer, mesh=mesh, log=lambda s: None, progress=first)
+    s1 = loop.train(str(run_dir), cfg, 3, trainer=trainer, mesh=mesh,
+                    output=loop.Output(log=lambda s: None, progress=first))
     assert s1["plot"] == str(run_dir / "train.png") and training_series(str(run_dir))["steps"] == [0, 1, 2]
-    s2 = runm.train(str(run_dir), cfg, 5, trainer=trainer, mesh=mesh, log=lambda s: None, progress=second)
+    s2 = loop.train(str(run_dir), cfg, 5, trainer=trainer, mesh=mesh,
+                    output=loop.Output(log=lambda s: None, progress=second))
     lines = first.getvalue().splitlines()
     # said before the first step, so that no wait is silent (the cache's words only with JAX_COMPILATION_CACHE_DIR)
     assert lines[0] == f"train: new run in {run_dir}: initializing the parameters (seed {cfg.seed}) and saving checkpoint 0"

@@ -36,7 +36,7 @@ def test_run_directory_as_written(session):
     assert run.checkpoints == [0, 4, 8, STEPS]
     assert [e["step"] for e in run.events_of("restore")] == [4]
     assert [e["step"] for e in run.events_of("phase_change")] == [6]
-    assert engine.skip_windows(run) == [(8, 8)]
+    assert run.skip_windows() == [(8, 8)]
     assert session.setup.shape == (2, 2) and session.setup.run_device_ids == (0, 1, 2, 3)
 
 

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from replay.cli import main
+from replay.reference.loop import Launch
 from replay.run import lineage as lin
 from replay.run.runlog import load_run
 from replay.screen import goodput as gp
@@ -45,7 +46,7 @@ def drilled(triage_drills):
         with pytest.raises(_Kill):
             drills.train(run, cfg, 60, on_step=_kill_after(kill))
     drills.train(run, cfg, 35)
-    drills.train(run, cfg, 45, rewind_to=30, rewind_reason="rollback")
+    drills.train(run, cfg, 45, launch=Launch(rewind_to=30, rewind_reason="rollback"))
     assert main(["skip", "--run", run, "--steps", "40:43", "--checkpoint", "40", "--reason", "spike"]) == 0
     drills.train(run, cfg, 50)
     return run

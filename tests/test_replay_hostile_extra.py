@@ -20,7 +20,7 @@ from test_replay_support import STEPS
 from replay.run.canary import read_golden, update_golden
 from replay.verify import canary
 from replay import cli
-from replay.run import devices
+from replay.runtime import devices
 from replay import drill
 from replay.verify import engine
 from replay.run import env
@@ -230,6 +230,7 @@ def test_refused_restart_leaves_the_run_config_as_used(replay_made, run_copy):
     import jax
 
     from replay.reference import run as ref_run
+    from replay.reference import loop
     from replay.reference.trainer import make_mesh
 
     _, trainer = replay_made
@@ -238,7 +239,7 @@ def test_refused_restart_leaves_the_run_config_as_used(replay_made, run_copy):
     mesh = make_mesh(dict(cfg.mesh), jax.devices()[:4])
     before = _snapshot(run_copy)
     with pytest.raises(ValueError):  # the loader refuses a window before the saved next step
-        ref_run.train(run_copy, cfg, STEPS + 2, trainer=trainer, mesh=mesh, log=lambda s: None)
+        loop.train(run_copy, cfg, STEPS + 2, trainer=trainer, mesh=mesh, output=loop.Output(log=lambda s: None))
     # The run's config still says what the run used (was rewritten with [2, 3], and replay then
     # called steps 2-3 a data difference), and no restore event was logged for the refused start.
     assert _snapshot(run_copy) == before
@@ -248,6 +249,7 @@ def test_restart_drops_a_torn_event_line(replay_made, run_copy):
     import jax
 
     from replay.reference import run as ref_run
+    from replay.reference import loop
     from replay.reference.trainer import make_mesh
 
     _, trainer = replay_made
@@ -258,7 +260,7 @@ def test_restart_drops_a_torn_event_line(replay_made, run_copy):
     with open(path, "a") as f:
         f.write('{"event": "checkp')
     mesh = make_mesh(dict(cfg.mesh), jax.devices()[:4])
-    ref_run.train(run_copy, cfg, STEPS, trainer=trainer, mesh=mesh, log=lambda s: None)
+    loop.train(run_copy, cfg, STEPS, trainer=trainer, mesh=mesh, output=loop.Output(log=lambda s: None))
     events = [json.loads(line) for line in open(path)]
     assert len(events) == n + 2
     assert [e["event"] for e in events[-2:]] == ["restore", "end"]
@@ -393,6 +395,7 @@ def test_resume_from_a_damaged_checkpoint_names_it(replay_made, run_copy):
     import jax
 
     from replay.reference import run as ref_run
+    from replay.reference import loop
     from replay.reference.trainer import make_mesh
 
     _, trainer = replay_made
@@ -401,7 +404,7 @@ def test_resume_from_a_damaged_checkpoint_names_it(replay_made, run_copy):
     before = _snapshot(run_copy)
     mesh = make_mesh(dict(cfg.mesh), jax.devices()[:4])
     with pytest.raises(ref_run.RunConfigError) as e:
-        ref_run.train(run_copy, cfg, STEPS + 2, trainer=trainer, mesh=mesh, log=lambda s: None)
+        loop.train(run_copy, cfg, STEPS + 2, trainer=trainer, mesh=mesh, output=loop.Output(log=lambda s: None))
     msg = str(e.value)
     assert f"checkpoint {STEPS} is damaged" in msg
     assert msg.endswith(f"move {os.path.join(run_copy, 'checkpoints', str(STEPS))} aside to resume from 8")

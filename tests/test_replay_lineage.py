@@ -139,7 +139,7 @@ def rolled_back(replay_made, tmp_path_factory):
     as the shared run (its compiled step)."""
     import jax
 
-    from replay.reference import run as ref_run
+    from replay.reference import loop
     from replay.reference.trainer import make_mesh
     from test_replay_support import run_config, write_run_inputs
 
@@ -147,11 +147,11 @@ def rolled_back(replay_made, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("lineage_run"))
     cfg = run_config(root, write_run_inputs(root))
     mesh = make_mesh(dict(cfg.mesh), jax.devices()[:4])
-    quiet = {"trainer": trainer, "mesh": mesh, "log": lambda s: None, "plot": False}
+    quiet = {"trainer": trainer, "mesh": mesh, "output": loop.Output(log=lambda s: None, plot=False)}
     u, r = os.path.join(root, "u"), os.path.join(root, "r")
-    ref_run.train(u, cfg, 12, **quiet)
-    ref_run.train(r, cfg, 10, **quiet)
-    out = ref_run.train(r, cfg, 12, rewind_to=4, rewind_reason="loss spike at 9", **quiet)
+    loop.train(u, cfg, 12, **quiet)
+    loop.train(r, cfg, 10, **quiet)
+    out = loop.train(r, cfg, 12, **quiet, launch=loop.Launch(rewind_to=4, rewind_reason="loss spike at 9"))
     return root, u, r, cfg, out
 
 
@@ -185,12 +185,14 @@ def test_rollback_refuses_a_checkpoint_the_lineage_does_not_have(rolled_back, re
     import jax
 
     from replay.reference import run as ref_run
+    from replay.reference import loop
     from replay.reference.trainer import make_mesh
 
     root, u, r, cfg, _ = rolled_back
     mesh = make_mesh(dict(cfg.mesh), jax.devices()[:4])
     with pytest.raises(ref_run.RunConfigError, match=r"--from-checkpoint 6: checkpoint 6: not a checkpoint"):
-        ref_run.train(r, cfg, 12, trainer=replay_made[1], mesh=mesh, rewind_to=6, plot=False)
+        loop.train(r, cfg, 12, trainer=replay_made[1], mesh=mesh, launch=loop.Launch(rewind_to=6),
+                   output=loop.Output(plot=False))
 
 
 # ----------------------------------------------------------------------------- what the run trained with
@@ -273,6 +275,7 @@ def test_resuming_with_an_edited_mixture_is_refused_and_the_runs_own_config_resu
     import jax
 
     from replay.reference import run as ref_run
+    from replay.reference import loop
     from replay.reference.trainer import make_mesh
 
     root, u, r, cfg, _ = rolled_back
@@ -287,10 +290,10 @@ def test_resuming_with_an_edited_mixture_is_refused_and_the_runs_own_config_resu
 
     mesh = make_mesh(dict(cfg.mesh), jax.devices()[:4])
     with pytest.raises(ref_run.RunConfigError, match="is not the one run .* trained with"):
-        ref_run.train(run, dataclasses.replace(cfg, mixture=edited), 13, trainer=replay_made[1], mesh=mesh,
-                      plot=False)
+        loop.train(run, dataclasses.replace(cfg, mixture=edited), 13, trainer=replay_made[1], mesh=mesh,
+                   output=loop.Output(plot=False))
     own = ref_run.run_config_from_dict({**yaml.safe_load(open(os.path.join(run, "run_config.yaml"))),
                                         "mixture": os.path.join(run, "mixture.yaml")}, run)
-    ref_run.train(run, own, 13, trainer=replay_made[1], mesh=mesh, plot=False, log=lambda s: None)
+    loop.train(run, own, 13, trainer=replay_made[1], mesh=mesh, output=loop.Output(plot=False, log=lambda s: None))
     assert sorted(load_run(run).fingerprints) == list(range(13))
     assert yaml.safe_load(open(os.path.join(run, "run_config.yaml")))["mixture"] == edited  # not the copy's path

@@ -17,7 +17,7 @@ import pytest
 from test_replay_support import STEPS
 
 from replay import cli
-from replay.run.devices import DeviceSpecError, parse_spec
+from replay.runtime.devices import DeviceSpecError, parse_spec
 from replay.run.runlog import RunNotGivenError, StepRangeError, resolve_run_dir
 from replay.run.codes import ExitCode
 

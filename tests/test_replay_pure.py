@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replay.verify import compare
-from replay.run import devices
+from replay.runtime import devices
 from replay import report
 from replay.run import runlog
 from replay.verify import verdict

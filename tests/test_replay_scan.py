@@ -13,7 +13,7 @@ from replay.run import protocol as proto
 from replay.screen import scan as scan_mod
 from replay.screen import screening as sc
 from replay.cli import main
-from replay.run.devices import DeviceInfo, select_devices
+from replay.runtime.devices import DeviceInfo, select_devices
 from replay.run.runlog import load_run
 from replay.run.codes import ExitCode
 
@@ -265,6 +265,7 @@ def drill_run(tmp_path_factory):
     """A 40-step run of the tiny model on 8 devices with a periodic canary, checkpoints every 20."""
     from replay.verify import engine
     from replay.reference import run as runm
+    from replay.reference import loop
     from replay.reference.testing import write_tiny_run
 
     folder = tmp_path_factory.mktemp("drill_run")
@@ -275,7 +276,7 @@ def drill_run(tmp_path_factory):
     cfg = runm.load_run_config(path)
     trainer, mesh, _ = runm.make_trainer(cfg)
     run_dir = str(folder / "run")
-    runm.train(run_dir, cfg, 40, trainer=trainer, mesh=mesh, log=lambda s: None)
+    loop.train(run_dir, cfg, 40, trainer=trainer, mesh=mesh, output=loop.Output(log=lambda s: None))
     run = load_run(run_dir)
     import dataclasses
 

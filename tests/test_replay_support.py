@@ -59,7 +59,7 @@ def replay_made(tmp_path_factory):
     """(run_dir, trainer): the killed-and-resumed run of the module docstring."""
     import jax
 
-    from replay.reference import run as ref_run
+    from replay.reference import loop
 
     root = str(tmp_path_factory.mktemp("replay_run"))
     mix_path = write_run_inputs(root)
@@ -74,12 +74,12 @@ def replay_made(tmp_path_factory):
     def quiet(_):
         return None
 
-    ref_run.train(run_dir, cfg, 6, trainer=trainer, mesh=mesh, log=quiet)
+    loop.train(run_dir, cfg, 6, trainer=trainer, mesh=mesh, output=loop.Output(log=quiet))
     # The kill: checkpoint 6 was never committed and the last fingerprint line is torn.
     shutil.rmtree(os.path.join(run_dir, "checkpoints", "6"))
     with open(os.path.join(run_dir, "fingerprints.jsonl"), "a") as f:
         f.write('{"batch_hash": "12ab", "devi')
-    ref_run.train(run_dir, cfg, STEPS, trainer=trainer, mesh=mesh, log=quiet)
+    loop.train(run_dir, cfg, STEPS, trainer=trainer, mesh=mesh, output=loop.Output(log=quiet))
     return run_dir, trainer
 
 

@@ -137,7 +137,7 @@ def test_replay_says_the_nearest_run_and_the_command_to_paste(tmp_path, monkeypa
 
 
 def test_training_into_a_new_folder_names_the_nearest_run(tmp_path, monkeypatch):
-    from replay.reference.run import _new_run_note
+    from replay.reference.loop import _new_run_note
 
     _fake_run(tmp_path / "build" / "demo" / "run")
     monkeypatch.chdir(tmp_path)
@@ -160,7 +160,7 @@ class _Clock:
 
 
 def test_training_says_what_it_waits_for_before_the_first_step():
-    from replay.run.progress import note, step_progress
+    from replay.runtime.progress import note, step_progress
 
     clock, out = _Clock(), io.StringIO()
     note("train", "resuming build/demo/run from checkpoint 20", stream=out)
@@ -180,7 +180,7 @@ def test_training_says_what_it_waits_for_before_the_first_step():
 
 
 def test_range_replay_progress_says_it_counts_steps_times_placements():
-    from replay.run.progress import StepProgress
+    from replay.runtime.progress import StepProgress
 
     clock, out = _Clock(), io.StringIO()
     shown = StepProgress("replay 25:30", 0, 20, stream=out, interval=0, counted=True, clock=clock,
@@ -198,7 +198,7 @@ def test_range_replay_progress_says_it_counts_steps_times_placements():
 
 
 def test_loss_precision():
-    from replay.run.progress import loss_text
+    from replay.runtime.progress import loss_text
 
     assert [loss_text(x) for x in (5.08694314956665, 0.000123456, 12.0, 1234.5678, float("nan"), "inf")] == [
         "5.0869", "0.0001", "12.0000", "1235", "nan", "inf"]

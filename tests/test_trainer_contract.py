@@ -1,6 +1,6 @@
 """docs/trainer.md, "The contract", checked against the code: every method of the trainer protocol, field
 of ``RunSetup`` and ``StepFingerprints``, method of ``RunWriter``, function of ``replay.run.probe`` and
-``replay.run.distributed``, and run-directory name has its line there. A new one without a line fails
+``replay.runtime.distributed``, and run-directory name has its line there. A new one without a line fails
 here: write its line (arguments, returns, errors, when replay calls it)."""
 
 import dataclasses
@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from replay.run import distributed, probe, protocol, setup, writer
+from replay.run import probe, protocol, setup, writer
+from replay.runtime import distributed
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "trainer.md"
 

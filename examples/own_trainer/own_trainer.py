@@ -35,7 +35,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import loader
-from replay.run import distributed, probe, writer  # replay
+from replay.run import probe, writer  # replay
+from replay.runtime import distributed  # replay
 from replay.run import fingerprint as fpm  # replay
 from replay.run.setup import RunSetup, checked_loader, config_from, mesh_record  # replay
 

@@ -12,7 +12,9 @@ Public API::
     trainer.single_device_fingerprints(state, batch, device)      # canaries
     trainer.device_contributions(state, batch, step)              # per-device gradients
 
-    from replay.reference.run import load_run_config, train, make_trainer, build_loader, canary_batch
+    from replay.reference.run import load_run_config, make_trainer, build_loader, canary_batch
+    from replay.reference.loop import train, Launch, Output    # the training loop (attempt, hooks)
+    from replay.reference.drills import DrillHooks              # drills only: faults into the loop
 
 Command line: ``python -m replay.reference.train --run <dir> --config <run.yaml> --steps N``.
 """

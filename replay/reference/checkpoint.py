@@ -3,7 +3,7 @@
 Layout: ``<run>/checkpoints/<step>/{state,loader}``; the checkpoint labelled ``step`` holds
 the state *before* step ``step`` runs (after steps ``0 .. step-1``), so restoring it resumes
 at ``step``. Orbax writes each checkpoint under a temporary name and renames it when
-complete, so a process killed mid-save leaves no checkpoint that :func:`latest_step` or
+complete, so a process killed mid-save leaves no checkpoint that :func:`all_steps` or
 :func:`restore` would pick (the temporary folder is removed by the next writer).
 """
 
@@ -16,8 +16,8 @@ from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import orbax.checkpoint as ocp
 
-from replay.run import quiet
-from replay.run.quiet import exit_quietly_after_failed_restore, quiet_aborted_reads  # noqa: F401  (re-exported)
+from replay.runtime import quiet
+from replay.runtime.quiet import quiet_aborted_reads
 
 ITEMS = ("state", "loader")
 
@@ -85,17 +85,6 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, loader_state: Mappi
         args=ocp.args.Composite(state=ocp.args.StandardSave(state), loader=ocp.args.JsonSave(dict(loader_state))),
         force=True,
     )
-
-
-def latest_step(directory: str) -> Optional[int]:
-    """The latest complete checkpoint's step under ``directory``, or ``None``."""
-    if not os.path.isdir(directory):
-        return None
-    m = manager(directory, read_only=True)
-    try:
-        return m.latest_step()
-    finally:
-        m.close()
 
 
 def all_steps(directory: str) -> list[int]:

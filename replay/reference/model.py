@@ -457,10 +457,34 @@ def _moe(p, x, valid, cfg: ModelConfig, bias=None, *, ep: Optional[ExpertParalle
       uint32 [2, 2]: the fingerprint lanes of what this device sent at the forward dispatch and
       combine all-to-alls, and ``recvs`` uint32 [2, X, 2]: those of each part it received there
       (part ``i`` from the ``i``-th device of its expert group; :func:`_part_fingerprints`).
+
+    The steps, each a function: :func:`_route` (router, top-R), :func:`_slots` (capacity),
+    :func:`_dispatch` (gather into expert slots), the experts (here; under expert parallelism
+    :func:`_experts_exchanged`: all-to-all, experts, all-to-all back), :func:`_combine`, and
+    :func:`_router_stats`.
     """
-    B, S, Dm = x.shape
-    E, R = cfg.n_experts, cfg.top_k
-    C = cfg.capacity(S)
+    C = cfg.capacity(x.shape[1])
+    logits, probs, idx, gate = _route(p, x, cfg, bias, hooks, layer)
+    assign, slot_of, assigned, kept = _slots(idx, valid, cfg.n_experts, C)
+    expert_in = _dispatch(x, idx, slot_of, kept, cfg.n_experts, C)
+    w_in = _maybe_flip(p["w_in"], hooks, "expert_backward", layer, leaf_index[0], backward=True)
+    w_out = _maybe_flip(p["w_out"], hooks, "expert_backward", layer, leaf_index[1], backward=True)
+    if ep is None:
+        extra = {}
+        pre = _inner(_matmul("becd,edf->becf", expert_in, w_in, hooks, "ffn_up", layer), hooks, "ffn_up", layer)
+        h = _inner(jax.nn.gelu(pre), hooks, "ffn_down", layer)
+        expert_out = _matmul("becf,efd->becd", h, w_out, hooks, "ffn_down", layer)
+        expert_out = _maybe_flip(expert_out, hooks, "expert_forward", layer)
+    else:
+        expert_out, extra = _experts_exchanged(expert_in, w_in, w_out, ep, hooks, layer)
+    y = _combine(expert_out, idx, slot_of, gate, kept, x.dtype)
+    return y, {**_router_stats(logits, probs, assign, idx, assigned, kept, valid, cfg), **extra}
+
+
+def _route(p, x, cfg: ModelConfig, bias, hooks: Hooks, layer: int):
+    """The router: ``(logits, probs)`` float32 [B, S, E] and each token's top-R experts ``idx`` int32
+    [B, S, R] with their gates (renormalized over the R) [B, S, R]."""
+    R = cfg.top_k
     logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), p["router"].astype(jnp.float32))
     logits = _inner(logits, hooks, "router_logits", layer)  # [B, S, E] float32, before softmax and top-k
     probs = jax.nn.softmax(logits, axis=-1)  # [B, S, E] float32
@@ -470,17 +494,30 @@ def _moe(p, x, valid, cfg: ModelConfig, bias=None, *, ep: Optional[ExpertParalle
         _, idx = jax.lax.top_k(logits + bias.astype(jnp.float32), R)
         gate = jnp.take_along_axis(probs, idx, axis=-1)
     gate = gate / jnp.sum(gate, axis=-1, keepdims=True)
+    return logits, probs, idx, gate
+
+
+def _slots(idx, valid, E: int, C: int):
+    """Capacity: ``assign`` int32 [B, S, R, E] (one-hot, routed tokens only), each assignment's slot in its
+    expert ``slot_of`` [B, S, R] (rank-major, then position: GShard priority), ``assigned`` [B, S, R]
+    0/1, and ``kept`` [B, S, R] 0/1 (the assignment took one of the expert's ``C`` slots)."""
+    B, S, R = idx.shape
     assign = jax.nn.one_hot(idx, E, dtype=jnp.int32) * valid[:, :, None, None].astype(jnp.int32)  # [B,S,R,E]
-    # Slot of each assignment in its expert: rank-major, then position (GShard priority).
     by_rank = jnp.transpose(assign, (0, 2, 1, 3)).reshape(B, R * S, E)
     slot = (jnp.cumsum(by_rank, axis=1) - 1) * by_rank
     slot = jnp.transpose(slot.reshape(B, R, S, E), (0, 2, 1, 3))  # [B,S,R,E]
     slot_of = jnp.sum(slot, axis=-1)  # [B,S,R]
     assigned = jnp.sum(assign, axis=-1)  # [B,S,R] 0/1
     kept = assigned * (slot_of < C).astype(jnp.int32)
-    # Dispatch by gather: token_of[b, e*C + c] is the token in slot c of expert e (S: empty
-    # slot, which reads a zero row). Cost O(E*C*D) per row, not the O(S*E*C*D) of a
-    # one-hot dispatch einsum; copies are exact.
+    return assign, slot_of, assigned, kept
+
+
+def _dispatch(x, idx, slot_of, kept, E: int, C: int):
+    """Dispatch by gather: [B, E, C, D], the token in slot c of expert e (an empty slot reads a zero row).
+    ``token_of[b, e*C + c]`` is that token's position (S: empty). Cost O(E*C*D) per row, not the
+    O(S*E*C*D) of a one-hot dispatch einsum; copies are exact."""
+    B, S, Dm = x.shape
+    R = idx.shape[-1]
     lin_slot = jnp.where(kept == 1, idx * C + slot_of, E * C)  # dropped -> a discarded slot
 
     def slots_of_row(lin_row):
@@ -489,56 +526,66 @@ def _moe(p, x, valid, cfg: ModelConfig, bias=None, *, ep: Optional[ExpertParalle
 
     token_of = jax.vmap(slots_of_row)(lin_slot)  # [B, E*C]
     x_pad = jnp.concatenate([x, jnp.zeros((B, 1, Dm), x.dtype)], axis=1)
-    expert_in = jnp.take_along_axis(x_pad, token_of[..., None], axis=1).reshape(B, E, C, -1)
-    w_in = _maybe_flip(p["w_in"], hooks, "expert_backward", layer, leaf_index[0], backward=True)
-    w_out = _maybe_flip(p["w_out"], hooks, "expert_backward", layer, leaf_index[1], backward=True)
+    return jnp.take_along_axis(x_pad, token_of[..., None], axis=1).reshape(B, E, C, -1)
+
+
+def _experts_exchanged(expert_in, w_in, w_out, ep: ExpertParallel, hooks: Hooks, layer: int):
+    """Expert parallelism: the slots go to their experts' devices by one all-to-all (dispatch), this
+    device's ``E / X`` experts compute, and the outputs come back by a second (combine). Returns
+    ``(expert_out [B, E, C, D], extra)``; ``extra``: ``out_sq`` under an expert-output drift, ``sends``
+    and ``recvs`` with ``hooks.probes`` (:func:`_moe`)."""
+    B, E, C, Dm = expert_in.shape
+    X = ep.size
+    El = E // X
     extra = {}
-    if ep is None:
-        pre = _inner(_matmul("becd,edf->becf", expert_in, w_in, hooks, "ffn_up", layer), hooks, "ffn_up", layer)
-        h = _inner(jax.nn.gelu(pre), hooks, "ffn_down", layer)
-        expert_out = _matmul("becf,efd->becd", h, w_out, hooks, "ffn_down", layer)
-        expert_out = _maybe_flip(expert_out, hooks, "expert_forward", layer)
-    else:
-        X = ep.size
-        El = E // X
-        # [X, E/X, B, C, D]: part x holds the slots of the experts of the x-th device of the axis.
-        send = jnp.transpose(expert_in.reshape(B, X, El, C, Dm), (1, 2, 0, 3, 4))
-        if hooks.probes is None:
-            recv = jax.lax.all_to_all(send, ep.axis, 0, 0)
-        else:  # [X (source), E/X, B, C, D]
-            recv = _exchange(send, hooks.probes[layer, _DISPATCH], hooks.fault,
-                             hooks.hit("transit_dispatch_grad", layer), ep.axis)
-        recv = _inner(recv, hooks, "transit_dispatch", layer)  # what arrived, not what was sent
-        pre = _inner(_matmul("xebcd,edf->xebcf", recv, w_in, hooks, "ffn_up", layer), hooks, "ffn_up", layer)
-        h = _inner(jax.nn.gelu(pre), hooks, "ffn_down", layer)
-        out = _matmul("xebcf,efd->xebcd", h, w_out, hooks, "ffn_down", layer)
-        out = _maybe_flip(out, hooks, "expert_forward", layer)
-        drifting = hooks.drifting_output()
-        if drifting is not None:  # a persistent x(1 + m) drift of this device's experts (DriftSpec expert_output)
-            out = jnp.where(drifting, out * (1.0 + hooks.drift[3]).astype(out.dtype), out)
-            extra["out_sq"] = jnp.sum(jnp.square(out.astype(jnp.float32)))
-        if hooks.probes is None:
-            back = jax.lax.all_to_all(out, ep.axis, 0, 0)
-        else:  # [X (owner), E/X, B, C, D]
-            back = _exchange(out, hooks.probes[layer, _COMBINE], hooks.fault,
-                             hooks.hit("transit_combine_grad", layer), ep.axis)
-        back = _inner(back, hooks, "transit_combine", layer)
-        if hooks.probes is not None:
-            extra["sends"] = jnp.stack([_send_fingerprint(send), _send_fingerprint(out)])
-            extra["recvs"] = jnp.stack([_part_fingerprints(recv), _part_fingerprints(back)])  # [2, X, 2]
-        expert_out = jnp.transpose(back, (2, 0, 1, 3, 4)).reshape(B, E, C, Dm)
-    # Combine by gathering each token's R outputs and summing them in rank order. (A
-    # combine einsum over (e, c) would let the slot positions decide which accumulator
-    # lane each term lands in, so a token's output would change in the last bit when
-    # other tokens, e.g. another packed document, take other slots.)
+    # [X, E/X, B, C, D]: part x holds the slots of the experts of the x-th device of the axis.
+    send = jnp.transpose(expert_in.reshape(B, X, El, C, Dm), (1, 2, 0, 3, 4))
+    if hooks.probes is None:
+        recv = jax.lax.all_to_all(send, ep.axis, 0, 0)
+    else:  # [X (source), E/X, B, C, D]
+        recv = _exchange(send, hooks.probes[layer, _DISPATCH], hooks.fault,
+                         hooks.hit("transit_dispatch_grad", layer), ep.axis)
+    recv = _inner(recv, hooks, "transit_dispatch", layer)  # what arrived, not what was sent
+    pre = _inner(_matmul("xebcd,edf->xebcf", recv, w_in, hooks, "ffn_up", layer), hooks, "ffn_up", layer)
+    h = _inner(jax.nn.gelu(pre), hooks, "ffn_down", layer)
+    out = _matmul("xebcf,efd->xebcd", h, w_out, hooks, "ffn_down", layer)
+    out = _maybe_flip(out, hooks, "expert_forward", layer)
+    drifting = hooks.drifting_output()
+    if drifting is not None:  # a persistent x(1 + m) drift of this device's experts (DriftSpec expert_output)
+        out = jnp.where(drifting, out * (1.0 + hooks.drift[3]).astype(out.dtype), out)
+        extra["out_sq"] = jnp.sum(jnp.square(out.astype(jnp.float32)))
+    if hooks.probes is None:
+        back = jax.lax.all_to_all(out, ep.axis, 0, 0)
+    else:  # [X (owner), E/X, B, C, D]
+        back = _exchange(out, hooks.probes[layer, _COMBINE], hooks.fault,
+                         hooks.hit("transit_combine_grad", layer), ep.axis)
+    back = _inner(back, hooks, "transit_combine", layer)
+    if hooks.probes is not None:
+        extra["sends"] = jnp.stack([_send_fingerprint(send), _send_fingerprint(out)])
+        extra["recvs"] = jnp.stack([_part_fingerprints(recv), _part_fingerprints(back)])  # [2, X, 2]
+    return jnp.transpose(back, (2, 0, 1, 3, 4)).reshape(B, E, C, Dm), extra
+
+
+def _combine(expert_out, idx, slot_of, gate, kept, dtype):
+    """Combine: [B, S, D], each token's R outputs gathered and summed in rank order, weighted by their
+    gates. (A combine einsum over (e, c) would let the slot positions decide which accumulator lane
+    each term lands in, so a token's output would change in the last bit when other tokens, e.g.
+    another packed document, take other slots.)"""
+    B, E, C, _ = expert_out.shape
+    S, R = idx.shape[1], idx.shape[2]
     flat_out = expert_out.reshape(B, E * C, -1)
     lin = (idx * C + jnp.minimum(slot_of, C - 1)).reshape(B, S * R, 1)
     per_rank = jnp.take_along_axis(flat_out, lin, axis=1).reshape(B, S, R, -1)
-    weight = (gate * kept.astype(jnp.float32)).astype(x.dtype)
+    weight = (gate * kept.astype(jnp.float32)).astype(dtype)
     y = per_rank[:, :, 0] * weight[:, :, 0, None]
     for r in range(1, R):
         y = y + per_rank[:, :, r] * weight[:, :, r, None]
+    return y
 
+
+def _router_stats(logits, probs, assign, idx, assigned, kept, valid, cfg: ModelConfig) -> dict[str, Any]:
+    """The layer's router statistics (:func:`_moe`'s ``stats`` but the exchange's)."""
+    E, R = cfg.n_experts, cfg.top_k
     validf = valid.astype(jnp.float32)
     n_valid_row = jnp.maximum(jnp.sum(validf, axis=1), 1.0)  # [B]
     counts = jnp.sum(assign, axis=(1, 2)).astype(jnp.float32)  # [B, E] assignments before capacity
@@ -547,7 +594,7 @@ def _moe(p, x, valid, cfg: ModelConfig, bias=None, *, ep: Optional[ExpertParalle
     lb_rows = E * jnp.sum(f * P, axis=-1) * (jnp.sum(validf, axis=1) > 0)  # [B]
     z = jax.nn.logsumexp(logits, axis=-1) ** 2  # [B, S]
     entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
-    stats = {
+    return {
         "lb_sum": jnp.sum(lb_rows),
         "z_sum": jnp.sum(z * validf),
         "entropy_sum": jnp.sum(entropy * validf),
@@ -557,9 +604,7 @@ def _moe(p, x, valid, cfg: ModelConfig, bias=None, *, ep: Optional[ExpertParalle
         "max_logit": jnp.max(jnp.where(valid[..., None], logits, -jnp.inf)),
         "kept": jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * kept[..., None].astype(jnp.float32),
                         axis=(0, 1, 2)),  # [E]
-        **extra,
     }
-    return y, stats
 
 
 def _leaf_indices(params) -> dict[str, int]:

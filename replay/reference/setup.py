@@ -7,10 +7,7 @@ so that the rooms that read runs never import the trainer.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import warnings
-from typing import Any, Callable, Optional
 
 from replay.run.runlog import RunDirError, RunLog
 from replay.run.setup import RunSetup, mesh_record
@@ -28,6 +25,7 @@ def make_setup(run: RunLog) -> RunSetup:
     """
     from loader.dataset import read_manifest
     from replay.reference import run as ref_run
+    from replay.reference.drills import retrainer
     from replay.reference.trainer import ReferenceTrainer
 
     where = os.path.join(run.run_dir, "run_config.yaml")
@@ -49,25 +47,4 @@ def make_setup(run: RunLog) -> RunSetup:
                     make_loader=make_loader, seed=cfg.seed, global_batch=cfg.global_batch, mixture=cfg.mixture,
                     dataset=cfg.dataset, canary_step=cfg.canary.step, canary_seed=cfg.canary.seed,
                     canary_rows=cfg.canary.rows, canary_seq_len=cfg.canary.seq_len, canary_every=cfg.canary_every,
-                    retrain=_retrainer(cfg))
-
-
-def _retrainer(cfg: Any) -> Callable[..., Any]:
-    """The screening drills' retraining through the reference training loop (``replay.reference.run.train``):
-    periodic canaries, signals with timings and events as the run itself wrote them."""
-
-    def retrain(out_dir: str, stop: int, *, trainer: Any, mesh: Any, faults: Any = None, canary_fault: Any = None,
-                canary_every: Optional[int] = None, log: Optional[Callable[[str], None]] = None) -> None:
-        import yaml
-
-        from replay.reference import run as ref_run
-
-        new = cfg if canary_every is None else dataclasses.replace(cfg, canary_every=canary_every)
-        with open(os.path.join(out_dir, "run_config.yaml"), "w", encoding="utf-8") as f:
-            yaml.safe_dump(new.to_dict(), f, sort_keys=False)
-        with warnings.catch_warnings():  # the drill's own canary mismatches are its point, not news
-            warnings.simplefilter("ignore", ref_run.CanaryMismatchWarning)
-            ref_run.train(out_dir, new, stop, trainer=trainer, mesh=mesh, log=log or (lambda s: None),
-                          faults=faults, canary_fault=canary_fault, plot=False)
-
-    return retrain
+                    retrain=retrainer(cfg))

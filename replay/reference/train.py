@@ -10,7 +10,7 @@ and ``--steps`` may be left out: the run's own ``run_config.yaml`` (with its cop
 ``mixture.yaml``) and the last target it was given. A rewind recorded by ``replay skip`` is
 followed: training resumes from its checkpoint with its data window skipped. ``--from-checkpoint``
 rolls back to an older checkpoint of the run; the steps after it are kept as a superseded attempt
-(``replay.run.lineage``). Thin over :func:`replay.reference.run.train`. Exit codes: 0 done, 2 a
+(``replay.run.lineage``). Thin over :func:`replay.reference.loop.train`. Exit codes: 0 done, 2 a
 config, data or file error, 3 stopped by a canary mismatch (``canary_action: stop``), 4 another
 process of the run died (this one stopped too: restart them all with the same commands; they resume
 from the last checkpoint), 20 the checkpoint to resume from is damaged (it does not match its state
@@ -18,7 +18,7 @@ record, ``replay.run.statefp``), 21 it is poisoned (its replicas disagreed at th
 a non-finite loss, gradient or state (``non_finite: stop``) before a checkpoint held it.
 
 Several processes (``jax.distributed``; on CPU with gloo collectives), one run directory: every
-process runs the same command with JAX's process settings (``replay.run.distributed``)::
+process runs the same command with JAX's process settings (``replay.runtime.distributed``)::
 
     python -m replay.reference.train --run RUN --config run.yaml --steps 30 \
         --coordinator-address 127.0.0.1:1234 --num-processes 2 --process-id 0 &
@@ -44,12 +44,13 @@ from typing import Optional, Sequence
 
 LAUNCHED_AT = time.time()  # the command's start: the start of its attempt's start-up (replay goodput)
 
-from replay.run import distributed  # noqa: E402  (after LAUNCHED_AT: imports are start-up)
+from replay.runtime import distributed  # noqa: E402  (after LAUNCHED_AT: imports are start-up)
 from replay.run.env import pin_determinism_flags  # noqa: E402
-from replay.run.progress import loss_text  # noqa: E402
+from replay.runtime.progress import loss_text  # noqa: E402
 from replay.run import statefp  # noqa: E402
 from replay.run.codes import ExitCode  # noqa: E402
-from replay.reference.run import RunConfigError, load_run_config, train  # noqa: E402
+from replay.reference.loop import Launch, train  # noqa: E402
+from replay.reference.run import RunConfigError, load_run_config  # noqa: E402
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -74,7 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if dargs is not None and dargs.num_processes != 1 and argv is None and not distributed.supervised():
         # One of several processes: run as a watched worker, so that the death of another process ends
-        # this one with a clear error (replay.run.distributed.supervise).
+        # this one with a clear error (replay.runtime.distributed.supervise).
         return distributed.supervise([sys.executable, "-m", "replay.reference.train", *sys.argv[1:]],
                                      what_next=lambda: _restart_hint(args, dargs),
                                      heartbeat_timeout_s=dargs.heartbeat_timeout_s)
@@ -83,8 +84,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             distributed.initialize(dargs)
         cfg, steps = _config_and_steps(args)
         args.config, args.steps = args.config or "(the run's own)", steps
-        summary = train(args.run, cfg, steps, rewind_to=args.from_checkpoint, rewind_reason=args.reason,
-                        launched_at=start)
+        summary = train(args.run, cfg, steps,
+                        launch=Launch(rewind_to=args.from_checkpoint, rewind_reason=args.reason, launched_at=start))
     except (statefp.DamagedCheckpointError, statefp.PoisonedCheckpointError) as e:
         damaged = isinstance(e, statefp.DamagedCheckpointError)
         print(f"error: {'damaged' if damaged else 'poisoned'} checkpoint: {e}", file=sys.stderr)
@@ -92,9 +93,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (RunConfigError, FileNotFoundError, ValueError, distributed.DistributedConfigError) as e:
         print(f"error: {e}{_dataset_hint(e, args.config)}", file=sys.stderr)
         if argv is None:  # the command: a process of its own
-            from replay.reference import checkpoint
+            from replay.runtime.quiet import exit_quietly_after_failed_restore
 
-            checkpoint.exit_quietly_after_failed_restore(2)
+            exit_quietly_after_failed_restore(2)
         return 2
     except OSError as e:  # e.g. --config is a folder, --run is a file, permission denied, disk full
         print(f"error: {os_error_message(e, args.run, args.config, args.steps)}", file=sys.stderr)

@@ -203,6 +203,33 @@ def leaf_layer(path: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+@dataclasses.dataclass(frozen=True)
+class _StepLayout:
+    """What the compiled step needs of its mesh: the axes, the device table (global ids, row-major), the
+    expert parallelism (None: gather dispatch), per leaf whether it is an expert shard (reduced over
+    the other axes only; ``param_specs``: the leaves' partition specs), the other axes and their size,
+    the expert rows a shard holds, and whether the step fingerprints the all-to-all sends."""
+
+    mesh: Mesh
+    axes: tuple[str, ...]
+    dev_table: Any
+    ep: Optional[ExpertParallel]
+    treedef: Any
+    sharded: tuple[bool, ...]
+    param_specs: Any
+    others: tuple[str, ...]
+    n_others: int
+    shard_rows: int
+    take_sends: bool
+
+    def others_index(self):
+        """Inside ``shard_map``: this device's row-major position over the axes other than ``expert``."""
+        lin = 0
+        for a in self.others:
+            lin = lin * self.mesh.shape[a] + jax.lax.axis_index(a)
+        return lin
+
+
 class ReferenceTrainer:
     """The reference MoE trainer; implements :class:`replay.run.protocol.Trainer`.
 
@@ -578,122 +605,160 @@ class ReferenceTrainer:
         return lin
 
     def _step_fn(self, mesh: Mesh, global_batch: int, keep_local: bool = False):
-        # Over 120 lines (149): the builder of the one jit(shard_map) program of a train step, whose
-        # per-device body (per_device) is a function of its own and whose other lines are that body's
-        # closure (specs, reductions, fingerprints, the optimizer update). Every run's logged
-        # fingerprints are this program's bits; a split is a move worth its own commit, checked byte
-        # for byte against logged runs (tests/test_reference_train.py), not part of a schema change.
+        """The compiled step on ``mesh`` (cached): ``step(state, batch, fault, drift) -> (new_state, out)``,
+        its per-device part a ``shard_map`` (:meth:`_per_device_fn`) inside the jitted update
+        (:meth:`_update_fn`). ``keep_local``: also return each device's local and the reduced gradient."""
         key = ("step", mesh, global_batch, self.fingerprints, self.signals, self.sends, keep_local)
         if key in self._compiled:
             return self._compiled[key]
-        axes = tuple(mesh.axis_names)
-        n_dev = mesh.size
-        dev_table = jnp.asarray([d.id for d in mesh.devices.reshape(-1)], jnp.int32)
-        cfg = self.model
-        with_fp, with_sig = self.fingerprints, self.signals
-        instrumented = with_fp or with_sig
-        rate = cfg.router_bias_rate
-        opt = self.optimizer
+        lay = self._step_layout(mesh)
+        sharded_fn = jax.shard_map(
+            self._per_device_fn(lay, keep_local),
+            mesh=mesh,
+            in_specs=(lay.param_specs, P(), P(lay.axes), P(), P(), P(), P()),
+            out_specs=(lay.param_specs, self._out_specs(lay, keep_local)),
+            check_vma=False,  # grads of replicated params stay local until our psum
+        )
+        b_sh, rep = self.batch_sharding(mesh), NamedSharding(mesh, P())
+        fn = jax.jit(
+            self._update_fn(lay, sharded_fn, global_batch),
+            in_shardings=(self.state_shardings(mesh), {k: b_sh for k in BATCH_KEYS}, rep, rep),
+            out_shardings=(self.state_shardings(mesh), rep),
+        )
+        self._compiled[key] = fn
+        return fn
+
+    def _step_layout(self, mesh: Mesh) -> "_StepLayout":
         ep = self.expert_parallel(mesh)
+        axes = tuple(mesh.axis_names)
+        others = tuple(a for a in axes if a != "expert")
         treedef = jax.tree_util.tree_structure(self._abstract_params)
         # Under expert parallelism an expert leaf is one shard per device of the expert axis, reduced
         # over the other axes only; every other leaf is whole on every device, reduced over all.
-        sharded = [ep is not None and is_expert_leaf(p) for p in self.leaf_paths]
-        param_specs = jax.tree_util.tree_unflatten(treedef, [P("expert") if s else P() for s in sharded])
-        others = tuple(a for a in axes if a != "expert")
-        n_others = int(np.prod([mesh.shape[a] for a in others]))
-        shard_rows = cfg.n_experts // ep.size if ep is not None else 0
-        take_sends = with_fp and self.sends and ep is not None
-        n_layers = cfg.n_layers
+        sharded = tuple(ep is not None and is_expert_leaf(p) for p in self.leaf_paths)
+        return _StepLayout(
+            mesh=mesh, axes=axes, ep=ep, treedef=treedef, sharded=sharded, others=others,
+            dev_table=jnp.asarray([d.id for d in mesh.devices.reshape(-1)], jnp.int32),
+            param_specs=jax.tree_util.tree_unflatten(treedef, [P("expert") if s else P() for s in sharded]),
+            n_others=int(np.prod([mesh.shape[a] for a in others])),
+            shard_rows=self.model.n_experts // ep.size if ep is not None else 0,
+            take_sends=self.fingerprints and self.sends and ep is not None)
 
-        def others_index():
-            lin = 0
-            for a in others:
-                lin = lin * mesh.shape[a] + jax.lax.axis_index(a)
-            return lin
+    def _out_specs(self, lay: "_StepLayout", keep_local: bool) -> dict[str, Any]:
+        """The partition specs of the per-device part's outputs (besides the reduced gradient)."""
+        axes = lay.axes
+        specs = {"loss": P(), "stats": P(), "max_logit": P()}
+        if self.fingerprints:
+            specs.update(devices=P(axes), leaves=P())
+        if lay.take_sends:
+            specs.update(sends=P(axes), recvs=P(axes))
+        if self.signals:
+            specs.update(dev_norm_sq=P(axes), dev_nonfinite=P(axes), dev_dot=P(axes))
+            if lay.ep is not None:
+                specs.update(recv_tokens=P(axes), out_sq=P(axes))
+        if keep_local:
+            specs.update(local_grads=P(axes), reduced_grads=lay.param_specs)
+        return specs
+
+    def _per_device_fn(self, lay: "_StepLayout", keep_local: bool):
+        """The per-device body of the step (inside ``shard_map``): this device's loss and gradient (the
+        drill's faults planted), what it fingerprints before the reduction (:meth:`_local_outputs`), the
+        reduction, and what it fingerprints of the reduced gradient (:meth:`_reduced_outputs`)."""
+        cfg, mesh, ep = self.model, lay.mesh, lay.ep
+        instrumented = self.fingerprints or self.signals
+        rate = cfg.router_bias_rate
 
         def per_device(params, bias, batch, fault, drift, total_tokens, total_rows):
-            dev = dev_table[self._linear_index(mesh)]
+            dev = lay.dev_table[self._linear_index(mesh)]
             xi = jax.lax.axis_index("expert") if ep is not None else 0
-            hooks = Hooks(fault=fault if instrumented else None, device=dev, drift=drift if with_sig else None)
+            hooks = Hooks(fault=fault if instrumented else None, device=dev, drift=drift if self.signals else None)
 
             def loss_fn(p, probes):
                 return local_loss(p, batch, cfg, total_tokens, total_rows, bias if rate > 0 else None, ep=ep,
                                   hooks=dataclasses.replace(hooks, probes=probes))
 
-            if take_sends:  # the backward pass's send fingerprints come back as the probes' cotangents
+            probe_ct = None
+            if lay.take_sends:  # the backward pass's send fingerprints come back as the probes' cotangents
                 (loss_c, aux), (grads, probe_ct) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-                    params, jnp.zeros((n_layers, 2, 1 + ep.size, 4), jnp.float32))
+                    params, jnp.zeros((cfg.n_layers, 2, 1 + ep.size, 4), jnp.float32))
             else:
                 (loss_c, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, None)
             aux = dict(aux)
-            fwd_sends, kept = aux.pop("sends", None), aux.pop("kept")
-            fwd_recvs, out_sq = aux.pop("recvs", None), aux.pop("out_sq", None)
-            out = {}
             if instrumented:
                 grads = self._drift(self._inject(grads, fault, dev), drift, dev)
             local = jax.tree_util.tree_leaves(grads)
-            if with_fp:
-                out["devices"] = jnp.stack([
-                    fpm.fingerprint_row_block(g, 0, 1, counts=False, row_offset=xi * shard_rows) if s
-                    else fpm.fingerprint(g, counts=False) for g, s in zip(local, sharded)])[None]
-            if take_sends:  # [4L, 2] lanes, in program order (replay.run.protocol.send_sites_in_program_order)
-                bwd = probe_fingerprints(probe_ct)  # [L, (combine, dispatch), 1 + X, 2]: send, then each part received
-                order = [fwd_sends[i, k] for i in range(n_layers) for k in (0, 1)]
-                order += [bwd[i, k, 0] for i in reversed(range(n_layers)) for k in (0, 1)]
-                out["sends"] = jnp.stack(order)[None]
-                got = [fwd_recvs[i, k] for i in range(n_layers) for k in (0, 1)]
-                got += [bwd[i, k, 1:] for i in reversed(range(n_layers)) for k in (0, 1)]
-                out["recvs"] = jnp.stack(got)[None]  # [1, 4L, X, 2], the sites' order
-            if with_sig:  # the local contribution, before the reduction: float32 sums of squares
-                sq = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in local])
-                out["dev_norm_sq"] = jnp.sum(sq)[None]
-                out["dev_nonfinite"] = jnp.stack([jnp.sum(~jnp.isfinite(g), dtype=jnp.int32) for g in local])[None]
-                if ep is not None:  # tokens this device's experts received from its expert group, per layer
-                    group = jax.lax.psum(kept, "expert").reshape(n_layers, ep.size, shard_rows)
-                    out["recv_tokens"] = jnp.sum(jnp.take(group, xi, axis=1), axis=-1)[None]
-                    if out_sq is not None:  # [1, L]: sum of squares of this device's experts' output per layer
-                        out["out_sq"] = out_sq[None]
+            out = self._local_outputs(lay, local, xi, aux, probe_ct)
             if keep_local:
                 out["local_grads"] = jax.tree_util.tree_map(lambda g: g[None], grads)
-            reduced = [jax.lax.psum(g, others) if s else jax.lax.psum(g, axes) for g, s in zip(local, sharded)]
-            grads = jax.tree_util.tree_unflatten(treedef, reduced)
+            reduced = [jax.lax.psum(g, lay.others) if s else jax.lax.psum(g, lay.axes)
+                       for g, s in zip(local, lay.sharded)]
+            grads = jax.tree_util.tree_unflatten(lay.treedef, reduced)
             if keep_local:
                 out["reduced_grads"] = grads
-            if with_sig:  # <g_d, g> (over the part of g the device holds): sums over devices to ||g||^2
-                dots = [jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32)) for a, b in zip(local, reduced)]
-                out["dev_dot"] = jnp.sum(jnp.stack(dots))[None]
-            if with_fp:
-                # each device fingerprints one row block of the reduced gradient (of an expert leaf's
-                # shard: one block per device of the other axes); the uint32 partials add up to the
-                # whole leaf's fingerprint
-                lin, o = self._linear_index(mesh), others_index()
-                parts = [fpm.fingerprint_row_block(g, o, n_others, row_offset=xi * shard_rows) if s
-                         else fpm.fingerprint_row_block(g, lin, n_dev) for g, s in zip(reduced, sharded)]
-                out["leaves"] = jax.lax.psum(jnp.stack(parts), axes)
-            out["loss"] = jax.lax.psum(loss_c, axes)
-            out["stats"] = jax.lax.psum({k: v for k, v in aux.items() if k != "max_logit"}, axes)
-            out["max_logit"] = jax.lax.pmax(aux["max_logit"], axes)
+            out.update(self._reduced_outputs(lay, local, reduced, xi))
+            out["loss"] = jax.lax.psum(loss_c, lay.axes)
+            out["stats"] = jax.lax.psum({k: v for k, v in aux.items() if k != "max_logit"}, lay.axes)
+            out["max_logit"] = jax.lax.pmax(aux["max_logit"], lay.axes)
             return grads, out
 
-        out_specs_extra = {"loss": P(), "stats": P(), "max_logit": P()}
-        if with_fp:
-            out_specs_extra.update(devices=P(axes), leaves=P())
-        if take_sends:
-            out_specs_extra.update(sends=P(axes), recvs=P(axes))
-        if with_sig:
-            out_specs_extra.update(dev_norm_sq=P(axes), dev_nonfinite=P(axes), dev_dot=P(axes))
-            if ep is not None:
-                out_specs_extra.update(recv_tokens=P(axes), out_sq=P(axes))
-        if keep_local:
-            out_specs_extra.update(local_grads=P(axes), reduced_grads=param_specs)
-        sharded_fn = jax.shard_map(
-            per_device,
-            mesh=mesh,
-            in_specs=(param_specs, P(), P(axes), P(), P(), P(), P()),
-            out_specs=(param_specs, out_specs_extra),
-            check_vma=False,  # grads of replicated params stay local until our psum
-        )
+        return per_device
+
+    def _local_outputs(self, lay: "_StepLayout", local: list, xi, aux: dict, probe_ct) -> dict[str, Any]:
+        """Inside ``shard_map``, before the reduction: this device's gradient fingerprints (``devices``), under
+        expert parallelism what it sent and received at each all-to-all (``sends``, ``recvs``), and its
+        screening signals (``dev_norm_sq``, ``dev_nonfinite``, ``recv_tokens``, ``out_sq``). Takes the
+        model's exchange outputs out of ``aux``, leaving the router statistics."""
+        n_layers = self.model.n_layers
+        fwd_sends, kept = aux.pop("sends", None), aux.pop("kept")
+        fwd_recvs, out_sq = aux.pop("recvs", None), aux.pop("out_sq", None)
+        out = {}
+        if self.fingerprints:
+            out["devices"] = jnp.stack([
+                fpm.fingerprint_row_block(g, 0, 1, counts=False, row_offset=xi * lay.shard_rows) if s
+                else fpm.fingerprint(g, counts=False) for g, s in zip(local, lay.sharded)])[None]
+        if lay.take_sends:  # [4L, 2] lanes, in program order (replay.run.protocol.send_sites_in_program_order)
+            bwd = probe_fingerprints(probe_ct)  # [L, (combine, dispatch), 1 + X, 2]: send, then each part received
+            order = [fwd_sends[i, k] for i in range(n_layers) for k in (0, 1)]
+            order += [bwd[i, k, 0] for i in reversed(range(n_layers)) for k in (0, 1)]
+            out["sends"] = jnp.stack(order)[None]
+            got = [fwd_recvs[i, k] for i in range(n_layers) for k in (0, 1)]
+            got += [bwd[i, k, 1:] for i in reversed(range(n_layers)) for k in (0, 1)]
+            out["recvs"] = jnp.stack(got)[None]  # [1, 4L, X, 2], the sites' order
+        if self.signals:  # the local contribution, before the reduction: float32 sums of squares
+            sq = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in local])
+            out["dev_norm_sq"] = jnp.sum(sq)[None]
+            out["dev_nonfinite"] = jnp.stack([jnp.sum(~jnp.isfinite(g), dtype=jnp.int32) for g in local])[None]
+            if lay.ep is not None:  # tokens this device's experts received from its expert group, per layer
+                group = jax.lax.psum(kept, "expert").reshape(n_layers, lay.ep.size, lay.shard_rows)
+                out["recv_tokens"] = jnp.sum(jnp.take(group, xi, axis=1), axis=-1)[None]
+                if out_sq is not None:  # [1, L]: sum of squares of this device's experts' output per layer
+                    out["out_sq"] = out_sq[None]
+        return out
+
+    def _reduced_outputs(self, lay: "_StepLayout", local: list, reduced: list, xi) -> dict[str, Any]:
+        """Inside ``shard_map``, after the reduction: ``<g_d, g>`` (``dev_dot``) and the reduced gradient's
+        fingerprints (``leaves``)."""
+        out = {}
+        if self.signals:  # <g_d, g> (over the part of g the device holds): sums over devices to ||g||^2
+            dots = [jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32)) for a, b in zip(local, reduced)]
+            out["dev_dot"] = jnp.sum(jnp.stack(dots))[None]
+        if self.fingerprints:
+            # each device fingerprints one row block of the reduced gradient (of an expert leaf's
+            # shard: one block per device of the other axes); the uint32 partials add up to the
+            # whole leaf's fingerprint
+            lin, o = self._linear_index(lay.mesh), lay.others_index()
+            parts = [fpm.fingerprint_row_block(g, o, lay.n_others, row_offset=xi * lay.shard_rows) if s
+                     else fpm.fingerprint_row_block(g, lin, lay.mesh.size) for g, s in zip(reduced, lay.sharded)]
+            out["leaves"] = jax.lax.psum(jnp.stack(parts), lay.axes)
+        return out
+
+    def _update_fn(self, lay: "_StepLayout", sharded_fn, global_batch: int):
+        """The jitted step around the per-device part: a ``host_batch`` drill's flipped token, the
+        reduction's inputs, the global gradient norm, the AdamW update, the router bias, an
+        ``optimizer_update`` drill's poisoned copy."""
+        opt, rate, mesh = self.optimizer, self.model.router_bias_rate, lay.mesh
+        instrumented = self.fingerprints or self.signals
+        n_dev, dev_table = mesh.size, lay.dev_table
 
         def step(state, batch, fault, drift):
             batch = {k: batch[k] for k in BATCH_KEYS}
@@ -721,16 +786,7 @@ class ReferenceTrainer:
                 new_state = self._poison(mesh, new_state, fault)
             return new_state, out
 
-        st_sh = self.state_shardings(mesh)
-        b_sh = self.batch_sharding(mesh)
-        rep = NamedSharding(mesh, P())
-        fn = jax.jit(
-            step,
-            in_shardings=(st_sh, {k: b_sh for k in BATCH_KEYS}, rep, rep),
-            out_shardings=(st_sh, rep),
-        )
-        self._compiled[key] = fn
-        return fn
+        return step
 
     def _fault_inputs(self, fault: Any, step: int, ids: Sequence[int], mesh: Mesh, batch: Mapping[str, Any]
                       ) -> tuple[np.ndarray, np.ndarray]:

@@ -73,17 +73,17 @@ def record_environment(mesh: Any = None) -> dict[str, Any]:
       (:data:`RELEVANT_ENV_VARS` that are set), ``jax_config``
       (:data:`RELEVANT_JAX_FLAGS`), ``backend`` (platform, device kind, device count, local
       device count, process index and count, platform version, ``collectives``: what reduces
-      across devices, ``replay.run.distributed.collectives``), ``mesh`` (axis names, shape, device
+      across devices, ``replay.runtime.distributed.collectives``), ``mesh`` (axis names, shape, device
       ids in mesh order, per device id its coordinates), ``hostname`` (this process's), ``processes``
       (per process index: its host name and device ids) and ``devices`` (per global device id:
       ``process``, ``local`` (its index among its process's devices), ``host``, ``kind``): what a
-      report names a device by (``replay.run.devices.device_table``). With several processes the first
+      report names a device by (``replay.runtime.devices.device_table``). With several processes the first
       call is a collective (the host names are gathered): every process calls it.
     """
     import jax
     import numpy as np
 
-    from replay.run import distributed
+    from replay.runtime import distributed
     from replay.run.fingerprint import FINGERPRINT_VERSION
 
     devices = jax.devices()
@@ -234,6 +234,14 @@ def compare_environment(recorded: Mapping[str, Any], current: Mapping[str, Any])
                 or key in PLACEMENT_KEYS else ""
             out.append(f"{prefix}{key}: recorded {va!r}, current {vb!r}")
     return out
+
+
+def replay_differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """The differences of :func:`compare_environment` that decide bits when a run is replayed on other
+    devices: the mesh's device ids and the process index are left out (replaying on other devices is
+    the point; the mesh shape and axis names still count), and informational notes are dropped."""
+    return [d for d in compare_environment(recorded, current) if not d.startswith("note: ")
+            and not d.startswith("mesh.device_ids") and not d.startswith("backend.process_index")]
 
 
 # Flags the reference trainer pins so that a rerun computes the same bits (docs/trainer.md).

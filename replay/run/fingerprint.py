@@ -438,12 +438,6 @@ def fingerprint_np(
     return out
 
 
-def tree_fingerprints(tree: Any) -> dict[str, jnp.ndarray]:
-    """Per leaf path (``jax.tree_util.keystr``) the :func:`fingerprint` of each leaf (jit-able)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {jax.tree_util.keystr(p): fingerprint(v) for p, v in flat}
-
-
 def summarize(fp: Any) -> Mapping[str, int]:
     """``{"fp": 64-bit int, "nan": int, "inf": int}`` of a ``uint32[4]`` fingerprint (log form)."""
     a = np.asarray(fp)

@@ -170,6 +170,19 @@ class Lineage:
         """The number the next start or restore takes."""
         return max((a.id for a in self.attempts if a.index >= 0), default=0) + 1
 
+    def writer_of(self, step: int) -> Optional[int]:
+        """The attempt whose line of ``step`` the step log holds: the last attempt that trained it (None:
+        none did). What a restore tags the lines it moves to ``superseded/`` with."""
+        for a in reversed(self.attempts):
+            end = a.trained_end if a.trained_end is not None else self.end
+            if a.start <= step < max(end, a.lineage[1]):
+                return a.id
+        return None
+
+    def checkpoint_steps(self) -> list[int]:
+        """The steps of the lineage's ``checkpoint`` events, in log order."""
+        return [int(e["step"]) for e in self.events if e.get("event") == "checkpoint" and isinstance(e.get("step"), int)]
+
     def superseded_spans(self) -> list[dict[str, Any]]:
         """Every superseded span: ``{"attempt", "steps": [lo, hi), "cut_by": attempt (0: pending rewind),
         "kind": the cutting attempt's kind ("resume", "rollback", "rewind"; "rewind" when pending)}``."""
@@ -306,17 +319,7 @@ def build_lineage(events: Sequence[Mapping[str, Any]], logged_end: Optional[int]
                 for c in h["cuts"]:
                     if c[1] == 0:
                         c[1] = a
-            why = e.get("reason")
-            if kind == "start":
-                rkind = "start"
-            elif why in RESTORE_KINDS:
-                rkind = why
-            elif pending is not None:
-                rkind = "rewind"
-            elif newest_ckpt is not None and step < newest_ckpt:
-                rkind = "rollback"
-            else:
-                rkind = "resume"
+            rkind = _attempt_kind(e, step, pending is not None, newest_ckpt)
             cut(step, a)
             pending = None
             heads[a] = {"start": step, "kind": rkind, "index": i, "event": e, "lo": step, "hi": step,
@@ -348,16 +351,7 @@ def build_lineage(events: Sequence[Mapping[str, Any]], logged_end: Optional[int]
         h = heads[open_head]
         h["hi"] = max(h["lo"], logged_end if logged_end is not None else h["lo"])
         h["end"] = h["hi"] if h["end"] is None else max(h["end"], h["hi"])
-    attempts = []
-    for a in order:
-        h = heads[a]
-        lo, hi = h["lo"], h["hi"]
-        share_end = hi if hi > lo else h["start"]
-        sup = (share_end, h["end"]) if h["end"] is not None and h["end"] > share_end else None
-        cuts = tuple((int(at), int(by)) for at, by in h["cuts"])
-        by = cuts[0][1] if cuts and (sup is not None or h["end"] is None) else None
-        attempts.append(Attempt(id=a, start=h["start"], kind=h["kind"], trained_end=h["end"], lineage=(lo, hi),
-                                superseded=sup, superseded_by=by, event=h["event"], index=h["index"], cuts=cuts))
+    attempts = [_attempt_of(a, heads[a]) for a in order]
     shares = [a.lineage for a in attempts if a.lineage[1] > a.lineage[0]]
     first = min((lo for lo, _ in shares), default=logged_first)
     end = max((hi for _, hi in shares), default=attempts[-1].start)
@@ -365,6 +359,33 @@ def build_lineage(events: Sequence[Mapping[str, Any]], logged_end: Optional[int]
     return Lineage(attempts=tuple(attempts), first=first, end=end, events=tuple(lin_events),
                    superseded_events=tuple(sup_events), requests=tuple(requests), pending_rewind=pending,
                    skip_windows=tuple(windows))
+
+
+def _attempt_kind(e: Mapping[str, Any], step: int, pending: bool, newest_ckpt: Optional[int]) -> str:
+    """What a ``start`` or ``restore`` event (at ``step``) began: ``start``; the restore's own ``reason`` when it is one
+    of :data:`RESTORE_KINDS`; else ``rewind`` after a pending rewind, ``rollback`` to a checkpoint older
+    than the newest of the lineage, or ``resume``."""
+    why = e.get("reason")
+    if e.get("event") == "start":
+        return "start"
+    if why in RESTORE_KINDS:
+        return why
+    if pending:
+        return "rewind"
+    if newest_ckpt is not None and step < newest_ckpt:
+        return "rollback"
+    return "resume"
+
+
+def _attempt_of(a: int, h: Mapping[str, Any]) -> Attempt:
+    """Attempt ``a`` from its head record (:func:`build_lineage`): its lineage share, superseded span and cuts."""
+    lo, hi = h["lo"], h["hi"]
+    share_end = hi if hi > lo else h["start"]
+    sup = (share_end, h["end"]) if h["end"] is not None and h["end"] > share_end else None
+    cuts = tuple((int(at), int(by)) for at, by in h["cuts"])
+    by = cuts[0][1] if cuts and (sup is not None or h["end"] is None) else None
+    return Attempt(id=a, start=h["start"], kind=h["kind"], trained_end=h["end"], lineage=(lo, hi),
+                   superseded=sup, superseded_by=by, event=h["event"], index=h["index"], cuts=cuts)
 
 
 def classify_events(events: Sequence[Mapping[str, Any]], ids: Sequence[Optional[int]],
@@ -445,6 +466,23 @@ def lineage_of_run(run_dir: str, events: Sequence[Mapping[str, Any]], logged_ste
     ends = superseded_trained_ends(sup)
     return build_lineage(events, steps[-1] + 1 if steps else None, logged_first=steps[0] if steps else 0,
                          trained_ends=ends or None)
+
+
+def resume_checkpoint(lineage: Lineage, checkpoints: Sequence[int]) -> Optional[int]:
+    """The checkpoint the next attempt starts from: the one a pending rewind names, else the newest of
+    ``checkpoints`` (the run's committed checkpoints, ascending); None: a new run.
+
+    Raises:
+      LineageError: the pending rewind names no committed checkpoint.
+    """
+    pending = lineage.pending_rewind
+    if pending is None:
+        return checkpoints[-1] if checkpoints else None
+    checkpoint = int(pending.get("checkpoint", pending["step"]))
+    if checkpoint not in checkpoints:
+        raise LineageError(f"the rewind to checkpoint {checkpoint} that was recorded ({pending.get('by', 'replay skip')})"
+                           f" names no committed checkpoint (checkpoints: {list(checkpoints)})")
+    return checkpoint
 
 
 def validate_rewind(lineage: Lineage, checkpoint: int, checkpoints: Sequence[int]) -> None:

@@ -34,7 +34,7 @@ from typing import Any, Mapping, Optional
 import yaml
 
 from replay.run import inputs as run_inputs
-from replay.run.devices import QUARANTINE_NAME, DeviceSpecError, read_quarantine
+from replay.runtime.devices import QUARANTINE_NAME, DeviceSpecError, read_quarantine
 from replay.run.lineage import Lineage, lineage_of_run
 from replay.run.protocol import StepFingerprints, log_files, merge_step_parts, shard_name
 
@@ -241,6 +241,57 @@ class RunLog:
     def events_of(self, *kinds: str) -> list[dict[str, Any]]:
         """The events whose ``event`` field is one of ``kinds``, in log order."""
         return [e for e in self.events if e.get("event") in kinds]
+
+    def replay_checkpoint(self, start: int, stop: int, log: Mapping[int, Any]) -> int:
+        """The checkpoint a replay of ``[start, stop)`` against ``log`` (``{step: StepFingerprints}``) starts
+        from, once the log is known to be one replay can judge: fingerprints of this code's formula, every
+        step of the range logged, and every step from the checkpoint to ``start`` (replayed and checked
+        too) logged and well formed.
+
+        Raises:
+          RunDirError: another fingerprint formula; a malformed or missing step before ``start``.
+          StepRangeError, MissingCheckpointError: as :meth:`check_range`, :meth:`checkpoint_for`.
+        """
+        from replay.run.fingerprint import version_mismatch
+
+        problem = version_mismatch(self.env)  # other formula: every leaf would differ, a false conviction
+        if problem:
+            raise RunDirError(f"{os.path.join(self.run_dir, ENV_JSON)}: {problem}")
+        self.check_range(start, stop)
+        ckpt = self.checkpoint_for(start)
+        bad = sorted(s for s in self.malformed if ckpt <= s < start and s not in log)
+        if bad:
+            raise RunDirError(f"step {bad[0]} (between checkpoint {ckpt} and {start}, replayed and checked too): "
+                              f"its logged fingerprints are malformed ({self.malformed[bad[0]]})")
+        missing = missing_steps(log, ckpt, start)
+        if missing:
+            raise RunDirError(f"steps {missing[:10]} between checkpoint {ckpt} and {start} have no logged fingerprints")
+        return ckpt
+
+    def skip_windows(self) -> list[tuple[int, int]]:
+        """Inclusive training-step windows whose data the run skipped, from the run config and events.jsonl.
+
+        The run config's ``skip_windows: [[A, B], ...]`` (what the loader is built with) plus events of
+        kind ``skipped_window`` with ``start`` and ``end`` fields (for the report).
+        """
+        out = []
+        for w in self.config.get("skip_windows", []) or []:
+            out.append((int(w[0]), int(w[1])))
+        for e in self.events_of("skipped_window"):
+            lo, hi = e.get("start"), e.get("end")
+            if lo is not None and hi is not None and (int(lo), int(hi)) not in out:
+                out.append((int(lo), int(hi)))
+        return sorted(out)
+
+    def dropped_updates(self) -> frozenset[int]:
+        """Steps of the lineage whose update the run dropped (``non_finite`` events with ``action:
+        skip_step``): the next step started from the state before them."""
+        return frozenset(int(e["step"]) for e in self.events
+                         if e.get("event") == "non_finite" and e.get("action") == "skip_step")
+
+    def phase_changes(self) -> list[dict[str, Any]]:
+        """The run's logged mixture phase changes (events of kind ``phase``/``phase_change``)."""
+        return self.events_of("phase", "phase_change", "mixture_phase")
 
     @property
     def mesh(self) -> Mapping[str, Any]:

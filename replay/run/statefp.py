@@ -76,10 +76,6 @@ class PoisonedCheckpointError(RuntimeError):
         self.step, self.devices = int(step), sorted(int(d) for d in devices)
 
 
-class NonFiniteCheckpointError(RuntimeError):
-    """The checkpoint's record says its state holds NaN or Inf values."""
-
-
 # ----------------------------------------------------------------------------- on the devices
 
 

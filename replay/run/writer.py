@@ -95,6 +95,17 @@ class RunDir:
         self.local_devices = None if local_devices is None else frozenset(int(d) for d in local_devices)
         os.makedirs(self.path, exist_ok=True)
 
+    @classmethod
+    def for_mesh(cls, path: str, mesh: Any) -> "RunDir":
+        """The run directory as this process of a run on ``mesh`` writes it: process 0 the run's single
+        files, each process its own devices' step-log entries (one process: every entry)."""
+        import jax
+
+        me = jax.process_index()
+        local = [int(d.id) for d in mesh.devices.reshape(-1) if d.process_index == me]
+        count = jax.process_count()
+        return cls(path, process_index=me, process_count=count, local_devices=local if count > 1 else None)
+
     @property
     def primary(self) -> bool:
         """Whether this process writes the run's single files (config, env record, events, global records)."""
@@ -136,6 +147,20 @@ class RunDir:
                 return False
             f.truncate(data.rfind(b"\n") + 1)
         return True
+
+    def logged_steps(self) -> list[int]:
+        """The steps of the run's ``fingerprints.jsonl`` (process 0's file), in file order; a line without a
+        readable step (one torn by a kill) is skipped."""
+        path = self.file(proto.FINGERPRINTS_NAME)
+        out = []
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        out.append(int(json.loads(line)["step"]))
+                    except (ValueError, KeyError, TypeError):
+                        continue
+        return out
 
     def truncate_log(self, name: str, before_step: int) -> int:
         """Keeps only lines of this process's file of the step log ``name`` with ``step < before_step``

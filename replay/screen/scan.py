@@ -47,7 +47,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from replay.run import devices as dv
+from replay.runtime import devices as dv
 from replay.run import protocol as proto
 from replay.screen import screening as sc
 from replay.run.runlog import RunDirError, RunLog
@@ -113,7 +113,7 @@ class Suspect:
     strength: float
     evidence: tuple[Evidence, ...]
     next: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # {"command", "sentence"}: what to do next
-    named: tuple[dict, ...] = ()  # its devices as an operator finds them (replay.run.devices.name_devices)
+    named: tuple[dict, ...] = ()  # its devices as an operator finds them (replay.runtime.devices.name_devices)
 
     def rank_key(self) -> tuple:
         best = min(CHECKS.index(e.check) for e in self.evidence)

@@ -12,8 +12,8 @@ import dataclasses
 import os
 from typing import Any, Optional
 
-from replay.run import devices as dv
-from replay.run import distributed
+from replay.runtime import devices as dv
+from replay.runtime import distributed
 from replay.run.canary import (
     GOLDEN_DEFAULT,
     CanaryDecision,
@@ -37,7 +37,7 @@ class CanaryReport:
     decision: CanaryDecision
     golden_path: Optional[str]
     repeats: int
-    table: dict = dataclasses.field(default_factory=dict)  # device id -> replay.run.devices.DeviceInfo
+    table: dict = dataclasses.field(default_factory=dict)  # device id -> replay.runtime.devices.DeviceInfo
 
     @property
     def exit_code(self) -> int:
@@ -84,7 +84,7 @@ def run_canary(
 
     Args:
       session: a ``replay.verify.engine.Session``.
-      device_spec: see ``replay.run.devices`` (any number of devices >= 1).
+      device_spec: see ``replay.runtime.devices`` (any number of devices >= 1).
       repeats: runs per device, >= 1.
       checkpoint: weights from this checkpoint step; None: the trainer's init from the run
         config's ``canary.seed``.
@@ -97,11 +97,11 @@ def run_canary(
       reset_golden: ignore and overwrite this environment's golden value.
       fault: a drill: flips a bit in ``fault.device_id``'s gradient.
       advance: called with 1 after each canary run (one device, one repeat).
-      progress: a ``total -> advance`` factory (``replay.run.progress.StepProgress.advance``), called
+      progress: a ``total -> advance`` factory (``replay.runtime.progress.StepProgress.advance``), called
         once with the number of runs (devices x repeats) when they are known; replaces ``advance``.
 
     Raises:
-      replay.run.devices.DeviceSpecError; replay.run.runlog.RunDirError (no such checkpoint); ValueError.
+      replay.runtime.devices.DeviceSpecError; replay.run.runlog.RunDirError (no such checkpoint); ValueError.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -114,7 +114,7 @@ def run_canary(
     seq_len = setup.canary_seq_len if seq_len is None else seq_len
     if step < 0:
         raise ValueError(f"canary step must be >= 0, got {step}")
-    chosen = dv.select_devices(device_spec, session.device_infos(), run.held_suspect, minimum=1)
+    chosen = session.chosen_devices(device_spec, 1)
     path = os.path.join(run.run_dir, GOLDEN_DEFAULT) if golden_path == "default" else golden_path
     if not reset_golden:
         read_golden(path)  # a corrupt golden file is reported before any device work

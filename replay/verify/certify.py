@@ -39,11 +39,9 @@ import dataclasses
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from replay.run import devices as dv
 from replay.run import statefp
 from replay.run.codes import ExitCode
 from replay.run.runlog import RunDirError
-from replay.verify import plan
 from replay.verify.engine import (CheckpointCorruptError, EnvDriftError, Session, _locked, environment_differences,
                                   run_lanes)
 
@@ -234,7 +232,7 @@ def certify(session: Session, *, start: Optional[int] = None, stop: Optional[int
       session: the opened run.
       start: the checkpoint taken as trusted (restored and checked against its record).
       stop: the last checkpoint to judge.
-      device_spec: the devices to replay on (``replay.run.devices``); as many disjoint placements of the
+      device_spec: the devices to replay on (``replay.runtime.devices``); as many disjoint placements of the
         run's mesh as they hold run segments at the same time.
       concurrent: run placements on disjoint devices at the same time (False: one after the other).
       progress: ``total -> advance`` factory (total: the steps this process replays).
@@ -244,7 +242,7 @@ def certify(session: Session, *, start: Optional[int] = None, stop: Optional[int
       replay.run.statefp.DamagedCheckpointError / PoisonedCheckpointError: the trusted checkpoint itself.
       EnvDriftError: the environment differs from the run's (``allow_env_drift``: certify anyway).
     """
-    run, setup = session.run, session.setup
+    run = session.run
     chain = [c for c in run.checkpoints if (start is None or c >= start) and (stop is None or c <= stop)]
     if start is not None and start not in run.checkpoints:
         raise RunDirError(f"--from {start}: no checkpoint at that step (checkpoints: {run.checkpoints})")
@@ -253,11 +251,7 @@ def certify(session: Session, *, start: Optional[int] = None, stop: Optional[int
                           f"{start if start is not None else 'the first'} holds {chain} (checkpoints: {run.checkpoints})")
     logged = set(run.fingerprints)
     chain = [c for i, c in enumerate(chain) if i == 0 or all(s in logged for s in range(chain[i - 1], c))]
-    chosen = dv.select_devices(device_spec, session.device_infos(), run.held_suspect, minimum=setup.mesh_size)
-    ids = [d.id for d in chosen]
-    count = max(1, len(ids) // setup.mesh_size)
-    assignments = [tuple(a) for a in dv.independent_assignments(ids, setup.mesh_size, count)]
-    home = assignments[0] if session.participates(assignments[0]) else session.home_assignment()
+    _, assignments, home = session.placements(device_spec)
     drift = environment_differences(run, session.mesh(home))
     if drift and not allow_env_drift:
         raise EnvDriftError(drift)
@@ -265,10 +259,7 @@ def certify(session: Session, *, start: Optional[int] = None, stop: Optional[int
     t0 = time.perf_counter()
     session.restore(trusted, home)  # the trusted checkpoint must itself match its record (raises otherwise)
     segs = list(zip(chain, chain[1:]))
-    process_of = {i: d.process_index for i, d in session.jax_devices.items()}
-    lanes = plan.lanes(assignments, process_of)
-    mine = [[i for i in lane if session.participates(assignments[i])] for lane in lanes]
-    mine = [lane for lane in mine if lane]
+    mine = session.my_lanes(assignments)
     # Segment k on placement k mod P: lanes take their placements' segments in order.
     task_of = {k: k % len(assignments) for k in range(len(segs))}
     my_steps = sum(b - a for k, (a, b) in enumerate(segs) if any(task_of[k] in lane for lane in mine))
@@ -318,7 +309,7 @@ def _gather(session: Session, results: Mapping[int, _Segment], assignments: Sequ
             ) -> dict[int, _Segment]:
     """Every process's segment outcomes (a collective): each reported by the lowest process of its
     placement; the step differences travel as the replayed step's judgement (kind, step, devices, leaves)."""
-    from replay.run import distributed
+    from replay.runtime import distributed
 
     process_of = {i: d.process_index for i, d in session.jax_devices.items()}
     mine = []

@@ -34,6 +34,7 @@ replay. On an accelerator pod these are different chips.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -42,10 +43,9 @@ import numpy as np
 
 from replay.verify import compare as cmp
 from replay.verify import plan
-from replay.run import devices as dv
+from replay.runtime import devices as dv
 from replay.run.protocol import FaultSpec, StepFingerprints
-from replay.run.runlog import RunDirError, RunLog, missing_steps
-from replay.run.setup import checked_loader  # noqa: F401 - moved to the ground room; kept importable here
+from replay.run.runlog import RunDirError, RunLog
 from replay.run.codes import Verdict
 from replay.run.setup import RunSetup
 from replay.verify.localize import describe_site
@@ -76,34 +76,6 @@ class EnvDriftError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- run set-up
-
-
-def skip_windows(run: RunLog) -> list[tuple[int, int]]:
-    """Inclusive training-step windows whose data the run skipped, from events.jsonl and the run config.
-
-    The run config's ``skip_windows: [[A, B], ...]`` (what the loader is built with) plus events of
-    kind ``skipped_window`` with ``start`` and ``end`` fields (for the report).
-    """
-    out = []
-    for w in run.config.get("skip_windows", []) or []:
-        out.append((int(w[0]), int(w[1])))
-    for e in run.events_of("skipped_window"):
-        lo, hi = e.get("start"), e.get("end")
-        if lo is not None and hi is not None and (int(lo), int(hi)) not in out:
-            out.append((int(lo), int(hi)))
-    return sorted(out)
-
-
-def dropped_updates(run: RunLog) -> frozenset[int]:
-    """Steps of the lineage whose update the run dropped (``non_finite`` events with ``action:
-    skip_step``): the next step started from the state before them."""
-    return frozenset(int(e["step"]) for e in run.events
-                     if e.get("event") == "non_finite" and e.get("action") == "skip_step")
-
-
-def phase_changes(run: RunLog) -> list[dict[str, Any]]:
-    """The run's logged mixture phase changes (events of kind ``phase``/``phase_change``)."""
-    return run.events_of("phase", "phase_change", "mixture_phase")
 
 
 def default_setup(run: RunLog) -> RunSetup:
@@ -156,7 +128,7 @@ class Session:
 
     def device_infos(self) -> list[dv.DeviceInfo]:
         """The replay job's devices as an operator finds them (host, process, local index, global id)."""
-        from replay.run import distributed
+        from replay.runtime import distributed
 
         hosts = distributed.process_hosts()
         by_proc: dict[int, list[int]] = {}
@@ -171,6 +143,39 @@ class Session:
     def device_table(self) -> dict[int, dv.DeviceInfo]:
         """``device_infos`` by id: names the replay job's devices (canary, placements)."""
         return {d.id: d for d in self.device_infos()}
+
+    def chosen_devices(self, device_spec: str, minimum: int) -> list[dv.DeviceInfo]:
+        """The replay job's devices that ``device_spec`` names (``replay.runtime.devices``; ``good`` and
+        ``suspect`` against the devices the run holds suspect), at least ``minimum`` of them.
+
+        Raises:
+          replay.runtime.devices.DeviceSpecError: a bad spec or too few devices.
+        """
+        return dv.select_devices(device_spec, self.device_infos(), self.run.held_suspect, minimum=minimum)
+
+    def placements(self, device_spec: str, count: Optional[int] = None
+                   ) -> tuple[list[int], list[tuple[int, ...]], tuple[int, ...]]:
+        """``(ids, assignments, home)``: the devices ``device_spec`` names (at least the run's mesh size),
+        ``count`` independent placements of the run's mesh on them (``replay.runtime.devices
+        .independent_assignments``; None: as many disjoint ones as fit), and the placement this process
+        builds host-side state on (the first when it takes part in it, else :meth:`home_assignment`).
+
+        Raises:
+          replay.runtime.devices.DeviceSpecError: a bad spec or too few devices.
+        """
+        size = self.setup.mesh_size
+        ids = [d.id for d in self.chosen_devices(device_spec, size)]
+        count = max(1, len(ids) // size) if count is None else count
+        assignments = [tuple(a) for a in dv.independent_assignments(ids, size, count)]
+        home = assignments[0] if self.participates(assignments[0]) else self.home_assignment()
+        return ids, assignments, home
+
+    def my_lanes(self, assignments: Sequence[Sequence[int]]) -> list[list[int]]:
+        """This process's lanes (``replay.verify.plan.lanes``): the indices of the placements that hold one
+        of its devices, grouped so that no two lanes share a device (lanes run at the same time)."""
+        process_of = {i: d.process_index for i, d in self.jax_devices.items()}
+        mine = [[i for i in lane if self.participates(assignments[i])] for lane in plan.lanes(assignments, process_of)]
+        return [lane for lane in mine if lane]
 
     def run_device_table(self) -> dict[int, dv.DeviceInfo]:
         """The run's devices as its env.json recorded them: names a convicted device of the original run."""
@@ -306,7 +311,7 @@ class Session:
             except FileNotFoundError as e:
                 raise RunDirError(str(e)) from None
             except Exception as e:  # noqa: BLE001 - Orbax/TensorStore report a damaged checkpoint many ways
-                from replay.run.quiet import quiet_aborted_reads
+                from replay.runtime.quiet import quiet_aborted_reads
 
                 quiet_aborted_reads()
                 first = (str(e).strip().splitlines() or [""])[0][:400]
@@ -388,7 +393,7 @@ class Session:
         segment is contaminated by the wrong state)."""
         trainer = self.setup.trainer
         state = self.restore(checkpoint, assignment) if start_state is None else start_state
-        dropped = dropped_updates(self.run)
+        dropped = self.run.dropped_updates()
         fps, diffs, kept = [], [], {}
         batches = self.batches(checkpoint, stop, assignment)
         try:
@@ -446,10 +451,7 @@ def environment_differences(run: RunLog, mesh: Any) -> list[str]:
     """
     from replay.run import env as envmod
 
-    current = envmod.record_environment(mesh)
-    diffs = envmod.compare_environment(run.env, current)
-    return [d for d in diffs if not d.startswith("note: ") and not d.startswith("mesh.device_ids")
-            and not d.startswith("backend.process_index")]
+    return envmod.replay_differences(run.env, envmod.record_environment(mesh))
 
 
 def cpu_threads_hint(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> Optional[str]:
@@ -685,13 +687,6 @@ def scan_onset(run: RunLog, start: int, stop: int) -> Optional[plan.Onset]:
     return onset if onset.hi >= start and onset.lo < stop else None
 
 
-def _placement_record(session: Session, index: int, assignment: Sequence[int]) -> dict[str, Any]:
-    table = session.device_table()
-    infos = [table.get(d) or dv.DeviceInfo(d) for d in assignment]
-    return {"index": index, "devices": list(assignment), "processes": sorted({i.process_index for i in infos}),
-            "hosts": sorted({i.host for i in infos if i.host})}
-
-
 def replay_range(
     session: Session,
     start: int,
@@ -720,7 +715,7 @@ def replay_range(
     Args:
       session: the opened run.
       start, stop: the half-open step range (must be logged).
-      device_spec: see ``replay.run.devices``; must leave at least the run's mesh size.
+      device_spec: see ``replay.runtime.devices``; must leave at least the run's mesh size.
       repeats: how many times each independent assignment replays (flaky hardware is often
         inconsistent), >= 1.
       tolerance: relative tolerance: compare loss and norm only (weaker evidence).
@@ -738,95 +733,42 @@ def replay_range(
     Raises:
       replay.run.runlog.StepRangeError, MissingCheckpointError: the range is not logged / has no
         checkpoint at or before it.
-      replay.run.devices.DeviceSpecError: a bad spec or too few devices.
+      replay.runtime.devices.DeviceSpecError: a bad spec or too few devices.
       EnvDriftError: environment drift without ``allow_env_drift`` or ``tolerance``.
       RunDirError: the run logged another fingerprint formula (``versions.fingerprint``).
       ValueError: ``repeats`` or ``replays`` < 1.
     """
-    from replay.run.fingerprint import version_mismatch
+    from replay.run import env as envmod
 
     if repeats < 1 or replays < 1:
         raise ValueError(f"repeats and replays must be >= 1, got {repeats} and {replays}")
     run, setup = session.run, session.setup
-    problem = version_mismatch(run.env)  # other formula: every leaf would differ, a false conviction
-    if problem:
-        raise RunDirError(f"{os.path.join(run.run_dir, 'env.json')}: {problem}")
     log = run.fingerprints if log is None else log
-    run.check_range(start, stop)
-    ckpt = run.checkpoint_for(start)
-    bad = sorted(s for s in getattr(run, "malformed", {}) if ckpt <= s < start and s not in log)
-    if bad:
-        raise RunDirError(f"step {bad[0]} (between checkpoint {ckpt} and {start}, replayed and checked too): "
-                          f"its logged fingerprints are malformed ({run.malformed[bad[0]]})")
-    missing = missing_steps(log, ckpt, start)
-    if missing:
-        raise RunDirError(f"steps {missing[:10]} between checkpoint {ckpt} and {start} have no logged fingerprints")
-    chosen = dv.select_devices(device_spec, session.device_infos(), run.held_suspect, minimum=setup.mesh_size)
-    ids = [d.id for d in chosen]
-    assignments = [tuple(a) for a in dv.independent_assignments(ids, setup.mesh_size, replays)]
-    home = assignments[0] if session.participates(assignments[0]) else session.home_assignment()
-    diffs_env = environment_differences(run, session.mesh(home))
-    if diffs_env and not allow_env_drift and tolerance is None:
-        raise EnvDriftError(diffs_env)
+    ckpt = run.replay_checkpoint(start, stop, log)
+    ids, assignments, home = session.placements(device_spec, replays)
+    mesh = session.mesh(home)
     if onset == "auto":
         onset = scan_onset(run, ckpt, stop)
-    suspected = sorted(set(getattr(run, "held_suspect", ())) & set(setup.run_device_ids))
+    current_env = envmod.record_environment(mesh)
+    diffs_env = envmod.replay_differences(run.env, current_env)  # as environment_differences
+    if diffs_env and not allow_env_drift and tolerance is None:
+        raise EnvDriftError(diffs_env)
     segs = plan.segments(ckpt, stop, run.checkpoints)
     order = plan.rounds(segs, onset, exhaustive)
-    process_of = {i: d.process_index for i, d in session.jax_devices.items()}
-    lanes = plan.lanes(assignments, process_of)
-    mine = [[i for i in lane if session.participates(assignments[i])] for lane in lanes]
-    mine = [lane for lane in mine if lane]
-    # This process's tasks: (repeat, placement, segment), a lane's in a fixed order (the same in every
-    # process that shares it), lanes on threads.
-    local_steps = sum(segs[k].steps for rnd in order for k in rnd) * repeats * sum(len(x) for x in mine)
-    advance = _locked(progress(local_steps) if progress is not None else (lambda n=1: None))
-    results: dict[tuple[int, int, int], tuple[list[StepFingerprints], list[cmp.StepDiff], float]] = {}
-    replayed: dict[int, int] = {}
-    t0 = time.perf_counter()
-    restore0 = session.restore_seconds
-    decision = None
-    runs: list[ReplayRun] = []
-    for rnd, seg_ids in enumerate(order):
-        def lane_work(lane, seg_ids=seg_ids):
-            out = {}
-            for r in range(repeats):
-                for i in lane:
-                    for k in seg_ids:
-                        t1 = time.perf_counter()
-                        fps, diffs, _ = session.replay_segment(assignments[i], segs[k].start, segs[k].stop, log=log,
-                                                               tolerance=tolerance, advance=advance)
-                        advance(segs[k].steps - len(fps))
-                        out[(r, i, k)] = (fps, diffs, time.perf_counter() - t1)
-            return out
-
-        results.update(run_lanes(mine, lane_work, concurrent, "replay-lane"))
-        if session.process_count > 1:
-            results.update(_gather_round(session, assignments, results, log, tolerance, set(seg_ids)))
-        for k in seg_ids:
-            replayed[k] = rnd
-        runs = _assemble(results, assignments, repeats, segs)
-        decision = decide([x.outcome() for x in runs], setup.mesh_size, suspected=suspected)
-        if decision.verdict is Verdict.CONVICTED and not exhaustive:
-            break
+    t0, restore0 = time.perf_counter(), session.restore_seconds
+    rounds = _Rounds(session, assignments, segs, order, log, tolerance, repeats)
+    runs, decision = rounds.run(progress, exhaustive, concurrent)
     wall = time.perf_counter() - t0
-    disagreement = None
-    for other in runs[1:]:
-        disagreement = cmp.disagreement(runs[0].fingerprints, other.fingerprints, runs[0].coords(), other.coords())
-        if disagreement:
-            disagreement.update(replay_a=runs[0].index, replay_b=other.index,
-                                suspects_named=dv.name_devices(disagreement["suspects"], session.device_table()))
-            break
+    disagreement = _disagreement(session, runs)
     differing = None
     if full_comparison and decision.step is not None and (decision.step + 1) in run.checkpoints:
         differing = _full_comparison(session, assignments[0], decision.step)
     replay_s = time.perf_counter() - t0 - (session.restore_seconds - restore0)
     if decision.verdict is Verdict.AMBIGUOUS and decision.cause is Cause.UNLOCALIZED:
-        from replay.run import env as envmod
-
-        hint = cpu_threads_hint(run.env or {}, envmod.record_environment(session.mesh(home)))
+        hint = cpu_threads_hint(run.env or {}, current_env)
         if hint:
             decision = dataclasses.replace(decision, explanation=f"{decision.explanation}; {hint}")
+    table, run_table = session.device_table(), session.run_device_table()
     coords = {int(k): dict(v) for k, v in (run.mesh.get("device_coords") or {}).items()}
     return RangeReport(
         run_dir=run.run_dir, start=start, stop=stop, checkpoint=ckpt,
@@ -836,13 +778,77 @@ def replay_range(
         mesh={"axis_names": list(setup.axis_names), "shape": list(setup.shape)},
         env_differences=diffs_env, allow_env_drift=allow_env_drift, tolerance=tolerance,
         replays=runs, decision=decision, disagreement=disagreement, differing_elements=differing,
-        relogged_conflicts=list(run.relogged_conflicts), skip_windows=skip_windows(run),
-        phase_changes=phase_changes(run), restore_seconds=session.restore_seconds - restore0,
+        relogged_conflicts=list(run.relogged_conflicts), skip_windows=run.skip_windows(),
+        phase_changes=run.phase_changes(), restore_seconds=session.restore_seconds - restore0,
         replay_seconds=replay_s, scan_suspects=sorted(getattr(run, "suspects", ())),
-        segments=segs, replayed_in_round=replayed, onset=onset, exhaustive=exhaustive, concurrent=concurrent,
-        placements=[_placement_record(session, i, a) for i, a in enumerate(assignments)],
-        convicted=dv.name_devices(decision.devices, session.run_device_table(), coords), wall_seconds=wall,
+        segments=segs, replayed_in_round=rounds.replayed, onset=onset, exhaustive=exhaustive, concurrent=concurrent,
+        placements=[dv.placement_record(i, a, table) for i, a in enumerate(assignments)],
+        convicted=dv.name_devices(decision.devices, run_table, coords), wall_seconds=wall,
     )
+
+
+class _Rounds:
+    """The rounds of a range replay (``replay.verify.plan.rounds``): each round replays its segments on
+    every placement and repeat (this process's lanes on threads; with several processes the round's
+    results are gathered), then the verdict so far is decided; a conviction ends the replay unless it
+    is exhaustive."""
+
+    def __init__(self, session: Session, assignments, segs, order, log, tolerance, repeats: int):
+        self.session, self.assignments, self.segs, self.order = session, assignments, segs, order
+        self.log, self.tolerance, self.repeats = log, tolerance, repeats
+        self.replayed: dict[int, int] = {}  # segment -> the round that replayed it
+        self.results: dict[tuple[int, int, int], tuple[list[StepFingerprints], list[cmp.StepDiff], float]] = {}
+
+    def run(self, progress, exhaustive: bool, concurrent: bool):
+        """``(runs, decision)``: one :class:`ReplayRun` per repeat and placement, and the verdict."""
+        session, setup = self.session, self.session.setup
+        suspected = sorted(set(getattr(session.run, "held_suspect", ())) & set(setup.run_device_ids))
+        mine = session.my_lanes(self.assignments)
+        # This process's tasks: (repeat, placement, segment), a lane's in a fixed order (the same in every
+        # process that shares it), lanes on threads.
+        local_steps = sum(self.segs[k].steps for rnd in self.order for k in rnd) * self.repeats \
+            * sum(len(x) for x in mine)
+        advance = _locked(progress(local_steps) if progress is not None else (lambda n=1: None))
+        runs, decision = [], None
+        for rnd, seg_ids in enumerate(self.order):
+            self.results.update(run_lanes(mine, functools.partial(self._lane, seg_ids=seg_ids, advance=advance),
+                                          concurrent, "replay-lane"))
+            if session.process_count > 1:
+                self.results.update(_gather_round(session, self.assignments, self.results, self.log, self.tolerance,
+                                                  set(seg_ids)))
+            for k in seg_ids:
+                self.replayed[k] = rnd
+            runs = _assemble(self.results, self.assignments, self.repeats, self.segs)
+            decision = decide([x.outcome() for x in runs], setup.mesh_size, suspected=suspected)
+            if decision.verdict is Verdict.CONVICTED and not exhaustive:
+                break
+        return runs, decision
+
+    def _lane(self, lane, *, seg_ids, advance) -> dict:
+        """One lane's tasks of a round: every repeat, placement and segment, in that order."""
+        out = {}
+        for r in range(self.repeats):
+            for i in lane:
+                for k in seg_ids:
+                    seg = self.segs[k]
+                    t1 = time.perf_counter()
+                    fps, diffs, _ = self.session.replay_segment(self.assignments[i], seg.start, seg.stop, log=self.log,
+                                                                tolerance=self.tolerance, advance=advance)
+                    advance(seg.steps - len(fps))
+                    out[(r, i, k)] = (fps, diffs, time.perf_counter() - t1)
+        return out
+
+
+def _disagreement(session: Session, runs: Sequence[ReplayRun]) -> Optional[dict[str, Any]]:
+    """Where the first replay and the first other one that differs from it disagree
+    (``replay.verify.compare.disagreement``), its suspects named; None when every replay agrees."""
+    for other in runs[1:]:
+        found = cmp.disagreement(runs[0].fingerprints, other.fingerprints, runs[0].coords(), other.coords())
+        if found:
+            found.update(replay_a=runs[0].index, replay_b=other.index,
+                         suspects_named=dv.name_devices(found["suspects"], session.device_table()))
+            return found
+    return None
 
 
 def run_lanes(lanes: Sequence[Any], work: Callable[[Any], Mapping], concurrent: bool, name: str) -> dict:
@@ -896,7 +902,7 @@ def _gather_round(session: Session, assignments, results, log, tolerance, seg_id
     """Every process's results of this round's segments (a collective: every process calls it after the
     round). Each task is reported by the lowest process of its placement; the diffs are recomputed from
     the fingerprints (pure), so that only fingerprints cross processes."""
-    from replay.run import distributed
+    from replay.runtime import distributed
 
     process_of = {i: d.process_index for i, d in session.jax_devices.items()}
     mine = []
@@ -916,7 +922,7 @@ def _full_comparison(session: Session, assignment: Sequence[int], step: int) -> 
     ``step`` (the run's own faulty state against a healthy one), or None when that checkpoint cannot be
     restored. Computed by the processes of ``assignment`` when it is local to one process; shared with the
     others."""
-    from replay.run import distributed
+    from replay.runtime import distributed
 
     run = session.run
     out = None

@@ -4,7 +4,7 @@ When an Orbax restore fails (a damaged checkpoint), TensorStore's still-running 
 arrays call back into Orbax's closed event loop, and each prints a ``RuntimeError: Event loop is
 closed`` traceback from its thread and at interpreter exit. Every command that restores checkpoints
 (training, every ``replay`` command) reports the failure once, in its own words; these helpers drop
-exactly those tracebacks. In the ground room: a trainer's restore and replay's both need them.
+exactly those tracebacks. In the runtime room: a trainer's restore and replay's both need them.
 """
 
 from __future__ import annotations

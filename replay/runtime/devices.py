@@ -104,6 +104,14 @@ def name_devices(ids: Iterable[int], table: Mapping[int, DeviceInfo],
     return [describe(d, table).to_dict(coords.get(int(d))) for d in ids]
 
 
+def placement_record(index: int, assignment: Sequence[int], table: Mapping[int, DeviceInfo]) -> dict:
+    """A placement of a report: its ``index``, its devices (``assignment``, row-major on the run's mesh)
+    and the processes and hosts they are on (from ``table``)."""
+    infos = [table.get(d) or DeviceInfo(d) for d in assignment]
+    return {"index": index, "devices": list(assignment), "processes": sorted({i.process_index for i in infos}),
+            "hosts": sorted({i.host for i in infos if i.host})}
+
+
 def read_quarantine(path: str) -> frozenset[int]:
     """Reads a quarantine file: device ids, one a line; ``#`` starts a comment; blank lines skipped.
 

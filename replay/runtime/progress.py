@@ -36,7 +36,7 @@ import sys
 import time
 from typing import Any, Callable, Iterator, Optional, TextIO
 
-from common.progress import duration, print_line, rate, rich_bar
+from common.progress import duration, print_line, rate, rich_bar, stop_bar
 
 INTERVAL_ENV = "REPLAY_PROGRESS_EVERY"
 DEFAULT_INTERVAL = 10.0
@@ -303,9 +303,7 @@ class StepProgress:
     def close(self, ok: bool = True) -> None:
         """Stops the bar and prints the closing line (``ok`` False: the loop failed; says where it stopped)."""
         if self._bar is not None:
-            try:
-                self._bar.stop()
-            except (OSError, ValueError):
+            if not stop_bar(self._bar):
                 self._broken = True
             self._bar = None
             if self in _LIVE:
