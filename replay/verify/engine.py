@@ -49,7 +49,7 @@ from replay.run.setup import checked_loader  # noqa: F401 - moved to the ground 
 from replay.run.codes import Verdict
 from replay.run.setup import RunSetup
 from replay.verify.localize import describe_site
-from replay.verify.verdict import Cause, Decision, Evidence, ReplayOutcome, decide
+from replay.verify.verdict import Cause, Decision, Evidence, ReplayOutcome, decide, limit_to_poisoned_state
 
 PREFETCH_MIN_STEPS = 8  # stretches this long read batches through the loader's prefetch
 
@@ -324,6 +324,20 @@ class Session:
             self._states[key] = state
         return state
 
+    def restore_files(self, checkpoint: int, assignment: Any) -> Optional[Any]:
+        """The train state checkpoint ``checkpoint``'s files hold, on ``assignment``'s mesh, *not* checked
+        against its state record (to tell a damaged record from damaged files), or None when Orbax cannot
+        restore them. Not cached."""
+        mesh = self.local_mesh() if assignment == "local" else self.mesh(assignment)
+        with self._restore_lock:
+            try:
+                return self.setup.trainer.restore(self.run.run_dir, checkpoint, mesh)[0]
+            except Exception:  # noqa: BLE001 - Orbax/TensorStore report damaged files many ways
+                from replay.run.quiet import quiet_aborted_reads
+
+                quiet_aborted_reads()
+                return None
+
     def _verify(self, checkpoint: int, state: Any, loader_state: Any, allow_poisoned: bool) -> None:
         """The restored ``state`` against its state record; a checkpoint with none is noted once."""
         from replay.run import statefp
@@ -560,10 +574,12 @@ class RangeReport:
 
     @property
     def exit_code(self) -> int:
-        if self.decision.cause is Cause.LINK_FAULT:
-            from replay.run.codes import ExitCode
+        from replay.run.codes import ExitCode
 
+        if self.decision.cause is Cause.LINK_FAULT:
             return int(ExitCode.LINK_CONVICTED)
+        if self.decision.cause is Cause.STATE_POISONED:
+            return int(ExitCode.POISONED_CHECKPOINT)
         return int(self.decision.verdict.exit_code)
 
     @property
@@ -809,6 +825,7 @@ def replay_range(
         decision = decide([x.outcome() for x in runs], setup.mesh_size, suspected=suspected)
         if decision.verdict is Verdict.CONVICTED and not exhaustive:
             break
+    decision = _poisoned_state_check(session, decision)
     wall = time.perf_counter() - t0
     disagreement = None
     for other in runs[1:]:
@@ -843,6 +860,28 @@ def replay_range(
         placements=[_placement_record(session, i, a) for i, a in enumerate(assignments)],
         convicted=dv.name_devices(decision.devices, session.run_device_table(), coords), wall_seconds=wall,
     )
+
+
+def _poisoned_state_check(session: Session, decision: Decision) -> Decision:
+    """A conviction at step S against the state record of the first checkpoint after S
+    (``verdict.limit_to_poisoned_state``): when its copies disagree, the state was corrupted in an update
+    before S, and only a device holding a wrong copy may be convicted."""
+    from replay.run import statefp
+
+    if decision.verdict is not Verdict.CONVICTED or decision.step is None:
+        return decision
+    after = [c for c in session.run.checkpoints if c > decision.step]
+    if not after:
+        return decision
+    try:
+        record = statefp.read_record(session.run.run_dir, after[0])
+    except statefp.DamagedCheckpointError:
+        return decision
+    if record is None or record.replicas_agree:
+        return decision
+    disputes = record.disputes()
+    what = statefp.dispute_text(disputes[0]) if disputes else "its replicated state disagreed"
+    return limit_to_poisoned_state(decision, after[0], record.odd_devices(), record.suspect_devices(), what)
 
 
 def run_lanes(lanes: Sequence[Any], work: Callable[[Any], Mapping], concurrent: bool, name: str) -> dict:
