@@ -430,8 +430,7 @@ def write_record(run_dir: str, record: StateRecord) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(record.data, f, sort_keys=True)
-        f.write("\n")
+        f.write(json.dumps(record.data, sort_keys=True, separators=(",", ":")) + "\n")
     os.replace(tmp, path)
     return os.path.relpath(path, run_dir)
 

@@ -282,7 +282,8 @@ class Session:
 
     def restore(self, checkpoint: int, assignment: Any, *, allow_poisoned: bool = False):
         """The train state of ``checkpoint`` on ``assignment``'s mesh (``"local"``: :meth:`local_mesh`),
-        restored once, checked against the checkpoint's state record (``replay.run.statefp``), then cached.
+        restored once, checked against the checkpoint's state record (``replay.run.statefp``), then cached
+        (a state that passed with ``allow_poisoned`` false also serves a later call with it true).
 
         The reference trainer's step does not donate its input, so a cached state stays valid. A
         checkpoint without a record (a run from before records) is used with a note, once, that it
@@ -322,6 +323,8 @@ class Session:
             if len(self._states) > 16:
                 self._states.clear()
             self._states[key] = state
+            if not allow_poisoned:  # it passed every check: good for a caller that allows poisoned ones too
+                self._states[key[:2] + (True,)] = state
         return state
 
     def restore_files(self, checkpoint: int, assignment: Any) -> Optional[Any]:
