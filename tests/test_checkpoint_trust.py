@@ -331,6 +331,21 @@ def test_the_trainer_resumes_a_run_without_records_with_a_note(kit, tmp_path):
     assert statefp.read_record(run_dir, 6).finite  # the checkpoints it saves from now on have records
 
 
+def test_certify_on_one_placement_restores_each_checkpoint_once(replay_session, use_kit, monkeypatch):
+    """docs/replay.md's cost of certify on one placement: k segments, k + 1 restores (the check of a
+    segment's end is the next one's start; the trusted checkpoint's own check is its first segment's)."""
+    from replay.verify import certify
+
+    sess = session(use_kit, replay_session.run.run_dir)
+    calls = []
+    real = type(sess.setup.trainer).restore
+    monkeypatch.setattr(type(sess.setup.trainer), "restore", lambda self, d, s, m: calls.append(s) or real(self, d, s, m))
+    rep = certify.certify(sess, device_spec="0,1,2,3", allow_env_drift=True)
+    assert [(v.checkpoint, v.verdict) for v in rep.chain] == [(0, "trusted"), (4, "certified"), (8, "certified"),
+                                                              (12, "certified")]
+    assert rep.placements == [[0, 1, 2, 3]] and rep.steps_replayed == 12 and calls == [0, 4, 8, 12]
+
+
 # ----------------------------------------------------------------------------- 3. optimizer-state poison
 
 
