@@ -7,21 +7,27 @@ and what certifying a chain of checkpoints costs.
 
 Prints ONE JSON object:
 
-* ``save_with_fingerprint_ratio``: checkpoint save time with the state fingerprint over the save
-  without it, the demo's model (configs/runs/demo.yaml: d_model 128, 2 layers, 8 experts, expert
-  parallelism on a {data 2, expert 2} mesh; AdamW state) after one step. One save = the Orbax save
-  call and the wait for its commit (``wait_until_finished``); with the fingerprint, also
-  ``replay.run.statefp.record_state`` on the devices (every leaf, shard and replica, with NaN/Inf counts)
-  and the record written beside the checkpoint, before the save (as the trainer does: ``non_finite:
-  stop`` must refuse a non-finite state before Orbax can commit it). The two interleaved, ``--saves``
-  pairs, median of the per-pair ratios (goal <= 1.05). Also ``blocked_ratio``: the part the training
-  loop waits for (the save call, which returns before the commit, plus the fingerprint) with over
-  without; ``record_s``: the record's parts (``program``: the fingerprint program over every leaf and
-  copy, dispatch to result on the host; ``host``: the record built from it; ``write``: the JSON file),
-  medians, and ``record_over_save``, their sum over the save without (the ratio's expected excess,
-  steadier than the ratio under load); ``fingerprint_s`` / ``step_s``: the whole record against one
-  train step of the same state, and ``per_step_if_every_36``: that amortized over a checkpoint every 36
-  steps (the seed's interval), against the seed's detection budget of 0.1% of step time.
+* ``save_with_fingerprint_ratio``: checkpoint save time with the state fingerprint over the save without
+  it, the demo's model (configs/runs/demo.yaml: d_model 128, 2 layers, 8 experts, expert parallelism
+  on a {data 2, expert 2} mesh; AdamW state) after one step. One save = the Orbax save call and the
+  wait for its commit (``wait_until_finished``); with the fingerprint, also
+  ``replay.run.statefp.record_state`` on the devices (every leaf, shard and replica, with NaN/Inf
+  counts) and the record written beside the checkpoint, before the save (as the trainer does:
+  ``non_finite: stop`` must refuse a non-finite state before Orbax can commit it). Interleaved,
+  ``--saves`` triples (with, without, control; the order rotated), median of the per-triple ratios
+  (goal <= 1.05). Also ``blocked_ratio``: the part the training loop waits for (the save call, which
+  returns before the commit, plus the fingerprint) with over without; ``record_s``: the record's parts
+  (``program``: the fingerprint program over every leaf and copy, dispatch to result on the host;
+  ``host``: the record built from it; ``write``: the JSON file), medians, and ``record_over_save``,
+  their sum over the save without (the ratio's expected excess, steadier than the ratio under load);
+  ``save_after_record_ratio``: the save alone (the record's time taken out) after a record over the
+  save without one (1 when the record does not slow the save itself; its spread shows the noise);
+  ``control_ratio``: a third arm, interleaved with the two, that sleeps as long as the record took in
+  warm-up (``control_pause_s``) instead of computing it: what the ratio would be if the record cost
+  exactly its own time, in the same run's noise; ``fingerprint_s`` / ``step_s``: the whole record
+  against one train step of the same state, and ``per_step_if_every_36``: that amortized over a
+  checkpoint every 36 steps (the seed's interval), against the seed's detection budget of 0.1% of step
+  time.
 * ``bitrot_drills``: ``--flips`` single-byte flips (seeded: ``--seed``; mask 1<<b or 0xFF) over every file
   of checkpoint 4 of a short run of a small model (the test suite's: d_model 16; a run of its own),
   each on a fresh copy, counted as ``raised`` (Orbax or TensorStore refused the files), ``caught`` (it
@@ -102,10 +108,15 @@ def save_ratio(root: str, seq_len: int, saves: int) -> dict:
     with_t, without_t, with_b, without_b, fp_t = [], [], [], [], []
     parts: dict[str, list[float]] = {"program": [], "host": [], "write": []}
 
-    def one(step: int, fingerprint: bool) -> tuple[float, float, float]:
+    pause = [0.0]  # the control arm's stand-in for the record: a sleep of the record's warm-up time
+
+    def one(step: int, fingerprint) -> tuple[float, float, float]:
         t0 = time.perf_counter()
         fp_s = 0.0
-        if fingerprint:
+        if fingerprint == "control":
+            time.sleep(pause[0])
+            fp_s = time.perf_counter() - t0
+        elif fingerprint:
             pending = statefp.start_record(state)
             jax.block_until_ready(pending._out)
             t1 = time.perf_counter()
@@ -120,17 +131,21 @@ def save_ratio(root: str, seq_len: int, saves: int) -> dict:
         mngr.wait_until_finished()
         return time.perf_counter() - t0, blocked, fp_s
 
-    one(10_000, True)
-    one(10_001, False)  # warm both paths
+    pause[0] = statistics.median(one(10_000 + k, True)[2] for k in range(3))
+    one(10_003, False)  # warm both paths
     for k in parts:
         parts[k].clear()
+    control_t = []
+    arms = (True, False, "control")
     for i in range(saves):
-        order = (True, False) if i % 2 == 0 else (False, True)
+        order = arms[i % 3:] + arms[:i % 3]
+        order = order if i % 2 == 0 else order[::-1]
         got = {}
         for k, fingerprint in enumerate(order):
-            got[fingerprint] = one(2 * i + k + 1, fingerprint)
+            got[fingerprint] = one(3 * i + k + 1, fingerprint)
         with_t.append(got[True][0])
         without_t.append(got[False][0])
+        control_t.append(got["control"][0])
         with_b.append(got[True][1])
         without_b.append(got[False][1])
         fp_t.append(got[True][2])
@@ -145,6 +160,9 @@ def save_ratio(root: str, seq_len: int, saves: int) -> dict:
         "blocked_s": {"with": round(statistics.median(with_b), 6), "without": round(statistics.median(without_b), 6)},
         "record_s": {k: round(statistics.median(v), 6) for k, v in parts.items()},
         "record_over_save": round(fp_med / statistics.median(without_t), 4),
+        "save_after_record_ratio": round(statistics.median((a - f) / b for a, f, b in zip(with_t, fp_t, without_t)), 4),
+        "control_ratio": round(statistics.median(a / b for a, b in zip(control_t, without_t)), 4),
+        "control_pause_s": round(pause[0], 6),
         "fingerprint_s": round(fp_med, 6), "step_s": round(step_med, 6),
         "fingerprint_over_step": round(fp_med / step_med, 5),
         "per_step_if_every_36": round(fp_med / (36 * step_med), 6),
