@@ -38,8 +38,8 @@ of an expert shard replicated over a data axis of 2; or 2 against 2) the copies 
 wrong: ``devices`` lists every copy as a *suspect*, ``"majority": false``, and ``groups`` the devices of
 each value; ``replay certify`` decides between them with a replay (``replay.verify.certify``). A
 dispute is ``{"leaf", "shard", "devices", "agree" (the majority's devices, or []), "majority",
-"groups", "saved_by", "saved_is_odd" (null without a majority)}``. No copy is assumed right because
-Orbax saved it, and no tie is broken by device order: that would name a healthy chip.
+"groups", "saved_by", "saved_is_odd" (left out without a majority: not known)}``. No copy is assumed
+right because Orbax saved it, and no tie is broken by device order: that would name a healthy chip.
 
 Glossary: *leaf path* is ``jax.tree_util.keystr`` of a leaf of the whole train state (e.g.
 ``['params']['embed']``, ``['opt_state'][1][0].mu['embed']``); *shard* is a distinct block of a leaf
@@ -239,7 +239,7 @@ def judge_copies(leaf: str, shard: str, copies: Mapping[int, str], saved_by: int
     Returns:
       ``{"leaf", "shard", "devices", "agree", "majority", "groups", "saved_by", "saved_is_odd"}``: with a
       strict majority (a value held by more than half of the copies) ``devices`` are the others; without
-      one, every copy is a suspect and ``agree`` is empty.
+      one, every copy is a suspect, ``agree`` is empty and ``saved_is_odd`` is left out (not known).
     """
     groups: dict[str, list[int]] = {}
     for dev, fp in sorted(copies.items()):
@@ -250,8 +250,11 @@ def judge_copies(leaf: str, shard: str, copies: Mapping[int, str], saved_by: int
         agree, devices = ranked[0], sorted(d for ds in ranked[1:] for d in ds)
     else:
         agree, devices = [], sorted(copies)
-    return {"leaf": leaf, "shard": shard, "devices": devices, "agree": agree, "majority": majority,
-            "groups": ranked, "saved_by": int(saved_by), "saved_is_odd": (saved_by in devices) if majority else None}
+    out = {"leaf": leaf, "shard": shard, "devices": devices, "agree": agree, "majority": majority, "groups": ranked,
+           "saved_by": int(saved_by)}
+    if majority:  # without one, whether the saved copy is the wrong one is not known: the key is left out
+        out["saved_is_odd"] = saved_by in devices
+    return out
 
 
 def dispute_text(x: Mapping[str, Any]) -> str:
