@@ -3,19 +3,31 @@ and what certifying a chain of checkpoints costs.
 
     python benchmarks/checkpoint.py              # the demo's model and mesh at seq_len 1024, 200 flips
     python benchmarks/checkpoint.py --quick      # seq_len 256, 40 flips (a smoke run, not a figure)
+    python benchmarks/checkpoint.py --parts save # only the save ratio (rerun it a few times under load)
 
 Prints ONE JSON object:
 
-* ``save_with_fingerprint_ratio``: checkpoint save time with the state fingerprint over the save
-  without it, the demo's model (configs/runs/demo.yaml: d_model 128, 2 layers, 8 experts, expert
-  parallelism on a {data 2, expert 2} mesh; AdamW state) after one step. One save = the Orbax save
-  call and the wait for its commit (``wait_until_finished``); with the fingerprint, also
-  ``replay.run.statefp.record_state`` on the devices (every leaf, shard and replica, with NaN/Inf counts)
-  and the record written beside the checkpoint. The two interleaved, ``--saves`` pairs, median of the
-  per-pair ratios (goal <= 1.05). Also ``blocked_ratio``: the part the training loop waits for (the save
-  call, which returns before the commit, plus the fingerprint) with over without, and
-  ``fingerprint_s`` / ``step_s``: the fingerprint against one train step of the same state (the cost if
-  replicas were compared every step instead of every save).
+* ``save_with_fingerprint_ratio``: checkpoint save time with the state fingerprint over the save without
+  it, the demo's model (configs/runs/demo.yaml: d_model 128, 2 layers, 8 experts, expert parallelism
+  on a {data 2, expert 2} mesh; AdamW state) after one step. One save = the Orbax save call and the
+  wait for its commit (``wait_until_finished``); with the fingerprint, also
+  ``replay.run.statefp.record_state`` on the devices (every leaf, shard and replica, with NaN/Inf
+  counts) and the record written beside the checkpoint, before the save (as the trainer does:
+  ``non_finite: stop`` must refuse a non-finite state before Orbax can commit it). Interleaved,
+  ``--saves`` triples (with, without, control; the order rotated), median of the per-triple ratios
+  (goal <= 1.05). Also ``blocked_ratio``: the part the training loop waits for (the save call, which
+  returns before the commit, plus the fingerprint) with over without; ``record_s``: the record's parts
+  (``program``: the fingerprint program over every leaf and copy, dispatch to result on the host;
+  ``host``: the record built from it; ``write``: the JSON file), medians, and ``record_over_save``,
+  their sum over the save without (the ratio's expected excess, steadier than the ratio under load);
+  ``save_after_record_ratio``: the save alone (the record's time taken out) after a record over the
+  save without one (1 when the record does not slow the save itself; its spread shows the noise);
+  ``control_ratio``: a third arm, interleaved with the two, that sleeps as long as the record took in
+  warm-up (``control_pause_s``) instead of computing it: what the ratio would be if the record cost
+  exactly its own time, in the same run's noise; ``fingerprint_s`` / ``step_s``: the whole record
+  against one train step of the same state, and ``per_step_if_every_36``: that amortized over a
+  checkpoint every 36 steps (the seed's interval), against the seed's detection budget of 0.1% of step
+  time.
 * ``bitrot_drills``: ``--flips`` single-byte flips (seeded: ``--seed``; mask 1<<b or 0xFF) over every file
   of checkpoint 4 of a short run of a small model (the test suite's: d_model 16; a run of its own),
   each on a fresh copy, counted as ``raised`` (Orbax or TensorStore refused the files), ``caught`` (it
@@ -94,41 +106,68 @@ def save_ratio(root: str, seq_len: int, saves: int) -> dict:
     mngr = ckpt.manager(os.path.join(root, "ckpt"))
     statefp.record_state(state, loader_state, 0)  # compiled once, outside the timing
     with_t, without_t, with_b, without_b, fp_t = [], [], [], [], []
+    parts: dict[str, list[float]] = {"program": [], "host": [], "write": []}
 
-    def one(step: int, fingerprint: bool) -> tuple[float, float, float]:
+    pause = [0.0]  # the control arm's stand-in for the record: a sleep of the record's warm-up time
+
+    def one(step: int, fingerprint) -> tuple[float, float, float]:
         t0 = time.perf_counter()
         fp_s = 0.0
-        if fingerprint:
-            rec = statefp.record_state(state, loader_state, step)
+        if fingerprint == "control":
+            time.sleep(pause[0])
+            fp_s = time.perf_counter() - t0
+        elif fingerprint:
+            pending = statefp.start_record(state)
+            jax.block_until_ready(pending._out)
+            t1 = time.perf_counter()
+            rec = pending.result(loader_state, step)
+            t2 = time.perf_counter()
             statefp.write_record(root, rec)
             fp_s = time.perf_counter() - t0
+            for k, v in zip(parts, (t1 - t0, t2 - t1, fp_s - (t2 - t0))):
+                parts[k].append(v)
         ckpt.save(mngr, step, state, loader_state)
         blocked = time.perf_counter() - t0
         mngr.wait_until_finished()
         return time.perf_counter() - t0, blocked, fp_s
 
-    one(10_000, True)
-    one(10_001, False)  # warm both paths
+    pause[0] = statistics.median(one(10_000 + k, True)[2] for k in range(3))
+    one(10_003, False)  # warm both paths
+    for k in parts:
+        parts[k].clear()
+    control_t = []
+    arms = (True, False, "control")
     for i in range(saves):
-        order = (True, False) if i % 2 == 0 else (False, True)
+        order = arms[i % 3:] + arms[:i % 3]
+        order = order if i % 2 == 0 else order[::-1]
         got = {}
         for k, fingerprint in enumerate(order):
-            got[fingerprint] = one(2 * i + k + 1, fingerprint)
+            got[fingerprint] = one(3 * i + k + 1, fingerprint)
         with_t.append(got[True][0])
         without_t.append(got[False][0])
+        control_t.append(got["control"][0])
         with_b.append(got[True][1])
         without_b.append(got[False][1])
         fp_t.append(got[True][2])
     mngr.close()
     n_elems = sum(int(x.size) for x in jax.tree_util.tree_leaves(state))
+    copies = sum(int(sh.data.size) for x in jax.tree_util.tree_leaves(state) for sh in x.addressable_shards)
+    fp_med, step_med = statistics.median(fp_t), statistics.median(step_s)
     return {
         "save_with_fingerprint_ratio": round(statistics.median(a / b for a, b in zip(with_t, without_t)), 4),
         "blocked_ratio": round(statistics.median(a / b for a, b in zip(with_b, without_b)), 4),
         "save_s": {"with": round(statistics.median(with_t), 6), "without": round(statistics.median(without_t), 6)},
         "blocked_s": {"with": round(statistics.median(with_b), 6), "without": round(statistics.median(without_b), 6)},
-        "fingerprint_s": round(statistics.median(fp_t), 6), "step_s": round(statistics.median(step_s), 6),
-        "fingerprint_over_step": round(statistics.median(fp_t) / statistics.median(step_s), 4),
-        "state_elements": n_elems, "state_leaves": len(jax.tree_util.tree_leaves(state)), "saves": saves,
+        "record_s": {k: round(statistics.median(v), 6) for k, v in parts.items()},
+        "record_over_save": round(fp_med / statistics.median(without_t), 4),
+        "save_after_record_ratio": round(statistics.median((a - f) / b for a, f, b in zip(with_t, fp_t, without_t)), 4),
+        "control_ratio": round(statistics.median(a / b for a, b in zip(control_t, without_t)), 4),
+        "control_pause_s": round(pause[0], 6),
+        "fingerprint_s": round(fp_med, 6), "step_s": round(step_med, 6),
+        "fingerprint_over_step": round(fp_med / step_med, 5),
+        "per_step_if_every_36": round(fp_med / (36 * step_med), 6),
+        "state_elements": n_elems, "elements_fingerprinted": copies,  # every copy: each device reads its own
+        "state_leaves": len(jax.tree_util.tree_leaves(state)), "saves": saves,
         "model": demo["model"], "mesh": demo["mesh"], "seq_len": seq_len,
         "reference": "the same Orbax save and commit, without record_state/write_record, interleaved",
     }
@@ -228,20 +267,29 @@ def main(argv=None) -> dict:
     ap.add_argument("--flips", type=int, default=None)
     ap.add_argument("--saves", type=int, default=None)
     ap.add_argument("--seed", type=int, default=20261204)
+    ap.add_argument("--parts", default="save,certify,bitrot",
+                    help="comma-separated parts to run: save (the ratio), certify, bitrot (default: all three)")
     args = ap.parse_args(argv)
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if not parts or parts - {"save", "certify", "bitrot"}:
+        ap.error(f"--parts: a comma-separated subset of save,certify,bitrot, got {args.parts!r}")
     seq_len = 256 if args.quick else 1024
     flips = args.flips or (40 if args.quick else 200)
-    saves = args.saves or (4 if args.quick else 10)
+    saves = args.saves or (4 if args.quick else 20)
     import logging
 
     logging.getLogger("absl").setLevel(logging.ERROR)
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as tmp:
         out = {"benchmark": "checkpoint", "uptime_load": os.getloadavg()[0]}
-        out.update(save_ratio(os.path.join(tmp, "save"), seq_len, saves))
-        run_dir, trainer = small_run(os.path.join(tmp, "small"))
-        out["certify"] = certify_cost(run_dir, trainer)
-        out["bitrot_drills"] = bitrot(run_dir, trainer, flips, args.seed, os.path.join(tmp, "bitrot"))
+        if "save" in parts:
+            out.update(save_ratio(os.path.join(tmp, "save"), seq_len, saves))
+        if parts & {"certify", "bitrot"}:
+            run_dir, trainer = small_run(os.path.join(tmp, "small"))
+            if "certify" in parts:
+                out["certify"] = certify_cost(run_dir, trainer)
+            if "bitrot" in parts:
+                out["bitrot_drills"] = bitrot(run_dir, trainer, flips, args.seed, os.path.join(tmp, "bitrot"))
         out["uptime_load_end"] = os.getloadavg()[0]
     print(json.dumps(out))
     return out

@@ -149,6 +149,13 @@ def test_every_checkpoint_records_its_state_per_leaf_shard_and_replica(replay_ma
     assert [(s["index"].split(",")[0], s["saved_by"], sorted(s["replicas"])) for s in w_in] == \
         [("[0:1", 0, ["0", "2"]), ("[1:2", 1, ["1", "3"])]
     assert statefp.verify_restored(run_dir, 12, state, loader).status == "verified"
+    # restored on other devices, another mesh shape, or one device: the same record verifies it
+    from replay.reference.trainer import make_mesh
+
+    for axes, devs in (({"data": 2, "expert": 2}, jax.devices()[4:8]), ({"data": 4, "expert": 1}, jax.devices()[2:6]),
+                       ({"data": 1, "expert": 1}, jax.devices()[7:8])):
+        other, loader = trainer.restore(run_dir, 12, make_mesh(axes, devs))
+        assert statefp.verify_restored(run_dir, 12, other, loader).status == "verified"
 
 
 def test_state_fingerprints_of_any_sharding_add_up_to_the_numpy_twin():
@@ -179,7 +186,46 @@ def test_state_fingerprints_of_any_sharding_add_up_to_the_numpy_twin():
     rec = statefp.record_state(state, None, 7)
     assert not rec.replicas_agree and rec.odd_devices() == [6]
     assert rec.data["disagree"] == [{"leaf": "['d']", "shard": "[:, :]", "devices": [6], "agree": [0, 1, 2, 3, 4, 5, 7],
-                                     "saved_by": 0, "saved_is_odd": False}]
+                                     "majority": True, "groups": [[0, 1, 2, 3, 4, 5, 7], [6]], "saved_by": 0,
+                                     "saved_is_odd": False}]
+    assert rec.disputes() == rec.data["disagree"] and rec.suspect_devices() == [6]
+
+
+def test_copies_without_a_majority_name_no_device():
+    """Two copies that differ (an expert shard replicated over a data axis of 2) cannot say which is wrong:
+    both are suspects, none is odd, whatever copy Orbax saved and whatever the device order; a strict
+    majority names the others."""
+    j = statefp.judge_copies
+    for saved in (1, 3):
+        x = j("w", "[1:2]", {1: "aa", 3: "bb"}, saved)
+        assert (x["devices"], x["agree"], x["majority"], "saved_is_odd" in x) == ([1, 3], [], False, False)
+    x = j("w", "[:]", {0: "aa", 1: "aa", 2: "bb", 3: "aa"}, 0)
+    assert (x["devices"], x["agree"], x["majority"], x["saved_is_odd"]) == ([2], [0, 1, 3], True, False)
+    x = j("w", "[:]", {0: "bb", 1: "aa", 2: "aa", 3: "aa"}, 0)
+    assert (x["devices"], x["saved_is_odd"]) == ([0], True)  # the saved copy is the odd one
+    for copies in ({0: "aa", 1: "aa", 2: "bb", 3: "bb"}, {0: "aa", 1: "aa", 2: "bb", 3: "cc"}):
+        x = j("w", "[:]", copies, 0)  # 2 of 4 is no majority
+        assert (x["devices"], x["majority"]) == ([0, 1, 2, 3], False)
+    rec = statefp.StateRecord({"step": 8, "replicas_agree": False, "leaves": {"w": {"shards": [
+        {"index": "[1:2]", "saved_by": 1, "replicas": {"1": "aa", "3": "bb"}},
+        {"index": "[0:1]", "saved_by": 0, "replicas": {"0": "cc", "2": "cc"}}]}}, "disagree": []})
+    assert (rec.odd_devices(), rec.suspect_devices()) == ([], [1, 3])
+    assert "with no majority: one of device(s) [1, 3] holds a wrong copy" in statefp.dispute_text(rec.disputes()[0])
+
+
+def test_a_conviction_after_a_poisoned_update_keeps_only_devices_holding_a_wrong_copy():
+    from replay.run.codes import Verdict
+    from replay.verify.verdict import Cause, Decision, Evidence, limit_to_poisoned_state
+
+    d = Decision(Verdict.CONVICTED, Cause.DEVICE_FAULT, Evidence.PER_SHARD, 7, (0, 1), ("w",), 2, "step 7: ...")
+    got = limit_to_poisoned_state(d, 8, [], [1, 3], "the copies disagree")
+    assert (got.verdict, got.devices) == (Verdict.CONVICTED, (1,)) and "device(s) [0] hold no wrong copy" in got.explanation
+    got = limit_to_poisoned_state(d, 8, [], [2, 3], "the copies disagree")
+    assert (got.verdict, got.cause, got.devices) == (Verdict.AMBIGUOUS, Cause.STATE_POISONED, ())
+    assert limit_to_poisoned_state(d, 8, [0, 1], [0, 1], "x") == d  # every convicted device holds a wrong copy
+    assert limit_to_poisoned_state(d, 8, [], [], "x") == d
+    link = dataclasses.replace(d, cause=Cause.LINK_FAULT, devices=())
+    assert limit_to_poisoned_state(link, 8, [], [2], "x") == link
 
 
 # ----------------------------------------------------------------------------- 2. a damaged checkpoint
@@ -191,6 +237,14 @@ def test_a_silently_restored_flip_is_a_damaged_checkpoint_never_a_conviction(run
     state, loader = kit.trainer.restore(run_copy, 8, kit.mesh)  # Orbax restores it without a word
     with pytest.raises(statefp.DamagedCheckpointError) as e:
         statefp.verify_restored(run_copy, 8, state, loader)
+    import jax
+
+    from replay.reference.trainer import make_mesh
+
+    other, _ = kit.trainer.restore(run_copy, 8, make_mesh({"data": 4, "expert": 1}, jax.devices()[4:8]))
+    with pytest.raises(statefp.DamagedCheckpointError) as e_other:  # on another mesh shape: damaged all the same
+        statefp.verify_restored(run_copy, 8, other, loader)
+    assert e_other.value.leaf == e.value.leaf
     assert e.value.step == 8 and e.value.leaf in statefp.read_record(run_copy, 8).data["leaves"]
     assert e.value.shard is not None and f"leaf {e.value.leaf}, shard {e.value.shard}" in str(e.value)
     assert str(e.value).endswith(f"restore the previous checkpoint (4), or run 'replay certify --run {run_copy}' to "
@@ -244,12 +298,64 @@ def test_an_old_run_without_records_restores_with_a_note(run_copy, use_kit, caps
     assert "not_certifiable" in capsys.readouterr().out
 
 
+def test_a_damaged_state_record_is_a_damaged_checkpoint_never_a_poisoned_one(run_copy, use_kit, capsys):
+    """The record file damaged, the checkpoint's files intact: the restore says damaged, and certify, whose
+    replay reaches the files but not the record, says damaged (the record), not poisoned, and goes on."""
+    from replay.verify import certify
+
+    path = statefp.record_path(run_copy, 12)
+    data = json.load(open(path))
+    fp = data["leaves"]["['params']['embed']"]["fp"]
+    data["leaves"]["['params']['embed']"]["fp"] = ("1" if fp[0] == "0" else "0") + fp[1:]  # still valid JSON
+    with open(path, "w") as f:
+        json.dump(data, f, sort_keys=True)
+    rep = certify.certify(session(use_kit, run_copy), start=8)
+    assert [(v.checkpoint, v.verdict) for v in rep.chain] == [(8, "trusted"), (12, "damaged")]
+    assert "the record was damaged (or edited) after the save, not the state" in rep.chain[1].reason
+    assert rep.exit_code == ExitCode.DAMAGED_CHECKPOINT and not rep.chain[1].devices
+    capsys.readouterr()
+    assert cli.main(["canary", "--run", run_copy, "--checkpoint", "12", "--devices", "0", "--repeats", "1",
+                     "--no-progress"]) == ExitCode.DAMAGED_CHECKPOINT
+
+
+def test_the_trainer_resumes_a_run_without_records_with_a_note(kit, tmp_path):
+    run_dir = str(tmp_path / "old")
+    train(kit, run_dir, 4)
+    shutil.rmtree(os.path.join(run_dir, statefp.RECORDS_DIR))  # a run written before checkpoint fingerprints
+    from replay.reference import run as ref_run
+
+    said = io.StringIO()
+    cfg = run_config(kit.root, kit.mix, skip_windows=[])
+    ref_run.train(run_dir, cfg, 6, trainer=kit.trainer, mesh=kit.mesh, log=_quiet, plot=False, progress=said)
+    assert f"checkpoint 4 of {run_dir} has no state record (a run written before checkpoint fingerprints): it " \
+           "cannot be verified" in " ".join(said.getvalue().split())
+    (restore,) = events(run_dir, "restore")
+    assert restore["step"] == 4 and restore["state_check"] == "unverified"
+    assert statefp.read_record(run_dir, 6).finite  # the checkpoints it saves from now on have records
+
+
+def test_certify_on_one_placement_restores_each_checkpoint_once(replay_session, use_kit, monkeypatch):
+    """docs/replay.md's cost of certify on one placement: k segments, k + 1 restores (the check of a
+    segment's end is the next one's start; the trusted checkpoint's own check is its first segment's)."""
+    from replay.verify import certify
+
+    sess = session(use_kit, replay_session.run.run_dir)
+    calls = []
+    real = type(sess.setup.trainer).restore
+    monkeypatch.setattr(type(sess.setup.trainer), "restore", lambda self, d, s, m: calls.append(s) or real(self, d, s, m))
+    rep = certify.certify(sess, device_spec="0,1,2,3", allow_env_drift=True)
+    assert [(v.checkpoint, v.verdict) for v in rep.chain] == [(0, "trusted"), (4, "certified"), (8, "certified"),
+                                                              (12, "certified")]
+    assert rep.placements == [[0, 1, 2, 3]] and rep.steps_replayed == 12 and calls == [0, 4, 8, 12]
+
+
 # ----------------------------------------------------------------------------- 3. optimizer-state poison
 
 
-POISON = [  # (device, state leaf, step): Orbax's saved copy (device 0) and copies it does not write
-    (0, "['params']['layers'][0]['wq']", 5),
-    (3, "['opt_state'][1][0].mu['layers'][0]['w_in']", 7),  # the expert shard whose saved copy is device 1's
+POISON = [  # (device, state leaf, step): every device position of the 2x2 mesh, Orbax's saved copies included
+    (0, "['params']['layers'][0]['wq']", 5),  # replicated on 4 devices, Orbax saves device 0's copy
+    (1, "['params']['layers'][0]['w_in']", 6),  # expert shard [1:2]: 2 copies (devices 1, 3), Orbax saves 1's
+    (3, "['opt_state'][1][0].mu['layers'][0]['w_in']", 7),  # the same shard's other copy, the step before the save
     (2, "['opt_state'][1][0].nu['embed']", 6),
 ]
 
@@ -266,19 +372,26 @@ def test_optimizer_poison_is_named_at_the_save_and_certify_names_the_checkpoint(
     fault = FaultSpec(step=step, device_id=device, leaf=leaf, element=163, bit=22, where="optimizer_update")
     train(kit, run_dir, 10, faults=fault)
     ev = events(run_dir, "state_replicas_disagree")[0]
-    assert ev["step"] == 8 and ev["devices"] == [device] and ev["disagree"][0]["leaf"] == leaf
+    assert ev["step"] == 8 and ev["disagree"][0]["leaf"] == leaf and device in ev["suspects"]
+    (dispute,) = [x for x in statefp.read_record(run_dir, 8).disputes() if x["leaf"] == leaf]
+    if dispute["majority"]:  # 4 copies: the 3 that agree name the odd one, the saved copy included
+        assert ev["devices"] == [device] == dispute["devices"]
+    else:  # 2 copies: no majority; both are suspects at the save, neither is named (a tie names nobody)
+        assert ev["devices"] == [] and len(dispute["devices"]) == 2 and device in dispute["devices"]
     assert events(run_dir, "checkpoint")[2]["state"]["replicas_agree"] is False
     sess = session(kit, run_dir)
     rep = certify.certify(sess)
     got = [(v.checkpoint, v.verdict) for v in rep.chain]
     assert got == [(0, "trusted"), (4, "certified"), (8, "poisoned"), (10, "not_checked")]
+    # certify names the faulty device in every case: by the majority of copies, or by the replay
     assert rep.chain[2].devices == (device,) and rep.certified == 4 and rep.exit_code == ExitCode.POISONED_CHECKPOINT
     # no replay over any range convicts another device; one that starts at the poisoned checkpoint is refused
     r = engine.replay_range(sess, 4, 8, allow_env_drift=True)
     assert set(r.decision.devices) <= {device}
+    assert r.decision.verdict.value == ("convicted" if step < 7 and "params" in leaf else "acquitted")
     with pytest.raises(statefp.PoisonedCheckpointError) as e:
         engine.replay_range(session(kit, run_dir), 8, 10, allow_env_drift=True)
-    assert e.value.devices == [device] and e.value.step == 8
+    assert e.value.step == 8 and device in e.value.suspects and e.value.devices == ev["devices"]
     capsys.readouterr()
     png = str(tmp_path / "chain.png")
     assert cli.main(["certify", "--run", run_dir, "--no-progress", "--plot", png]) == 21

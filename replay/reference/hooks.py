@@ -210,12 +210,8 @@ def _state_record(rd: RunDir, cfg: RunConfig, state, loader_state, step: int, lo
 
     record = statefp.record_state(state, loader_state, step)
     if not record.replicas_agree:
-        first = record.data["disagree"][0]
-        rd.event("state_replicas_disagree", step, devices=record.odd_devices(), disagree=record.data["disagree"][:20],
-                 shards=len(record.data["disagree"]))
-        log(f"WARNING: checkpoint {step} is poisoned: the copies of {first['leaf']} shard {first['shard']} disagree, "
-            f"device(s) {first['devices']} against {first['agree']} (silent data corruption in the update or in "
-            f"memory); no restore will take it as healthy: run 'replay certify --run {rd.path}'")
+        rd.event("state_replicas_disagree", step, **statefp.disagree_event(record))
+        log(statefp.poisoned_warning(record, rd.path))
     if not record.finite:
         rd.event("non_finite_state", step, action=cfg.non_finite, nonfinite=record.data["nonfinite"])
     return record

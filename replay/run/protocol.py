@@ -959,6 +959,9 @@ class Event(TypedDict):
     """phase_change: the mixture phase from this step on"""
     devices: NotRequired[list[int]]
     """canary_mismatch, stopped, state_replicas_disagree: the devices named"""
+    suspects: NotRequired[list[int]]
+    """state_replicas_disagree: the devices named and every copy of a shard whose copies have no majority
+    (one of them is wrong; the copies alone cannot say which)"""
 
 
 def read_events(run_dir: str) -> list[dict[str, Any]]:

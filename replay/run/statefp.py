@@ -8,7 +8,8 @@ replayed on good devices reaches the next checkpoint's record (docs/replay.md, "
 
 Fingerprints are those of ``replay.run.fingerprint`` (the same order-independent formula as the
 gradients': global element indices, so shard fingerprints add up to the leaf's), computed **on the
-devices** from the arrays being saved, in one program (:func:`state_fingerprints`)::
+devices** from the arrays being saved, in one program (:func:`start_record`: dispatched without
+waiting, one device-to-host transfer of its result)::
 
     per device d (shard_map over the state's mesh, each leaf with its own PartitionSpec):
         for each leaf l:  f[d, l] = fingerprint(d's local block of l, global indices)   # uint32[4]
@@ -28,8 +29,17 @@ carries :func:`event_fields`)::
                                    "replicas": {device: hex}}]}},
      "loader": {"sha256": hex of the canonical JSON of the loader state},
      "finite": bool, "nonfinite": {path: nan + inf},
-     "replicas_agree": bool, "disagree": [{"leaf", "shard", "devices" (odd ones), "agree" (the rest)}],
-     "seconds": s}
+     "replicas_agree": bool, "disagree": [dispute, ...] (below), "seconds": s}
+
+Replicas that disagree (:func:`judge_copies`): the copies of one shard are grouped by value. When one
+value is held by more than half of the copies (a strict majority), the others are *odd*: the dispute's
+``devices``, ``"majority": true``. Without a strict majority (two copies that differ, the usual case
+of an expert shard replicated over a data axis of 2; or 2 against 2) the copies cannot say which is
+wrong: ``devices`` lists every copy as a *suspect*, ``"majority": false``, and ``groups`` the devices of
+each value; ``replay certify`` decides between them with a replay (``replay.verify.certify``). A
+dispute is ``{"leaf", "shard", "devices", "agree" (the majority's devices, or []), "majority",
+"groups", "saved_by", "saved_is_odd" (left out without a majority: not known)}``. No copy is assumed
+right because Orbax saved it, and no tie is broken by device order: that would name a healthy chip.
 
 Glossary: *leaf path* is ``jax.tree_util.keystr`` of a leaf of the whole train state (e.g.
 ``['params']['embed']``, ``['opt_state'][1][0].mu['embed']``); *shard* is a distinct block of a leaf
@@ -69,11 +79,13 @@ class DamagedCheckpointError(RuntimeError):
 
 class PoisonedCheckpointError(RuntimeError):
     """The checkpoint's own record says its replicated state disagreed at the save (an SDC in the
-    update or in memory): it must not be restored as healthy. ``devices``: the odd replicas."""
+    update or in memory): it must not be restored as healthy. ``devices``: the copies a strict majority
+    of their replicas names odd; ``suspects``: those and every copy of a shard without a majority."""
 
-    def __init__(self, message: str, *, step: int, devices: Sequence[int] = ()):
+    def __init__(self, message: str, *, step: int, devices: Sequence[int] = (), suspects: Sequence[int] = ()):
         super().__init__(message)
         self.step, self.devices = int(step), sorted(int(d) for d in devices)
+        self.suspects = sorted({int(d) for d in suspects} | set(self.devices))
 
 
 # ----------------------------------------------------------------------------- on the devices
@@ -85,15 +97,24 @@ def _spec_axes(entry) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-_FNS: dict[Any, Any] = {}
+_LAYOUTS: dict[Any, "_Layout"] = {}
 
 
-def _program(mesh, specs: Sequence[Any], shapes: Sequence[tuple], dtypes: Sequence[Any]):
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """What one state layout (mesh, leaf specs, shapes, dtypes) fixes once, for every save of it: the
+    compiled program and, per fingerprinted leaf, its shards (``(index text, saved_by, rows)``, ``rows``
+    being the positions in the program's device axis of the devices holding a copy, mesh order)."""
+
+    fn: Any
+    ok: tuple[int, ...]  # the leaves fingerprinted (supported dtypes), in flat order
+    devices: tuple[int, ...]  # device id of each row of the program's output, mesh order
+    shards: tuple[tuple[tuple[str, int, tuple[int, ...]], ...], ...]  # per leaf of ``ok``
+
+
+def _program(mesh, specs: Sequence[Any], shapes: Sequence[tuple]):
     """jit(shard_map) giving ``uint32[devices, leaves, 4]`` (every device's fingerprint of its block
-    of every leaf), replicated on every device; cached per layout."""
-    key = (mesh, tuple(str(s) for s in specs), tuple(shapes), tuple(str(d) for d in dtypes))
-    if key in _FNS:
-        return _FNS[key]
+    of every leaf), replicated on every device."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -120,9 +141,33 @@ def _program(mesh, specs: Sequence[Any], shapes: Sequence[tuple], dtypes: Sequen
         local = jnp.stack(rows)[None]  # [1, L, 4]
         return jax.lax.all_gather(local, axes, tiled=True)  # [devices, L, 4], mesh order
 
-    fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs), out_specs=P(), check_vma=False))
-    _FNS[key] = fn
-    return fn
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs), out_specs=P(), check_vma=False))
+
+
+def _layout(mesh, arrays: Sequence[Any]) -> _Layout:
+    """The cached :class:`_Layout` of ``arrays`` (global ``jax.Array`` leaves on ``mesh``)."""
+    key = (mesh, tuple((str(x.sharding.spec), tuple(x.shape), str(x.dtype)) for x in arrays))
+    hit = _LAYOUTS.get(key)
+    if hit is not None:
+        return hit
+    ok = tuple(i for i, x in enumerate(arrays) if np.dtype(x.dtype).name in fpm._SUPPORTED)
+    order = tuple(int(d.id) for d in mesh.devices.reshape(-1))
+    row_of = {dev: r for r, dev in enumerate(order)}
+    shards = []
+    for i in ok:
+        x = arrays[i]
+        index = _leaf_index(x.sharding, x.shape)
+        by_text: dict[str, tuple[str, int, list[int]]] = {}
+        for dev in order:
+            text = _index_text(index[dev], x.shape)
+            by_text.setdefault(text, (text, dev, []))[2].append(row_of[dev])
+        shards.append(tuple((t, saved, tuple(rows)) for t, saved, rows in by_text.values()))
+    fn = _program(mesh, [arrays[i].sharding.spec for i in ok], [tuple(arrays[i].shape) for i in ok]) if ok else None
+    out = _Layout(fn, ok, order, tuple(shards))
+    if len(_LAYOUTS) > 32:
+        _LAYOUTS.clear()
+    _LAYOUTS[key] = out
+    return out
 
 
 def _leaf_index(sharding, shape) -> dict[int, tuple]:
@@ -158,8 +203,25 @@ class StateRecord:
         """``{leaf path: 16 hex}``: the fingerprint of each leaf's saved value."""
         return {p: v["fp"] for p, v in self.data.get("leaves", {}).items() if "fp" in v}
 
+    def disputes(self) -> list[dict[str, Any]]:
+        """The shards whose copies disagree (module docstring, "Replicas that disagree"), judged again from
+        the copies' fingerprints the record keeps (so a record written before the majority rule is read
+        by it too), in leaf path order."""
+        out = []
+        for p, leaf in sorted(self.data.get("leaves", {}).items()):
+            for sh in leaf.get("shards", []):
+                reps = sh.get("replicas") or {}
+                if len(set(reps.values())) > 1:
+                    out.append(judge_copies(p, sh["index"], {int(d): v for d, v in reps.items()}, int(sh["saved_by"])))
+        return out
+
     def odd_devices(self) -> list[int]:
-        return sorted({int(d) for x in self.data.get("disagree", []) for d in x.get("devices", [])})
+        """Devices whose copy a strict majority of the other copies names odd."""
+        return sorted({int(d) for x in self.disputes() if x["majority"] for d in x["devices"]})
+
+    def suspect_devices(self) -> list[int]:
+        """:meth:`odd_devices` and every copy of a shard whose copies have no majority."""
+        return sorted({int(d) for x in self.disputes() for d in x["devices"]})
 
 
 def loader_sha256(loader_state: Optional[Mapping[str, Any]]) -> Optional[str]:
@@ -169,26 +231,128 @@ def loader_sha256(loader_state: Optional[Mapping[str, Any]]) -> Optional[str]:
     return hashlib.sha256(json.dumps(dict(loader_state), sort_keys=True, default=str).encode()).hexdigest()
 
 
-def state_fingerprints(state: Any) -> tuple[list[str], list[dict[str, Any]]]:
-    """Every device's fingerprint of its block of every leaf of ``state``, computed on the devices.
+def judge_copies(leaf: str, shard: str, copies: Mapping[int, str], saved_by: int) -> dict[str, Any]:
+    """The dispute over one shard whose copies differ (module docstring, "Replicas that disagree").
+
+    Args:
+      leaf, shard: the leaf path and the shard's index text.
+      copies: device id -> the fingerprint (16 hex) of that device's copy.
+      saved_by: the device whose copy Orbax writes.
+
+    Returns:
+      ``{"leaf", "shard", "devices", "agree", "majority", "groups", "saved_by", "saved_is_odd"}``: with a
+      strict majority (a value held by more than half of the copies) ``devices`` are the others; without
+      one, every copy is a suspect, ``agree`` is empty and ``saved_is_odd`` is left out (not known).
+    """
+    groups: dict[str, list[int]] = {}
+    for dev, fp in sorted(copies.items()):
+        groups.setdefault(fp, []).append(int(dev))
+    ranked = sorted(groups.values(), key=lambda ds: (-len(ds), ds[0]))
+    majority = 2 * len(ranked[0]) > len(copies)
+    if majority:
+        agree, devices = ranked[0], sorted(d for ds in ranked[1:] for d in ds)
+    else:
+        agree, devices = [], sorted(copies)
+    out = {"leaf": leaf, "shard": shard, "devices": devices, "agree": agree, "majority": majority, "groups": ranked,
+           "saved_by": int(saved_by)}
+    if majority:  # without one, whether the saved copy is the wrong one is not known: the key is left out
+        out["saved_is_odd"] = saved_by in devices
+    return out
+
+
+def dispute_text(x: Mapping[str, Any]) -> str:
+    """One dispute in words: "the copies of L shard S disagree: device(s) [..] against [..]" or, without a
+    majority, which devices hold which value and that the copies alone cannot say which is wrong."""
+    if x.get("majority", True):
+        return (f"the copies of {x['leaf']} shard {x['shard']} disagree: device(s) {x['devices']} against "
+                f"{x['agree']}")
+    groups = " vs ".join(str(g) for g in x.get("groups") or [x["devices"]])
+    return (f"the {len(x['devices'])} copies of {x['leaf']} shard {x['shard']} disagree ({groups}) with no "
+            f"majority: one of device(s) {x['devices']} holds a wrong copy, and the copies alone cannot say which "
+            "('replay certify' compares them with a replay on good devices)")
+
+
+class PendingRecord:
+    """A state record whose fingerprints are being computed on the devices (:func:`start_record`):
+    :meth:`result` waits for them (one device-to-host transfer of ``uint32[devices, leaves, 4]``) and
+    builds the record on the host. Between the two the host is free (e.g. to build the loader state)."""
+
+    def __init__(self, paths: list[str], arrays: list[Any], layout: Optional[_Layout], out: Any, t0: float):
+        self._paths, self._arrays, self._layout, self._out, self._t0 = paths, arrays, layout, out, t0
+
+    def result(self, loader_state: Optional[Mapping[str, Any]], step: int) -> "StateRecord":
+        """The state record (module docstring) of the state, with ``loader_state``, as checkpoint ``step``."""
+        import jax
+
+        lay = self._layout
+        rec: dict[str, Any] = {"version": RECORD_VERSION, "fingerprint_version": fpm.FINGERPRINT_VERSION,
+                               "step": int(step), "leaves": {}, "loader": {"sha256": loader_sha256(loader_state)}}
+        leaves = rec["leaves"]
+        for p, x in zip(self._paths, self._arrays):
+            leaves[p] = {"shape": list(x.shape), "dtype": np.dtype(x.dtype).name}
+        nonfinite, disagree = {}, []
+        if lay is not None and lay.ok:
+            fps = np.asarray(jax.device_get(self._out))  # [devices, L, 4] uint32
+            words = (fps[..., 1].astype(np.uint64) << np.uint64(32)) | fps[..., 0].astype(np.uint64)
+            hexes = [[f"{int(v):016x}" for v in row] for row in words.T.tolist()]  # [L][devices]
+            for k, i in enumerate(lay.ok):
+                p = self._paths[i]
+                col, hx = fps[:, k, :], hexes[k]
+                total = np.zeros(4, np.uint64)
+                shards = []
+                for text, saved, rows in lay.shards[k]:
+                    saved_row = lay.devices.index(saved)
+                    total += col[saved_row].astype(np.uint64)
+                    copies = {lay.devices[r]: hx[r] for r in rows}
+                    if len(rows) > 1 and len({hx[r] for r in rows}) > 1:
+                        disagree.append(judge_copies(p, text, copies, saved))
+                    shards.append({"index": text, "saved_by": saved, "fp": hx[saved_row],
+                                   "replicas": {str(d): v for d, v in sorted(copies.items())}})
+                s_ = (total & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+                leaves[p].update(fp=fpm.fingerprint_hex(s_), nan=int(s_[2]), inf=int(s_[3]), shards=shards)
+                if s_[2] or s_[3]:
+                    nonfinite[p] = int(s_[2]) + int(s_[3])
+        for p, x in zip(self._paths, self._arrays):
+            if np.dtype(x.dtype).name not in fpm._SUPPORTED:
+                leaves[p]["unsupported"] = np.dtype(x.dtype).name
+        rec.update(finite=not nonfinite, nonfinite=nonfinite, replicas_agree=not disagree, disagree=disagree,
+                   seconds=round(time.perf_counter() - self._t0, 6))
+        return StateRecord(rec)
+
+
+_PATHS: dict[Any, list[str]] = {}
+
+
+def _flatten_state(state: Any) -> tuple[list[str], list[Any]]:
+    """``(leaf paths, leaves)`` of ``state``; the paths are cached per tree structure."""
+    import jax
+
+    arrays, treedef = jax.tree_util.tree_flatten(state)
+    paths = _PATHS.get(treedef)
+    if paths is None:
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+        if len(_PATHS) > 32:
+            _PATHS.clear()
+        _PATHS[treedef] = paths
+    return paths, arrays
+
+
+def start_record(state: Any) -> PendingRecord:
+    """Starts fingerprinting every leaf, shard and replica of ``state`` on its devices: one program over
+    all leaves, dispatched without waiting (compiled once per layout); :meth:`PendingRecord.result`
+    gives the record. Every process of a run must call it, in the same order (the program all-gathers).
 
     Args:
       state: a pytree of global ``jax.Array`` with ``NamedSharding`` on one mesh (float32, bfloat16,
         float16, int32, uint32 leaves; a leaf of another dtype is listed with ``unsupported``).
 
-    Returns:
-      ``(paths, leaves)``: per leaf path its ``{"shape", "dtype", "shards": [{"index", "saved_by",
-      "replicas": {device id: uint32[4]}}]}`` (shards in first-device order).
-
     Raises:
       ValueError: a leaf is not a ``jax.Array`` with a ``NamedSharding``, or leaves use different meshes.
     """
-    import jax
     from jax.sharding import NamedSharding
 
-    flat = jax.tree_util.tree_flatten_with_path(state)[0]
-    paths = [jax.tree_util.keystr(p) for p, _ in flat]
-    arrays = [x for _, x in flat]
+    t0 = time.perf_counter()
+    paths, arrays = _flatten_state(state)
     mesh = None
     for p, x in zip(paths, arrays):
         sh = getattr(x, "sharding", None)
@@ -199,73 +363,23 @@ def state_fingerprints(state: Any) -> tuple[list[str], list[dict[str, Any]]]:
             mesh = sh.mesh
         elif sh.mesh != mesh:
             raise ValueError(f"state leaf {p}: on another mesh than the first leaf's; fingerprint each mesh's part")
-    ok = [i for i, x in enumerate(arrays) if np.dtype(x.dtype).name in fpm._SUPPORTED]
-    out = [{"shape": list(x.shape), "dtype": np.dtype(x.dtype).name} for x in arrays]
-    for i, x in enumerate(arrays):
-        if i not in ok:
-            out[i]["unsupported"] = np.dtype(x.dtype).name
-    if not ok:
-        return paths, out
-    specs = [arrays[i].sharding.spec for i in ok]
-    fn = _program(mesh, specs, [tuple(arrays[i].shape) for i in ok], [arrays[i].dtype for i in ok])
-    fps = np.asarray(jax.device_get(fn(*[arrays[i] for i in ok])))  # [devices, L, 4]
-    order = [int(d.id) for d in mesh.devices.reshape(-1)]
-    for k, i in enumerate(ok):
-        x = arrays[i]
-        index = _leaf_index(x.sharding, x.shape)
-        shards: dict[str, dict[str, Any]] = {}
-        for r, dev in enumerate(order):
-            text = _index_text(index[dev], x.shape)
-            sh = shards.setdefault(text, {"index": text, "saved_by": dev, "replicas": {}})
-            sh["replicas"][dev] = fps[r, k]
-        out[i]["shards"] = list(shards.values())
-    return paths, out
-
-
-def _majority(replicas: Mapping[int, Any]) -> tuple[str, list[int], list[int]]:
-    """``(value, devices agreeing with it, the others)``: the most common value; a tie goes to the
-    value of the lowest device id (the copy Orbax writes, by mesh order, is not assumed right)."""
-    groups: dict[str, list[int]] = {}
-    for dev, fp in sorted(replicas.items()):
-        groups.setdefault(fpm.fingerprint_hex(fp), []).append(int(dev))
-    best = max(groups, key=lambda v: (len(groups[v]), -min(groups[v])))
-    return best, groups[best], sorted(d for v, ds in groups.items() if v != best for d in ds)
+    if mesh is None:
+        return PendingRecord(paths, arrays, None, None, t0)
+    lay = _layout(mesh, arrays)
+    out = lay.fn(*[arrays[i] for i in lay.ok]) if lay.ok else None
+    return PendingRecord(paths, arrays, lay, out, t0)
 
 
 def record_state(state: Any, loader_state: Optional[Mapping[str, Any]], step: int) -> StateRecord:
-    """The state record (module docstring) of ``state`` and ``loader_state`` as checkpoint ``step``.
+    """The state record (module docstring) of ``state`` and ``loader_state`` as checkpoint ``step``:
+    :func:`start_record` then :meth:`PendingRecord.result`.
 
-    Computed on the devices (:func:`state_fingerprints`); every process gets the whole record (an
-    all-gather inside the program), so every process of a run must call it, in the same order.
-    Per shard, ``fp`` is the fingerprint of the copy Orbax writes (``saved_by``); a leaf's ``fp``,
-    ``nan`` and ``inf`` add up its shards'. Replicas that differ are listed in ``disagree``.
+    Computed on the devices; every process gets the whole record (an all-gather inside the program), so
+    every process of a run must call it, in the same order. Per shard, ``fp`` is the fingerprint of the
+    copy Orbax writes (``saved_by``); a leaf's ``fp``, ``nan`` and ``inf`` add up its shards'. Shards whose
+    copies differ are listed in ``disagree`` (:func:`judge_copies`).
     """
-    t0 = time.perf_counter()
-    paths, leaves = state_fingerprints(state)
-    rec: dict[str, Any] = {"version": RECORD_VERSION, "fingerprint_version": fpm.FINGERPRINT_VERSION,
-                           "step": int(step), "leaves": {}, "loader": {"sha256": loader_sha256(loader_state)}}
-    nonfinite, disagree = {}, []
-    for p, leaf in zip(paths, leaves):
-        entry = {k: v for k, v in leaf.items() if k != "shards"}
-        if "shards" in leaf:
-            total, shards = [], []
-            for sh in leaf["shards"]:
-                saved = sh["replicas"][sh["saved_by"]]
-                total.append(saved)
-                value, agree, odd = _majority(sh["replicas"])
-                if odd:
-                    disagree.append({"leaf": p, "shard": sh["index"], "devices": odd, "agree": agree,
-                                     "saved_by": sh["saved_by"], "saved_is_odd": sh["saved_by"] in odd})
-                shards.append({"index": sh["index"], "saved_by": sh["saved_by"], "fp": fpm.fingerprint_hex(saved),
-                               "replicas": {str(d): fpm.fingerprint_hex(v) for d, v in sorted(sh["replicas"].items())}})
-            s = fpm.add_fingerprints(*total)
-            entry.update(fp=fpm.fingerprint_hex(s), nan=int(s[2]), inf=int(s[3]), shards=shards)
-            if s[2] or s[3]:
-                nonfinite[p] = int(s[2]) + int(s[3])
-        rec["leaves"][p] = entry
-    rec.update(finite=not nonfinite, nonfinite=nonfinite, replicas_agree=not disagree, disagree=disagree,
-               seconds=round(time.perf_counter() - t0, 6))
-    return StateRecord(rec)
+    return start_record(state).result(loader_state, step)
 
 
 def state_total(record: StateRecord) -> str:
@@ -290,6 +404,22 @@ def event_fields(record: StateRecord, path: Optional[str] = None) -> dict[str, A
     if path is not None:
         out["record"] = path
     return {"state": out}
+
+
+def disagree_event(record: StateRecord) -> dict[str, Any]:
+    """The ``state_replicas_disagree`` event's fields of a record whose copies disagree: ``devices`` (odd by
+    a strict majority), ``suspects`` (those and every copy of a shard without a majority), ``disagree``
+    (the first 20 disputes), ``shards`` (how many)."""
+    d = record.data["disagree"]
+    return {"devices": record.odd_devices(), "suspects": record.suspect_devices(), "disagree": d[:20],
+            "shards": len(d)}
+
+
+def poisoned_warning(record: StateRecord, run_dir: str) -> str:
+    """What a trainer says when the checkpoint it saves has copies that disagree."""
+    return (f"WARNING: checkpoint {record.data['step']} is poisoned: {dispute_text(record.data['disagree'][0])} "
+            f"(silent data corruption in the update or in memory); no restore will take it as healthy: run "
+            f"'replay certify --run {run_dir}'")
 
 
 # ----------------------------------------------------------------------------- the record, declared
@@ -331,9 +461,13 @@ class Disagreement(TypedDict, total=False):
     leaf: str
     shard: str
     devices: list[int]
-    """the odd replicas' devices"""
+    """the odd replicas' devices (with a strict majority); without one, every copy: all are suspects"""
     agree: list[int]
-    """the devices of the agreeing majority"""
+    """the devices of the agreeing majority ([] without one)"""
+    majority: bool
+    """a value is held by more than half of the copies"""
+    groups: list[list[int]]
+    """the devices holding each distinct value, the largest group first"""
     saved_by: int
     saved_is_odd: bool
 
@@ -377,8 +511,7 @@ def write_record(run_dir: str, record: StateRecord) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(record.data, f, sort_keys=True)
-        f.write("\n")
+        f.write(json.dumps(record.data, sort_keys=True, separators=(",", ":")) + "\n")
     os.replace(tmp, path)
     return os.path.relpath(path, run_dir)
 
@@ -488,13 +621,13 @@ def verify_restored(run_dir: str, step: int, state: Any, loader_state: Optional[
         return Verification(step, "unverified", f"checkpoint {step} of {run_dir} has no state record (a run "
                                                 f"written before checkpoint fingerprints): it cannot be verified")
     if not record.replicas_agree and not allow_poisoned:
-        odd = record.odd_devices()
-        first = record.data["disagree"][0]
+        disputes = record.disputes() or record.data.get("disagree") or [{"leaf": "?", "shard": "?", "devices": []}]
+        odd, suspects = record.odd_devices(), record.suspect_devices()
         raise PoisonedCheckpointError(
-            f"checkpoint {step} is poisoned: at its save the copies of {first['leaf']} shard {first['shard']} "
-            f"disagreed, device(s) {first['devices']} against {first['agree']} (an SDC in the update or in memory; "
-            f"{len(record.data['disagree'])} shard(s) in all, odd devices {odd}); do not resume from it: "
-            + _next_steps(run_dir, step), step=step, devices=odd)
+            f"checkpoint {step} is poisoned: at its save {dispute_text(disputes[0])} (an SDC in the update or in "
+            f"memory; {len(disputes)} shard(s) in all, "
+            + (f"odd devices {odd}" if odd == suspects else f"suspect devices {suspects}") + "); do not resume "
+            "from it: " + _next_steps(run_dir, step), step=step, devices=odd, suspects=suspects)
     import jax
 
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
@@ -537,11 +670,16 @@ def verify_restored(run_dir: str, step: int, state: Any, loader_state: Optional[
     return Verification(step, "verified", seconds=round(time.perf_counter() - t0, 6))
 
 
+def _as_record(state: Any, step: int) -> StateRecord:
+    return state if isinstance(state, StateRecord) else record_state(state, None, step)
+
+
 def compare_with_record(record: StateRecord, state: Any) -> list[dict[str, Any]]:
-    """Leaves of ``state`` (e.g. a replayed state) whose fingerprint differs from the record's, each
-    ``{"leaf", "want", "got", "replicas"}`` (``replicas``: the recorded copies of its shards that the
-    replayed value matches, by device), in path order; empty when the state reproduces the record."""
-    got = record_state(state, None, record.data["step"])
+    """Leaves of ``state`` (e.g. a replayed state, or its :class:`StateRecord`) whose fingerprint differs
+    from the record's, each ``{"leaf", "want", "got", "replicas_matching_replay"}`` (the recorded copies of
+    its shards that the replayed value matches, by device), in path order; empty when the state reproduces
+    the record."""
+    got = _as_record(state, record.data["step"])
     out = []
     for p, rec in sorted(record.data["leaves"].items()):
         if "fp" not in rec:
@@ -553,4 +691,24 @@ def compare_with_record(record: StateRecord, state: Any) -> list[dict[str, Any]]
         for sh_rec, sh_now in zip(rec.get("shards", []), now.get("shards", [])):
             match += [int(d) for d, v in sh_rec.get("replicas", {}).items() if v == sh_now.get("fp")]
         out.append({"leaf": p, "want": rec.get("fp"), "got": now.get("fp"), "replicas_matching_replay": sorted(match)})
+    return out
+
+
+def match_replicas(record: StateRecord, state: Any) -> dict[tuple[str, str], list[int]]:
+    """For each disputed shard of ``record`` (:meth:`StateRecord.disputes`), the devices whose recorded
+    copy equals the same shard of ``state`` (a state replayed on good devices, or its record; on a mesh of the run's
+    shape: shards are matched by their index), ``{(leaf, shard): [device, ...]}``; a shard ``state`` does
+    not hold as one block is left out. ``replay certify`` uses it to say which copy of a dispute without
+    a majority is the wrong one."""
+    disputes = record.disputes()
+    if not disputes:
+        return {}
+    got = _as_record(state, record.data["step"])
+    out: dict[tuple[str, str], list[int]] = {}
+    for x in disputes:
+        now = {sh["index"]: sh["fp"] for sh in got.data["leaves"].get(x["leaf"], {}).get("shards", [])}
+        if x["shard"] not in now:
+            continue
+        reps = next(sh["replicas"] for sh in record.data["leaves"][x["leaf"]]["shards"] if sh["index"] == x["shard"])
+        out[(x["leaf"], x["shard"])] = sorted(int(d) for d, v in reps.items() if v == now[x["shard"]])
     return out

@@ -501,8 +501,7 @@ class RunWriter:
         rec = statefp.record_state(state, loader_state, step)
         path = statefp.write_record(self.dir.path, rec) if self.dir.primary else None  # beside, before the save
         if not rec.replicas_agree:
-            self.dir.event("state_replicas_disagree", step, devices=rec.odd_devices(), disagree=rec.data["disagree"][:20],
-                           shards=len(rec.data["disagree"]))
+            self.dir.event("state_replicas_disagree", step, **statefp.disagree_event(rec))
         self._records = {**getattr(self, "_records", {}), int(step): (rec, path)}
         return rec
 

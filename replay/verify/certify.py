@@ -133,6 +133,8 @@ class _Segment:
     steps: int = 0
     seconds: float = 0.0
     end_state: Any = None  # kept when b's files are damaged, for the next segment to chain from
+    replica_match: dict = dataclasses.field(default_factory=dict)  # (leaf, shard) -> copies equal to the replay
+    files_match_replay: Optional[bool] = None  # b's files against the replay, when both differ from b's record
 
 
 def _restore_problem(session: Session, checkpoint: int, assignment) -> tuple[Any, str]:
@@ -162,11 +164,20 @@ def _segment(session: Session, a: int, b: int, index: int, assignment, advance, 
     if bad is not None:
         out.step_diff = bad
     else:
-        record = statefp.read_record(run.run_dir, b)
+        try:
+            record = statefp.read_record(run.run_dir, b)
+        except statefp.DamagedCheckpointError:
+            record = None  # judged from the record itself (_verdict)
+        replayed = statefp.record_state(kept[b - 1], None, b)
         if record is not None:
-            out.differing = statefp.compare_with_record(record, kept[b - 1])
+            out.differing = statefp.compare_with_record(record, replayed)
+            out.replica_match = statefp.match_replicas(record, replayed)
         _, out.file_problem = _restore_problem(session, b, assignment)
-        if out.file_problem and not out.differing:
+        if out.file_problem and out.differing:  # the record or the files: which one is damaged?
+            files = session.restore_files(b, assignment)
+            out.files_match_replay = files is not None and \
+                statefp.record_state(files, None, b).leaf_fps() == replayed.leaf_fps()
+        if out.file_problem and (not out.differing or out.files_match_replay):
             out.end_state = kept[b - 1]
     out.seconds = time.perf_counter() - t0
     return out
@@ -186,12 +197,16 @@ def _verdict(session: Session, seg: Optional[_Segment], b: int) -> CheckpointVer
     where = dict(segment=span, placement=seg.placement if seg else None, steps_replayed=seg.steps if seg else 0,
                  seconds=round(seg.seconds, 4) if seg else 0.0)
     if not record.replicas_agree:
-        first = record.data["disagree"][0]
+        named, unresolved, how = _name_odd_copies(record, seg)
+        first = (record.disputes() or record.data["disagree"])[0]
+        says = (f"an SDC in the update or in memory on device(s) {named}{how}" if named else
+                "an SDC in the update or in memory")
+        if unresolved:
+            says += (f"; which of device(s) {unresolved} holds the wrong copy is not known (no majority of copies, "
+                     "and the replay did not tell)")
         return CheckpointVerdict(
-            b, "poisoned", f"at its save the copies of {first['leaf']} shard {first['shard']} disagreed: device(s) "
-                           f"{first['devices']} against {first['agree']} (an SDC in the update or in memory on "
-                           f"device(s) {record.odd_devices()}, at or before step {b - 1})",
-            step=None, devices=tuple(record.odd_devices()),
+            b, "poisoned", f"at its save {statefp.dispute_text(first)} ({says}, at or before step {b - 1})",
+            step=None, devices=tuple(named),
             leaves=tuple(sorted({x["leaf"] for x in record.data["disagree"]})), **where)
     if seg is None or seg.status != "done":
         why = seg.start_problem if seg else "no segment reached it"
@@ -205,6 +220,17 @@ def _verdict(session: Session, seg: Optional[_Segment], b: int) -> CheckpointVer
                            f"({d.kind}; device(s) {list(devs)}): the run's state after that step was wrong; for a "
                            f"verdict on the devices run 'replay --run {run_dir} --steps {d.step}:{d.step + 1}'",
             step=d.step, devices=devs, leaves=tuple(d.leaves), **where)
+    if seg.differing and seg.file_problem:  # the files do not match the record either: damaged, not poisoned
+        names = [x["leaf"] for x in seg.differing]
+        if seg.files_match_replay:
+            why = (f"its state record does not match its files in {len(names)} leaf/leaves ({names[:3]}), and "
+                   f"replaying {seg.a}:{seg.b} on good devices reproduces the files in every leaf: the record was "
+                   "damaged (or edited) after the save, not the state")
+        else:
+            why = (f"its files do not match its state record ({seg.file_problem}), and the replay of {seg.a}:{seg.b} "
+                   "reaches neither: the checkpoint is damaged; whether its state was also poisoned cannot be told "
+                   "from it")
+        return CheckpointVerdict(b, "damaged", why, leaves=tuple(names), **where)
     if seg.differing:
         names = [x["leaf"] for x in seg.differing]
         return CheckpointVerdict(
@@ -220,6 +246,37 @@ def _verdict(session: Session, seg: Optional[_Segment], b: int) -> CheckpointVer
                                                f"{seg.file_problem}", **where)
     return CheckpointVerdict(b, "certified", f"replaying {seg.a}:{seg.b} reproduces its state record in every leaf",
                              **where)
+
+
+def _name_odd_copies(record: statefp.StateRecord, seg: Optional[_Segment]) -> tuple[list[int], list[int], str]:
+    """``(named, unresolved, how)``: the devices holding a wrong copy of a poisoned checkpoint's state. A
+    dispute with a strict majority names its odd copies; one without is settled by the replay of the
+    segment when it can be: the copies the replayed state equals are right (the checkpoint followed the
+    corruption with no step between), or else the devices whose step first differed from the log hold the
+    wrong copy (the wrong copy was used by the step, and a copy never reaches another data replica's
+    computation before the gradients are reduced). What nothing settles stays ``unresolved``: never a
+    tie broken by device order, which would name a healthy chip."""
+    named, unresolved, hows = set(record.odd_devices()), set(), set()
+    diff_devs = set()
+    if seg is not None and seg.step_diff is not None:
+        d = seg.step_diff
+        diff_devs = set(d.devices) | set(getattr(d, "reached", ()) or ()) | set(getattr(d, "suspects", ()) or ())
+    for x in record.disputes():
+        if x["majority"]:
+            continue
+        cands = set(x["devices"])
+        match = set((seg.replica_match if seg is not None else {}).get((x["leaf"], x["shard"]), ()))
+        if match and cands - match and match < cands:
+            named |= cands - match
+            hows.add("the replay reproduces the other copies")
+        elif diff_devs and 0 < len(cands & diff_devs) < len(cands):
+            named |= cands & diff_devs
+            hows.add(f"its step {seg.step_diff.step} differed from the log, the other copies' did not")
+        else:
+            unresolved |= cands
+    unresolved -= named
+    how = f" ({'; '.join(sorted(hows))})" if hows else ""
+    return sorted(named), sorted(unresolved), how
 
 
 def certify(session: Session, *, start: Optional[int] = None, stop: Optional[int] = None, device_spec: str = "good",
@@ -319,13 +376,15 @@ def _gather(session: Session, results: Mapping[int, _Segment], assignments: Sequ
             if r.step_diff is not None:
                 d = r.step_diff
                 diff = {"step": d.step, "kind": d.kind, "suspects": list(d.suspects), "devices": sorted(d.devices),
-                        "leaves": list(d.leaves)}
+                        "leaves": list(d.leaves), "reached": sorted(getattr(d, "reached", ()) or ())}
             mine.append([k, r.a, r.b, r.placement, r.status, r.start_problem, diff, r.differing, r.file_problem,
-                         r.steps, r.seconds])
+                         r.steps, r.seconds, [[lf, sh, ds] for (lf, sh), ds in r.replica_match.items()],
+                         r.files_match_replay])
     out: dict[int, _Segment] = {}
     for part in distributed.gather_json(mine):
-        for k, a, b, p, status, sp, diff, differing, fprob, steps, secs in part:
-            out[int(k)] = _Segment(a, b, p, status, sp, _Diff(**diff) if diff else None, differing, fprob, steps, secs)
+        for k, a, b, p, status, sp, diff, differing, fprob, steps, secs, match, files in part:
+            out[int(k)] = _Segment(a, b, p, status, sp, _Diff(**diff) if diff else None, differing, fprob, steps, secs,
+                                   replica_match={(lf, sh): ds for lf, sh, ds in match}, files_match_replay=files)
     return out
 
 
@@ -338,6 +397,7 @@ class _Diff:
     suspects: tuple
     devices: tuple
     leaves: tuple
+    reached: tuple = ()
 
 
 # ----------------------------------------------------------------------------- the picture

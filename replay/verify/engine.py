@@ -49,7 +49,7 @@ from replay.run.runlog import RunDirError, RunLog
 from replay.run.codes import Verdict
 from replay.run.setup import RunSetup
 from replay.verify.localize import describe_site
-from replay.verify.verdict import Cause, Decision, Evidence, ReplayOutcome, decide
+from replay.verify.verdict import Cause, Decision, Evidence, ReplayOutcome, decide, limit_to_poisoned_state
 
 PREFETCH_MIN_STEPS = 8  # stretches this long read batches through the loader's prefetch
 
@@ -287,7 +287,8 @@ class Session:
 
     def restore(self, checkpoint: int, assignment: Any, *, allow_poisoned: bool = False):
         """The train state of ``checkpoint`` on ``assignment``'s mesh (``"local"``: :meth:`local_mesh`),
-        restored once, checked against the checkpoint's state record (``replay.run.statefp``), then cached.
+        restored once, checked against the checkpoint's state record (``replay.run.statefp``), then cached
+        (a state that passed with ``allow_poisoned`` false also serves a later call with it true).
 
         The reference trainer's step does not donate its input, so a cached state stays valid. A
         checkpoint without a record (a run from before records) is used with a note, once, that it
@@ -327,7 +328,23 @@ class Session:
             if len(self._states) > 16:
                 self._states.clear()
             self._states[key] = state
+            if not allow_poisoned:  # it passed every check: good for a caller that allows poisoned ones too
+                self._states[key[:2] + (True,)] = state
         return state
+
+    def restore_files(self, checkpoint: int, assignment: Any) -> Optional[Any]:
+        """The train state checkpoint ``checkpoint``'s files hold, on ``assignment``'s mesh, *not* checked
+        against its state record (to tell a damaged record from damaged files), or None when Orbax cannot
+        restore them. Not cached."""
+        mesh = self.local_mesh() if assignment == "local" else self.mesh(assignment)
+        with self._restore_lock:
+            try:
+                return self.setup.trainer.restore(self.run.run_dir, checkpoint, mesh)[0]
+            except Exception:  # noqa: BLE001 - Orbax/TensorStore report damaged files many ways
+                from replay.runtime.quiet import quiet_aborted_reads
+
+                quiet_aborted_reads()
+                return None
 
     def _verify(self, checkpoint: int, state: Any, loader_state: Any, allow_poisoned: bool) -> None:
         """The restored ``state`` against its state record; a checkpoint with none is noted once."""
@@ -562,10 +579,12 @@ class RangeReport:
 
     @property
     def exit_code(self) -> int:
-        if self.decision.cause is Cause.LINK_FAULT:
-            from replay.run.codes import ExitCode
+        from replay.run.codes import ExitCode
 
+        if self.decision.cause is Cause.LINK_FAULT:
             return int(ExitCode.LINK_CONVICTED)
+        if self.decision.cause is Cause.STATE_POISONED:
+            return int(ExitCode.POISONED_CHECKPOINT)
         return int(self.decision.verdict.exit_code)
 
     @property
@@ -758,6 +777,7 @@ def replay_range(
     t0, restore0 = time.perf_counter(), session.restore_seconds
     rounds = _Rounds(session, assignments, segs, order, log, tolerance, repeats)
     runs, decision = rounds.run(progress, exhaustive, concurrent)
+    decision = _poisoned_state_check(session, decision)
     wall = time.perf_counter() - t0
     disagreement = _disagreement(session, runs)
     differing = None
@@ -849,6 +869,28 @@ def _disagreement(session: Session, runs: Sequence[ReplayRun]) -> Optional[dict[
                          suspects_named=dv.name_devices(found["suspects"], session.device_table()))
             return found
     return None
+
+
+def _poisoned_state_check(session: Session, decision: Decision) -> Decision:
+    """A conviction at step S against the state record of the first checkpoint after S
+    (``verdict.limit_to_poisoned_state``): when its copies disagree, the state was corrupted in an update
+    before S, and only a device holding a wrong copy may be convicted."""
+    from replay.run import statefp
+
+    if decision.verdict is not Verdict.CONVICTED or decision.step is None:
+        return decision
+    after = [c for c in session.run.checkpoints if c > decision.step]
+    if not after:
+        return decision
+    try:
+        record = statefp.read_record(session.run.run_dir, after[0])
+    except statefp.DamagedCheckpointError:
+        return decision
+    if record is None or record.replicas_agree:
+        return decision
+    disputes = record.disputes()
+    what = statefp.dispute_text(disputes[0]) if disputes else "its replicated state disagreed"
+    return limit_to_poisoned_state(decision, after[0], record.odd_devices(), record.suspect_devices(), what)
 
 
 def run_lanes(lanes: Sequence[Any], work: Callable[[Any], Mapping], concurrent: bool, name: str) -> dict:

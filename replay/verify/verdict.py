@@ -39,6 +39,8 @@ class Cause(str, enum.Enum):
     TOO_FEW_REPLAYS = "too_few_independent_replays"
     UNLOCALIZED = "unlocalized"  # a difference not attributable to some device shards
     TOLERANCE_ONLY = "tolerance_only"  # only a tolerance comparison was possible; it failed
+    STATE_POISONED = "state_poisoned"  # the step's input state was corrupted in an update (the next checkpoint's
+    #                                    replicas disagree): its differences are not the step's arithmetic
 
 
 class Evidence(str, enum.Enum):
@@ -252,3 +254,39 @@ def decide(outcomes: Sequence[ReplayOutcome], num_devices: int, *, suspected: Se
         "or the checkpoint",
         div,
     )
+
+
+def limit_to_poisoned_state(decision: Decision, checkpoint: int, odd: Sequence[int], suspects: Sequence[int],
+                            what: str) -> Decision:
+    """A device conviction checked against a poisoned checkpoint after its step (pure).
+
+    When checkpoint ``checkpoint``, the first after the divergent step, holds copies of replicated state
+    that disagree (``replay.run.statefp``: ``odd`` named by a majority of copies, ``suspects`` those and
+    every copy of a shard without one; ``what`` says which), the state the step started from was
+    corrupted in an update, or in memory, before it: a device that computed with a wrong copy differs
+    from the log, and so does every device that received what it sent. Only a suspect can be the culprit,
+    so the conviction keeps the convicted devices that are suspects; with none left it becomes AMBIGUOUS,
+    ``Cause.STATE_POISONED`` (``replay certify`` judges that checkpoint). Other decisions are returned as
+    they are.
+    """
+    if decision.verdict is not Verdict.CONVICTED or decision.cause is not Cause.DEVICE_FAULT or not suspects:
+        return decision
+    convicted, allowed = set(decision.devices), set(suspects)
+    keep = sorted(convicted & allowed)
+    spread = sorted(convicted - allowed)
+    if not spread:
+        return decision
+    note = (f"checkpoint {checkpoint}'s state record shows that at its save {what}: the state step "
+            f"{decision.step} started from was corrupted in an update or in memory before it")
+    if keep:
+        return dataclasses.replace(
+            decision, devices=tuple(keep),
+            explanation=f"step {decision.step}: device(s) {sorted(convicted)} differ from the log, and {note}; "
+                        f"device(s) {spread} hold no wrong copy and only computed with what the corrupted one "
+                        f"sent them: device(s) {keep} convicted of silent data corruption; run 'replay certify' "
+                        "for the newest clean checkpoint")
+    return dataclasses.replace(
+        decision, verdict=Verdict.AMBIGUOUS, cause=Cause.STATE_POISONED, devices=(),
+        explanation=f"step {decision.step}: device(s) {sorted(convicted)} differ from the log, but {note}, and none "
+                    f"of them holds a wrong copy (suspects {sorted(allowed)}): no device is convicted from these "
+                    f"steps; run 'replay certify' to name the poisoned checkpoint and the newest clean one")
