@@ -256,7 +256,9 @@ def test_every_step_logs_its_screening_signals(tiny):
         assert sorted(x.devices) == list(range(8)) and len(x.replicas) == 8 and len(x.router) == 2
         assert sum(r.dot for r in x.replicas) == pytest.approx(x.grad_norm ** 2, rel=1e-4)
         assert all(sum(layer.expert_share) == pytest.approx(1.0) for layer in x.router)
-    assert sig[0].loader_occupancy == sig[0].loader_occupancy_min == 0  # the first step: the buffer starts empty
+    # the first step: the buffer starts empty, so its minimum is 0 (at the ask itself the prefetch thread,
+    # started by that first ask, may already have placed the batch: its level then is 0 or 1)
+    assert sig[0].loader_occupancy_min == 0 and sig[0].loader_occupancy in (0, 1)
 
 
 def _canary_run(tiny, tmp_path, name, steps, **over):
