@@ -322,11 +322,12 @@ def test_the_trainer_resumes_a_run_without_records_with_a_note(kit, tmp_path):
     run_dir = str(tmp_path / "old")
     train(kit, run_dir, 4)
     shutil.rmtree(os.path.join(run_dir, statefp.RECORDS_DIR))  # a run written before checkpoint fingerprints
-    from replay.reference import run as ref_run
+    from replay.reference import loop
 
     said = io.StringIO()
     cfg = run_config(kit.root, kit.mix, skip_windows=[])
-    ref_run.train(run_dir, cfg, 6, trainer=kit.trainer, mesh=kit.mesh, log=_quiet, plot=False, progress=said)
+    loop.train(run_dir, cfg, 6, trainer=kit.trainer, mesh=kit.mesh, output=loop.Output(log=_quiet, plot=False,
+                                                                                       progress=said))
     assert f"checkpoint 4 of {run_dir} has no state record (a run written before checkpoint fingerprints): it " \
            "cannot be verified" in " ".join(said.getvalue().split())
     (restore,) = events(run_dir, "restore")
