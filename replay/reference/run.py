@@ -461,8 +461,10 @@ class PeriodicCanary:
         self.golden_path = rd.file(cn.GOLDEN_DEFAULT)
         cn.read_golden(self.golden_path)  # a corrupt golden file is reported before training starts
 
-    def run(self, step: int, fault=None):
-        """Runs the canary before ``step``; returns ``(CanaryDecision, seconds)``."""
+    def run(self, step: int, fault=None, persistent=None):
+        """Runs the canary before ``step``; returns ``(CanaryDecision, seconds)``. ``persistent``: the
+        training step's drill faults, whose persistent ones fire in the canary program too
+        (``ReferenceTrainer.canary_fingerprints``)."""
         import time
         import warnings
 
@@ -473,7 +475,7 @@ class PeriodicCanary:
         # the run decides from the same golden value.
         golden = (cn.read_golden(self.golden_path).get(self.env_key) or {}).get("signature")
         t0 = time.perf_counter()
-        fps = self.trainer.canary_fingerprints(self.params, self.batch, fault)
+        fps = self.trainer.canary_fingerprints(self.params, self.batch, fault, persistent=persistent, step=step)
         seconds = time.perf_counter() - t0
         results = [cn.DeviceResult(d, (cn.fingerprints_signature(f),), f) for d, f in fps.items()]
         decision = cn.decide_canary(results, golden)
@@ -778,7 +780,7 @@ def train(
                 canary_s = 0.0
                 if canary is not None and step % cfg.canary_every == 0:
                     hit = canary_fault if canary_fault is not None and step >= canary_fault.step else None
-                    decision, seconds = canary.run(step, hit)
+                    decision, seconds = canary.run(step, hit, faults)
                     canary_seconds.append(seconds)
                     canary_s = seconds
                     if decision.verdict.value != "acquitted":
@@ -908,7 +910,7 @@ def _state_record(rd: RunDir, cfg: RunConfig, state, loader_state, step: int, lo
         rd.event("state_replicas_disagree", step, devices=record.odd_devices(), disagree=record.data["disagree"][:20],
                  shards=len(record.data["disagree"]))
         log(f"WARNING: checkpoint {step} is poisoned: the copies of {first['leaf']} shard {first['shard']} disagree, "
-            f"device(s) {first['devices']} against {first['agree']} (silent data corruption in the update or in "
+            f"{statefp.disagreement_text(first)} (silent data corruption in the update or in "
             f"memory); no restore will take it as healthy: run 'replay certify --run {rd.path}'")
     if not record.finite:
         rd.event("non_finite_state", step, action=cfg.non_finite, nonfinite=record.data["nonfinite"])

@@ -440,29 +440,37 @@ class ExpertLoad:
     received: Mapping[int, int]
     max_over_mean: float
     output_sq: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    probe: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def from_counts(cls, received: Mapping[int, int], output_sq: Optional[Mapping[int, float]] = None) -> "ExpertLoad":
+    def from_counts(cls, received: Mapping[int, int], output_sq: Optional[Mapping[int, float]] = None,
+                    probe: Optional[Mapping[int, int]] = None) -> "ExpertLoad":
         """Computes ``max_over_mean`` from the counts. ``output_sq``: per device id, the float32 sum of
         squares of its experts' output in the layer (the buffer it sends back at the combine), which
-        ``replay scan``'s ``expert_drift`` check divides by ``received``; optional."""
+        ``replay scan``'s ``expert_drift`` check divides by ``received``; ``probe``: per device id, the
+        64-bit fingerprint of its experts' output for a fixed probe token (equal on devices holding the
+        same experts when they compute right: ``replay.reference.model.expert_probe_input``); optional."""
         vals = [int(v) for v in received.values()]
         mean = sum(vals) / len(vals) if vals else 0.0
         return cls(received={int(d): int(v) for d, v in received.items()},
                    max_over_mean=(max(vals) / mean) if mean > 0 else 0.0,
-                   output_sq={int(d): float(v) for d, v in (output_sq or {}).items()})
+                   output_sq={int(d): float(v) for d, v in (output_sq or {}).items()},
+                   probe={int(d): int(v) for d, v in (probe or {}).items()})
 
     def to_dict(self) -> dict[str, Any]:
         out = {"received": {str(d): int(v) for d, v in self.received.items()}, "max_over_mean": self.max_over_mean}
         if self.output_sq:
             out["output_sq"] = {str(d): float(v) for d, v in self.output_sq.items()}
+        if self.probe:
+            out["probe"] = {str(d): f"{int(v):016x}" for d, v in self.probe.items()}
         return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ExpertLoad":
         return cls(received={int(k): int(v) for k, v in d["received"].items()},
                    max_over_mean=_float(d["max_over_mean"]),
-                   output_sq={int(k): _float(v) for k, v in (d.get("output_sq") or {}).items()})
+                   output_sq={int(k): _float(v) for k, v in (d.get("output_sq") or {}).items()},
+                   probe={int(k): int(str(v), 16) for k, v in (d.get("probe") or {}).items()})
 
 
 @dataclasses.dataclass(frozen=True)

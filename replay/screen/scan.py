@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -322,8 +323,39 @@ def _nonfinite(run: RunLog, signals, steps: list[int], start: int):
                        f"{len(reduced)} step(s)"}, found, run_level)
 
 
-def _replicas(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig):
-    """Drift and spike checks over the replicas' norms; returns (status_spike, status_drift, findings, series)."""
+def expert_groups(devs: Sequence[int], coords: Mapping[int, Mapping[str, int]], axis: str = "expert"
+                  ) -> dict[int, tuple[int, ...]]:
+    """Per device, its expert group: the devices that share its position on every mesh axis but ``axis``
+    (itself included), which exchange tokens with it at every all-to-all of an MoE layer. Empty without
+    ``axis`` in the coordinates."""
+    out = {}
+    for d in devs:
+        mine = coords.get(d) or {}
+        if axis not in mine:
+            continue
+        key = tuple(sorted((a, i) for a, i in mine.items() if a != axis))
+        out[d] = tuple(sorted(e for e in devs if tuple(sorted((a, i) for a, i in (coords.get(e) or {}).items()
+                                                              if a != axis)) == key and axis in (coords.get(e) or {})))
+    return out
+
+
+def _norm_subject(devs: Sequence[int], groups: Mapping[int, tuple[int, ...]]) -> tuple[str, tuple[int, ...], str]:
+    """``(kind, devices, note)`` a norm finding about replica ``devs`` names. Under expert parallelism
+    (``groups``: :func:`expert_groups`) a device's local gradient moves with anything its expert group
+    computes (its tokens go to their experts and back at every MoE layer, forward and backward), so a norm
+    cannot say which device of the group went wrong: the group is named, and a range replay tells which."""
+    group = tuple(sorted({e for d in devs for e in groups.get(d, (d,))}))
+    if len(group) > len(devs):
+        return "replica", group, (f" (expert parallelism: devices {list(group)} exchange tokens at every MoE layer, "
+                                  "so any of them can move this norm; a range replay tells which)")
+    return ("device" if len(devs) == 1 else "replica"), tuple(devs), ""
+
+
+def _replicas(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig,
+              groups: Optional[Mapping[int, tuple[int, ...]]] = None):
+    """Drift and spike checks over the replicas' norms; returns (status_spike, status_drift, findings, series).
+    ``groups``: under expert parallelism, each device's expert group (:func:`_norm_subject`)."""
+    groups = groups or {}
     na = {"status": "not available"}
     if signals is None:
         msg = "no signals.jsonl (per-replica gradient norms are not logged)"
@@ -352,29 +384,29 @@ def _replicas(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig):
         if max(st) < start:
             continue
         zmax = max(abs(sp.z) for sp in sps)
-        kind = "device" if len(devs[rid_of[r]]) == 1 else "replica"
+        kind, subject, note = _norm_subject(devs[rid_of[r]], groups)
         worst = "non-finite norm" if math.isinf(zmax) else f"|z| up to {zmax:.1f}"
-        found.append(((kind, devs[rid_of[r]]), _evidence(
+        found.append(((kind, subject), _evidence(
             "norm_spike", min(st), max(st), zmax / cfg.spike_z,
             f"replica {rid_of[r]}'s gradient norm was an outlier against the other replicas at {len(st)} step(s) "
-            f"{st[:5]}{' ...' if len(st) > 5 else ''} ({worst}; threshold {cfg.spike_z:g})")))
+            f"{st[:5]}{' ...' if len(st) > 5 else ''} ({worst}; threshold {cfg.spike_z:g}){note}")))
     for a in res.drifts:
         onset, alarm = steps[a.onset], steps[a.alarm]  # a drift lasts to the last step: it reaches the range
         lo = steps[a.onset if a.onset_lo is None else a.onset_lo]
         hi = steps[a.onset if a.onset_hi is None else a.onset_hi]
         scored = steps[a.scoring_start] if a.scoring_start is not None else lo
         older = lo <= scored and scored > steps[0]  # the range starts where scoring began
-        kind = "device" if len(devs[rid_of[a.replica]]) == 1 else "replica"
+        kind, subject, note = _norm_subject(devs[rid_of[a.replica]], groups)
         rel = math.expm1(a.shift_log)
         where = f"from step {onset}"
         if hi > lo or older:
             where += (f" (uncertain: between steps {lo} and {hi}" + (f", or earlier: scoring began at step {scored}"
                                                                       if older else "") + ")")
-        found.append(((kind, devs[rid_of[a.replica]]), dataclasses.replace(_evidence(
+        found.append(((kind, subject), dataclasses.replace(_evidence(
             "norm_drift", onset, steps[-1], a.strength,
             f"replica {rid_of[a.replica]}'s gradient norm {'rose' if a.direction > 0 else 'fell'} against the "
             f"other replicas {where} (alarm at step {alarm}; shift {a.shift:+.1f} sigma, about "
-            f"{rel:+.1%} in norm)"), onset_range=(lo, hi), before_scoring=older)))
+            f"{rel:+.1%} in norm){note}"), onset_range=(lo, hi), before_scoring=older)))
     judged = f"{res.judged} replica-steps scored ({R} replicas, {T} steps; scoring starts once the replicas " \
              f"have more than min_history {cfg.min_history} accepted steps of their own history; robust sigma " \
              f"of the log-ratio " \
@@ -421,6 +453,59 @@ def expert_twins(devs: list[int], coords: Mapping[int, Mapping[str, int]], axis:
     return out
 
 
+def probe_mismatches(signals, steps: list[int], coords: Mapping[int, Mapping[str, int]]
+                     ) -> dict[tuple[int, ...], list[tuple[int, int]]]:
+    """Where twins' probe fingerprints (``ExpertLoad.probe``: each expert device's output for a fixed token)
+    differ: ``{named devices: [(step, layer), ...]}``. Twins hold bit-identical weights and run one program,
+    so a healthy device's probe equals its twins' bit for bit. In a group of twins that differ, the devices
+    outside a strict majority of equal values are named; with no strict majority (two twins, or a split
+    in halves) the whole group is, since nothing says which is right."""
+    out: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for s in steps:
+        for layer, L in enumerate(signals[s].expert_load):
+            if not L.probe:
+                continue
+            devs = sorted(L.probe)
+            twins = expert_twins(devs, coords)
+            seen = set()
+            for d in devs:
+                group = tuple(sorted([d, *twins[d]]))
+                if group in seen or len(group) < 2:
+                    continue
+                seen.add(group)
+                counts: dict[int, list[int]] = {}
+                for e in group:
+                    counts.setdefault(L.probe[e], []).append(e)
+                if len(counts) == 1:
+                    continue
+                best = max(counts.values(), key=len)
+                named = tuple(e for e in group if e not in best) if 2 * len(best) > len(group) else group
+                out.setdefault(named, []).append((s, layer))
+    return out
+
+
+def _probe_evidence(signals, steps: list[int], start: int, coords: Mapping[int, Mapping[str, int]]):
+    """The probe part of ``expert_drift``: ``(findings, compared)`` (``compared``: device-steps with a probe)."""
+    compared = sum(len(L.probe) for s in steps for L in signals[s].expert_load)
+    found = []
+    for named, where in sorted(probe_mismatches(signals, steps, coords).items()):
+        at = sorted({st for st, _ in where})
+        if at[-1] < start:
+            continue
+        layers = sorted({layer for _, layer in where})
+        if len(named) == 1:
+            who = f"device {named[0]}'s experts computed another output for the probe token than its twins'"
+        else:
+            who = (f"devices {list(named)} hold the same experts and computed different outputs for the probe "
+                   "token with no majority among them: one of them is wrong, and a range replay from the step tells "
+                   "which")
+        found.append((("device" if len(named) == 1 else "replica", named), _evidence(
+            "expert_drift", at[0], at[-1], float(len(at)),
+            f"{who} (bit for bit, at {len(at)} step(s) from step {at[0]}, layer(s) {layers}; floor: one bit of the "
+            "probe's output)")))
+    return found, compared
+
+
 def _expert_drift(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig,
                   coords: Optional[Mapping[int, Mapping[str, int]]] = None):
     """Expert-device screening (issue 27 item 4). Under expert parallelism one device's drifting expert
@@ -435,7 +520,12 @@ def _expert_drift(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig
     suspect of two devices, and a range replay from the onset tells which. With three or more twins the
     device that moved against the others is named alone. Without twins (one data replica) every expert
     device is compared with the median of all, which the experts' own dynamics can move: weaker.
+    Before that statistic, the probe (when the trainer logs it, ``ExpertLoad.probe``): each expert device's
+    output for a fixed token, compared with its twins' bit for bit at every step (:func:`probe_mismatches`):
+    any drift that changes one bit of it is named from its first step, alone among three or more twins.
     Returns ``(status, findings, series)``."""
+    coords = coords or {}
+    probed, compared = ([], 0) if signals is None else _probe_evidence(signals, steps, start, coords)
     if signals is None or not any(L.output_sq for s in steps for L in signals[s].expert_load):
         return {"status": "not available",
                 "detail": "no expert output norms in signals.jsonl (expert_load[].output_sq): the run does not put "
@@ -443,14 +533,17 @@ def _expert_drift(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig
     devs, x = expert_output_per_token(signals, steps)
     if len(devs) < 3:
         return {"status": "not available", "detail": f"{len(devs)} expert device(s): at least 3 are needed"}, [], {}
-    twins = expert_twins(devs, coords or {})
+    twins = expert_twins(devs, coords)
     cfg = dataclasses.replace(cfg, cusum_h=cfg.expert_cusum_h)
     with np.errstate(divide="ignore", invalid="ignore"):
         lx = np.where(np.isfinite(x) & (x > 0), np.log(np.where(x > 0, x, 1.0)), np.nan)
     paired = all(twins[d] for d in devs)
     if paired:  # each device against the mean of its twins (log units of the squared output)
         idx = {d: j for j, d in enumerate(devs)}
-        y = np.stack([lx[:, idx[d]] - np.nanmean(lx[:, [idx[e] for e in twins[d]]], axis=1) for d in devs], axis=1)
+        with warnings.catch_warnings():  # a step where every twin's value is missing: NaN, not scored
+            warnings.simplefilter("ignore", RuntimeWarning)
+            y = np.stack([lx[:, idx[d]] - np.nanmean(lx[:, [idx[e] for e in twins[d]]], axis=1) for d in devs],
+                         axis=1)
         res = sc.screen_replicas(np.exp(y), np.isfinite(y), cfg)
     else:
         res = sc.screen_replicas(x, np.isfinite(x), cfg)
@@ -483,7 +576,11 @@ def _expert_drift(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig
     detail = (f"{res.judged} device-steps scored ({len(devs)} expert devices, {len(steps)} steps, "
               + ("each against its twins" if paired else "each against all (no twins: one data replica)")
               + f"); stated floor x(1 + {EXPERT_DRIFT_FLOOR:g})")
-    status = "found" if found else ("clear" if res.judged else "not available")
+    if compared:
+        detail = (f"probe: {compared} device-steps compared with their twins bit for bit (floor: one bit); "
+                  f"output per token: {detail}")
+    found = probed + found
+    status = "found" if found else ("clear" if res.judged or compared else "not available")
     return {"status": status, "detail": detail}, found, {"steps": steps, "devices": devs, "z": res.z}
 
 
@@ -782,9 +879,11 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     checks["nonfinite"], dev, runl = _nonfinite(run, signals, steps_sig or steps_fp, start)
     findings += dev + runl
     sig = signals if steps_sig else None
-    checks["norm_spike"], checks["norm_drift"], dev, rep_series = _replicas(sig, steps_sig, start, cfg)
-    findings += dev
     coords = {int(k): dict(v) for k, v in (run.mesh.get("device_coords") or {}).items()}
+    ep = sig is not None and any(L.received for s in steps_sig for L in sig[s].expert_load)
+    groups = expert_groups(sorted(coords), coords) if ep else {}
+    checks["norm_spike"], checks["norm_drift"], dev, rep_series = _replicas(sig, steps_sig, start, cfg, groups)
+    findings += dev
     checks["expert_drift"], dev, expert_series = _expert_drift(sig, steps_sig, start, cfg, coords)
     findings += dev
     rows = run.config.get("global_batch")
