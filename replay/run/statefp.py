@@ -160,7 +160,14 @@ class StateRecord:
         return {p: v["fp"] for p, v in self.data.get("leaves", {}).items() if "fp" in v}
 
     def odd_devices(self) -> list[int]:
-        return sorted({int(d) for x in self.data.get("disagree", []) for d in x.get("devices", [])})
+        """The devices whose copies lost a strict majority vote (a tie names none: :meth:`tied`)."""
+        return sorted({int(d) for x in self.data.get("disagree", []) if not x.get("tie") for d in x.get("devices", [])})
+
+    def tied(self) -> list[dict[str, Any]]:
+        """The disagreements without a strict majority (two copies that differ, or a split in halves): the
+        record cannot say which copy is wrong, so it names none; ``replay certify`` asks a replay of the
+        segment (:func:`resolve_ties`)."""
+        return [x for x in self.data.get("disagree", []) if x.get("tie")]
 
 
 def loader_sha256(loader_state: Optional[Mapping[str, Any]]) -> Optional[str]:
@@ -223,14 +230,27 @@ def state_fingerprints(state: Any) -> tuple[list[str], list[dict[str, Any]]]:
     return paths, out
 
 
-def _majority(replicas: Mapping[int, Any]) -> tuple[str, list[int], list[int]]:
-    """``(value, devices agreeing with it, the others)``: the most common value; a tie goes to the
-    value of the lowest device id (the copy Orbax writes, by mesh order, is not assumed right)."""
+def _majority(replicas: Mapping[int, Any]) -> tuple[Optional[str], list[int], list[int], list[list[int]]]:
+    """``(value, devices agreeing with it, the others, groups)``: the value of a strict majority of the
+    copies and who differs from it; without a strict majority (two copies that differ, a split in halves)
+    ``(None, [], [], groups of equal copies)``: no copy is assumed right, not even the one Orbax writes."""
     groups: dict[str, list[int]] = {}
     for dev, fp in sorted(replicas.items()):
         groups.setdefault(fpm.fingerprint_hex(fp), []).append(int(dev))
     best = max(groups, key=lambda v: (len(groups[v]), -min(groups[v])))
-    return best, groups[best], sorted(d for v, ds in groups.items() if v != best for d in ds)
+    split = sorted(groups.values())
+    if 2 * len(groups[best]) <= len(replicas) and len(groups) > 1:
+        return None, [], [], split
+    return best, groups[best], sorted(d for v, ds in groups.items() if v != best for d in ds), split
+
+
+def disagreement_text(entry: Mapping[str, Any]) -> str:
+    """One ``disagree`` entry of a record in words: ``device(s) [3] against [0, 1, 2]`` or, for a tie,
+    ``devices [3] and [7], no majority: a replay of the segment tells which``."""
+    if entry.get("tie"):
+        return (" and ".join(str(g) for g in entry.get("groups", [])) + " hold different values with no majority "
+                "(the record cannot say which is wrong: 'replay certify' replays the segment to tell)")
+    return f"device(s) {entry['devices']} against {entry['agree']}"
 
 
 def record_state(state: Any, loader_state: Optional[Mapping[str, Any]], step: int) -> StateRecord:
@@ -253,8 +273,13 @@ def record_state(state: Any, loader_state: Optional[Mapping[str, Any]], step: in
             for sh in leaf["shards"]:
                 saved = sh["replicas"][sh["saved_by"]]
                 total.append(saved)
-                value, agree, odd = _majority(sh["replicas"])
-                if odd:
+                value, agree, odd, split = _majority(sh["replicas"])
+                if value is None:  # a tie: no copy is named, the saved one included
+                    disagree.append({"leaf": p, "shard": sh["index"], "devices": [], "agree": [], "tie": True,
+                                     "groups": split, "saved_by": sh["saved_by"], "saved_is_odd": None,
+                                     "replicas": {str(d): fpm.fingerprint_hex(v) for d, v in
+                                                  sorted(sh["replicas"].items())}})
+                elif odd:
                     disagree.append({"leaf": p, "shard": sh["index"], "devices": odd, "agree": agree,
                                      "saved_by": sh["saved_by"], "saved_is_odd": sh["saved_by"] in odd})
                 shards.append({"index": sh["index"], "saved_by": sh["saved_by"], "fp": fpm.fingerprint_hex(saved),
@@ -264,6 +289,7 @@ def record_state(state: Any, loader_state: Optional[Mapping[str, Any]], step: in
             if s[2] or s[3]:
                 nonfinite[p] = int(s[2]) + int(s[3])
         rec["leaves"][p] = entry
+    disagree.sort(key=lambda x: bool(x.get("tie")))  # the ones a majority decides first
     rec.update(finite=not nonfinite, nonfinite=nonfinite, replicas_agree=not disagree, disagree=disagree,
                seconds=round(time.perf_counter() - t0, 6))
     return StateRecord(rec)
@@ -418,7 +444,7 @@ def verify_restored(run_dir: str, step: int, state: Any, loader_state: Optional[
         first = record.data["disagree"][0]
         raise PoisonedCheckpointError(
             f"checkpoint {step} is poisoned: at its save the copies of {first['leaf']} shard {first['shard']} "
-            f"disagreed, device(s) {first['devices']} against {first['agree']} (an SDC in the update or in memory; "
+            f"disagreed, {disagreement_text(first)} (an SDC in the update or in memory; "
             f"{len(record.data['disagree'])} shard(s) in all, odd devices {odd}); do not resume from it: "
             + _next_steps(run_dir, step), step=step, devices=odd)
     import jax
@@ -461,6 +487,26 @@ def verify_restored(run_dir: str, step: int, state: Any, loader_state: Optional[
             f"checkpoint {step} is damaged: its loader state restored with sha256 {loader_sha256(loader_state)[:12]}, "
             f"its state record says {want_loader[:12]}; " + _next_steps(run_dir, step), step=step, leaf="loader")
     return Verification(step, "verified", seconds=round(time.perf_counter() - t0, 6))
+
+
+def resolve_ties(record: StateRecord, replayed: StateRecord) -> tuple[list[int], list[dict[str, Any]]]:
+    """``(odd devices, unresolved ties)``: each tie of ``record`` (:meth:`StateRecord.tied`) judged by the
+    state a replay on good devices reached (``replayed``, the record of that state): the copies that differ
+    from the replayed value of the shard are named when exactly one group of copies equals it; otherwise
+    (the replay reached neither copy: the state went wrong earlier, which a logged step shows) the tie
+    stays unresolved."""
+    odd: set[int] = set()
+    unresolved = []
+    for x in record.tied():
+        shards = {sh["index"]: sh for sh in replayed.data["leaves"].get(x["leaf"], {}).get("shards", [])}
+        got = shards.get(x["shard"], {}).get("fp")
+        copies = x.get("replicas", {})
+        right = [int(d) for d, v in copies.items() if v == got]
+        if got is None or not right:
+            unresolved.append(x)
+            continue
+        odd |= {int(d) for d, v in copies.items() if v != got}
+    return sorted(odd), unresolved
 
 
 def compare_with_record(record: StateRecord, state: Any) -> list[dict[str, Any]]:

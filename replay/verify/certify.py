@@ -44,8 +44,8 @@ from replay.run import statefp
 from replay.run.codes import ExitCode
 from replay.run.runlog import RunDirError
 from replay.verify import plan
-from replay.verify.engine import (CheckpointCorruptError, EnvDriftError, Session, _locked, environment_differences,
-                                  run_lanes)
+from replay.verify.engine import (CheckpointCorruptError, EnvDriftError, Session, _locked, check_mesh_shape,
+                                  environment_differences, run_lanes)
 
 VERDICTS = ("trusted", "certified", "poisoned", "damaged", "not_certifiable", "not_checked")
 
@@ -135,6 +135,7 @@ class _Segment:
     steps: int = 0
     seconds: float = 0.0
     end_state: Any = None  # kept when b's files are damaged, for the next segment to chain from
+    tie_devices: list = dataclasses.field(default_factory=list)  # the copies of a tie of b's record the replay rules out
 
 
 def _restore_problem(session: Session, checkpoint: int, assignment) -> tuple[Any, str]:
@@ -148,39 +149,56 @@ def _restore_problem(session: Session, checkpoint: int, assignment) -> tuple[Any
         return None, str(e)
 
 
-def _segment(session: Session, a: int, b: int, index: int, assignment, advance, start_state=None) -> _Segment:
-    """Replays ``a -> b`` on ``assignment`` and compares the state it reaches with ``b``'s record."""
+_DISK = object()  # read b's state record from the run directory
+
+
+def _read_record(session: Session, b: int) -> Optional[statefp.StateRecord]:
+    try:
+        return statefp.read_record(session.run.run_dir, b)
+    except statefp.DamagedCheckpointError:
+        return None  # the verdict reads it again and says it is damaged
+
+
+def _segment(session: Session, a: int, b: int, index: int, assignment, advance, start_state=None, *,
+             record: Any = _DISK, log: Optional[Mapping[int, Any]] = None, check_files: bool = True) -> _Segment:
+    """Replays ``a -> b`` on ``assignment`` and compares the state it reaches with ``b``'s record (``record``:
+    one in memory instead of the run directory's; ``log``: the fingerprints to compare the steps with,
+    default the run's; ``check_files``: restore ``b`` itself and check its files)."""
     t0 = time.perf_counter()
     run = session.run
+    record = _read_record(session, b) if record is _DISK else record
     if start_state is None:
         start_state, problem = _restore_problem(session, a, assignment)
         if start_state is None:
             return _Segment(a, b, index, "deferred", start_problem=problem)
-    fps, diffs, kept = session.replay_segment(assignment, a, b, log=run.fingerprints, advance=advance,
-                                              keep_state_at=b - 1, start_state=start_state)
+    fps, diffs, kept = session.replay_segment(assignment, a, b, log=run.fingerprints if log is None else log,
+                                              advance=advance, keep_state_at=b - 1, start_state=start_state)
     advance(b - a - len(fps))
     out = _Segment(a, b, index, "done", steps=len(fps))
     bad = next((d for d in diffs if not d.ok), None)
     if bad is not None:
         out.step_diff = bad
     else:
-        record = statefp.read_record(run.run_dir, b)
         if record is not None:
             out.differing = statefp.compare_with_record(record, kept[b - 1])
-        _, out.file_problem = _restore_problem(session, b, assignment)
+            if record.tied():  # the replay on good devices tells which of two copies that differ is wrong
+                out.tie_devices = statefp.resolve_ties(record, statefp.record_state(kept[b - 1], None, b))[0]
+        if check_files:
+            _, out.file_problem = _restore_problem(session, b, assignment)
         if out.file_problem and not out.differing:
             out.end_state = kept[b - 1]
     out.seconds = time.perf_counter() - t0
     return out
 
 
-def _verdict(session: Session, seg: Optional[_Segment], b: int) -> CheckpointVerdict:
-    """The verdict of checkpoint ``b`` from its record and its segment's outcome."""
+def _verdict(session: Session, seg: Optional[_Segment], b: int, record: Any = _DISK) -> CheckpointVerdict:
+    """The verdict of checkpoint ``b`` from its record (``record``: one in memory) and its segment's outcome."""
     run_dir = session.run.run_dir
-    try:
-        record = statefp.read_record(run_dir, b)
-    except statefp.DamagedCheckpointError as e:
-        return CheckpointVerdict(b, "damaged", str(e))
+    if record is _DISK:
+        try:
+            record = statefp.read_record(run_dir, b)
+        except statefp.DamagedCheckpointError as e:
+            return CheckpointVerdict(b, "damaged", str(e))
     if record is None:
         return CheckpointVerdict(b, "not_certifiable", f"checkpoint {b} has no state record (a run written before "
                                                        f"checkpoint fingerprints): it cannot be verified")
@@ -189,11 +207,27 @@ def _verdict(session: Session, seg: Optional[_Segment], b: int) -> CheckpointVer
                  seconds=round(seg.seconds, 4) if seg else 0.0)
     if not record.replicas_agree:
         first = record.data["disagree"][0]
+        odd = set(record.odd_devices())
+        how = ""
+        if record.tied():  # two copies that differ: the record names neither; the segment's replay decides
+            done = seg is not None and seg.status == "done"
+            if done and seg.step_diff is not None:
+                d = seg.step_diff
+                odd |= set(d.suspects if d.suspects else d.devices)
+                how = (f"; where copies differ with no majority, replaying {seg.a}:{seg.b} on good devices differs "
+                       f"from the log at step {d.step} on device(s) {sorted(set(d.suspects or d.devices))}")
+            elif done and seg.tie_devices:
+                odd |= set(seg.tie_devices)
+                how = (f"; where copies differ with no majority, the state that replaying {seg.a}:{seg.b} on good "
+                       f"devices reaches equals the other copies: device(s) {seg.tie_devices} hold the wrong one")
+            else:
+                how = ("; where copies differ with no majority, no replay told which copy is wrong (no device is "
+                       "named for those)")
         return CheckpointVerdict(
-            b, "poisoned", f"at its save the copies of {first['leaf']} shard {first['shard']} disagreed: device(s) "
-                           f"{first['devices']} against {first['agree']} (an SDC in the update or in memory on "
-                           f"device(s) {record.odd_devices()}, at or before step {b - 1})",
-            step=None, devices=tuple(record.odd_devices()),
+            b, "poisoned", f"at its save the copies of {first['leaf']} shard {first['shard']} disagreed: "
+                           f"{statefp.disagreement_text(first)} (an SDC in the update or in memory on "
+                           f"device(s) {sorted(odd)}, at or before step {b - 1}){how}",
+            step=None, devices=tuple(sorted(odd)),
             leaves=tuple(sorted({x["leaf"] for x in record.data["disagree"]})), **where)
     if seg is None or seg.status != "done":
         why = seg.start_problem if seg else "no segment reached it"
@@ -224,6 +258,16 @@ def _verdict(session: Session, seg: Optional[_Segment], b: int) -> CheckpointVer
                              **where)
 
 
+def judge_checkpoint(session: Session, a: int, b: int, record: statefp.StateRecord, *,
+                     log: Mapping[int, Any], assignment: Sequence[int]) -> CheckpointVerdict:
+    """The verdict ``replay certify`` gives checkpoint ``b`` when its state record is ``record`` (in memory:
+    a drill's, ``replay.verify.faults``) and its steps logged ``log``: the segment ``a -> b`` replayed from
+    checkpoint ``a`` on ``assignment`` (good devices), compared step by step with ``log`` and then with
+    ``record``, exactly as the walk does; ``b``'s files are not checked (a drill writes none)."""
+    seg = _segment(session, a, b, 0, tuple(assignment), lambda n=1: None, record=record, log=log, check_files=False)
+    return _verdict(session, seg, b, record=record)
+
+
 def certify(session: Session, *, start: Optional[int] = None, stop: Optional[int] = None, device_spec: str = "good",
             concurrent: bool = True, allow_env_drift: bool = False,
             progress: Optional[Callable[[int], Callable[[int], None]]] = None) -> CertifyReport:
@@ -245,6 +289,7 @@ def certify(session: Session, *, start: Optional[int] = None, stop: Optional[int
       EnvDriftError: the environment differs from the run's (``allow_env_drift``: certify anyway).
     """
     run, setup = session.run, session.setup
+    check_mesh_shape(run, setup)
     chain = [c for c in run.checkpoints if (start is None or c >= start) and (stop is None or c <= stop)]
     if start is not None and start not in run.checkpoints:
         raise RunDirError(f"--from {start}: no checkpoint at that step (checkpoints: {run.checkpoints})")
@@ -330,11 +375,12 @@ def _gather(session: Session, results: Mapping[int, _Segment], assignments: Sequ
                 diff = {"step": d.step, "kind": d.kind, "suspects": list(d.suspects), "devices": sorted(d.devices),
                         "leaves": list(d.leaves)}
             mine.append([k, r.a, r.b, r.placement, r.status, r.start_problem, diff, r.differing, r.file_problem,
-                         r.steps, r.seconds])
+                         r.steps, r.seconds, r.tie_devices])
     out: dict[int, _Segment] = {}
     for part in distributed.gather_json(mine):
-        for k, a, b, p, status, sp, diff, differing, fprob, steps, secs in part:
-            out[int(k)] = _Segment(a, b, p, status, sp, _Diff(**diff) if diff else None, differing, fprob, steps, secs)
+        for k, a, b, p, status, sp, diff, differing, fprob, steps, secs, ties in part:
+            out[int(k)] = _Segment(a, b, p, status, sp, _Diff(**diff) if diff else None, differing, fprob, steps, secs,
+                                   tie_devices=list(ties))
     return out
 
 

@@ -452,6 +452,29 @@ def environment_differences(run: RunLog, mesh: Any) -> list[str]:
             and not d.startswith("backend.process_index")]
 
 
+def check_mesh_shape(run: RunLog, setup: RunSetup) -> None:
+    """Refuses a replay whose set-up has another mesh shape than the run recorded (env.json), before any
+    work and whatever ``--allow-env-drift`` says: per-device fingerprints pair by mesh position, and
+    another shape gives each device other rows and the gradient's reduction another tree (a psum over 2
+    data replicas or over 4), so its sums round differently on every device; no bit-for-bit comparison
+    exists, and a comparison that cannot pair devices must not judge them.
+
+    Raises:
+      replay.verify.compare.PairingError: the shapes or axis names differ (both named).
+    """
+    rec = run.mesh or {}
+    if not (rec.get("shape") and rec.get("axis_names")):
+        return  # no mesh recorded: mesh_record reports that
+    want = dict(zip(rec.get("axis_names") or (), (int(n) for n in rec["shape"])))
+    got = dict(zip(setup.axis_names, (int(n) for n in setup.shape)))
+    if list(want.items()) != list(got.items()):
+        raise cmp.PairingError(
+            f"the run's mesh is {want} (env.json) and this replay's set-up builds {got}: devices pair by mesh "
+            "position, and another shape gives every device other rows and the gradient's sum another reduction "
+            "order, so no bit-for-bit comparison exists; replay on the run's mesh shape (its trainer factory "
+            "must return RunSetup(shape=...) from replay.run.setup.mesh_record)")
+
+
 def cpu_threads_hint(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> Optional[str]:
     """What to tell an operator when every device's bits differ on CPU and the run's processes had
     another XLA:CPU thread count than this one (``replay.run.env.cpu_threads``); None otherwise
@@ -741,6 +764,7 @@ def replay_range(
       replay.run.devices.DeviceSpecError: a bad spec or too few devices.
       EnvDriftError: environment drift without ``allow_env_drift`` or ``tolerance``.
       RunDirError: the run logged another fingerprint formula (``versions.fingerprint``).
+      replay.verify.compare.PairingError: the set-up's mesh shape is not the run's (:func:`check_mesh_shape`).
       ValueError: ``repeats`` or ``replays`` < 1.
     """
     from replay.run.fingerprint import version_mismatch
@@ -752,6 +776,7 @@ def replay_range(
     if problem:
         raise RunDirError(f"{os.path.join(run.run_dir, 'env.json')}: {problem}")
     log = run.fingerprints if log is None else log
+    check_mesh_shape(run, setup)
     run.check_range(start, stop)
     ckpt = run.checkpoint_for(start)
     bad = sorted(s for s in getattr(run, "malformed", {}) if ckpt <= s < start and s not in log)
