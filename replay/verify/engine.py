@@ -812,7 +812,12 @@ def replay_range(
     restore0 = session.restore_seconds
     decision = None
     runs: list[ReplayRun] = []
-    for rnd, seg_ids in enumerate(order):
+    order = [list(r) for r in order]
+    rnd = -1
+    while rnd + 1 < len(order):
+        rnd += 1
+        seg_ids = order[rnd]
+
         def lane_work(lane, seg_ids=seg_ids):
             out = {}
             for r in range(repeats):
@@ -833,7 +838,11 @@ def replay_range(
         runs = _assemble(results, assignments, repeats, segs)
         decision = decide([x.outcome() for x in runs], setup.mesh_size, suspected=suspected)
         if decision.verdict is Verdict.CONVICTED and not exhaustive:
-            break
+            back = walk_back(segs, decision.step, replayed)
+            if back is None:
+                break
+            order = order[:rnd + 1] + [[back]] + [[k for k in r if k != back] for r in order[rnd + 1:]]
+            order = [r for r in order if r]
     wall = time.perf_counter() - t0
     disagreement = None
     for other in runs[1:]:
@@ -868,6 +877,22 @@ def replay_range(
         placements=[_placement_record(session, i, a) for i, a in enumerate(assignments)],
         convicted=dv.name_devices(decision.devices, session.run_device_table(), coords), wall_seconds=wall,
     )
+
+
+def walk_back(segs: Sequence[plan.Segment], step: Optional[int], replayed: Mapping[int, int]) -> Optional[int]:
+    """The segment a targeted replay must replay before a conviction at ``step`` stands, or None.
+
+    A conviction at the first step of its segment says only that the state restored there was healthy and
+    the device went wrong at once: a persistent fault may have begun earlier, before that checkpoint, so
+    the segment before it (not yet replayed) is replayed too, and the verdict taken again; the first step
+    any replay differs at is the one named. This keeps an onset estimate that falls a segment late (a
+    drift's change point, a canary's window) from naming a later step than the fault's first."""
+    if step is None:
+        return None
+    k = next((i for i, sg in enumerate(segs) if sg.start <= step < sg.stop), None)
+    if k is None or k == 0 or segs[k].start != step or (k - 1) in replayed:
+        return None
+    return k - 1
 
 
 def run_lanes(lanes: Sequence[Any], work: Callable[[Any], Mapping], concurrent: bool, name: str) -> dict:
