@@ -648,6 +648,12 @@ def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Rando
                 shutil.copy(path, out_dir)
         shutil.copytree(os.path.join(run.run_dir, proto.CHECKPOINTS_DIR, str(c)),
                         os.path.join(out_dir, proto.CHECKPOINTS_DIR, str(c)))
+        from replay.run import statefp
+
+        record = statefp.record_path(run.run_dir, c)
+        if os.path.exists(record):  # the checkpoint's state record goes with it: the restore checks it
+            os.makedirs(os.path.dirname(statefp.record_path(out_dir, c)), exist_ok=True)
+            shutil.copy(record, statefp.record_path(out_dir, c))
         with open(os.path.join(out_dir, EVENTS), "a", encoding="utf-8") as f:
             f.write(json.dumps({"event": "drill", "step": start, "scenario": scenario, "device": device,
                                 "faults": as_dicts}, sort_keys=True) + "\n")

@@ -368,6 +368,29 @@ def test_a_transit_fault_names_the_link_and_neither_chip(ep_run, capsys, monkeyp
     assert got["cause"] == "link_fault" and "7 -> 5" in got["explanation"]
 
 
+def test_an_optimizer_update_fault_is_named_by_certify_at_the_next_save_even_in_a_tie(ep_run):
+    """Device 2's copy of an expert leaf's Adam moment (its twin, device 6, holds the other copy: two copies, no
+    majority) flipped after step 33's update: the state record of the save at 40 names neither copy, and
+    certify's replay of 30:40 on another placement tells which one is wrong (before, the lower id won ties)."""
+    from replay.verify import faults as fm
+
+    fault = fm.Fault(site="optimizer_update", device=2, start=33, element=5, bit=21, magnitude="high_mantissa",
+                     leaf="['opt_state'][1][0].mu['layers'][1]['w_out']")
+    row = fm.run_fault_drill(fm.DrillContext(ep_run[0]), fault)
+    assert row["judge"] == "certify" and row["checkpoint"] == 40, row
+    assert row["outcome"] == "right_alone" and row["devices"] == [2] and row["leaf_named"], row
+    assert row["detected"]["state_record"] and row["detected"]["certify"], row
+
+
+def test_a_replay_on_another_mesh_shape_is_refused_before_any_work(ep_run):
+    from replay.verify import compare, engine
+
+    session = ep_run[0]
+    other = dataclasses.replace(session.setup, shape=(4, 2))
+    with pytest.raises(compare.PairingError, match=r"\{'data': 2, 'expert': 4\}.*\{'data': 4, 'expert': 2\}"):
+        engine.replay_range(engine.Session(session.run, other), 30, 31, allow_env_drift=True)
+
+
 def test_a_masked_fault_leaves_the_final_state_bit_identical(ep_run):
     from replay.verify import faults as fm
 
