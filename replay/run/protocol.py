@@ -435,6 +435,10 @@ class ExpertLoad:
         load is even; the device with the most tokens is the layer's slowest expert group (its
         expert matmuls are the longest once the exchange is ragged, and with capacity padding it
         is the one that drops first); 0.0 when no token was routed.
+      output_sq: per device id, the float32 sum of squares of its experts' output (optional).
+      probe: per device id, the 64-bit fingerprint of its experts' output for a fixed probe token
+        (optional; JSON: 16 hex digits): devices holding the same experts agree bit for bit when they
+        compute right (``replay scan``'s ``expert_drift``).
     """
 
     received: Mapping[int, int]

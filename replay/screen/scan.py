@@ -12,12 +12,15 @@ numbers and words the findings::
                   differs from the others' / the golden
     nonfinite     signals.jsonl devices[d].nonfinite       the device whose local gradient had NaN/Inf
                   (fingerprints.jsonl: reduced gradient)   while others had none (all devices: the run)
-    norm_spike    replica norms, |robust z| > spike_z      the replica's devices, at that step
-                  or a non-finite norm
-    norm_drift    replica norms, robust CUSUM              the replica's devices, from the change's onset
-    expert_drift  signals.jsonl expert_load[layer]:        the expert device whose output per token moved
-                  output_sq / received per expert device    against the others' (robust CUSUM, as norm_drift;
-                  (expert parallelism)                      floor EXPERT_DRIFT_FLOOR, benchmarks/campaign.py)
+    norm_spike    replica norms, |robust z| > spike_z      the replica's devices, at that step (under expert
+                  or a non-finite norm                      parallelism: the device's expert group, expert_groups)
+    norm_drift    replica norms, robust CUSUM              the replica's devices (as norm_spike), from the
+                                                            change's onset
+    expert_drift  signals.jsonl expert_load[layer]:        the expert device whose probe output differs from
+                  probe: each expert device's output for    its twins' bit for bit (from that step; floor one
+                  a fixed token; output_sq / received       bit), or whose output per token moved against its
+                  (expert parallelism)                      twins' (robust CUSUM; floor EXPERT_DRIFT_FLOOR,
+                                                            benchmarks/campaign.py); two twins: the pair
     router        signals.jsonl router[layer]              the layer (dropped fraction, or an expert's share
                   vs run config router_health               outside its band after warm-up: share_band,
                                                             widened on small runs by the window's rows)
@@ -423,9 +426,11 @@ def _replicas(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig,
 
 
 EXPERT_DRIFT_FLOOR = 0.05
-"""The stated floor of ``expert_drift``: a persistent x(1 + delta) drift of one expert device's output with
-delta >= this is named within 20 steps (``benchmarks/campaign.py`` measures it on the fixed grid
-0.01-0.2, ``scan_expert_drift_named_fraction``)."""
+"""The stated floor of ``expert_drift``'s output-per-token statistic: a persistent x(1 + delta) drift of one
+expert device's output with delta >= this is named within 20 steps from the logged norms alone
+(``benchmarks/campaign.py`` measures it on the fixed grid 0.01-0.2 with the probes removed,
+``scan_expert_drift_statistic_named_fraction``). With the probes logged (the reference trainer's), any drift
+that changes one bit of a device's probe output is named from its first step."""
 
 
 def expert_output_per_token(signals, steps: list[int]) -> tuple[list[int], np.ndarray]:
