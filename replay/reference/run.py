@@ -535,7 +535,8 @@ def train(
         earlier invocations included) at the end, also when there was nothing to train.
       on_step: called after each step with the step and its loss (benchmarks time steps with it).
       faults: a drill (``replay drill --scenario``): passed to every ``trainer.train_step`` as its
-        ``fault`` (``FaultSpec``/``DriftSpec`` or a list of them; each fires at its own steps).
+        ``fault`` (``FaultSpec``/``DriftSpec`` or a list of them; each fires at its own steps), and to
+        each periodic canary, where a drift active at its step (a device's persistent fault) fires too.
       canary_fault: a drill: a ``FaultSpec`` whose bit is flipped in its device's canary gradient
         at every periodic canary from step ``canary_fault.step`` on.
       rewind_to: roll back: restore this checkpoint of the lineage instead of the newest (a ``rewind``
