@@ -170,7 +170,7 @@ def drift_drills(sessions, rng, count: int, steps: int, root: str) -> list[dict]
     from replay import drill
     from replay.run.protocol import read_signals
     from replay.run.runlog import load_run
-    from replay.screen.scan import scan_run
+    from replay.screen.scan import expert_drift_scope, scan_run
 
     out = []
     for i in range(count):
@@ -188,12 +188,15 @@ def drift_drills(sessions, rng, count: int, steps: int, root: str) -> list[dict]
         stat = scan_run(run, stop=stop, screening_logs=(sig, None)).to_dict()
         canary_step, canary_named = _next_canary_names(folder, start, dev)
         suspects = [x for x in scan.get("suspects", []) if x["kind"] in ("device", "replica")]
-        judge = lambda sc: drill.judge_scan(sc, "expert_drift", dev, start, drill.DRIFT_TOLERANCE,  # noqa: E731
-                                            resolution=res.resolution)
+        judge = lambda sc, wider=(): drill.judge_scan(sc, "expert_drift", dev, start,  # noqa: E731
+                                                      drill.DRIFT_TOLERANCE, resolution=res.resolution + wider)
+        coords = {int(d): dict(c) for d, c in (session.run.mesh.get("device_coords") or {}).items()}
+        scope = tuple(sorted(expert_drift_scope(sorted(coords), coords, dev)))
         out.append({"layout": _layout(session), "delta": delta, "device": dev, "start": start,
                     "steps_scanned_after_start": stop - start,
                     "caught": judge(scan), "named_alone": drill.named_alone(scan, dev, ("expert_drift",)),
-                    "statistic_caught": judge(stat),
+                    # the statistic alone names the scope a finding can point at (scan.expert_drift_scope)
+                    "statistic_caught": judge(stat, (scope,)),
                     "canary_step": canary_step, "canary_named_alone": canary_named,
                     "healthy_only_suspects": [x["devices"] for x in suspects if dev not in x["devices"]],
                     "targeted_replay": _targeted_replay(session, folder, scan, start, dev),

@@ -511,6 +511,18 @@ def _probe_evidence(signals, steps: list[int], start: int, coords: Mapping[int, 
     return found, compared
 
 
+def expert_drift_scope(devs: Sequence[int], coords: Mapping[int, Mapping[str, int]], device: int) -> set[int]:
+    """The devices an output-per-token finding on ``device`` can point at: the device, its twins, and the
+    expert groups of all of them. The statistic compares a device with its twins, and its tokens come from
+    its expert group, whose outputs in an earlier layer shape them: a drifting device moves its own
+    output per token, and, one layer later, that of the other experts its tokens go to (measured: a 0.05
+    drift of device 5 on ``{data: 4, expert: 2}`` moved healthy device 6's statistic past its alarm,
+    through device 4, 5's group partner and 6's twin)."""
+    twins = expert_twins(list(devs), coords).get(device, [])
+    groups = expert_groups(list(devs), coords)
+    return {device, *twins} | {e for x in (device, *twins) for e in groups.get(x, (x,))}
+
+
 def _expert_drift(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig,
                   coords: Optional[Mapping[int, Mapping[str, int]]] = None):
     """Expert-device screening (issue 27 item 4). Under expert parallelism one device's drifting expert
@@ -519,15 +531,16 @@ def _expert_drift(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig
     holding the same experts on the other data replicas, :func:`expert_twins`): the expert's own training
     dynamics move twins together and cancel; a chip's ``x(1 + delta)`` does not. The log-difference is
     judged with the replicas' statistics (``screening.screen_replicas``: robust z against its own history,
-    CUSUM). With two twins the difference cannot say which of the two moved, and neither can either one's
-    series against every expert device's (measured: the optimizer's response through the weights the twins
-    share moves the healthy twin by about as much, within a step or two): the pair is named, a replica
-    suspect of two devices, and a range replay from the onset tells which. With three or more twins the
-    device that moved against the others is named alone. Without twins (one data replica) every expert
-    device is compared with the median of all, which the experts' own dynamics can move: weaker.
+    CUSUM). A device whose statistic alarms need not be the faulty one: its twins move it too, and so does
+    a device of their expert groups whose wrong output, one layer earlier, changed the tokens it computes
+    on; so a statistical finding names all of those (:func:`expert_drift_scope`), one suspect, and a range
+    replay from the onset tells which. Without twins (one data replica) every expert device is compared
+    with the median of all, which the experts' own dynamics can move: weaker.
     Before that statistic, the probe (when the trainer logs it, ``ExpertLoad.probe``): each expert device's
     output for a fixed token, compared with its twins' bit for bit at every step (:func:`probe_mismatches`):
-    any drift that changes one bit of it is named from its first step, alone among three or more twins.
+    any drift that changes one bit of it is named from its first step, alone among three or more twins,
+    as the pair with two (nothing says which of two is right). A statistical alarm whose scope holds a
+    device the probe named is explained by it and not reported again.
     Returns ``(status, findings, series)``."""
     coords = coords or {}
     probed, compared = ([], 0) if signals is None else _probe_evidence(signals, steps, start, coords)
@@ -553,31 +566,31 @@ def _expert_drift(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig
     else:
         res = sc.screen_replicas(x, np.isfinite(x), cfg)
     found, named = [], set()
+    probe_named = {d for (_, subject), _ in probed for d in subject}
     for a in sorted(res.drifts, key=lambda a: -a.strength):
         dev, how = devs[a.replica], "against the median of every expert device"
-        kind, subject = "device", (devs[a.replica],)
-        if paired:
-            group = sorted([dev] + twins[dev])
-            if tuple(group) in named:
-                continue
-            named.add(tuple(group))
-            if len(group) == 2:  # the difference of two cannot say which one moved
-                kind, subject = "replica", tuple(group)
-                how = (f"against each other (devices {group[0]} and {group[1]} hold the same experts on two data "
-                       "replicas: one of the two drifted, and a range replay from the onset tells which)")
-            else:
-                how = f"against its {len(group) - 1} twins (the same experts on the other data replicas)"
-        if steps[-1] < start:
+        group = sorted([dev] + twins[dev]) if paired else [dev]
+        if tuple(group) in named:
             continue
+        named.add(tuple(group))
+        if paired:
+            how = (f"against its twin {twins[dev][0]} (two data replicas: either of the two moved)"
+                   if len(group) == 2 else f"against its {len(group) - 1} twins (the same experts on the other data "
+                                            "replicas)")
+        scope = expert_drift_scope(devs, coords, dev)
+        if steps[-1] < start or scope & probe_named:
+            continue  # explained by a probe finding in its scope: that names the device
         onset, alarm = steps[a.onset], steps[a.alarm]
         lo = steps[a.onset if a.onset_lo is None else a.onset_lo]
         hi = steps[a.onset if a.onset_hi is None else a.onset_hi]
         rel = math.expm1(abs(a.shift_log))
-        who = f"device {dev}'s" if kind == "device" else "the"
-        found.append(((kind, subject), dataclasses.replace(_evidence(
+        subject = tuple(sorted(scope))
+        found.append((("device" if len(subject) == 1 else "replica", subject), dataclasses.replace(_evidence(
             "expert_drift", onset, steps[-1], a.strength,
-            f"{who} expert output per token moved {how}, from step {onset} (alarm at step {alarm}; about "
-            f"{rel:.1%} in output norm)"), onset_range=(lo, hi))))
+            f"device {dev}'s expert output per token moved {how}, from step {onset} (alarm at step {alarm}; about "
+            f"{rel:.1%} in output norm); a device moves so when it or its twins compute wrong, or when a device "
+            f"of their expert groups sends them other tokens in a later layer, so the devices named are all of "
+            f"those ({list(subject)}): a range replay from the onset tells which"), onset_range=(lo, hi))))
     detail = (f"{res.judged} device-steps scored ({len(devs)} expert devices, {len(steps)} steps, "
               + ("each against its twins" if paired else "each against all (no twins: one data replica)")
               + f"); stated floor x(1 + {EXPERT_DRIFT_FLOOR:g})")
