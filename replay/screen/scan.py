@@ -18,9 +18,10 @@ numbers and words the findings::
                                                             change's onset
     expert_drift  signals.jsonl expert_load[layer]:        the expert device whose probe output differs from
                   probe: each expert device's output for    its twins' bit for bit (from that step; floor one
-                  a fixed token; output_sq / received       bit), or whose output per token moved against its
-                  (expert parallelism)                      twins' (robust CUSUM; floor EXPERT_DRIFT_FLOOR,
-                                                            benchmarks/campaign.py); two twins: the pair
+                  a fixed token; output_sq / received       bit; two twins: the pair), or, with its twins and
+                  (expert parallelism)                      their expert groups, one whose output per token
+                                                            moved against its twins' (robust CUSUM; floor
+                                                            EXPERT_DRIFT_FLOOR, benchmarks/campaign.py)
     router        signals.jsonl router[layer]              the layer (dropped fraction, or an expert's share
                   vs run config router_health               outside its band after warm-up: share_band,
                                                             widened on small runs by the window's rows)
