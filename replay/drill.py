@@ -442,14 +442,22 @@ class ScenarioReport:
     named: Optional[dict[str, Any]]
     tolerance: int
 
+    resolution: tuple = ()  # the device sets the scan may name besides the device alone (scan_resolution)
+
     @property
     def caught(self) -> bool:
-        return judge_scan(self.scan, self.scenario, self.device, self.first_step, self.tolerance)
+        return judge_scan(self.scan, self.scenario, self.device, self.first_step, self.tolerance,
+                          resolution=self.resolution)
+
+    @property
+    def alone(self) -> bool:
+        """The scan named the device alone by the scenario's check (not only as one of a pair or group)."""
+        return named_alone(self.scan, self.device, EXPECTED_CHECK[self.scenario])
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "scenario_drill", "scenario": self.scenario, "device": self.device,
                 "first_step": self.first_step, "faults": self.faults, "run_dir": self.run_dir,
-                "caught": self.caught, "named": self.named, "tolerance": self.tolerance,
+                "caught": self.caught, "named_alone": self.alone, "named": self.named, "tolerance": self.tolerance,
                 "scan_suspects": self.scan.get("suspects"), "scan_checks": self.scan.get("checks")}
 
 
@@ -462,18 +470,26 @@ def top_device_suspect(scan: dict[str, Any]) -> Optional[dict[str, Any]]:
     return None
 
 
-def judge_scan(scan: dict[str, Any], scenario: str, device: int, first_step: int, tolerance: int = 0) -> bool:
-    """True when the scan names exactly ``device`` among the device suspects (expert_drift: or the pair of
-    ``device`` and its twin, which that check cannot tell apart on two data replicas), with evidence of the
-    scenario's kind (drift: ``norm_drift``; flip: ``norm_spike`` or ``nonfinite``; canary:
-    ``canary``) whose first step is within ``tolerance`` of ``first_step`` or, for a drift, whose
-    onset is marked uncertain with a range that holds ``first_step``."""
-    pair = None  # expert_drift with two twins names the pair, as one suspect: the device and the one holding its experts
-    if scenario == "expert_drift" and len(scan.get("suspect_devices") or []) == 2 and device in scan["suspect_devices"] \
-            and any(s["kind"] == "replica" and s["devices"] == scan["suspect_devices"] for s in scan.get("suspects", [])):
-        pair = list(scan["suspect_devices"])
-    if scan.get("suspect_devices") != [device] and pair is None:
-        return False
+def judge_scan(scan: dict[str, Any], scenario: str, device: int, first_step: int, tolerance: int = 0, *,
+               resolution: Sequence[Sequence[int]] = ()) -> bool:
+    """True when the scan names ``device`` and no healthy device beyond what its checks can resolve: every
+    device or replica suspect includes ``device`` and lies within ``[device]`` and the sets of ``resolution``,
+    and one of them whose devices are ``[device]`` or a set of ``resolution``
+    has evidence of the scenario's kind (drift: ``norm_drift``; flip: ``norm_spike`` or ``nonfinite``;
+    canary: ``canary``; expert_drift: ``expert_drift``) whose first step is within ``tolerance`` of
+    ``first_step`` or, for a drift, whose onset is marked uncertain with a range that holds ``first_step``.
+
+    ``resolution``: the finest device sets the check can name besides the device alone (the twins of an
+    expert device on two data replicas, which ``expert_drift`` names as a pair; the expert group of a norm
+    check under expert parallelism, :func:`scan_resolution`). Without it, an ``expert_drift`` replica suspect
+    of two devices holding ``device`` counts as the pair."""
+    suspects = [s for s in scan.get("suspects", []) if s["kind"] in ("device", "replica")]
+    sets = [[device]] + [sorted(int(d) for d in r) for r in resolution if device in r]
+    allowed = {d for r in sets for d in r}
+    legacy = not resolution and scenario == "expert_drift"  # a pair of twins, from the scan alone
+    if not suspects or any(device not in s["devices"] or not (legacy and len(s["devices"]) <= 2
+                                                               or set(s["devices"]) <= allowed) for s in suspects):
+        return False  # no suspect, or one that names a healthy device (alone, or beyond what the check resolves)
 
     def right(e) -> bool:
         if abs(e["first_step"] - first_step) <= tolerance:
@@ -482,10 +498,37 @@ def judge_scan(scan: dict[str, Any], scenario: str, device: int, first_step: int
         return scenario in ("drift", "expert_drift") and bool(e.get("onset_uncertain")) and lo_hi is not None \
             and lo_hi[0] <= first_step <= lo_hi[1]
 
-    for s in scan.get("suspects", []):
-        if s["kind"] in ("device", "replica") and s["devices"] in ([device], pair):
-            return any(e["check"] in EXPECTED_CHECK[scenario] and right(e) for e in s["evidence"])
-    return False
+    def named(s) -> bool:
+        return s["devices"] in sets or (not resolution and scenario == "expert_drift" and len(s["devices"]) == 2)
+
+    return any(named(s) and any(e["check"] in EXPECTED_CHECK[scenario] and right(e) for e in s["evidence"])
+               for s in suspects)
+
+
+def named_alone(scan: dict[str, Any], device: int, checks: Sequence[str]) -> bool:
+    """Whether a suspect of the scan is ``device`` alone with evidence of one of ``checks``."""
+    return any(s["kind"] == "device" and s["devices"] == [device] and any(e["check"] in checks for e in s["evidence"])
+               for s in scan.get("suspects", []))
+
+
+def scan_resolution(session: Any, device: int) -> list[list[int]]:
+    """The finest device sets ``replay scan`` can name for ``device`` besides itself (:func:`judge_scan`):
+    under expert parallelism, its twins with it when it has exactly one (``expert_drift``), and its expert
+    group (the norm checks)."""
+    from replay.screen.scan import expert_groups, expert_twins
+
+    coords = {int(d): dict(c) for d, c in (session.run.mesh.get("device_coords") or {}).items()}
+    if not any("expert" in c for c in coords.values()):
+        return []
+    devs = sorted(coords)
+    out = []
+    twins = expert_twins(devs, coords).get(device, [])
+    if len(twins) == 1:
+        out.append(sorted([device, *twins]))
+    group = list(expert_groups(devs, coords).get(device, ()))
+    if len(group) > 1:
+        out.append(group)
+    return out
 
 
 def scenario_faults(scenario: str, *, device: int, start: int, stop: int, magnitude: float = 0.2,
@@ -605,6 +648,12 @@ def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Rando
                 shutil.copy(path, out_dir)
         shutil.copytree(os.path.join(run.run_dir, proto.CHECKPOINTS_DIR, str(c)),
                         os.path.join(out_dir, proto.CHECKPOINTS_DIR, str(c)))
+        from replay.run import statefp
+
+        record = statefp.record_path(run.run_dir, c)
+        if os.path.exists(record):  # the checkpoint's state record goes with it: the restore checks it
+            os.makedirs(os.path.dirname(statefp.record_path(out_dir, c)), exist_ok=True)
+            shutil.copy(record, statefp.record_path(out_dir, c))
         with open(os.path.join(out_dir, EVENTS), "a", encoding="utf-8") as f:
             f.write(json.dumps({"event": "drill", "step": start, "scenario": scenario, "device": device,
                                 "faults": as_dicts}, sort_keys=True) + "\n")
@@ -620,7 +669,8 @@ def run_scenario(session: Any, scenario: str, out_dir: str, *, rng: random.Rando
     scan = scan_run(load_run(out_dir)).to_dict()
     return ScenarioReport(scenario=scenario, device=device, first_step=first_step, faults=as_dicts,
                           run_dir=out_dir, scan=scan, named=top_device_suspect(scan),
-                          tolerance=DRIFT_TOLERANCE if scenario in ("drift", "expert_drift") else 0)
+                          tolerance=DRIFT_TOLERANCE if scenario in ("drift", "expert_drift") else 0,
+                          resolution=tuple(tuple(r) for r in scan_resolution(session, device)))
 
 
 def retrain_through_protocol(session: Any, out_dir: str, checkpoint: int, stop: int, *, faults: Any = None,

@@ -286,15 +286,20 @@ def test_expert_load_is_logged_and_judged_by_scan(ep_run, tmp_path):
 
 def test_drift_on_an_expert_device_is_named_by_scan(ep_run, tmp_path):
     """Replica-norm screening under expert parallelism: each device's local contribution (its rows'
-    gradient of the replicated weights, and its experts' shard) is one replica; a drift of one
-    expert device's contribution is named, and only it."""
+    gradient of the replicated weights, and its experts' shard) is one replica, but it moves with anything
+    its expert group computes (the devices it exchanges tokens with), so a drift of device 6's contribution
+    is named as its group (data replica 1: devices 4-7), and the periodic canary, whose program computes
+    the same drifting local gradient on device 6, names device 6 alone."""
     from replay import drill
 
     session = ep_run[0]
     res = drill.run_scenario(session, "drift", str(tmp_path / "drift"), rng=random.Random(7), device=6,
                              magnitude=1.0, start=22)
     assert res.caught, (res.named, res.scan["suspects"])
-    assert res.named["devices"] == [6] and res.scan["suspect_devices"] == [6]
+    by = {tuple(s["devices"]): [e["check"] for e in s["evidence"]] for s in res.scan["suspects"]
+          if s["kind"] in ("device", "replica")}
+    assert by[(6,)] == ["canary"] and "norm_drift" in by[(4, 5, 6, 7)], by
+    assert res.scan["suspect_devices"] == [4, 5, 6, 7] and res.resolution == ((2, 6), (4, 5, 6, 7))
 
 
 def test_canary_under_expert_parallelism_names_a_faulty_device(ep_run):
@@ -364,6 +369,29 @@ def test_a_transit_fault_names_the_link_and_neither_chip(ep_run, capsys, monkeyp
     assert got["cause"] == "link_fault" and "7 -> 5" in got["explanation"]
 
 
+def test_an_optimizer_update_fault_is_named_by_certify_at_the_next_save_even_in_a_tie(ep_run):
+    """Device 2's copy of an expert leaf's Adam moment (its twin, device 6, holds the other copy: two copies, no
+    majority) flipped after step 33's update: the state record of the save at 40 names neither copy, and
+    certify's replay of 30:40 on another placement tells which one is wrong (before, the lower id won ties)."""
+    from replay.verify import faults as fm
+
+    fault = fm.Fault(site="optimizer_update", device=2, start=33, element=5, bit=21, magnitude="high_mantissa",
+                     leaf="['opt_state'][1][0].mu['layers'][1]['w_out']")
+    row = fm.run_fault_drill(fm.DrillContext(ep_run[0]), fault)
+    assert row["judge"] == "certify" and row["checkpoint"] == 40, row
+    assert row["outcome"] == "right_alone" and row["devices"] == [2] and row["leaf_named"], row
+    assert row["detected"]["state_record"] and row["detected"]["certify"], row
+
+
+def test_a_replay_on_another_mesh_shape_is_refused_before_any_work(ep_run):
+    from replay.verify import compare, engine
+
+    session = ep_run[0]
+    other = dataclasses.replace(session.setup, shape=(4, 2))
+    with pytest.raises(compare.PairingError, match=r"\{'data': 2, 'expert': 4\}.*\{'data': 4, 'expert': 2\}"):
+        engine.replay_range(engine.Session(session.run, other), 30, 31, allow_env_drift=True)
+
+
 def test_a_masked_fault_leaves_the_final_state_bit_identical(ep_run):
     from replay.verify import faults as fm
 
@@ -389,8 +417,33 @@ def test_nan_and_scale_faults_and_the_expert_drift_signal(ep_run, tmp_path):
                                                              value=1.0))
     assert tiny.bits_equal(clean) and tiny.recvs == clean.recvs  # x 1 changes no bit
     # one expert device's experts' output x1.2 from step 22: replay scan names it by expert_drift, with its twin
-    # (device 2 holds the same expert on the other data replica: two twins cannot be told apart)
+    # (device 2 holds the same expert on the other data replica: two twins cannot be told apart), from the
+    # step the probes first differ; the periodic canary (every 5 steps) names device 6 alone at the next one
     res = drill.run_scenario(session, "expert_drift", str(tmp_path / "ed"), rng=random.Random(2799), device=6,
                              magnitude=0.2, start=22)
-    assert res.caught and res.named["devices"] == [2, 6] and res.named["checks"][0] == "expert_drift", res.named
-    assert res.scan["suspect_devices"] == [2, 6] and "norm_drift" not in res.named["checks"]
+    assert res.caught and not res.alone, res.scan["suspects"]
+    by = {tuple(s["devices"]): s for s in res.scan["suspects"] if s["kind"] in ("device", "replica")}
+    assert by[(2, 6)]["evidence"][0]["check"] == "expert_drift" and by[(2, 6)]["first_step"] == 22, by
+    assert [e["check"] for e in by[(6,)]["evidence"]] == ["canary"] and by[(6,)]["first_step"] == 25, by
+    assert all(6 in d for d in by), by  # no suspect of healthy devices only
+
+
+def test_a_drifting_expert_device_is_named_by_the_periodic_canary(ep_run):
+    """A device's persistent fault applies to every program that runs the faulty site on it: the canary's
+    program computes every expert on every device, so an expert-output drift of x(1 + 1e-6) on device 3 (a
+    float32 ulp is about 1.2e-7 relative) changes its canary checksum and no other device's."""
+    from replay.run.protocol import DriftSpec, FaultSpec
+
+    session, trainer, mesh, _, _ = ep_run
+    params = trainer.init_params(mesh, 1234)
+    batch = {k: v[:1] for k, v in session.numpy_batch(0, tuple(range(8))).items()}
+    sig = {}
+    for name, persistent in (("clean", None), ("drift", DriftSpec(3, 10, 1e-6, kind="expert_output")),
+                             ("before", DriftSpec(3, 30, 1e-6, kind="expert_output")),
+                             ("flip", FaultSpec(10, 3, "", 4, 30, where="ffn_up", layer=0))):
+        fps = trainer.canary_fingerprints(params, batch, persistent=persistent, step=20)
+        sig[name] = {d: json.dumps(v, sort_keys=True) for d, v in fps.items()}
+    assert len(set(sig["clean"].values())) == 1
+    assert {d for d in sig["drift"] if sig["drift"][d] != sig["clean"][d]} == {3}
+    assert sig["before"] == sig["clean"]  # not active yet at step 20
+    assert sig["flip"] == sig["clean"]  # a one-step bit flip of a training step is not a persistent fault

@@ -404,3 +404,18 @@ def test_evidence_names_each_placement_when_they_differ():
     assert report.evidence_text(rep) == "bit-exact on [0, 1, 2, 3] (the run's own devices), per-shard on [4, 5, 6, 7]"
     rep["replays"][0]["evidence"] = rep["replays"][2]["evidence"] = "per-shard"
     assert report.evidence_text(rep) == "per-shard"
+
+
+@pytest.mark.parametrize("step,replayed,want", [
+    (8, {2: 0}, 1),        # a conviction at segment 2's first step: segment 1 may hold the fault's start
+    (9, {2: 0}, None),     # inside its segment: the step before it replayed right
+    (8, {1: 1, 2: 0}, None),  # segment 1 already replayed (and right)
+    (0, {0: 0}, None),     # the range's first segment: nothing before it to replay
+    (None, {}, None),
+])
+def test_walk_back_replays_the_segment_before_a_conviction_at_a_checkpoint(step, replayed, want):
+    from replay.verify import plan
+    from replay.verify.engine import walk_back
+
+    segs = plan.segments(0, 12, [0, 4, 8])
+    assert walk_back(segs, step, replayed) == want

@@ -63,14 +63,16 @@ class PeriodicCanary:
         cn.read_golden(self.golden_path)  # a corrupt golden file is reported before training starts
         self.seconds: list[float] = []  # of each periodic canary run
 
-    def before_step(self, step: int, fault, checkpoints: "Checkpoints", state, log: Callable[[str], None]
-                    ) -> tuple[float, Optional[dict[str, Any]]]:
-        """The canary before ``step`` when it is due (``fault``: a drill's, or None); returns its seconds
+    def before_step(self, step: int, fault, checkpoints: "Checkpoints", state, log: Callable[[str], None],
+                    persistent=None) -> tuple[float, Optional[dict[str, Any]]]:
+        """The canary before ``step`` when it is due (``fault``: a drill's canary fault, or None;
+        ``persistent``: the drill's training faults, whose persistent ones fire in the canary too, as a
+        faulty device's would in every program it runs: :meth:`run`); returns its seconds
         (0 when not due) and, under ``canary_action: stop`` after a mismatch, the loop's ``stopped``
         summary (checkpoint ``step`` saved from ``state`` first, a ``stopped`` event written)."""
         if step % self.every:
             return 0.0, None
-        decision, seconds = self.run(step, fault)
+        decision, seconds = self.run(step, fault, persistent)
         self.seconds.append(seconds)
         if decision.verdict.value == "acquitted":
             return seconds, None
@@ -82,8 +84,10 @@ class PeriodicCanary:
         self.rd.event("stopped", step, reason="canary_mismatch", devices=list(decision.odd_devices))
         return seconds, {"step": step, "reason": decision.explanation}
 
-    def run(self, step: int, fault=None):
-        """Runs the canary before ``step``; returns ``(CanaryDecision, seconds)``."""
+    def run(self, step: int, fault=None, persistent=None):
+        """Runs the canary before ``step``; returns ``(CanaryDecision, seconds)``. ``persistent``: the
+        training step's drill faults, whose persistent ones fire in the canary program too
+        (``ReferenceTrainer.canary_fingerprints``)."""
         import warnings
 
         from replay.run import canary as cn
@@ -93,7 +97,7 @@ class PeriodicCanary:
         # the run decides from the same golden value.
         golden = (cn.read_golden(self.golden_path).get(self.env_key) or {}).get("signature")
         t0 = time.perf_counter()
-        fps = self.trainer.canary_fingerprints(self.params, self.batch, fault)
+        fps = self.trainer.canary_fingerprints(self.params, self.batch, fault, persistent=persistent, step=step)
         seconds = time.perf_counter() - t0
         results = [cn.DeviceResult(d, (cn.fingerprints_signature(f),), f) for d, f in fps.items()]
         decision = cn.decide_canary(results, golden)

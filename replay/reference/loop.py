@@ -194,7 +194,9 @@ class StepLoop:
             canary_s = 0.0
             if self.canary is not None:
                 canary_fault = self.drill.canary_fault_at(step) if self.drill is not None else None
-                canary_s, stopped = self.canary.before_step(step, canary_fault, self.checkpoints, self.state, self.log)
+                faults = self.drill.faults if self.drill is not None else None
+                canary_s, stopped = self.canary.before_step(step, canary_fault, self.checkpoints, self.state, self.log,
+                                                            persistent=faults)
                 if stopped is not None:
                     return stopped
             fp, timing = self._train_step(step, batch)

@@ -277,6 +277,30 @@ class Hooks:
         return on if leaf is None else on & (f[2] == leaf)
 
 
+def expert_probe_input(d_model: int, dtype: Any) -> jnp.ndarray:
+    """The experts' probe token: a fixed ``[d_model]`` vector of RMS 1 (``cos(0.7 i + 0.3)``, normalized), the
+    same on every device and at every step."""
+    v = jnp.cos(jnp.arange(d_model, dtype=jnp.float32) * 0.7 + 0.3)
+    return (v * jax.lax.rsqrt(jnp.mean(v * v))).astype(dtype)
+
+
+def _expert_probe(w_in, w_out, drifting, magnitude) -> jnp.ndarray:
+    """uint32[2]: the fingerprint lanes of this device's experts' output for the probe token
+    (:func:`expert_probe_input`), ``w_out^T gelu(w_in^T probe)`` per local expert, no gradient.
+
+    Devices holding the same experts (twins on other data replicas) hold bit-identical weights, so a
+    healthy device's probe fingerprint equals its twins' at every step; ``replay scan``'s ``expert_drift``
+    check compares them. A drifting device (``drifting``, the ``expert_output`` drift) computes every expert
+    output x(1 + ``magnitude``), the probe's too: a persistent fault of the chip applies to each
+    computation at its site."""
+    w_in, w_out = jax.lax.stop_gradient(w_in), jax.lax.stop_gradient(w_out)
+    probe = jnp.broadcast_to(expert_probe_input(w_in.shape[1], w_in.dtype), (w_in.shape[0], 1, w_in.shape[1]))
+    h = jax.nn.gelu(jnp.einsum("ecd,edf->ecf", probe, w_in))
+    out = jnp.einsum("ecf,efd->ecd", h, w_out)
+    out = jnp.where(drifting, out * (1.0 + magnitude).astype(out.dtype), out)
+    return fpm.fingerprint(out, counts=False)[:2]
+
+
 def _halves(fp) -> jnp.ndarray:
     """uint32 ``[fp0, fp1, ...]`` -> float32[4] of its two lanes' 16-bit halves (exact)."""
     lo = jnp.uint32(0xFFFF)
@@ -475,8 +499,14 @@ def _moe(p, x, valid, cfg: ModelConfig, bias=None, *, ep: Optional[ExpertParalle
         h = _inner(jax.nn.gelu(pre), hooks, "ffn_down", layer)
         expert_out = _matmul("becf,efd->becd", h, w_out, hooks, "ffn_down", layer)
         expert_out = _maybe_flip(expert_out, hooks, "expert_forward", layer)
+        drifting = hooks.drifting_output()
+        if drifting is not None:  # every expert computed here (the canary's program): a drifting device's output
+            expert_out = jnp.where(drifting, expert_out * (1.0 + hooks.drift[3]).astype(expert_out.dtype), expert_out)
     else:
         expert_out, extra = _experts_exchanged(expert_in, w_in, w_out, ep, hooks, layer)
+        drifting = hooks.drifting_output()
+        if drifting is not None:  # each expert device's output for a fixed token, compared with its twins'
+            extra["probe"] = _expert_probe(p["w_in"], p["w_out"], drifting, hooks.drift[3])
     y = _combine(expert_out, idx, slot_of, gate, kept, x.dtype)
     return y, {**_router_stats(logits, probs, assign, idx, assigned, kept, valid, cfg), **extra}
 

@@ -655,7 +655,7 @@ class ReferenceTrainer:
         if self.signals:
             specs.update(dev_norm_sq=P(axes), dev_nonfinite=P(axes), dev_dot=P(axes))
             if lay.ep is not None:
-                specs.update(recv_tokens=P(axes), out_sq=P(axes))
+                specs.update(recv_tokens=P(axes), out_sq=P(axes), probe=P(axes))
         if keep_local:
             specs.update(local_grads=P(axes), reduced_grads=lay.param_specs)
         return specs
@@ -706,11 +706,11 @@ class ReferenceTrainer:
     def _local_outputs(self, lay: "_StepLayout", local: list, xi, aux: dict, probe_ct) -> dict[str, Any]:
         """Inside ``shard_map``, before the reduction: this device's gradient fingerprints (``devices``), under
         expert parallelism what it sent and received at each all-to-all (``sends``, ``recvs``), and its
-        screening signals (``dev_norm_sq``, ``dev_nonfinite``, ``recv_tokens``, ``out_sq``). Takes the
+        screening signals (``dev_norm_sq``, ``dev_nonfinite``, ``recv_tokens``, ``out_sq``, ``probe``). Takes the
         model's exchange outputs out of ``aux``, leaving the router statistics."""
         n_layers = self.model.n_layers
         fwd_sends, kept = aux.pop("sends", None), aux.pop("kept")
-        fwd_recvs, out_sq = aux.pop("recvs", None), aux.pop("out_sq", None)
+        fwd_recvs, out_sq, probe = aux.pop("recvs", None), aux.pop("out_sq", None), aux.pop("probe", None)
         out = {}
         if self.fingerprints:
             out["devices"] = jnp.stack([
@@ -733,6 +733,8 @@ class ReferenceTrainer:
                 out["recv_tokens"] = jnp.sum(jnp.take(group, xi, axis=1), axis=-1)[None]
                 if out_sq is not None:  # [1, L]: sum of squares of this device's experts' output per layer
                     out["out_sq"] = out_sq[None]
+                if probe is not None:  # [1, L, 2]: its experts' output for the probe token (model._expert_probe)
+                    out["probe"] = probe[None]
         return out
 
     def _reduced_outputs(self, lay: "_StepLayout", local: list, reduced: list, xi) -> dict[str, Any]:
@@ -890,8 +892,11 @@ class ReferenceTrainer:
         if "recv_tokens" in out:
             recv = np.asarray(out["recv_tokens"])  # [devices, L]
             sq = np.asarray(out["out_sq"]) if "out_sq" in out else None  # [devices, L]
+            probe = np.asarray(out["probe"]) if "probe" in out else None  # [devices, L, 2]
             load = tuple(ExpertLoad.from_counts({dev: int(round(float(recv[r, i]))) for r, dev in enumerate(ids)},
-                                                None if sq is None else {dev: float(sq[r, i]) for r, dev in enumerate(ids)})
+                                                None if sq is None else {dev: float(sq[r, i]) for r, dev in enumerate(ids)},
+                                                None if probe is None else
+                                                {dev: fpm.fingerprint_int(probe[r, i]) for r, dev in enumerate(ids)})
                          for i in range(recv.shape[1]))
         return StepSignals(step=int(step), loss=float(out["loss"]), grad_norm=float(out["grad_norm"]),
                            replicas=tuple(replicas), devices=devices, router=self._router_layers(out, rows),
@@ -954,29 +959,31 @@ class ReferenceTrainer:
         dev_table = jnp.asarray([d.id for d in mesh.devices.reshape(-1)], jnp.int32)
         cfg = self.model
 
-        def per_device(params, batch, fault, total_tokens, total_rows):
+        def per_device(params, batch, fault, drift, total_tokens, total_rows):
             dev = dev_table[self._linear_index(mesh)]
-            hooks = Hooks(fault=fault, device=dev)  # a persistent fault inside the computation fires here too
+            # a persistent fault of the device fires here too: a fault inside the computation, and a drift
+            # (the device's experts' output inside the forward pass, or its local gradient)
+            hooks = Hooks(fault=fault, device=dev, drift=drift)
             (_, _), grads = jax.value_and_grad(local_loss, has_aux=True)(params, batch, cfg, total_tokens, total_rows,
                                                                          hooks=hooks)
-            grads = self._inject(grads, fault, dev)
+            grads = self._drift(self._inject(grads, fault, dev), drift, dev)
             return jnp.stack([fpm.fingerprint(g, counts=False) for g in jax.tree_util.tree_leaves(grads)])[None]
 
-        sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), P(), P()), out_specs=P(axes),
+        sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), P(), P(), P()), out_specs=P(axes),
                                 check_vma=False)
 
-        def fn(params, batch, fault):
+        def fn(params, batch, fault, drift):
             batch = {k: batch[k] for k in BATCH_KEYS}
             total_rows = jnp.asarray(rows, jnp.float32) + fault[0].astype(jnp.float32) * 0
-            return sharded(params, batch, fault, count_target_tokens(batch), total_rows)
+            return sharded(params, batch, fault, drift, count_target_tokens(batch), total_rows)
 
         rep = NamedSharding(mesh, P())
-        self._compiled[key] = jax.jit(fn, in_shardings=(self.param_shardings(mesh), {k: rep for k in BATCH_KEYS}, rep),
-                                      out_shardings=rep)
+        self._compiled[key] = jax.jit(fn, in_shardings=(self.param_shardings(mesh), {k: rep for k in BATCH_KEYS}, rep,
+                                                        rep), out_shardings=rep)
         return self._compiled[key]
 
-    def canary_fingerprints(self, params: Any, batch: Mapping[str, Any], fault: Optional[FaultSpec] = None
-                            ) -> dict[int, dict[str, int]]:
+    def canary_fingerprints(self, params: Any, batch: Mapping[str, Any], fault: Optional[FaultSpec] = None, *,
+                            persistent: Any = None, step: Optional[int] = None) -> dict[int, dict[str, int]]:
         """Forward and backward of the whole canary ``batch`` on *every* device of ``params``'s
         mesh at once (no update): ``{device id: {leaf path: 64-bit fingerprint}}``.
 
@@ -985,6 +992,16 @@ class ReferenceTrainer:
           batch: the six int32 ``[rows, S]`` arrays (host NumPy), replicated to every device.
           fault: a drill: flips its bit in device ``fault.device_id``'s canary gradient
             (``fault.step`` ignored).
+          persistent: the training step's drill faults (:meth:`train_step`'s ``fault``): the
+            :class:`DriftSpec` among them active at ``step`` (None: its first step) is a persistent fault
+            of its device, and a device's persistent fault applies to every program that runs the faulty
+            site on it, so it fires in the canary program too (``expert_output``: the output of every
+            expert the device computes, here all of them; ``scale``/``bias``: its canary gradient). The
+            one-step bit flips among them (:class:`FaultSpec`) belong to their training step only.
+
+        Raises:
+          FaultSpecError: the drift's device is not in the mesh, or an ``expert_output`` drift without
+            expert parallelism (as :meth:`drift_array`).
 
         Healthy devices of one kind give identical values (one SPMD program on identical
         inputs, no collective inside); a device that computes wrong bits does not. The values
@@ -994,8 +1011,12 @@ class ReferenceTrainer:
         ids = [int(d.id) for d in mesh.devices.reshape(-1)]
         rows = int(np.asarray(batch["inputs"]).shape[0])
         fault_arr = self.fault_array(fault, None, ids) if fault is not None else np.zeros(FAULT_LEN, np.int32)
+        items = [] if persistent is None else list(persistent) if isinstance(persistent, (list, tuple)) else [persistent]
+        drifts = [f for f in items if isinstance(f, DriftSpec) and (step is None or f.active(step))]
+        drift_arr = self.drift_array(drifts[0], drifts[0].start if step is None else step, ids) if drifts \
+            else np.zeros(4, np.float32)
         host = {k: np.asarray(batch[k], np.int32) for k in BATCH_KEYS}
-        fps = np.asarray(jax.device_get(self._canary_fn(mesh, rows)(params, host, fault_arr)))
+        fps = np.asarray(jax.device_get(self._canary_fn(mesh, rows)(params, host, fault_arr, drift_arr)))
         return {dev: {p: fpm.fingerprint_int(fps[r, i]) for i, p in enumerate(self.leaf_paths)}
                 for r, dev in enumerate(ids)}
 

@@ -68,7 +68,7 @@ import typing
 from typing import Annotated, Any, Callable, Mapping, Optional, Protocol, TypeVar, runtime_checkable
 
 import pydantic
-from pydantic import BeforeValidator, ConfigDict, Field
+from pydantic import BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticSerializationError
 from typing_extensions import NotRequired, TypedDict  # pydantic's TypedDict before Python 3.12 (a pydantic dependency)
@@ -253,6 +253,9 @@ T = TypeVar("T")
 _NullIsEmptyMap = Annotated[T, BeforeValidator(lambda v: {} if v is None else v)]  # null read as {}
 _NullIsEmptyList = Annotated[T, BeforeValidator(lambda v: [] if v is None else v)]  # null read as []
 _NotLogged = Annotated[T, Field(exclude=True), SkipJsonSchema()]  # carried in memory, never written
+_Hex64 = Annotated[int, BeforeValidator(lambda v: int(v, 16) if isinstance(v, str) else v),
+                   PlainSerializer(lambda v: f"{int(v):016x}", return_type=str),
+                   WithJsonSchema({"type": "string", "pattern": "^[0-9a-f]{16}$"})]  # a 64-bit fingerprint, 16 hex
 
 
 def _omitted(when: Callable[[Any], bool], **field: Any) -> Any:
@@ -544,22 +547,31 @@ class ExpertLoad(Record):
         load is even; the device with the most tokens is the layer's slowest expert group (its
         expert matmuls are the longest once the exchange is ragged, and with capacity padding it
         is the one that drops first); 0.0 when no token was routed.
+      output_sq: per device id, the float32 sum of squares of its experts' output (optional).
+      probe: per device id, the 64-bit fingerprint of its experts' output for a fixed probe token
+        (optional; JSON: 16 hex digits): devices holding the same experts agree bit for bit when they
+        compute right (``replay scan``'s ``expert_drift``).
     """
 
     received: Mapping[int, int]
     max_over_mean: float
     output_sq: _NullIsEmptyMap[Mapping[int, float]] = _omitted(_empty, default_factory=dict)
+    probe: _NullIsEmptyMap[Mapping[int, _Hex64]] = _omitted(_empty, default_factory=dict)
 
     @classmethod
-    def from_counts(cls, received: Mapping[int, int], output_sq: Optional[Mapping[int, float]] = None) -> "ExpertLoad":
+    def from_counts(cls, received: Mapping[int, int], output_sq: Optional[Mapping[int, float]] = None,
+                    probe: Optional[Mapping[int, int]] = None) -> "ExpertLoad":
         """Computes ``max_over_mean`` from the counts. ``output_sq``: per device id, the float32 sum of
         squares of its experts' output in the layer (the buffer it sends back at the combine), which
-        ``replay scan``'s ``expert_drift`` check divides by ``received``; optional."""
+        ``replay scan``'s ``expert_drift`` check divides by ``received``; ``probe``: per device id, the
+        64-bit fingerprint of its experts' output for a fixed probe token (equal on devices holding the
+        same experts when they compute right: ``replay.reference.model.expert_probe_input``); optional."""
         vals = [int(v) for v in received.values()]
         mean = sum(vals) / len(vals) if vals else 0.0
         return cls(received={int(d): int(v) for d, v in received.items()},
                    max_over_mean=(max(vals) / mean) if mean > 0 else 0.0,
-                   output_sq={int(d): float(v) for d, v in (output_sq or {}).items()})
+                   output_sq={int(d): float(v) for d, v in (output_sq or {}).items()},
+                   probe={int(d): int(v) for d, v in (probe or {}).items()})
 
 @dataclasses.dataclass(frozen=True)
 class ReplicaNorm(Record):

@@ -16,7 +16,10 @@ waiting, one device-to-host transfer of its result)::
     all_gather over the mesh -> f[devices, leaves, 4] on every device (a few KB), then to the host
 
 A replicated leaf (``PartitionSpec()``) is fingerprinted on *every* device that holds a copy, so a
-copy that differs is seen whatever copy Orbax writes. Orbax writes the copy of ``replica_id`` 0 of
+copy that differs is seen whatever copy Orbax writes. The copies outside a strict majority are named;
+copies that split with no strict majority (two copies, e.g. an expert shard on two data replicas) are a
+*tie*, listed with no device named, since nothing in the record says which is wrong: ``replay certify``
+replays the segment on good devices and names the copy the replay does not reach (:func:`resolve_ties`). Orbax writes the copy of ``replica_id`` 0 of
 each shard: the first device, in the mesh's device order, that holds it (``saved_by``).
 
 Record (``<run>/checkpoint_records/<step>.json``, :data:`RECORDS_DIR`; the ``checkpoint`` event

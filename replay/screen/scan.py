@@ -12,12 +12,16 @@ numbers and words the findings::
                   differs from the others' / the golden
     nonfinite     signals.jsonl devices[d].nonfinite       the device whose local gradient had NaN/Inf
                   (fingerprints.jsonl: reduced gradient)   while others had none (all devices: the run)
-    norm_spike    replica norms, |robust z| > spike_z      the replica's devices, at that step
-                  or a non-finite norm
-    norm_drift    replica norms, robust CUSUM              the replica's devices, from the change's onset
-    expert_drift  signals.jsonl expert_load[layer]:        the expert device whose output per token moved
-                  output_sq / received per expert device    against the others' (robust CUSUM, as norm_drift;
-                  (expert parallelism)                      floor EXPERT_DRIFT_FLOOR, benchmarks/campaign.py)
+    norm_spike    replica norms, |robust z| > spike_z      the replica's devices, at that step (under expert
+                  or a non-finite norm                      parallelism: the device's expert group, expert_groups)
+    norm_drift    replica norms, robust CUSUM              the replica's devices (as norm_spike), from the
+                                                            change's onset
+    expert_drift  signals.jsonl expert_load[layer]:        the expert device whose probe output differs from
+                  probe: each expert device's output for    its twins' bit for bit (from that step; floor one
+                  a fixed token; output_sq / received       bit; two twins: the pair), or, with its twins and
+                  (expert parallelism)                      their expert groups, one whose output per token
+                                                            moved against its twins' (robust CUSUM; floor
+                                                            EXPERT_DRIFT_FLOOR, benchmarks/campaign.py)
     router        signals.jsonl router[layer]              the layer (dropped fraction, or an expert's share
                   vs run config router_health               outside its band after warm-up: share_band,
                                                             widened on small runs by the window's rows)
@@ -43,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -322,8 +327,39 @@ def _nonfinite(run: RunLog, signals, steps: list[int], start: int):
                        f"{len(reduced)} step(s)"}, found, run_level)
 
 
-def _replicas(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig):
-    """Drift and spike checks over the replicas' norms; returns (status_spike, status_drift, findings, series)."""
+def expert_groups(devs: Sequence[int], coords: Mapping[int, Mapping[str, int]], axis: str = "expert"
+                  ) -> dict[int, tuple[int, ...]]:
+    """Per device, its expert group: the devices that share its position on every mesh axis but ``axis``
+    (itself included), which exchange tokens with it at every all-to-all of an MoE layer. Empty without
+    ``axis`` in the coordinates."""
+    out = {}
+    for d in devs:
+        mine = coords.get(d) or {}
+        if axis not in mine:
+            continue
+        key = tuple(sorted((a, i) for a, i in mine.items() if a != axis))
+        out[d] = tuple(sorted(e for e in devs if tuple(sorted((a, i) for a, i in (coords.get(e) or {}).items()
+                                                              if a != axis)) == key and axis in (coords.get(e) or {})))
+    return out
+
+
+def _norm_subject(devs: Sequence[int], groups: Mapping[int, tuple[int, ...]]) -> tuple[str, tuple[int, ...], str]:
+    """``(kind, devices, note)`` a norm finding about replica ``devs`` names. Under expert parallelism
+    (``groups``: :func:`expert_groups`) a device's local gradient moves with anything its expert group
+    computes (its tokens go to their experts and back at every MoE layer, forward and backward), so a norm
+    cannot say which device of the group went wrong: the group is named, and a range replay tells which."""
+    group = tuple(sorted({e for d in devs for e in groups.get(d, (d,))}))
+    if len(group) > len(devs):
+        return "replica", group, (f" (expert parallelism: devices {list(group)} exchange tokens at every MoE layer, "
+                                  "so any of them can move this norm; a range replay tells which)")
+    return ("device" if len(devs) == 1 else "replica"), tuple(devs), ""
+
+
+def _replicas(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig,
+              groups: Optional[Mapping[int, tuple[int, ...]]] = None):
+    """Drift and spike checks over the replicas' norms; returns (status_spike, status_drift, findings, series).
+    ``groups``: under expert parallelism, each device's expert group (:func:`_norm_subject`)."""
+    groups = groups or {}
     na = {"status": "not available"}
     if signals is None:
         msg = "no signals.jsonl (per-replica gradient norms are not logged)"
@@ -352,29 +388,29 @@ def _replicas(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig):
         if max(st) < start:
             continue
         zmax = max(abs(sp.z) for sp in sps)
-        kind = "device" if len(devs[rid_of[r]]) == 1 else "replica"
+        kind, subject, note = _norm_subject(devs[rid_of[r]], groups)
         worst = "non-finite norm" if math.isinf(zmax) else f"|z| up to {zmax:.1f}"
-        found.append(((kind, devs[rid_of[r]]), _evidence(
+        found.append(((kind, subject), _evidence(
             "norm_spike", min(st), max(st), zmax / cfg.spike_z,
             f"replica {rid_of[r]}'s gradient norm was an outlier against the other replicas at {len(st)} step(s) "
-            f"{st[:5]}{' ...' if len(st) > 5 else ''} ({worst}; threshold {cfg.spike_z:g})")))
+            f"{st[:5]}{' ...' if len(st) > 5 else ''} ({worst}; threshold {cfg.spike_z:g}){note}")))
     for a in res.drifts:
         onset, alarm = steps[a.onset], steps[a.alarm]  # a drift lasts to the last step: it reaches the range
         lo = steps[a.onset if a.onset_lo is None else a.onset_lo]
         hi = steps[a.onset if a.onset_hi is None else a.onset_hi]
         scored = steps[a.scoring_start] if a.scoring_start is not None else lo
         older = lo <= scored and scored > steps[0]  # the range starts where scoring began
-        kind = "device" if len(devs[rid_of[a.replica]]) == 1 else "replica"
+        kind, subject, note = _norm_subject(devs[rid_of[a.replica]], groups)
         rel = math.expm1(a.shift_log)
         where = f"from step {onset}"
         if hi > lo or older:
             where += (f" (uncertain: between steps {lo} and {hi}" + (f", or earlier: scoring began at step {scored}"
                                                                       if older else "") + ")")
-        found.append(((kind, devs[rid_of[a.replica]]), dataclasses.replace(_evidence(
+        found.append(((kind, subject), dataclasses.replace(_evidence(
             "norm_drift", onset, steps[-1], a.strength,
             f"replica {rid_of[a.replica]}'s gradient norm {'rose' if a.direction > 0 else 'fell'} against the "
             f"other replicas {where} (alarm at step {alarm}; shift {a.shift:+.1f} sigma, about "
-            f"{rel:+.1%} in norm)"), onset_range=(lo, hi), before_scoring=older)))
+            f"{rel:+.1%} in norm){note}"), onset_range=(lo, hi), before_scoring=older)))
     judged = f"{res.judged} replica-steps scored ({R} replicas, {T} steps; scoring starts once the replicas " \
              f"have more than min_history {cfg.min_history} accepted steps of their own history; robust sigma " \
              f"of the log-ratio " \
@@ -391,9 +427,11 @@ def _replicas(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig):
 
 
 EXPERT_DRIFT_FLOOR = 0.05
-"""The stated floor of ``expert_drift``: a persistent x(1 + delta) drift of one expert device's output with
-delta >= this is named within 20 steps (``benchmarks/campaign.py`` measures it on the fixed grid
-0.01-0.2, ``scan_expert_drift_named_fraction``)."""
+"""The stated floor of ``expert_drift``'s output-per-token statistic: a persistent x(1 + delta) drift of one
+expert device's output with delta >= this is named within 20 steps from the logged norms alone
+(``benchmarks/campaign.py`` measures it on the fixed grid 0.01-0.2 with the probes removed,
+``scan_expert_drift_statistic_named_fraction``). With the probes logged (the reference trainer's), any drift
+that changes one bit of a device's probe output is named from its first step."""
 
 
 def expert_output_per_token(signals, steps: list[int]) -> tuple[list[int], np.ndarray]:
@@ -421,6 +459,71 @@ def expert_twins(devs: list[int], coords: Mapping[int, Mapping[str, int]], axis:
     return out
 
 
+def probe_mismatches(signals, steps: list[int], coords: Mapping[int, Mapping[str, int]]
+                     ) -> dict[tuple[int, ...], list[tuple[int, int]]]:
+    """Where twins' probe fingerprints (``ExpertLoad.probe``: each expert device's output for a fixed token)
+    differ: ``{named devices: [(step, layer), ...]}``. Twins hold bit-identical weights and run one program,
+    so a healthy device's probe equals its twins' bit for bit. In a group of twins that differ, the devices
+    outside a strict majority of equal values are named; with no strict majority (two twins, or a split
+    in halves) the whole group is, since nothing says which is right."""
+    out: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for s in steps:
+        for layer, L in enumerate(signals[s].expert_load):
+            if not L.probe:
+                continue
+            devs = sorted(L.probe)
+            twins = expert_twins(devs, coords)
+            seen = set()
+            for d in devs:
+                group = tuple(sorted([d, *twins[d]]))
+                if group in seen or len(group) < 2:
+                    continue
+                seen.add(group)
+                counts: dict[int, list[int]] = {}
+                for e in group:
+                    counts.setdefault(L.probe[e], []).append(e)
+                if len(counts) == 1:
+                    continue
+                best = max(counts.values(), key=len)
+                named = tuple(e for e in group if e not in best) if 2 * len(best) > len(group) else group
+                out.setdefault(named, []).append((s, layer))
+    return out
+
+
+def _probe_evidence(signals, steps: list[int], start: int, coords: Mapping[int, Mapping[str, int]]):
+    """The probe part of ``expert_drift``: ``(findings, compared)`` (``compared``: device-steps with a probe)."""
+    compared = sum(len(L.probe) for s in steps for L in signals[s].expert_load)
+    found = []
+    for named, where in sorted(probe_mismatches(signals, steps, coords).items()):
+        at = sorted({st for st, _ in where})
+        if at[-1] < start:
+            continue
+        layers = sorted({layer for _, layer in where})
+        if len(named) == 1:
+            who = f"device {named[0]}'s experts computed another output for the probe token than its twins'"
+        else:
+            who = (f"devices {list(named)} hold the same experts and computed different outputs for the probe "
+                   "token with no majority among them: one of them is wrong, and a range replay from the step tells "
+                   "which")
+        found.append((("device" if len(named) == 1 else "replica", named), _evidence(
+            "expert_drift", at[0], at[-1], float(len(at)),
+            f"{who} (bit for bit, at {len(at)} step(s) from step {at[0]}, layer(s) {layers}; floor: one bit of the "
+            "probe's output)")))
+    return found, compared
+
+
+def expert_drift_scope(devs: Sequence[int], coords: Mapping[int, Mapping[str, int]], device: int) -> set[int]:
+    """The devices an output-per-token finding on ``device`` can point at: the device, its twins, and the
+    expert groups of all of them. The statistic compares a device with its twins, and its tokens come from
+    its expert group, whose outputs in an earlier layer shape them: a drifting device moves its own
+    output per token, and, one layer later, that of the other experts its tokens go to (measured: a 0.05
+    drift of device 5 on ``{data: 4, expert: 2}`` moved healthy device 6's statistic past its alarm,
+    through device 4, 5's group partner and 6's twin)."""
+    twins = expert_twins(list(devs), coords).get(device, [])
+    groups = expert_groups(list(devs), coords)
+    return {device, *twins} | {e for x in (device, *twins) for e in groups.get(x, (x,))}
+
+
 def _expert_drift(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig,
                   coords: Optional[Mapping[int, Mapping[str, int]]] = None):
     """Expert-device screening (issue 27 item 4). Under expert parallelism one device's drifting expert
@@ -429,13 +532,19 @@ def _expert_drift(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig
     holding the same experts on the other data replicas, :func:`expert_twins`): the expert's own training
     dynamics move twins together and cancel; a chip's ``x(1 + delta)`` does not. The log-difference is
     judged with the replicas' statistics (``screening.screen_replicas``: robust z against its own history,
-    CUSUM). With two twins the difference cannot say which of the two moved, and neither can either one's
-    series against every expert device's (measured: the optimizer's response through the weights the twins
-    share moves the healthy twin by about as much, within a step or two): the pair is named, a replica
-    suspect of two devices, and a range replay from the onset tells which. With three or more twins the
-    device that moved against the others is named alone. Without twins (one data replica) every expert
-    device is compared with the median of all, which the experts' own dynamics can move: weaker.
+    CUSUM). A device whose statistic alarms need not be the faulty one: its twins move it too, and so does
+    a device of their expert groups whose wrong output, one layer earlier, changed the tokens it computes
+    on; so a statistical finding names all of those (:func:`expert_drift_scope`), one suspect, and a range
+    replay from the onset tells which. Without twins (one data replica) every expert device is compared
+    with the median of all, which the experts' own dynamics can move: weaker.
+    Before that statistic, the probe (when the trainer logs it, ``ExpertLoad.probe``): each expert device's
+    output for a fixed token, compared with its twins' bit for bit at every step (:func:`probe_mismatches`):
+    any drift that changes one bit of it is named from its first step, alone among three or more twins,
+    as the pair with two (nothing says which of two is right). A statistical alarm whose scope holds a
+    device the probe named is explained by it and not reported again.
     Returns ``(status, findings, series)``."""
+    coords = coords or {}
+    probed, compared = ([], 0) if signals is None else _probe_evidence(signals, steps, start, coords)
     if signals is None or not any(L.output_sq for s in steps for L in signals[s].expert_load):
         return {"status": "not available",
                 "detail": "no expert output norms in signals.jsonl (expert_load[].output_sq): the run does not put "
@@ -443,47 +552,54 @@ def _expert_drift(signals, steps: list[int], start: int, cfg: sc.ScreeningConfig
     devs, x = expert_output_per_token(signals, steps)
     if len(devs) < 3:
         return {"status": "not available", "detail": f"{len(devs)} expert device(s): at least 3 are needed"}, [], {}
-    twins = expert_twins(devs, coords or {})
+    twins = expert_twins(devs, coords)
     cfg = dataclasses.replace(cfg, cusum_h=cfg.expert_cusum_h)
     with np.errstate(divide="ignore", invalid="ignore"):
         lx = np.where(np.isfinite(x) & (x > 0), np.log(np.where(x > 0, x, 1.0)), np.nan)
     paired = all(twins[d] for d in devs)
     if paired:  # each device against the mean of its twins (log units of the squared output)
         idx = {d: j for j, d in enumerate(devs)}
-        y = np.stack([lx[:, idx[d]] - np.nanmean(lx[:, [idx[e] for e in twins[d]]], axis=1) for d in devs], axis=1)
+        with warnings.catch_warnings():  # a step where every twin's value is missing: NaN, not scored
+            warnings.simplefilter("ignore", RuntimeWarning)
+            y = np.stack([lx[:, idx[d]] - np.nanmean(lx[:, [idx[e] for e in twins[d]]], axis=1) for d in devs],
+                         axis=1)
         res = sc.screen_replicas(np.exp(y), np.isfinite(y), cfg)
     else:
         res = sc.screen_replicas(x, np.isfinite(x), cfg)
     found, named = [], set()
+    probe_named = {d for (_, subject), _ in probed for d in subject}
     for a in sorted(res.drifts, key=lambda a: -a.strength):
         dev, how = devs[a.replica], "against the median of every expert device"
-        kind, subject = "device", (devs[a.replica],)
-        if paired:
-            group = sorted([dev] + twins[dev])
-            if tuple(group) in named:
-                continue
-            named.add(tuple(group))
-            if len(group) == 2:  # the difference of two cannot say which one moved
-                kind, subject = "replica", tuple(group)
-                how = (f"against each other (devices {group[0]} and {group[1]} hold the same experts on two data "
-                       "replicas: one of the two drifted, and a range replay from the onset tells which)")
-            else:
-                how = f"against its {len(group) - 1} twins (the same experts on the other data replicas)"
-        if steps[-1] < start:
+        group = sorted([dev] + twins[dev]) if paired else [dev]
+        if tuple(group) in named:
             continue
+        named.add(tuple(group))
+        if paired:
+            how = (f"against its twin {twins[dev][0]} (two data replicas: either of the two moved)"
+                   if len(group) == 2 else f"against its {len(group) - 1} twins (the same experts on the other data "
+                                            "replicas)")
+        scope = expert_drift_scope(devs, coords, dev)
+        if steps[-1] < start or scope & probe_named:
+            continue  # explained by a probe finding in its scope: that names the device
         onset, alarm = steps[a.onset], steps[a.alarm]
         lo = steps[a.onset if a.onset_lo is None else a.onset_lo]
         hi = steps[a.onset if a.onset_hi is None else a.onset_hi]
         rel = math.expm1(abs(a.shift_log))
-        who = f"device {dev}'s" if kind == "device" else "the"
-        found.append(((kind, subject), dataclasses.replace(_evidence(
+        subject = tuple(sorted(scope))
+        found.append((("device" if len(subject) == 1 else "replica", subject), dataclasses.replace(_evidence(
             "expert_drift", onset, steps[-1], a.strength,
-            f"{who} expert output per token moved {how}, from step {onset} (alarm at step {alarm}; about "
-            f"{rel:.1%} in output norm)"), onset_range=(lo, hi))))
+            f"device {dev}'s expert output per token moved {how}, from step {onset} (alarm at step {alarm}; about "
+            f"{rel:.1%} in output norm); a device moves so when it or its twins compute wrong, or when a device "
+            f"of their expert groups sends them other tokens in a later layer, so the devices named are all of "
+            f"those ({list(subject)}): a range replay from the onset tells which"), onset_range=(lo, hi))))
     detail = (f"{res.judged} device-steps scored ({len(devs)} expert devices, {len(steps)} steps, "
               + ("each against its twins" if paired else "each against all (no twins: one data replica)")
               + f"); stated floor x(1 + {EXPERT_DRIFT_FLOOR:g})")
-    status = "found" if found else ("clear" if res.judged else "not available")
+    if compared:
+        detail = (f"probe: {compared} device-steps compared with their twins bit for bit (floor: one bit); "
+                  f"output per token: {detail}")
+    found = probed + found
+    status = "found" if found else ("clear" if res.judged or compared else "not available")
     return {"status": status, "detail": detail}, found, {"steps": steps, "devices": devs, "z": res.z}
 
 
@@ -782,9 +898,11 @@ def scan_run(run: RunLog, start: Optional[int] = None, stop: Optional[int] = Non
     checks["nonfinite"], dev, runl = _nonfinite(run, signals, steps_sig or steps_fp, start)
     findings += dev + runl
     sig = signals if steps_sig else None
-    checks["norm_spike"], checks["norm_drift"], dev, rep_series = _replicas(sig, steps_sig, start, cfg)
-    findings += dev
     coords = {int(k): dict(v) for k, v in (run.mesh.get("device_coords") or {}).items()}
+    ep = sig is not None and any(L.received for s in steps_sig for L in sig[s].expert_load)
+    groups = expert_groups(sorted(coords), coords) if ep else {}
+    checks["norm_spike"], checks["norm_drift"], dev, rep_series = _replicas(sig, steps_sig, start, cfg, groups)
+    findings += dev
     checks["expert_drift"], dev, expert_series = _expert_drift(sig, steps_sig, start, cfg, coords)
     findings += dev
     rows = run.config.get("global_batch")

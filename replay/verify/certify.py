@@ -42,8 +42,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from replay.run import statefp
 from replay.run.codes import ExitCode
 from replay.run.runlog import RunDirError
-from replay.verify.engine import (CheckpointCorruptError, EnvDriftError, Session, _locked, environment_differences,
-                                  run_lanes)
+from replay.verify.engine import (CheckpointCorruptError, EnvDriftError, Session, _locked, check_mesh_shape,
+                                  environment_differences, run_lanes)
 
 VERDICTS = ("trusted", "certified", "poisoned", "damaged", "not_certifiable", "not_checked")
 
@@ -148,31 +148,42 @@ def _restore_problem(session: Session, checkpoint: int, assignment) -> tuple[Any
         return None, str(e)
 
 
-def _segment(session: Session, a: int, b: int, index: int, assignment, advance, start_state=None) -> _Segment:
-    """Replays ``a -> b`` on ``assignment`` and compares the state it reaches with ``b``'s record."""
+_DISK = object()  # read b's state record from the run directory
+
+
+def _read_record(session: Session, b: int) -> Optional[statefp.StateRecord]:
+    try:
+        return statefp.read_record(session.run.run_dir, b)
+    except statefp.DamagedCheckpointError:
+        return None  # the verdict reads it again and says it is damaged
+
+
+def _segment(session: Session, a: int, b: int, index: int, assignment, advance, start_state=None, *,
+             record: Any = _DISK, log: Optional[Mapping[int, Any]] = None, check_files: bool = True) -> _Segment:
+    """Replays ``a -> b`` on ``assignment`` and compares the state it reaches with ``b``'s record (``record``:
+    one in memory instead of the run directory's; ``log``: the fingerprints to compare the steps with,
+    default the run's; ``check_files``: restore ``b`` itself and check its files)."""
     t0 = time.perf_counter()
     run = session.run
+    record = _read_record(session, b) if record is _DISK else record
     if start_state is None:
         start_state, problem = _restore_problem(session, a, assignment)
         if start_state is None:
             return _Segment(a, b, index, "deferred", start_problem=problem)
-    fps, diffs, kept = session.replay_segment(assignment, a, b, log=run.fingerprints, advance=advance,
-                                              keep_state_at=b - 1, start_state=start_state)
+    fps, diffs, kept = session.replay_segment(assignment, a, b, log=run.fingerprints if log is None else log,
+                                              advance=advance, keep_state_at=b - 1, start_state=start_state)
     advance(b - a - len(fps))
     out = _Segment(a, b, index, "done", steps=len(fps))
     bad = next((d for d in diffs if not d.ok), None)
     if bad is not None:
         out.step_diff = bad
     else:
-        try:
-            record = statefp.read_record(run.run_dir, b)
-        except statefp.DamagedCheckpointError:
-            record = None  # judged from the record itself (_verdict)
         replayed = statefp.record_state(kept[b - 1], None, b)
-        if record is not None:
+        if record is not None:  # a damaged record is judged from the record itself (_verdict)
             out.differing = statefp.compare_with_record(record, replayed)
             out.replica_match = statefp.match_replicas(record, replayed)
-        _, out.file_problem = _restore_problem(session, b, assignment)
+        if check_files:
+            _, out.file_problem = _restore_problem(session, b, assignment)
         if out.file_problem and out.differing:  # the record or the files: which one is damaged?
             files = session.restore_files(b, assignment)
             out.files_match_replay = files is not None and \
@@ -183,13 +194,14 @@ def _segment(session: Session, a: int, b: int, index: int, assignment, advance, 
     return out
 
 
-def _verdict(session: Session, seg: Optional[_Segment], b: int) -> CheckpointVerdict:
-    """The verdict of checkpoint ``b`` from its record and its segment's outcome."""
+def _verdict(session: Session, seg: Optional[_Segment], b: int, record: Any = _DISK) -> CheckpointVerdict:
+    """The verdict of checkpoint ``b`` from its record (``record``: one in memory) and its segment's outcome."""
     run_dir = session.run.run_dir
-    try:
-        record = statefp.read_record(run_dir, b)
-    except statefp.DamagedCheckpointError as e:
-        return CheckpointVerdict(b, "damaged", str(e))
+    if record is _DISK:
+        try:
+            record = statefp.read_record(run_dir, b)
+        except statefp.DamagedCheckpointError as e:
+            return CheckpointVerdict(b, "damaged", str(e))
     if record is None:
         return CheckpointVerdict(b, "not_certifiable", f"checkpoint {b} has no state record (a run written before "
                                                        f"checkpoint fingerprints): it cannot be verified")
@@ -279,6 +291,16 @@ def _name_odd_copies(record: statefp.StateRecord, seg: Optional[_Segment]) -> tu
     return sorted(named), sorted(unresolved), how
 
 
+def judge_checkpoint(session: Session, a: int, b: int, record: statefp.StateRecord, *,
+                     log: Mapping[int, Any], assignment: Sequence[int]) -> CheckpointVerdict:
+    """The verdict ``replay certify`` gives checkpoint ``b`` when its state record is ``record`` (in memory:
+    a drill's, ``replay.verify.faults``) and its steps logged ``log``: the segment ``a -> b`` replayed from
+    checkpoint ``a`` on ``assignment`` (good devices), compared step by step with ``log`` and then with
+    ``record``, exactly as the walk does; ``b``'s files are not checked (a drill writes none)."""
+    seg = _segment(session, a, b, 0, tuple(assignment), lambda n=1: None, record=record, log=log, check_files=False)
+    return _verdict(session, seg, b, record=record)
+
+
 def certify(session: Session, *, start: Optional[int] = None, stop: Optional[int] = None, device_spec: str = "good",
             concurrent: bool = True, allow_env_drift: bool = False,
             progress: Optional[Callable[[int], Callable[[int], None]]] = None) -> CertifyReport:
@@ -300,6 +322,7 @@ def certify(session: Session, *, start: Optional[int] = None, stop: Optional[int
       EnvDriftError: the environment differs from the run's (``allow_env_drift``: certify anyway).
     """
     run = session.run
+    check_mesh_shape(run, session.setup)
     chain = [c for c in run.checkpoints if (start is None or c >= start) and (stop is None or c <= stop)]
     if start is not None and start not in run.checkpoints:
         raise RunDirError(f"--from {start}: no checkpoint at that step (checkpoints: {run.checkpoints})")

@@ -471,6 +471,29 @@ def environment_differences(run: RunLog, mesh: Any) -> list[str]:
     return envmod.replay_differences(run.env, envmod.record_environment(mesh))
 
 
+def check_mesh_shape(run: RunLog, setup: RunSetup) -> None:
+    """Refuses a replay whose set-up has another mesh shape than the run recorded (env.json), before any
+    work and whatever ``--allow-env-drift`` says: per-device fingerprints pair by mesh position, and
+    another shape gives each device other rows and the gradient's reduction another tree (a psum over 2
+    data replicas or over 4), so its sums round differently on every device; no bit-for-bit comparison
+    exists, and a comparison that cannot pair devices must not judge them.
+
+    Raises:
+      replay.verify.compare.PairingError: the shapes or axis names differ (both named).
+    """
+    rec = run.mesh or {}
+    if not (rec.get("shape") and rec.get("axis_names")):
+        return  # no mesh recorded: mesh_record reports that
+    want = dict(zip(rec.get("axis_names") or (), (int(n) for n in rec["shape"])))
+    got = dict(zip(setup.axis_names, (int(n) for n in setup.shape)))
+    if list(want.items()) != list(got.items()):
+        raise cmp.PairingError(
+            f"the run's mesh is {want} (env.json) and this replay's set-up builds {got}: devices pair by mesh "
+            "position, and another shape gives every device other rows and the gradient's sum another reduction "
+            "order, so no bit-for-bit comparison exists; replay on the run's mesh shape (its trainer factory "
+            "must return RunSetup(shape=...) from replay.run.setup.mesh_record)")
+
+
 def cpu_threads_hint(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> Optional[str]:
     """What to tell an operator when every device's bits differ on CPU and the run's processes had
     another XLA:CPU thread count than this one (``replay.run.env.cpu_threads``); None otherwise
@@ -755,6 +778,7 @@ def replay_range(
       replay.runtime.devices.DeviceSpecError: a bad spec or too few devices.
       EnvDriftError: environment drift without ``allow_env_drift`` or ``tolerance``.
       RunDirError: the run logged another fingerprint formula (``versions.fingerprint``).
+      replay.verify.compare.PairingError: the set-up's mesh shape is not the run's (:func:`check_mesh_shape`).
       ValueError: ``repeats`` or ``replays`` < 1.
     """
     from replay.run import env as envmod
@@ -763,6 +787,7 @@ def replay_range(
         raise ValueError(f"repeats and replays must be >= 1, got {repeats} and {replays}")
     run, setup = session.run, session.setup
     log = run.fingerprints if log is None else log
+    check_mesh_shape(run, setup)
     ckpt = run.replay_checkpoint(start, stop, log)
     ids, assignments, home = session.placements(device_spec, replays)
     mesh = session.mesh(home)
@@ -830,7 +855,11 @@ class _Rounds:
             * sum(len(x) for x in mine)
         advance = _locked(progress(local_steps) if progress is not None else (lambda n=1: None))
         runs, decision = [], None
-        for rnd, seg_ids in enumerate(self.order):
+        order = [list(r) for r in self.order]
+        rnd = -1
+        while rnd + 1 < len(order):
+            rnd += 1
+            seg_ids = order[rnd]
             self.results.update(run_lanes(mine, functools.partial(self._lane, seg_ids=seg_ids, advance=advance),
                                           concurrent, "replay-lane"))
             if session.process_count > 1:
@@ -841,7 +870,11 @@ class _Rounds:
             runs = _assemble(self.results, self.assignments, self.repeats, self.segs)
             decision = decide([x.outcome() for x in runs], setup.mesh_size, suspected=suspected)
             if decision.verdict is Verdict.CONVICTED and not exhaustive:
-                break
+                back = walk_back(self.segs, decision.step, self.replayed)
+                if back is None:
+                    break
+                order = order[:rnd + 1] + [[back]] + [[k for k in r if k != back] for r in order[rnd + 1:]]
+                order = [r for r in order if r]
         return runs, decision
 
     def _lane(self, lane, *, seg_ids, advance) -> dict:
@@ -891,6 +924,22 @@ def _poisoned_state_check(session: Session, decision: Decision) -> Decision:
     disputes = record.disputes()
     what = statefp.dispute_text(disputes[0]) if disputes else "its replicated state disagreed"
     return limit_to_poisoned_state(decision, after[0], record.odd_devices(), record.suspect_devices(), what)
+
+
+def walk_back(segs: Sequence[plan.Segment], step: Optional[int], replayed: Mapping[int, int]) -> Optional[int]:
+    """The segment a targeted replay must replay before a conviction at ``step`` stands, or None.
+
+    A conviction at the first step of its segment says only that the state restored there was healthy and
+    the device went wrong at once: a persistent fault may have begun earlier, before that checkpoint, so
+    the segment before it (not yet replayed) is replayed too, and the verdict taken again; the first step
+    any replay differs at is the one named. This keeps an onset estimate that falls a segment late (a
+    drift's change point, a canary's window) from naming a later step than the fault's first."""
+    if step is None:
+        return None
+    k = next((i for i, sg in enumerate(segs) if sg.start <= step < sg.stop), None)
+    if k is None or k == 0 or segs[k].start != step or (k - 1) in replayed:
+        return None
+    return k - 1
 
 
 def run_lanes(lanes: Sequence[Any], work: Callable[[Any], Mapping], concurrent: bool, name: str) -> dict:

@@ -52,11 +52,14 @@ SITE_STAGE = {
     "transit_combine_grad": "transit", "host_batch": "data", "optimizer_update": "update",
 }
 CAMPAIGN_SITES = tuple(s for s in SITE_STAGE if s not in ("local_gradient", "expert_forward", "expert_backward",
-                                                          "attention", "optimizer_update"))
+                                                          "attention"))
 """The campaign's sites: none of them is a buffer the checker fingerprints next. ``optimizer_update``
-(one device's copy of the updated state) is not judged by range replay of the faulty step, whose
-gradients are right, but by the state record of the next checkpoint save and by ``replay certify``
-(``tests/test_checkpoint_trust.py``), so the campaign's range-replay judge leaves it out."""
+(one device's copy of a leaf of the updated state: a parameter or an Adam moment) has its own judge: its
+step's gradients are right, so range replay of it is the wrong test; the state record of the next
+checkpoint save (every replica of every leaf fingerprinted) and ``replay certify``'s verdict on that
+checkpoint are the right one (:func:`run_state_drill`)."""
+JUDGE = {"optimizer_update": "certify"}
+"""Sites judged by something other than range replay (the rest: ``range``)."""
 
 BIT_CLASSES = {"low_mantissa": (0, 8), "mid_mantissa": (8, 16), "high_mantissa": (16, 23), "exponent": (23, 31),
                "sign": (31, 32)}
@@ -174,6 +177,8 @@ def draw_fault(session: Any, rng: random.Random, site: str, magnitude: str, pers
                               "its computation (activation_shapes)")
     if site == "host_batch" and magnitude not in BIT_CLASSES:
         raise FaultModelError("host_batch: the batch is int32 tokens; only bit classes apply")
+    if site == "optimizer_update":
+        return _draw_state_fault(session, rng, magnitude, persistence, start=start, device=device, k=k)
     ids = list(setup.run_device_ids)
     device = rng.choice(ids) if device is None else device
     if start is None:
@@ -191,6 +196,32 @@ def draw_fault(session: Any, rng: random.Random, site: str, magnitude: str, pers
         8 * np.dtype(trainer.leaf_dtypes[0]).itemsize
     return Fault(site=site, device=device, start=start, element=element, layer=layer,
                  magnitude=magnitude, persistence=persistence, k=k, **magnitude_fields(magnitude, rng, bits))
+
+
+def _draw_state_fault(session: Any, rng: random.Random, magnitude: str, persistence: str, *,
+                      start: Optional[int], device: Optional[int], k: int) -> Fault:
+    """An ``optimizer_update`` fault (:func:`draw_fault`): a floating leaf of the train state (parameters,
+    Adam moments, the router bias), an element of the device's local copy of it, a step of a checkpoint
+    segment that ends at a save (the fault fires after that step's update)."""
+    import jax
+
+    trainer, setup = session.setup.trainer, session.setup
+    if not hasattr(trainer, "state_leaf_paths"):
+        raise FaultModelError(f"site optimizer_update: the run's trainer ({type(trainer).__name__}) names no leaves "
+                              "of its train state (state_leaf_paths)")
+    device = rng.choice(list(setup.run_device_ids)) if device is None else device
+    if start is None:
+        first, stop = session.run.logged_steps
+        saves = [c for c in session.run.checkpoints if first < c <= stop]
+        b = rng.choice(saves)
+        start = rng.randrange(max(c for c in session.run.checkpoints if c < b), b)
+    dtypes = [np.dtype(x.dtype) for x in jax.tree_util.tree_leaves(trainer._abstract_state_shapes())]
+    sizes = trainer.local_state_sizes(session.mesh(session.home_assignment()))
+    leaves = [i for i, d in enumerate(dtypes) if d.kind == "f"]
+    i = rng.choice(leaves)
+    return Fault(site="optimizer_update", device=device, start=start, element=rng.randrange(sizes[i]),
+                 leaf=trainer.state_leaf_paths[i], magnitude=magnitude, persistence=persistence, k=k,
+                 **magnitude_fields(magnitude, rng, 8 * dtypes[i].itemsize))
 
 
 def expected_culprit(session: Any, fault: Fault) -> dict[str, Any]:
@@ -232,15 +263,24 @@ def classify(decision: Any, expected: Mapping[str, Any], step: int) -> str:
 
 
 def states_identical(a: Any, b: Any) -> bool:
-    """Whether two train states are bit-identical, every leaf, element by element."""
+    """Whether two train states are bit-identical, every leaf, element by element, in every device's copy
+    (a replicated leaf is compared on each device that holds it: one device's copy can differ, the copy
+    ``jax.device_get`` reads need not)."""
     import jax
 
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     if len(la) != len(lb):
         return False
     for x, y in zip(la, lb):
-        x, y = np.asarray(jax.device_get(x)), np.asarray(jax.device_get(y))
-        if x.shape != y.shape or x.dtype != y.dtype or x.tobytes() != y.tobytes():
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        sx = {(s.device.id, str(s.index)): s for s in getattr(x, "addressable_shards", [])}
+        sy = {(s.device.id, str(s.index)): s for s in getattr(y, "addressable_shards", [])}
+        if not sx or sx.keys() != sy.keys():
+            pairs = [(np.asarray(jax.device_get(x)), np.asarray(jax.device_get(y)))]
+        else:
+            pairs = [(np.asarray(sx[k].data), np.asarray(sy[k].data)) for k in sorted(sx)]
+        if any(p.tobytes() != q.tobytes() for p, q in pairs):
             return False
     return True
 
@@ -309,6 +349,8 @@ def run_fault_drill(ctx: DrillContext, fault: Fault, *, segment: int = 1, canary
     from replay.verify.engine import replay_range
     from replay.verify.verdict import Cause
 
+    if JUDGE.get(fault.site) == "certify":
+        return run_state_drill(ctx, fault)
     session = ctx.session
     run = session.run
     ckpt = run.checkpoint_for(fault.start)
@@ -358,6 +400,72 @@ def run_fault_drill(ctx: DrillContext, fault: Fault, *, segment: int = 1, canary
     out.update(outcome=classify(d, expected, first_bad), detected=detected, verdict=d.verdict.value,
                cause=d.cause.value, devices=list(d.devices), links=[list(x) for x in d.links], site=d.site,
                finding=None if loc is None else loc.finding, step=d.step, first_changed_step=first_bad)
+    return out
+
+
+def run_state_drill(ctx: DrillContext, fault: Fault) -> dict[str, Any]:
+    """One ``optimizer_update`` drill, judged as the product judges a state fault (not by range replay).
+
+    The segment from the checkpoint ``c`` before the fault to the next save ``b`` is trained with the fault
+    on the run's mesh (it corrupts one element of the device's copy of ``fault.leaf`` after the update of
+    each step it fires at); the state about to be saved at ``b`` gets its state record
+    (``replay.run.statefp.record_state``: every replica of every leaf, as the save computes it), and
+    ``replay certify``'s verdict on checkpoint ``b`` (``replay.verify.certify.judge_checkpoint``: the segment
+    replayed on another placement, compared with the drilled log and the record) is the verdict. Counted:
+    ``masked`` (no fingerprint of any step changed and the state at ``b`` is bit-identical to the clean
+    run's, shown), ``right_alone`` (checkpoint ``b`` poisoned, the device alone named), ``right_plus_others``,
+    ``wrong`` (others named), ``missed`` (certified, or poisoned with no device named).
+
+    Returns:
+      the row of :func:`run_fault_drill`, with ``judge: "certify"``, ``checkpoint`` (``b``), ``leaves`` (the
+      leaves the verdict names) and ``leaf_named`` (the fault's leaf among them); ``detected``:
+      ``state_record`` (the record's replicas disagree), ``certify`` (poisoned) and ``range`` (a logged
+      step's fingerprints changed: the corrupted copy was used by a later step of the segment).
+    """
+    from replay.run import devices as dv
+    from replay.run import statefp
+    from replay.verify.certify import judge_checkpoint
+
+    session = ctx.session
+    run = session.run
+    c = run.checkpoint_for(fault.start)
+    later = [x for x in run.checkpoints if x > fault.start]
+    if not later or later[0] > run.logged_steps[1]:
+        raise FaultModelError(f"optimizer_update at step {fault.start}: no checkpoint save after it in the run")
+    b = later[0]
+    home = session.home_assignment()
+    fps, _, kept = session.run_steps(home, c, b, fault=fault.specs(b), keep_state_at=b - 1)
+    log = dict(run.fingerprints)
+    for fp in fps:
+        log[fp.step] = fp
+    same_fp = all(fingerprints_identical(fp, run.fingerprints[fp.step]) for fp in fps)
+    state = kept[b - 1]
+    out: dict[str, Any] = {"fault": fault.to_dict(), "judge": "certify", "checkpoint": b,
+                           "expected": {"kind": "device", "devices": [fault.device]}, "steps_trained": len(fps),
+                           "shown_identical": None}
+    identical = states_identical(state, ctx.clean_state(c, b))
+    record = statefp.record_state(state, None, b)
+    if same_fp and identical:
+        out.update(outcome="masked", shown_identical=True, verdict="certified", cause="reproduced", devices=[],
+                   links=[], leaves=[], leaf_named=False, site=None, finding=None, step=None,
+                   detected={"screening": None, "canary": None, "range": False, "state_record": False,
+                             "certify": False})
+        return out
+    ids = [d.id for d in session.device_infos()]
+    placement = dv.independent_assignments(ids, session.setup.mesh_size, 2)[-1]  # good devices, another placement
+    v = judge_checkpoint(session, c, b, record, log=log, assignment=placement)
+    named = tuple(v.devices)
+    if v.verdict != "poisoned" or not named:
+        outcome = "missed"
+    elif named == (fault.device,):
+        outcome = "right_alone"
+    else:
+        outcome = "right_plus_others" if fault.device in named else "wrong"
+    out.update(outcome=outcome, verdict=v.verdict, cause=v.reason, devices=list(named), links=[],
+               leaves=list(v.leaves), leaf_named=fault.leaf in v.leaves, site=None, finding=None, step=b,
+               state_identical=identical,
+               detected={"screening": None, "canary": None, "range": not same_fp,
+                         "state_record": not record.replicas_agree, "certify": v.verdict == "poisoned"})
     return out
 
 

@@ -15,7 +15,11 @@ Glossary::
 
 Targeted replay (an onset in the range, not ``--exhaustive``)::
 
-    round 1: the segments that overlap [lo, hi]           a conviction here ends the replay
+    round 1: the segments that overlap [lo, hi]           a conviction here ends the replay, unless
+                                                           it is at a segment's first step: then the
+                                                           segment before it replays first (walk back,
+                                                           replay.verify.engine.walk_back), since a
+                                                           persistent fault may have begun earlier
     round 2: every other segment of the range             (an acquittal needs every step, each
                                                            once per placement)
 
