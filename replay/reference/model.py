@@ -268,6 +268,18 @@ class Hooks:
         d = self.drift
         return (d[0] == 1) & (d[1] == self.device.astype(jnp.float32)) & (d[2] == 2)
 
+    def drift_output(self, out: jnp.ndarray) -> jnp.ndarray:
+        """``out`` x(1 + magnitude) where an ``expert_output`` drift is active on this device, else ``out``.
+
+        The factor is 1 off the drift, so the unselected branch's gradient is ``0 x 1``: a NaN or Inf
+        magnitude (the ``nonfinite`` drill) does not reach the gradient of a device that is not drifting
+        (``jnp.where(c, out * (1 + nan), out)`` would send ``0 x nan`` back through the all-to-all to every
+        device's tokens)."""
+        drifting = self.drifting_output()
+        if drifting is None:
+            return out
+        return jnp.where(drifting, out * _drift_factor(drifting, self.drift[3], out.dtype), out)
+
     def hit(self, site: str, layer: int, leaf: Any = None):
         """bool scalar: the fault fires here (this device, this site and layer / leaf)."""
         if self.fault is None:
@@ -284,6 +296,11 @@ def expert_probe_input(d_model: int, dtype: Any) -> jnp.ndarray:
     return (v * jax.lax.rsqrt(jnp.mean(v * v))).astype(dtype)
 
 
+def _drift_factor(drifting, magnitude, dtype) -> jnp.ndarray:
+    """``1 + magnitude`` where ``drifting``, else exactly 1 (scalar of ``dtype``)."""
+    return jnp.where(drifting, 1.0 + magnitude, 1.0).astype(dtype)
+
+
 def _expert_probe(w_in, w_out, drifting, magnitude) -> jnp.ndarray:
     """uint32[2]: the fingerprint lanes of this device's experts' output for the probe token
     (:func:`expert_probe_input`), ``w_out^T gelu(w_in^T probe)`` per local expert, no gradient.
@@ -297,7 +314,7 @@ def _expert_probe(w_in, w_out, drifting, magnitude) -> jnp.ndarray:
     probe = jnp.broadcast_to(expert_probe_input(w_in.shape[1], w_in.dtype), (w_in.shape[0], 1, w_in.shape[1]))
     h = jax.nn.gelu(jnp.einsum("ecd,edf->ecf", probe, w_in))
     out = jnp.einsum("ecf,efd->ecd", h, w_out)
-    out = jnp.where(drifting, out * (1.0 + magnitude).astype(out.dtype), out)
+    out = jnp.where(drifting, out * _drift_factor(drifting, magnitude, out.dtype), out)
     return fpm.fingerprint(out, counts=False)[:2]
 
 
@@ -499,9 +516,7 @@ def _moe(p, x, valid, cfg: ModelConfig, bias=None, *, ep: Optional[ExpertParalle
         h = _inner(jax.nn.gelu(pre), hooks, "ffn_down", layer)
         expert_out = _matmul("becf,efd->becd", h, w_out, hooks, "ffn_down", layer)
         expert_out = _maybe_flip(expert_out, hooks, "expert_forward", layer)
-        drifting = hooks.drifting_output()
-        if drifting is not None:  # every expert computed here (the canary's program): a drifting device's output
-            expert_out = jnp.where(drifting, expert_out * (1.0 + hooks.drift[3]).astype(expert_out.dtype), expert_out)
+        expert_out = hooks.drift_output(expert_out)  # every expert computed here (the canary's program)
     else:
         expert_out, extra = _experts_exchanged(expert_in, w_in, w_out, ep, hooks, layer)
         drifting = hooks.drifting_output()
@@ -580,9 +595,8 @@ def _experts_exchanged(expert_in, w_in, w_out, ep: ExpertParallel, hooks: Hooks,
     h = _inner(jax.nn.gelu(pre), hooks, "ffn_down", layer)
     out = _matmul("xebcf,efd->xebcd", h, w_out, hooks, "ffn_down", layer)
     out = _maybe_flip(out, hooks, "expert_forward", layer)
-    drifting = hooks.drifting_output()
-    if drifting is not None:  # a persistent x(1 + m) drift of this device's experts (DriftSpec expert_output)
-        out = jnp.where(drifting, out * (1.0 + hooks.drift[3]).astype(out.dtype), out)
+    if hooks.drift is not None:  # a persistent x(1 + m) drift of this device's experts (DriftSpec expert_output)
+        out = hooks.drift_output(out)
         extra["out_sq"] = jnp.sum(jnp.square(out.astype(jnp.float32)))
     if hooks.probes is None:
         back = jax.lax.all_to_all(out, ep.axis, 0, 0)

@@ -422,7 +422,7 @@ def run_state_drill(ctx: DrillContext, fault: Fault) -> dict[str, Any]:
       ``state_record`` (the record's replicas disagree), ``certify`` (poisoned) and ``range`` (a logged
       step's fingerprints changed: the corrupted copy was used by a later step of the segment).
     """
-    from replay.run import devices as dv
+    from replay.runtime import devices as dv
     from replay.run import statefp
     from replay.verify.certify import judge_checkpoint
 
