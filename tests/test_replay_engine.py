@@ -69,14 +69,16 @@ def test_one_device_set_of_run_shape_rotated(session):
     assert rep.decision.independent_replays == 2
 
 
-def test_hundred_drills_all_convicted(session):
+def test_thirty_drills_all_convicted(session):
+    """Range replay's verdict on 30 local-gradient flips drawn at random (the campaign, benchmarks/campaign.py,
+    draws every site, bit and magnitude grid at scale; this keeps the replay path honest in the suite)."""
     rng = random.Random(1234)
     bits_seen = set()
-    for i in range(100):
+    for i in range(30):
         # Every tenth drill pins the lowest mantissa bit; the rest draw every field at random.
         f = drill.random_fault(session, rng, bit=0 if i % 10 == 0 else None)
         bits_seen.add(f.bit)
-        res = drill.run_drill(session, f, canary=(i % 25 == 0))
+        res = drill.run_drill(session, f, canary=(i % 15 == 0))
         d = res.range_report.decision
         assert res.caught, (f, d.explanation)
         assert d.verdict is Verdict.CONVICTED and d.devices == (f.device_id,) and d.step == f.step
@@ -86,12 +88,12 @@ def test_hundred_drills_all_convicted(session):
     assert 0 in bits_seen and len(bits_seen) > 10
 
 
-def test_hundred_clean_replays_no_conviction(session):
+def test_thirty_clean_replays_no_conviction(session):
     rng = random.Random(99)
     specs = ["all", "good", "0-3", "4-7", "process:0"]
     session.run.quarantine = frozenset({1})
     try:
-        for _ in range(100):
+        for _ in range(30):
             start = rng.randrange(0, STEPS)
             stop = min(STEPS, start + rng.randrange(1, 3))
             spec = rng.choice(specs)
