@@ -133,6 +133,42 @@ def test_every_file_of_a_training_run_validates(run_dir):
         jsonschema.validate(bad, _schema("run_log/event.schema.json"))
 
 
+def test_events_are_validated_on_read_a_trainers_own_kinds_kept(replay_made, tmp_path):
+    """Each line of events.jsonl is checked against the declared Event when read (load_run, read_events):
+    a trainer's own kind and fields are an event; a line that is JSON but no event is refused naming
+    the file, the line, the key path and what to do; a torn line (no JSON) is skipped as before."""
+    import shutil
+
+    from replay.run.runlog import RunDirError, load_run
+
+    run = tmp_path / "run"
+    shutil.copytree(replay_made[0], run, ignore=shutil.ignore_patterns("checkpoints"))
+    path = run / "events.jsonl"
+    lines = path.read_text().splitlines()
+    own = json.dumps({"event": "my_eval", "step": 3, "score": [1, {"x": None}], "attempt": 1, "t": 1.7e9})
+    path.write_text("\n".join(lines[:1] + [own, '{"event": "torn', *lines[1:]]) + "\n")
+    assert [e["event"] for e in proto.read_events(str(run))][:2] == ["start", "my_eval"]
+    assert any(e["event"] == "my_eval" and e["score"] == [1, {"x": None}] for e in load_run(str(run)).all_events)
+    for bad, said in [({"event": "checkpoint", "step": "3"}, "step: Input should be a valid integer, got '3'"),
+                      ({"event": "checkpoint", "step": True}, "step: Input should be a valid integer, got True"),
+                      ({"step": 3}, "missing field 'event'"),
+                      ({"event": "restore", "step": 2, "checkpoint": 1.5},
+                       "checkpoint: Input should be a valid integer, got 1.5"),
+                      ({"event": "end", "step": 4, "t": "late"}, "t: Input should be a valid number, got 'late'"),
+                      ([3], "must be a JSON object, got list")]:
+        path.write_text("\n".join(lines[:1] + [json.dumps(bad), *lines[1:]]) + "\n")
+        want = f"{path}:2: not an event: {said}; a line of events.jsonl is a JSON object with 'event'"
+        with pytest.raises(RunDirError) as e:
+            load_run(str(run))
+        assert str(e.value).startswith(want) and str(e.value).endswith("correct that line or delete it"), str(e.value)
+        with pytest.raises(ValueError) as e:
+            proto.read_events(str(run))
+        assert str(e.value).startswith(want), str(e.value)
+    path.write_text("\n".join(lines + [json.dumps({"event": "end", "step": "4"})]) + "\n")  # a whole last line
+    with pytest.raises(RunDirError, match=":" + str(len(lines) + 1) + ": not an event: step"):
+        load_run(str(run))
+
+
 def test_a_state_record_that_is_not_one_is_a_damaged_checkpoint(tmp_path):
     from replay.run.statefp import DamagedCheckpointError, read_record, record_path
 

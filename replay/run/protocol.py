@@ -976,18 +976,47 @@ class Event(TypedDict):
     (one of them is wrong; the copies alone cannot say which)"""
 
 
+EVENT_HELP = ("a line of events.jsonl is a JSON object with 'event' (a string) and 'step' (an int), its other "
+              "fields typed as schemas/run_log/event.schema.json says (a trainer's own kinds and fields are kept): "
+              "correct that line or delete it")
+
+
+def event_problem(d: Any) -> Optional[str]:
+    """Why ``d`` (one parsed line of ``events.jsonl``) is not an :class:`Event`, or None: ``missing field
+    'step'``, or the key path and what is wrong (``step: Input should be a valid integer, got '3'``).
+    Strict, as JSON gives them: ``step`` an int (not ``"3"``, not ``true``), ``t`` a number. A trainer's
+    own kinds and extra fields pass unchecked (the protocol allows them)."""
+    if not isinstance(d, dict):
+        return f"must be a JSON object, got {type(d).__name__}"
+    try:
+        adapter(Event).validate_python(d, strict=True)
+    except pydantic.ValidationError as e:
+        return _record_problem(e, Event)
+    return None
+
+
 def read_events(run_dir: str) -> list[dict[str, Any]]:
-    """Reads ``<run_dir>/events.jsonl`` (one dict per event, in order; a torn last line is skipped).
-    Each is an :class:`Event`, whose JSON Schema is ``schemas/run_log/event.schema.json``."""
+    """Reads ``<run_dir>/events.jsonl`` (one dict per event, in order). A line that is not JSON is skipped
+    (a torn line: a kill mid-write, which a resumed run may have appended to); every other line must be
+    an :class:`Event` (:func:`event_problem`; its JSON Schema is ``schemas/run_log/event.schema.json``).
+
+    Raises:
+      OSError: the file cannot be read. ValueError: a line is JSON but not an event (``<file>:<line>:
+        not an event: <key path>: <what is wrong>`` and what to do).
+    """
     import os
 
     path = os.path.join(run_dir, EVENTS_NAME)
     out = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        for n, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    out.append(json.loads(line))
+                    d = json.loads(line)
                 except ValueError:
                     continue
+                why = event_problem(d)
+                if why is not None:
+                    raise ValueError(f"{path}:{n}: not an event: {why}; {EVENT_HELP}")
+                out.append(d)
     return out
