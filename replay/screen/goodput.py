@@ -68,6 +68,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from replay.run.lineage import Attempt
 from replay.run.runlog import RunDirError, RunLog
 
 PARTS = ("productive", "non_finite", "startup", "compile", "checkpoint_save", "restore", "lost", "rewound", "skipped_window",
@@ -351,9 +352,9 @@ def account(run: RunLog, *, peak_flops: Optional[float] = None, mtbf_s: Optional
                          input=input_wait(per_steps, time_us["loader_wait"]))
 
 
-def _account_attempt(books: _Books, run: RunLog, a: Any, events: Sequence[Mapping[str, Any]],
+def _account_attempt(books: _Books, run: RunLog, a: Attempt, events: Sequence[Mapping[str, Any]],
                      ids: Sequence[Optional[int]], steps: Sequence[_Step], bad: frozenset[int]) -> None:
-    """Adds attempt ``a`` (a ``replay.run.lineage`` attempt; ``steps``: its lines of signals.jsonl) to
+    """Adds attempt ``a`` (``steps``: its lines of signals.jsonl; ``ids``: each event's attempt) to
     ``books``: the gap before it, its start-up and restore, its steps' parts and its tail."""
     ev = a.event
     parts = {p: 0 for p in PARTS}
@@ -388,7 +389,7 @@ def _account_attempt(books: _Books, run: RunLog, a: Any, events: Sequence[Mappin
                            "ended": bool(ends), "time_s": {p: parts[p] / 1e6 for p in PARTS if parts[p]}})
 
 
-def _attempt_start(books: _Books, a: Any, parts: dict[str, int]) -> tuple[int, int, int]:
+def _attempt_start(books: _Books, a: Attempt, parts: dict[str, int]) -> tuple[int, int, int]:
     """The gap before attempt ``a`` (timed: its start or restore event has a ``t``), its restore and its
     start-up, added to ``parts``. Returns ``(begin, shift, t0)`` in microseconds: its launch, what its clock
     is moved by (a launch before the previous attempt's last record), and its start or restore event's time."""
