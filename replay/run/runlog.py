@@ -539,13 +539,26 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
         int(name) for name in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else [])
         if name.isdigit() and os.path.isdir(os.path.join(ckpt_dir, name))
     )
+    return RunLog(
+        run_dir=run_dir, config=in_force, env=env, events=list(lineage.events), fingerprints=fingerprints,
+        relogged_conflicts=sorted(conflicts), checkpoints=[c for c in checkpoints if c <= lineage.end],
+        quarantine=_quarantine(run_dir, quarantine_file), malformed=malformed, suspects=read_suspects(run_dir),
+        lineage=lineage, all_events=events, config_file=config, notes=notes, pending_superseded=pending,
+    )
+
+
+def _quarantine(run_dir: str, quarantine_file: Optional[str]) -> frozenset[int]:
+    """The devices held suspect: ``quarantine_file``'s, else ``<run_dir>/quarantine.txt``'s, else none.
+
+    Raises:
+      RunDirError: the file is missing (given), unreadable or not a list of device ids.
+    """
     try:
         if quarantine_file is not None:
-            quarantine = read_quarantine(quarantine_file)
-        elif os.path.exists(os.path.join(run_dir, QUARANTINE_NAME)):
-            quarantine = read_quarantine(os.path.join(run_dir, QUARANTINE_NAME))
-        else:
-            quarantine = frozenset()
+            return read_quarantine(quarantine_file)
+        if os.path.exists(os.path.join(run_dir, QUARANTINE_NAME)):
+            return read_quarantine(os.path.join(run_dir, QUARANTINE_NAME))
+        return frozenset()
     except FileNotFoundError:
         raise RunDirError(f"quarantine file not found: {quarantine_file}") from None
     except DeviceSpecError as e:
@@ -556,12 +569,6 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
     except OSError as e:
         where = quarantine_file or os.path.join(run_dir, QUARANTINE_NAME)
         raise RunDirError(f"quarantine file {where}: cannot read ({e.strerror or e})") from None
-    return RunLog(
-        run_dir=run_dir, config=in_force, env=env, events=list(lineage.events), fingerprints=fingerprints,
-        relogged_conflicts=sorted(conflicts), checkpoints=[c for c in checkpoints if c <= lineage.end],
-        quarantine=quarantine, malformed=malformed, suspects=read_suspects(run_dir), lineage=lineage, all_events=events,
-        config_file=config, notes=notes, pending_superseded=pending,
-    )
 
 
 def _fingerprint_shards(run_dir: str, env: Mapping[str, Any]) -> tuple[dict[int, dict[int, dict]], list[int]]:
