@@ -14,9 +14,17 @@ record sizes: the demo's (21 parameter leaves, 8 devices, 2 MoE layers) and a la
 Also the read side: ``StepFingerprints.from_dict`` + ``StepSignals.from_dict`` (pydantic's validation)
 against ``json.loads`` alone of the same lines.
 
+And reading a whole run directory (``--read-steps``, default 100,000 steps; ``--quick``: 20,000):
+``replay.run.runlog.load_run`` of a synthetic run of that many small fingerprint lines and a ``checkpoint``
+event (with its state fields) every 100 steps, timed with each event validated on read
+(``protocol.event_problem``, what load_run does) against the same load with that check switched off
+(what it did before), interleaved, median of 3 each: ``load_run_over_unchecked``; and the check alone
+over the run's event lines against ``json.loads`` of them (``check_over_json_loads``), whose time over
+the whole load is ``check_share_of_load_run``.
+
 Prints ONE JSON object: per case the median microseconds per step of ``writer`` and ``json_only``, their
-ratio ``writer_over_json``, the same for reading (``read_over_json``), the line bytes, and the load
-average when it ran (figures measured under load are not idle figures).
+ratio ``writer_over_json``, the same for reading (``read_over_json``), the line bytes, the run-directory
+read, and the load average when it ran (figures measured under load are not idle figures).
 """
 
 from __future__ import annotations
@@ -101,16 +109,106 @@ def measure(label: str, steps: int, **size) -> dict:
             "read_over_json": round(r / lo, 3), "lines_equal_json_dumps": same}
 
 
+def write_run(path: str, steps: int, every: int = 100) -> int:
+    """A synthetic run directory of ``steps`` fingerprint lines (4 leaves, 2 devices) and a start, a
+    ``checkpoint`` event every ``every`` steps (with the state fields a checkpoint event carries) and an
+    end. Returns the number of events."""
+    import yaml
+
+    from replay.run import runlog
+
+    os.makedirs(path)
+    with open(os.path.join(path, runlog.RUN_CONFIG), "w") as f:
+        yaml.safe_dump({"seed": 1, "global_batch": 8}, f)
+    with open(os.path.join(path, runlog.ENV_JSON), "w") as f:
+        json.dump({"mesh": {"axis_names": ["data"], "shape": [2], "device_ids": [0, 1]}}, f)
+    fp, _ = records(0, leaves=4, devices=2, layers=1, experts=2)
+    line = fp.to_dict()
+    line.pop("signals", None)
+    t0 = 1.7e9
+    events = [{"event": "start", "step": 0, "attempt": 1, "t": t0, "time": "2023-11-14T22:13:20+00:00",
+               "launched_at": t0 - 5, "steps": steps}]
+    leaves = {f"['w{i}']": f"{i:016x}" for i in range(4)}
+    for s in range(every, steps + 1, every):
+        events.append({"event": "checkpoint", "step": s, "attempt": 1, "t": t0 + s * 0.1 + 0.05,
+                       "time": "2023-11-14T22:13:21+00:00", "save_start_t": t0 + s * 0.1,
+                       "commit_t": t0 + s * 0.1 + 0.04,
+                       "state": {"fingerprint": "ab" * 8, "leaves": leaves, "loader_sha256": "cd" * 32,
+                                 "finite": True, "nonfinite": {}, "replicas_agree": True, "fingerprint_s": 0.01,
+                                 "record": f"checkpoint_records/{s}.json"}})
+    events.append({"event": "end", "step": steps, "attempt": 1, "t": t0 + steps * 0.1 + 1})
+    with open(os.path.join(path, proto.EVENTS_NAME), "w") as f:
+        f.writelines(json.dumps(e, sort_keys=True) + "\n" for e in events)
+    with open(os.path.join(path, proto.FINGERPRINTS_NAME), "w") as f:
+        for s in range(steps):
+            line["step"], line["batch_hash"] = s, f"{s:032x}"
+            f.write(json.dumps(line, sort_keys=True) + "\n")
+    return len(events)
+
+
+def measure_read(steps: int, repeats: int = 3) -> dict:
+    """load_run of a synthetic run (:func:`write_run`) with the events checked on read and unchecked
+    (after one untimed load; the order alternates), median of ``repeats``; and the check alone over the
+    parsed event lines against ``json.loads`` of them, best of 20 (short: the machine's load moves it less)."""
+    from replay.run import runlog
+
+    checked = runlog._check_event
+    times: dict[str, list[float]] = {"checked": [], "unchecked": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        run = os.path.join(tmp, "run")
+        n_events = write_run(run, steps)
+        with open(os.path.join(run, proto.EVENTS_NAME)) as f:
+            event_lines = f.read().splitlines()
+        runlog.load_run(run)  # imports, pydantic's validators built: not the check's cost
+        for i in range(repeats):
+            for mode in (("checked", "unchecked") if i % 2 == 0 else ("unchecked", "checked")):
+                runlog._check_event = checked if mode == "checked" else (lambda d: None)
+                try:
+                    t0 = time.perf_counter()
+                    got = runlog.load_run(run)
+                    times[mode].append(time.perf_counter() - t0)
+                finally:
+                    runlog._check_event = checked
+                assert len(got.fingerprints) == steps and len(got.all_events) == n_events
+        size = os.path.getsize(os.path.join(run, proto.FINGERPRINTS_NAME))
+    parsed = [json.loads(x) for x in event_lines]
+    check_t, loads_t = [], []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        for d in parsed:
+            checked(d)
+        t1 = time.perf_counter()
+        for x in event_lines:
+            json.loads(x)
+        t2 = time.perf_counter()
+        check_t.append(t1 - t0)
+        loads_t.append(t2 - t1)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    check, loads = min(check_t), min(loads_t)
+    return {"case": "load_run", "steps": steps, "events": n_events, "fingerprints_mb": round(size / 2**20, 1),
+            "load_run_s": round(med["checked"], 3), "load_run_unchecked_s": round(med["unchecked"], 3),
+            "load_run_over_unchecked": round(med["checked"] / med["unchecked"], 4),
+            "check_events_ms": round(check * 1e3, 2), "events_json_loads_ms": round(loads * 1e3, 2),
+            "check_over_json_loads": round(check / loads, 2),
+            "check_us_per_event": round(check / n_events * 1e6, 2),
+            # the check's own time over the whole load: steadier than the ratio of two loads, which the
+            # machine's load moves by more than the check costs
+            "check_share_of_load_run": round(check / med["checked"], 5)}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="60 steps a case")
+    ap.add_argument("--quick", action="store_true", help="60 steps a case, a run directory of 20,000 steps")
+    ap.add_argument("--read-steps", type=int, default=None, help="steps of the run directory read (100,000)")
     args = ap.parse_args(argv)
     steps = 60 if args.quick else 300
     load = os.getloadavg()
     out = {"benchmark": "runlog", "load_average_1_5_15": [round(x, 2) for x in load], "cases": [
         measure("demo", steps, leaves=21, devices=8, layers=2, experts=4),
         measure("large", max(steps // 3, 20), leaves=200, devices=16, layers=16, experts=64),
+        measure_read(args.read_steps or (20_000 if args.quick else 100_000)),
     ]}
+    out["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(out, indent=1))
     return out
 

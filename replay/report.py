@@ -482,18 +482,50 @@ def scan_figure(scan: Any):
     A panel whose values are all 0 says so.
     """
     plt = figures.pyplot()
-    import numpy as np
-    from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
+    from matplotlib.ticker import MaxNLocator
 
-    from replay.run.train_plot import say_if_all_zero
-
-    rep, rout, loss, load = (scan.series.get(k) or {} for k in ("replicas", "router", "loss", "loader"))
     limits = getattr(scan, "limits", None) or {}
-    screening = limits.get("screening") or {}
     experts = scan.series.get("expert_load") or {}
     fig, axes = plt.subplots(6 if experts else 5, 1, figsize=(12, 16.5 if experts else 14), sharex=True)
+    _plot_scan_replicas(axes[0], scan, limits.get("screening") or {})
+    ax = axes[1]
+    loss = scan.series.get("loss") or {}
+    if loss:
+        ax.plot(loss["steps"], loss["loss"], color="black", linewidth=1, label="loss")
+    ax.set_ylabel("loss")
+    ax.set_title("loss (the loss-spike check)", fontsize=9)
+    _plot_scan_router(axes[2], axes[3], scan.series.get("router") or {}, limits, scan.checks.get("router", {}))
+    if experts:
+        _plot_expert_load(axes[4], experts, limits, scan.checks.get("expert_load", {}).get("status", "n/a"))
+    _plot_scan_loader(axes[-1], scan.series.get("loader") or {})
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    seen = set()
+    for step, event in _scan_marks(scan.run_dir, *scan.steps):
+        colour, style, label = _MARKED_EVENTS[event]
+        for ax in axes:
+            ax.axvline(step, color=colour, linestyle=style, linewidth=1.1, label=label if label not in seen else None)
+        seen.add(label)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        _legend_outside(ax)
+    if scan.suspects:
+        verdict = "SUSPECTS: " + ", ".join(s.subject for s in scan.suspects[:4])
+    else:
+        unavailable = [n for n, c in scan.checks.items() if c.get("status") == "not available"]
+        verdict = "CLEAN: no check found anything" + (f" ({', '.join(unavailable)} not available)" if unavailable else "")
+    fig.suptitle(f"replay scan of {scan.run_dir}, steps {scan.steps[0]}:{scan.steps[1]}: {verdict}", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
+    return fig
+
+
+def _plot_scan_replicas(ax, scan: Any, screening: Mapping[str, Any]) -> None:
+    """The scan's first panel: each replica's robust z-score of its gradient norm (symmetric log), the
+    spike threshold, the drift onsets, the steps not scored yet and the canary's mismatches."""
+    import numpy as np
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    rep = scan.series.get("replicas") or {}
     suspects = set(scan.suspect_devices)
-    ax = axes[0]
     if rep:
         steps = np.asarray(rep["steps"])
         z = np.asarray(rep["z"], float)
@@ -532,15 +564,19 @@ def scan_figure(scan: Any):
     ax.set_ylabel("robust z of log(norm / median)")
     ax.set_title("per-replica gradient norm against the other replicas: robust z-score (spike and drift checks)",
                  fontsize=9)
-    ax = axes[1]
-    if loss:
-        ax.plot(loss["steps"], loss["loss"], color="black", linewidth=1, label="loss")
-    ax.set_ylabel("loss")
-    ax.set_title("loss (the loss-spike check)", fontsize=9)
-    health = scan.checks.get("router", {})
+
+
+def _plot_scan_router(ax_dropped, ax_share, rout: Mapping[str, Any], limits: Mapping[str, Any],
+                      health: Mapping[str, Any]) -> None:
+    """The scan's router panels: each layer's dropped fraction (from 0) and worst expert share (log,
+    thin: each step, thick: the judged window), with their limits and the end of warm-up."""
+    import numpy as np
+
+    from replay.run.train_plot import say_if_all_zero
+
     warmup = limits.get("warmup_steps")
-    for ax, key, label in ((axes[2], "dropped", "dropped fraction"),
-                           (axes[3], "share_ratio", "worst expert vs uniform")):
+    for ax, key, label in ((ax_dropped, "dropped", "dropped fraction"),
+                           (ax_share, "share_ratio", "worst expert vs uniform")):
         if rout:
             for i in range(rout[key].shape[1]):
                 line, = ax.plot(rout["steps"], rout[key][:, i], linewidth=0.8 if key == "share_ratio" else 1.4,
@@ -553,27 +589,30 @@ def scan_figure(scan: Any):
             ax.text(0.5, 0.5, "router figures not available", ha="center", transform=ax.transAxes)
         ax.set_ylabel(label)
     if "max_dropped_fraction" in limits:
-        axes[2].axhline(limits["max_dropped_fraction"], color="red", linestyle=":", label="limit")
-        axes[3].axhline(limits["max_share_ratio"], color="red", linestyle=":", label="limit")
-        for ax in axes[2:4]:
+        ax_dropped.axhline(limits["max_dropped_fraction"], color="red", linestyle=":", label="limit")
+        ax_share.axhline(limits["max_share_ratio"], color="red", linestyle=":", label="limit")
+        for ax in (ax_dropped, ax_share):
             ax.axvline(warmup, color="grey", linestyle=":", linewidth=1, label="end of warm-up")
     top = limits.get("max_dropped_fraction", 0.01) * 1.5
     if rout and np.isfinite(rout["dropped"]).any():
         top = max(top, float(np.nanmax(rout["dropped"])) * 1.1)
-        say_if_all_zero(axes[2], [[v for v in rout["dropped"][:, i] if v == v] for i in range(rout["dropped"].shape[1])],
-                        "dropped fraction, every layer")
-    axes[2].set_ylim(0, top)
+        say_if_all_zero(ax_dropped, [[v for v in rout["dropped"][:, i] if v == v]
+                                     for i in range(rout["dropped"].shape[1])], "dropped fraction, every layer")
+    ax_dropped.set_ylim(0, top)
     if rout:
-        axes[3].set_yscale("log")
+        ax_share.set_yscale("log")
         if "max_share_ratio" in limits:  # first: it may make room above the lines for its box
-            _explain_unjudged(axes[3], rout, limits, health.get("status", "n/a"))
-        _log_ticks(axes[3], _times_label)
-    axes[2].set_title(f"router health ({health.get('status', 'n/a')}): dropped fraction per layer", fontsize=9)
-    axes[3].set_title("expert shares: max(share x E, 1 / (min share x E)), x uniform; thin: each step, thick: the "
-                      "judged window", fontsize=9)
-    if experts:
-        _plot_expert_load(axes[4], experts, limits, scan.checks.get("expert_load", {}).get("status", "n/a"))
-    ax = axes[-1]
+            _explain_unjudged(ax_share, rout, limits, health.get("status", "n/a"))
+        _log_ticks(ax_share, _times_label)
+    ax_dropped.set_title(f"router health ({health.get('status', 'n/a')}): dropped fraction per layer", fontsize=9)
+    ax_share.set_title("expert shares: max(share x E, 1 / (min share x E)), x uniform; thin: each step, thick: the "
+                       "judged window", fontsize=9)
+
+
+def _plot_scan_loader(ax, load: Mapping[str, Any]) -> None:
+    """The scan's last panel: the loader's wait against the step time (log scale, ms and s)."""
+    import numpy as np
+
     if load:
         ax.plot(load["steps"], np.asarray(load["wait"]) * 1e3, label="loader wait")
         ax.plot(load["steps"], np.asarray(load["step_time"]) * 1e3, label="step time", alpha=0.6)
@@ -582,24 +621,6 @@ def scan_figure(scan: Any):
     ax.set_ylabel("time per step")
     ax.set_title("loader wait against step time (the loader-stall check)", fontsize=9)
     ax.set_xlabel("step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    seen = set()
-    for step, event in _scan_marks(scan.run_dir, *scan.steps):
-        colour, style, label = _MARKED_EVENTS[event]
-        for ax in axes:
-            ax.axvline(step, color=colour, linestyle=style, linewidth=1.1, label=label if label not in seen else None)
-        seen.add(label)
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        _legend_outside(ax)
-    if scan.suspects:
-        verdict = "SUSPECTS: " + ", ".join(s.subject for s in scan.suspects[:4])
-    else:
-        unavailable = [n for n, c in scan.checks.items() if c.get("status") == "not available"]
-        verdict = "CLEAN: no check found anything" + (f" ({', '.join(unavailable)} not available)" if unavailable else "")
-    fig.suptitle(f"replay scan of {scan.run_dir}, steps {scan.steps[0]}:{scan.steps[1]}: {verdict}", fontsize=11)
-    fig.tight_layout(rect=(0, 0, 1, 0.98))
-    return fig
 
 
 def _plot_expert_load(ax, series: Mapping[str, Any], limits: Mapping[str, Any], status: str) -> None:

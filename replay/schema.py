@@ -3,8 +3,9 @@
 ``schemas/run_config.schema.json`` is the reference trainer's ``run_config.yaml``
 (:class:`replay.reference.run.RunConfig` and its sections); ``schemas/run_log/`` holds one file per
 record of the run directory (``replay.run.protocol``): a line of ``fingerprints.jsonl``,
-``signals.jsonl``, ``canary.jsonl`` and ``events.jsonl``, and a checkpoint's state record
-(``checkpoint_records/<step>.json``, ``replay.run.statefp``). Each comes from the one declaration that
+``signals.jsonl``, ``canary.jsonl`` and ``events.jsonl``, a checkpoint's state record
+(``checkpoint_records/<step>.json``, ``replay.run.statefp``), the environment record ``env.json`` and
+the record of what the run trained with, ``inputs.json``. Each comes from the one declaration that
 also validates (pydantic), like the dataset's files of ``contract.schema``. A user's trainer or another
 tool can check what it writes against them. Regenerate them after a change of a declaration
 (``tests/test_run_schema.py`` fails until they are current)::
@@ -47,6 +48,8 @@ SCHEMAS: dict[str, Callable[[], dict]] = {
     "run_log/canary.schema.json": _record("CanaryRecord", "a line of canary.jsonl"),
     "run_log/event.schema.json": _record("Event", "a line of events.jsonl"),
     "run_log/checkpoint_record.schema.json": _record("StateRecordFile", "checkpoint_records/<step>.json"),
+    "run_log/env.schema.json": _record("EnvRecord", "env.json"),
+    "run_log/inputs.schema.json": _record("InputsRecord", "inputs.json"),
 }
 
 

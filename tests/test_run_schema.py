@@ -1,5 +1,6 @@
 """schemas/run_config.schema.json and schemas/run_log/*.schema.json: current with the declarations
-(replay.reference.run.RunConfig, replay.run.protocol's records, replay.run.statefp.StateRecordFile), and a
+(replay.reference.run.RunConfig, replay.run.protocol's records (events, env.json, inputs.json),
+replay.run.statefp.StateRecordFile), and a
 JSON Schema validator agrees with ours on real files: the demo run config, and every line a training run
 wrote."""
 
@@ -131,6 +132,81 @@ def test_every_file_of_a_training_run_validates(run_dir):
     bad = dict(events[-1], step="late")
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, _schema("run_log/event.schema.json"))
+
+
+def test_events_are_validated_on_read_a_trainers_own_kinds_kept(replay_made, tmp_path):
+    """Each line of events.jsonl is checked against the declared Event when read (load_run, read_events):
+    a trainer's own kind and fields are an event; a line that is JSON but no event is refused naming
+    the file, the line, the key path and what to do; a torn line (no JSON) is skipped as before."""
+    import shutil
+
+    from replay.run.runlog import RunDirError, load_run
+
+    run = tmp_path / "run"
+    shutil.copytree(replay_made[0], run, ignore=shutil.ignore_patterns("checkpoints"))
+    path = run / "events.jsonl"
+    lines = path.read_text().splitlines()
+    own = json.dumps({"event": "my_eval", "step": 3, "score": [1, {"x": None}], "attempt": 1, "t": 1.7e9})
+    path.write_text("\n".join(lines[:1] + [own, '{"event": "torn', *lines[1:]]) + "\n")
+    assert [e["event"] for e in proto.read_events(str(run))][:2] == ["start", "my_eval"]
+    assert any(e["event"] == "my_eval" and e["score"] == [1, {"x": None}] for e in load_run(str(run)).all_events)
+    for bad, said in [({"event": "checkpoint", "step": "3"}, "step: Input should be a valid integer, got '3'"),
+                      ({"event": "checkpoint", "step": True}, "step: Input should be a valid integer, got True"),
+                      ({"step": 3}, "missing field 'event'"),
+                      ({"event": "restore", "step": 2, "checkpoint": 1.5},
+                       "checkpoint: Input should be a valid integer, got 1.5"),
+                      ({"event": "end", "step": 4, "t": "late"}, "t: Input should be a valid number, got 'late'"),
+                      ([3], "must be a JSON object, got list")]:
+        path.write_text("\n".join(lines[:1] + [json.dumps(bad), *lines[1:]]) + "\n")
+        want = f"{path}:2: not an event: {said}; a line of events.jsonl is a JSON object with 'event'"
+        with pytest.raises(RunDirError) as e:
+            load_run(str(run))
+        assert str(e.value).startswith(want) and str(e.value).endswith("correct that line or delete it"), str(e.value)
+        with pytest.raises(ValueError) as e:
+            proto.read_events(str(run))
+        assert str(e.value).startswith(want), str(e.value)
+    path.write_text("\n".join(lines + [json.dumps({"event": "end", "step": "4"})]) + "\n")  # a whole last line
+    with pytest.raises(RunDirError, match=":" + str(len(lines) + 1) + ": not an event: step"):
+        load_run(str(run))
+
+
+def test_env_and_inputs_records_have_schemas_and_inputs_json_is_validated_on_read(replay_made, tmp_path):
+    """env.json and inputs.json of a training run validate against their published schemas and their
+    declarations; a damaged inputs.json is refused on read with its key path and what to do."""
+    import shutil
+
+    from replay.run import inputs as run_inputs
+
+    run = pathlib.Path(replay_made[0])
+    for name, cls in (("env", proto.EnvRecord), ("inputs", proto.InputsRecord)):
+        rec = json.loads((run / f"{name}.json").read_text())
+        jsonschema.validate(rec, _schema(f"run_log/{name}.schema.json"))
+        assert proto.record_problem(rec, cls) is None
+    env = json.loads((run / "env.json").read_text())
+    env["backend"]["process_count"] = "2"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(env, _schema("run_log/env.schema.json"))
+    assert proto.record_problem(env, proto.EnvRecord) == (
+        "backend.process_count: Input should be a valid integer, got '2'")
+    assert proto.record_problem({"mesh": {"shape": [2]}, "mine": 1}, proto.EnvRecord) is None  # less, and more
+    copy = tmp_path / "run"
+    copy.mkdir()
+    shutil.copy(run / "inputs.json", copy / "inputs.json")
+    good = json.loads((run / "inputs.json").read_text())
+    assert run_inputs.read_inputs(str(copy)) == good
+    for edit, said in [(lambda r: r["mixture"].pop("sha256"), "missing field 'mixture.sha256'"),
+                       (lambda r: r["dataset"].update(manifest_sha256=7),
+                        "dataset.manifest_sha256: Input should be a valid string, got 7"),
+                       (lambda r: r.update(schedule=[1]), "schedule: Input should be a valid dictionary, got [1]")]:
+        bad = json.loads(json.dumps(good))
+        edit(bad)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, _schema("run_log/inputs.schema.json"))
+        (copy / "inputs.json").write_text(json.dumps(bad))
+        with pytest.raises(run_inputs.InputsChangedError) as e:
+            run_inputs.read_inputs(str(copy))
+        assert str(e.value).startswith(f"{copy / 'inputs.json'}: not a record of the run's inputs ({said}): ")
+        assert "restore it from a copy of the run directory" in str(e.value)
 
 
 def test_a_state_record_that_is_not_one_is_a_damaged_checkpoint(tmp_path):

@@ -97,17 +97,26 @@ def read_inputs(run_dir: str) -> Optional[dict[str, Any]]:
     """``inputs.json`` of the run, or None (a run directory written before it existed).
 
     Raises:
-      InputsChangedError: the file exists but is not a valid record (names the file).
+      InputsChangedError: the file exists but is not a valid record (``protocol.InputsRecord``,
+        ``schemas/run_log/inputs.schema.json``): names the file, the key path and what to do.
     """
+    from replay.run.protocol import InputsRecord, record_problem
+
     path = os.path.join(run_dir, INPUTS_NAME)
     if not os.path.exists(path):
         return None
     try:
         with open(path, encoding="utf-8") as f:
             rec = json.load(f)
-        rec["mixture"]["sha256"], rec["dataset"]["manifest_sha256"]  # noqa: B018 - required fields
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InputsChangedError(f"{path}: not a record of the run's inputs ({e!r})") from None
+    except (OSError, ValueError) as e:
+        why = repr(e)
+    else:
+        why = record_problem(rec, InputsRecord)
+    if why is not None:
+        raise InputsChangedError(f"{path}: not a record of the run's inputs ({why}): the training loop writes it at "
+                                 "the run's first start (schemas/run_log/inputs.schema.json); restore it from a copy of "
+                                 "the run directory, or move it aside to check the rebuilt batches against the run's "
+                                 "first checkpoint instead") from None
     return rec
 
 

@@ -10,7 +10,7 @@ The run directory a training run leaves (docs/design.md, "The run directory")::
     <run>/
       run_config.yaml       # the run config as used (model, mixture, dataset, global batch, seed, mesh, ...,
                             # trainer: the factory replay rebuilds the run with, replay.run.setup)
-      env.json              # environment record (see replay.reference / env module)
+      env.json              # environment record (EnvRecord; replay.run.env writes it)
       events.jsonl          # one JSON object a line: {"event": ..., "step": ..., ...}
       fingerprints.jsonl    # one StepFingerprints.to_json() a line, appended every step
       signals.jsonl         # one StepSignals.to_json() a line, appended every step (screening)
@@ -22,7 +22,7 @@ The run directory a training run leaves (docs/design.md, "The run directory")::
       suspects.json         # written by `replay scan`: its report, with "suspect_devices"
       canary/golden.json    # golden canary values per environment (replay canary, periodic canary)
       mixture.yaml          # the run's copy of the mixture config it trained with (paths made absolute)
-      inputs.json           # what it trained with: the mixture's sha256 and path, the dataset's manifest sha256
+      inputs.json           # what it trained with (InputsRecord): the mixture's sha256 and path, the manifest's
       superseded/           # steps abandoned by a restore, rollback or rewind (replay.run.lineage): their
                             # step-log lines (tagged attempt, superseded_by) and checkpoints
 
@@ -65,7 +65,7 @@ import dataclasses
 import functools
 import json
 import typing
-from typing import Annotated, Any, Callable, Mapping, Optional, Protocol, TypeVar, runtime_checkable
+from typing import Annotated, Any, Callable, Mapping, Optional, Protocol, TypeVar, Union, runtime_checkable
 
 import pydantic
 from pydantic import BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
@@ -976,18 +976,168 @@ class Event(TypedDict):
     (one of them is wrong; the copies alone cannot say which)"""
 
 
+class EnvBackend(TypedDict):
+    """``env.json``'s ``backend``: the JAX backend a process ran on."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
+    platform: NotRequired[str]
+    """cpu, gpu, tpu"""
+    device_kind: NotRequired[str]
+    """jax.Device.device_kind of the first device (replay goodput's peak FLOP/s by kind)"""
+    device_count: NotRequired[int]
+    local_device_count: NotRequired[int]
+    process_index: NotRequired[int]
+    process_count: NotRequired[int]
+    """processes of the run: each p >= 1 writes its own fingerprints.pNNNNN.jsonl"""
+    platform_version: NotRequired[Optional[str]]
+    collectives: NotRequired[Optional[str]]
+    """what reduces across devices on CPU (in-process, gloo, mpi); None on accelerators"""
+    cpu_threads: NotRequired[int]
+    """XLA:CPU's intra-op thread count (CPU only)"""
+
+
+class EnvMesh(TypedDict):
+    """``env.json``'s ``mesh``: the run's device mesh (its contents are judged against the devices by the
+    replay's set-up, which names what a malformed one lacks)."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
+    axis_names: NotRequired[list[str]]
+    """the mesh axes' names, outermost first (["data", "expert"])"""
+    shape: NotRequired[list[int]]
+    """the size of each axis"""
+    device_ids: NotRequired[list[int]]
+    """jax.Device.id of each device in mesh order"""
+    device_coords: NotRequired[dict[str, dict[str, int]]]
+    """per device id (a string) its coordinate on each axis ({"0": {"data": 0, "expert": 0}})"""
+
+
+class EnvDevice(TypedDict):
+    """A device of ``env.json``'s ``devices`` (keyed by its id, a string)."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
+    process: int
+    local: int
+    """its index among its process's devices, in id order"""
+    host: str
+    kind: str
+
+
+class EnvProcess(TypedDict):
+    """A process of ``env.json``'s ``processes``."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
+    index: int
+    host: str
+    devices: list[int]
+
+
+class EnvRecord(TypedDict):
+    """``env.json``: what decides the bits a step computes (``replay.run.env.record_environment``), which a
+    replay compares with its own. Every field is optional (a user's trainer may record less; a check that
+    needs one says so) and others are kept; the fields below are typed wherever present."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
+    versions: NotRequired[dict[str, Optional[Union[str, int]]]]
+    """python, jax, jaxlib, numpy, optax, orbax-checkpoint, grain, ml_dtypes (None: not installed), and
+    fingerprint (an int: replay.run.fingerprint.FINGERPRINT_VERSION; absent: 1)"""
+    env: NotRequired[dict[str, str]]
+    """the environment variables that change what XLA compiles (replay.run.env.RELEVANT_ENV_VARS) that were set"""
+    jax_config: NotRequired[dict[str, Any]]
+    """the jax.config flags that change numerics or random streams"""
+    backend: NotRequired[EnvBackend]
+    mesh: NotRequired[EnvMesh]
+    hostname: NotRequired[str]
+    """process 0's host"""
+    python_executable: NotRequired[str]
+    devices: NotRequired[dict[str, EnvDevice]]
+    """per global device id: where it ran (what reports name a device by)"""
+    processes: NotRequired[list[EnvProcess]]
+
+
+class InputsMixture(TypedDict):
+    """``inputs.json``'s ``mixture``."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
+    sha256: str
+    """contract.config.MixtureConfig.sha256() of the mixture it trained with"""
+    path: NotRequired[Optional[str]]
+    """the run config's mixture path"""
+    copy: NotRequired[Optional[str]]
+    """the run's copy of the mixture config, relative to the run directory (default mixture.yaml)"""
+
+
+class InputsDataset(TypedDict):
+    """``inputs.json``'s ``dataset``."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
+    manifest_sha256: str
+    """sha256 of the dataset's manifest.json bytes"""
+    path: NotRequired[Optional[str]]
+    """the run config's dataset path"""
+
+
+class InputsRecord(TypedDict):
+    """``inputs.json``: what a run trained with (``replay.run.inputs``, written at its first start): its
+    mixture config (sha256, path, the run's copy), its dataset (the manifest's sha256) and the loader's
+    schedule."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
+    version: NotRequired[int]
+    mixture: InputsMixture
+    dataset: InputsDataset
+    schedule: NotRequired[Optional[dict[str, Any]]]
+    """the loader's Schedule.to_dict() without skip windows (sources, records, phases, global_batch, seed,
+    max_period)"""
+
+
+def record_problem(d: Any, cls: Any) -> Optional[str]:
+    """Why ``d`` (a parsed JSON file or line) is not a ``cls`` (:class:`EnvRecord`, :class:`InputsRecord`,
+    ...), or None: ``missing field 'mixture.sha256'``, or the key path and what is wrong. Strict, as JSON
+    gives them (an int is not ``"3"``, nor ``true``)."""
+    if not isinstance(d, dict):
+        return f"must be a JSON object, got {type(d).__name__}"
+    try:
+        adapter(cls).validate_python(d, strict=True)
+    except pydantic.ValidationError as e:
+        return _record_problem(e, cls)
+    return None
+
+
+EVENT_HELP = ("a line of events.jsonl is a JSON object with 'event' (a string) and 'step' (an int), its other "
+              "fields typed as schemas/run_log/event.schema.json says (a trainer's own kinds and fields are kept): "
+              "correct that line or delete it")
+
+
+def event_problem(d: Any) -> Optional[str]:
+    """Why ``d`` (one parsed line of ``events.jsonl``) is not an :class:`Event`, or None: ``missing field
+    'step'``, or the key path and what is wrong (``step: Input should be a valid integer, got '3'``).
+    Strict, as JSON gives them: ``step`` an int (not ``"3"``, not ``true``), ``t`` a number. A trainer's
+    own kinds and extra fields pass unchecked (the protocol allows them)."""
+    return record_problem(d, Event)
+
+
 def read_events(run_dir: str) -> list[dict[str, Any]]:
-    """Reads ``<run_dir>/events.jsonl`` (one dict per event, in order; a torn last line is skipped).
-    Each is an :class:`Event`, whose JSON Schema is ``schemas/run_log/event.schema.json``."""
+    """Reads ``<run_dir>/events.jsonl`` (one dict per event, in order). A line that is not JSON is skipped
+    (a torn line: a kill mid-write, which a resumed run may have appended to); every other line must be
+    an :class:`Event` (:func:`event_problem`; its JSON Schema is ``schemas/run_log/event.schema.json``).
+
+    Raises:
+      OSError: the file cannot be read. ValueError: a line is JSON but not an event (``<file>:<line>:
+        not an event: <key path>: <what is wrong>`` and what to do).
+    """
     import os
 
     path = os.path.join(run_dir, EVENTS_NAME)
     out = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        for n, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    out.append(json.loads(line))
+                    d = json.loads(line)
                 except ValueError:
                     continue
+                why = event_problem(d)
+                if why is not None:
+                    raise ValueError(f"{path}:{n}: not an event: {why}; {EVENT_HELP}")
+                out.append(d)
     return out

@@ -29,14 +29,14 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
 from replay.run import inputs as run_inputs
 from replay.runtime.devices import QUARANTINE_NAME, DeviceSpecError, read_quarantine
 from replay.run.lineage import Lineage, lineage_of_run
-from replay.run.protocol import StepFingerprints, log_files, merge_step_parts, shard_name
+from replay.run.protocol import EVENT_HELP, StepFingerprints, event_problem, log_files, merge_step_parts, shard_name
 
 RUN_CONFIG = "run_config.yaml"
 ENV_JSON = "env.json"
@@ -129,23 +129,37 @@ def parse_steps(spec: str) -> tuple[int, int]:
     return start, stop
 
 
-def _read_jsonl(path: str, strict: bool = True) -> list[dict[str, Any]]:
+def _read_jsonl(path: str, strict: bool = True,
+                check: Optional[Callable[[Any], Optional[str]]] = None, what: str = "") -> list[dict[str, Any]]:
     """One dict per non-empty line. A run killed mid-write may leave a torn last line: it is
     skipped; a bad line anywhere else is an error (``strict``) or skipped (events, which are
-    informational: a torn line that a resumed run appended to)."""
+    informational: a torn line that a resumed run appended to). ``check``: each parsed line's problem
+    or None (``protocol.event_problem``); a problem is a :class:`RunDirError` naming the file, the line,
+    the key path and ``what`` to do."""
     text = _read_text(path)
     lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     out = []
     for i, (n, line) in enumerate(lines):
         try:
-            out.append(json.loads(line))
+            d = json.loads(line)
         except json.JSONDecodeError as e:
             if i == len(lines) - 1:
                 break
             if not strict:
                 continue
             raise RunDirError(f"{path}:{n}: not JSON ({e.msg})") from None
+        why = check(d) if check is not None else None
+        if why is not None:
+            raise RunDirError(f"{path}:{n}: {why}; {what}")
+        out.append(d)
     return out
+
+
+def _check_event(d: Any) -> Optional[str]:
+    """A line of events.jsonl checked on read (``protocol.event_problem``, worded for the run log);
+    ``benchmarks/runlog.py`` times load_run with and without it."""
+    why = event_problem(d)
+    return None if why is None else f"not an event: {why}"
 
 
 def _read_text(path: str) -> str:
@@ -436,7 +450,8 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
 
     Raises:
       RunDirError: the directory or one of run_config.yaml, env.json, fingerprints.jsonl is
-        missing or unreadable, or no step was logged; a quarantine file is malformed.
+        missing or unreadable, or no step was logged; a quarantine file is malformed; a line of
+        events.jsonl is JSON but not an event (``protocol.Event``: file, line, key path).
     """
     if not os.path.isdir(run_dir):
         near = nearest_run_dir(run_dir)
@@ -462,8 +477,8 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
         raise RunDirError(f"{paths[ENV_JSON]}: expected a JSON object, got {type(env).__name__}")
     if not isinstance(env.get("mesh", {}), dict):
         raise RunDirError(f"{paths[ENV_JSON]}: 'mesh' must be an object, got {type(env['mesh']).__name__}")
-    events = _read_jsonl(paths[EVENTS], strict=False) if os.path.isfile(paths[EVENTS]) else []
-    events = [e for e in events if isinstance(e, dict)]
+    events = _read_jsonl(paths[EVENTS], strict=False, check=_check_event, what=EVENT_HELP) \
+        if os.path.isfile(paths[EVENTS]) else []
     fingerprints: dict[int, StepFingerprints] = {}
     malformed: dict[int, str] = {}
     conflicts = set()
@@ -524,13 +539,26 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
         int(name) for name in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else [])
         if name.isdigit() and os.path.isdir(os.path.join(ckpt_dir, name))
     )
+    return RunLog(
+        run_dir=run_dir, config=in_force, env=env, events=list(lineage.events), fingerprints=fingerprints,
+        relogged_conflicts=sorted(conflicts), checkpoints=[c for c in checkpoints if c <= lineage.end],
+        quarantine=_quarantine(run_dir, quarantine_file), malformed=malformed, suspects=read_suspects(run_dir),
+        lineage=lineage, all_events=events, config_file=config, notes=notes, pending_superseded=pending,
+    )
+
+
+def _quarantine(run_dir: str, quarantine_file: Optional[str]) -> frozenset[int]:
+    """The devices held suspect: ``quarantine_file``'s, else ``<run_dir>/quarantine.txt``'s, else none.
+
+    Raises:
+      RunDirError: the file is missing (given), unreadable or not a list of device ids.
+    """
     try:
         if quarantine_file is not None:
-            quarantine = read_quarantine(quarantine_file)
-        elif os.path.exists(os.path.join(run_dir, QUARANTINE_NAME)):
-            quarantine = read_quarantine(os.path.join(run_dir, QUARANTINE_NAME))
-        else:
-            quarantine = frozenset()
+            return read_quarantine(quarantine_file)
+        if os.path.exists(os.path.join(run_dir, QUARANTINE_NAME)):
+            return read_quarantine(os.path.join(run_dir, QUARANTINE_NAME))
+        return frozenset()
     except FileNotFoundError:
         raise RunDirError(f"quarantine file not found: {quarantine_file}") from None
     except DeviceSpecError as e:
@@ -541,12 +569,6 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
     except OSError as e:
         where = quarantine_file or os.path.join(run_dir, QUARANTINE_NAME)
         raise RunDirError(f"quarantine file {where}: cannot read ({e.strerror or e})") from None
-    return RunLog(
-        run_dir=run_dir, config=in_force, env=env, events=list(lineage.events), fingerprints=fingerprints,
-        relogged_conflicts=sorted(conflicts), checkpoints=[c for c in checkpoints if c <= lineage.end],
-        quarantine=quarantine, malformed=malformed, suspects=read_suspects(run_dir), lineage=lineage, all_events=events,
-        config_file=config, notes=notes, pending_superseded=pending,
-    )
 
 
 def _fingerprint_shards(run_dir: str, env: Mapping[str, Any]) -> tuple[dict[int, dict[int, dict]], list[int]]:

@@ -68,6 +68,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from replay.run.lineage import Attempt
 from replay.run.runlog import RunDirError, RunLog
 
 PARTS = ("productive", "non_finite", "startup", "compile", "checkpoint_save", "restore", "lost", "rewound", "skipped_window",
@@ -292,6 +293,25 @@ def step_part(run: RunLog, attempt_id: int, step: int, non_finite: frozenset[int
     return "rewound"
 
 
+@dataclasses.dataclass
+class _Books:
+    """What :func:`account` has summed so far, attempt by attempt (microseconds on the first attempt's
+    clock, counted from ``t_first``; the lists are :class:`GoodputReport`'s)."""
+
+    time_us: dict[str, int] = dataclasses.field(default_factory=lambda: {p: 0 for p in PARTS})
+    unknown: list[str] = dataclasses.field(default_factory=list)
+    attempts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    timeline: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    marks: list[tuple[float, str, int]] = dataclasses.field(default_factory=list)
+    clocks: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # module docstring: "Clocks"
+    step_compute: dict[int, int] = dataclasses.field(default_factory=dict)  # lineage step -> compute us (MFU)
+    t_first: Optional[int] = None
+    prev_last: Optional[int] = None  # the previous attempt's last record
+    prev_id: Optional[int] = None
+    untimed: Optional[int] = None  # an attempt before this one whose time is not recorded
+    productive_so_far: int = 0
+
+
 def account(run: RunLog, *, peak_flops: Optional[float] = None, mtbf_s: Optional[float] = None) -> GoodputReport:
     """The goodput of ``run`` (module docstring).
 
@@ -314,136 +334,158 @@ def account(run: RunLog, *, peak_flops: Optional[float] = None, mtbf_s: Optional
     ids = event_attempts(events)
     per_steps = _steps_by_attempt(run)
     bad = non_finite_steps(run)
-    time_us = {p: 0 for p in PARTS}
-    unknown: list[str] = []
-    att_out = []
-    timeline: list[tuple[float, float]] = []
-    marks: list[tuple[float, str, int]] = []
-    t_first = None
-    prev_last: Optional[int] = None
-    untimed: Optional[int] = None  # an attempt before this one whose time is not recorded
-    productive_so_far = 0
-    step_compute: dict[int, int] = {}  # lineage step -> compute microseconds (MFU)
-    clocks: list[dict[str, Any]] = []  # where the clocks disagree (module docstring: "Clocks")
-    prev_id: Optional[int] = None
+    books = _Books()
     for a in attempts:
-        ev = a.event
-        # an attempt's own records: requests (a rewind, a skip window) are written by a command or by
-        # the next attempt's start-up, not by this attempt's work
-        mine = [e for e, i in zip(events, ids) if i == a.id and e.get("event") not in REQUESTS]
-        launched = ev.get("launched_at")
-        t0 = ev.get("t")
-        parts = {p: 0 for p in PARTS}
-        if t0 is None:
-            unknown.append(f"attempt {a.id}: its {ev.get('event')} event has no 't' (a run directory from before "
-                           "timings were logged): its time is not split, and lies in the unknown part")
-            att_out.append({"attempt": a.id, "kind": a.kind, "start": a.start, "split": False})
-            untimed = a.id
-            continue
-        begin = _us(launched) if launched is not None else _us(t0)
-        shift = 0  # microseconds added to this attempt's clock (its launch before the previous record)
-        if prev_last is not None and begin < prev_last:
-            shift = prev_last - begin
-            clocks.append({"attempt": a.id, "previous_attempt": prev_id, "behind_s": shift / 1e6,
-                           "what": f"attempt {a.id}'s launch is {shift / 1e6:.3f} s before attempt {prev_id}'s last "
-                                   "record: the clocks disagree (or the attempts overlapped); its times are counted "
-                                   f"from attempt {prev_id}'s last record, and the gap between them is not known"})
-            unknown.append(f"attempt {a.id}: the gap before it is not known (its clock runs {shift / 1e6:.3f} s behind "
-                           f"attempt {prev_id}'s)")
-            begin += shift
-        if t_first is None:
-            t_first = begin
-        t0_us = _us(t0) + shift
-        if t0_us < begin:  # the start or restore event stamped before its own launch
-            clocks.append({"attempt": a.id, "behind_s": (begin - t0_us) / 1e6,
-                           "what": f"attempt {a.id}'s {ev.get('event')} event is stamped {(begin - t0_us) / 1e6:.3f} s "
-                                   "before its launched_at: the clocks disagree; its start-up is counted as 0"})
-            t0_us = begin
-        if prev_last is not None:
-            gap = begin - prev_last
-            known = launched is not None and untimed is None
-            parts["gap" if known else "unknown"] += gap
-            if not known:
-                unknown.append(f"attempt {a.id}: the {gap / 1e6:.3f} s before its {ev.get('event')} event are a gap, "
-                               + ("its start-up (no launched_at)" if launched is None else
-                                  f"or attempt {untimed}'s untimed work") + ", not told apart")
-        untimed = None
-        if launched is not None:
-            restore = min(_us(ev.get("restore_s") or 0.0), t0_us - begin)
-            parts["restore"] += restore
-            parts["startup"] += t0_us - begin - restore
-        else:
-            unknown.append(f"attempt {a.id}: no launched_at: its start-up is not known")
-        marks.append(((begin - (t_first or begin)) / 1e6, ev.get("event", "?"), a.start))
-        cursor = t0_us
-        steps = per_steps.get(a.id, [])
-        split = all(s.t is not None for s in steps)
-        if not split:
-            unknown.append(f"attempt {a.id}: steps without a 't' in signals.jsonl: its steps' time is not split")
-        backward, over = [], []
-        for s in steps if split else []:
-            t = _us(s.t) + shift
-            if t < cursor:  # a step stamped before the previous record: no time of its own
-                backward.append((s.step, cursor - t))
-                t = cursor
-            comp = {"loader_wait": _us(s.wait_s or 0), "canary": _us(s.canary_s or 0),
-                    "compile": _us(s.compile_s or 0), "checkpoint_save": _us(s.checkpoint_s or 0)}
-            part = step_part(run, a.id, s.step, bad)
-            got, excess = split_interval(t - cursor, _us(s.step_s or 0) - comp["compile"], comp)
-            if excess > CLOCK_TOLERANCE_US:
-                over.append((s.step, excess))
-            for k, v in got.items():
-                parts[part if k == "compute" else k] += v
-            if part == "productive":
-                productive_so_far += got["compute"]
-                step_compute[s.step] = got["compute"]
-            cursor = t
-            timeline.append(((t - t_first) / 1e6, productive_so_far / 1e6))
-        if backward:
-            worst = max(backward, key=lambda x: x[1])
-            clocks.append({"attempt": a.id, "steps": len(backward), "behind_s": worst[1] / 1e6,
-                           "what": f"attempt {a.id}: {len(backward)} step(s) stamped before the record before them "
-                                   f"(worst: step {worst[0]}, {worst[1] / 1e6:.3f} s back); counted as taking no time"})
-        if over:
-            worst = max(over, key=lambda x: x[1])
-            clocks.append({"attempt": a.id, "steps": len(over), "excess_s": sum(x for _, x in over) / 1e6,
-                           "what": f"attempt {a.id}: at {len(over)} step(s) the logged durations exceed the time "
-                                   f"between the step's records (worst: step {worst[0]}, by {worst[1] / 1e6:.3f} s); "
-                                   "each part is cut to the interval"})
-        ends = [e for e in mine if e.get("event") in ("end", "stopped") and isinstance(e.get("t"), (int, float))]
-        tail_end = max([cursor] + [_us(e["t"]) + shift for e in mine if isinstance(e.get("t"), (int, float))])
-        if not split:
-            parts["unknown"] += tail_end - cursor
-        else:
-            final = min(sum(_us(e.get("final_save_s") or 0) for e in ends), max(0, tail_end - cursor))
-            parts["checkpoint_save"] += final
-            parts["other"] += tail_end - cursor - final
-        for p in PARTS:
-            time_us[p] += parts[p]
-        prev_last, prev_id = tail_end, a.id
-        att_out.append({"attempt": a.id, "kind": a.kind, "start": a.start, "trained_end": a.trained_end,
-                        "lineage": list(a.lineage) if a.lineage_steps else None, "split": split,
-                        "begin_s": (begin - t_first) / 1e6, "end_s": (tail_end - t_first) / 1e6,
-                        "clock_shift_s": shift / 1e6,
-                        "ended": bool(ends), "time_s": {p: parts[p] / 1e6 for p in PARTS if parts[p]}})
+        _account_attempt(books, run, a, events, ids, per_steps.get(a.id, []), bad)
     for e in lineage.requests:
-        if isinstance(e.get("t"), (int, float)) and t_first is not None:
-            marks.append(((_us(e["t"]) - t_first) / 1e6, e.get("event", "?"), int(e.get("step", 0))))
-    if t_first is None:  # nothing timed (a run directory from before timings were logged): the events' clock
-        stamps = [_iso_us(e.get("time")) for e in events]
-        stamps = [x for x in stamps if x is not None]
-        if stamps:
-            t_first, prev_last = min(stamps), max(stamps)
-            time_us["unknown"] = prev_last - t_first
-            unknown.append("the wall time comes from the events' 'time' (whole seconds): the run logged no "
-                           "timestamps to split it by")
+        if isinstance(e.get("t"), (int, float)) and books.t_first is not None:
+            books.marks.append(((_us(e["t"]) - books.t_first) / 1e6, e.get("event", "?"), int(e.get("step", 0))))
+    if books.t_first is None:  # nothing timed (a run directory from before timings were logged): the events' clock
+        _untimed_wall(books, events)
+    t_first, prev_last, time_us = books.t_first, books.prev_last, books.time_us
     wall = (prev_last - t_first) if t_first is not None and prev_last is not None else 0
     steps, tokens, nonpad, rec = _ledger(run, per_steps, bad)
     return GoodputReport(run_dir=run.run_dir, wall_us=wall, time_us=time_us, steps=steps, tokens=tokens,
-                         nonpad_tokens=nonpad, reconcile=rec, mfu=_mfu(run, step_compute, peak_flops),
-                         attempts=att_out, unknown=unknown, young=_young(run, time_us, mtbf_s),
-                         timeline=timeline, events=marks, clocks=clocks,
+                         nonpad_tokens=nonpad, reconcile=rec, mfu=_mfu(run, books.step_compute, peak_flops),
+                         attempts=books.attempts, unknown=books.unknown, young=_young(run, time_us, mtbf_s),
+                         timeline=books.timeline, events=books.marks, clocks=books.clocks,
                          input=input_wait(per_steps, time_us["loader_wait"]))
+
+
+def _account_attempt(books: _Books, run: RunLog, a: Attempt, events: Sequence[Mapping[str, Any]],
+                     ids: Sequence[Optional[int]], steps: Sequence[_Step], bad: frozenset[int]) -> None:
+    """Adds attempt ``a`` (``steps``: its lines of signals.jsonl; ``ids``: each event's attempt) to
+    ``books``: the gap before it, its start-up and restore, its steps' parts and its tail."""
+    ev = a.event
+    parts = {p: 0 for p in PARTS}
+    if ev.get("t") is None:
+        books.unknown.append(f"attempt {a.id}: its {ev.get('event')} event has no 't' (a run directory from before "
+                             "timings were logged): its time is not split, and lies in the unknown part")
+        books.attempts.append({"attempt": a.id, "kind": a.kind, "start": a.start, "split": False})
+        books.untimed = a.id
+        return
+    begin, shift, t0_us = _attempt_start(books, a, parts)
+    books.marks.append(((begin - (books.t_first or begin)) / 1e6, ev.get("event", "?"), a.start))
+    cursor, split = _attempt_steps(books, run, a.id, steps, shift, t0_us, parts, bad)
+    # an attempt's own records: requests (a rewind, a skip window) are written by a command or by
+    # the next attempt's start-up, not by this attempt's work
+    mine = [e for e, i in zip(events, ids) if i == a.id and e.get("event") not in REQUESTS]
+    ends = [e for e in mine if e.get("event") in ("end", "stopped") and isinstance(e.get("t"), (int, float))]
+    tail_end = max([cursor] + [_us(e["t"]) + shift for e in mine if isinstance(e.get("t"), (int, float))])
+    if not split:
+        parts["unknown"] += tail_end - cursor
+    else:
+        final = min(sum(_us(e.get("final_save_s") or 0) for e in ends), max(0, tail_end - cursor))
+        parts["checkpoint_save"] += final
+        parts["other"] += tail_end - cursor - final
+    for p in PARTS:
+        books.time_us[p] += parts[p]
+    books.prev_last, books.prev_id = tail_end, a.id
+    t_first = books.t_first
+    books.attempts.append({"attempt": a.id, "kind": a.kind, "start": a.start, "trained_end": a.trained_end,
+                           "lineage": list(a.lineage) if a.lineage_steps else None, "split": split,
+                           "begin_s": (begin - t_first) / 1e6, "end_s": (tail_end - t_first) / 1e6,
+                           "clock_shift_s": shift / 1e6,
+                           "ended": bool(ends), "time_s": {p: parts[p] / 1e6 for p in PARTS if parts[p]}})
+
+
+def _attempt_start(books: _Books, a: Attempt, parts: dict[str, int]) -> tuple[int, int, int]:
+    """The gap before attempt ``a`` (timed: its start or restore event has a ``t``), its restore and its
+    start-up, added to ``parts``. Returns ``(begin, shift, t0)`` in microseconds: its launch, what its clock
+    is moved by (a launch before the previous attempt's last record), and its start or restore event's time."""
+    ev = a.event
+    launched = ev.get("launched_at")
+    t0 = ev.get("t")
+    prev_last, prev_id, untimed = books.prev_last, books.prev_id, books.untimed
+    begin = _us(launched) if launched is not None else _us(t0)
+    shift = 0  # microseconds added to this attempt's clock (its launch before the previous record)
+    if prev_last is not None and begin < prev_last:
+        shift = prev_last - begin
+        books.clocks.append({"attempt": a.id, "previous_attempt": prev_id, "behind_s": shift / 1e6,
+                             "what": f"attempt {a.id}'s launch is {shift / 1e6:.3f} s before attempt {prev_id}'s last "
+                                     "record: the clocks disagree (or the attempts overlapped); its times are counted "
+                                     f"from attempt {prev_id}'s last record, and the gap between them is not known"})
+        books.unknown.append(f"attempt {a.id}: the gap before it is not known (its clock runs {shift / 1e6:.3f} s "
+                             f"behind attempt {prev_id}'s)")
+        begin += shift
+    if books.t_first is None:
+        books.t_first = begin
+    t0_us = _us(t0) + shift
+    if t0_us < begin:  # the start or restore event stamped before its own launch
+        books.clocks.append({"attempt": a.id, "behind_s": (begin - t0_us) / 1e6,
+                             "what": f"attempt {a.id}'s {ev.get('event')} event is stamped {(begin - t0_us) / 1e6:.3f} "
+                                     "s before its launched_at: the clocks disagree; its start-up is counted as 0"})
+        t0_us = begin
+    if prev_last is not None:
+        gap = begin - prev_last
+        known = launched is not None and untimed is None
+        parts["gap" if known else "unknown"] += gap
+        if not known:
+            books.unknown.append(f"attempt {a.id}: the {gap / 1e6:.3f} s before its {ev.get('event')} event are a "
+                                 "gap, " + ("its start-up (no launched_at)" if launched is None else
+                                            f"or attempt {untimed}'s untimed work") + ", not told apart")
+    books.untimed = None
+    if launched is not None:
+        restore = min(_us(ev.get("restore_s") or 0.0), t0_us - begin)
+        parts["restore"] += restore
+        parts["startup"] += t0_us - begin - restore
+    else:
+        books.unknown.append(f"attempt {a.id}: no launched_at: its start-up is not known")
+    return begin, shift, t0_us
+
+
+def _attempt_steps(books: _Books, run: RunLog, attempt_id: int, steps: Sequence[_Step], shift: int, cursor: int,
+                   parts: dict[str, int], bad: frozenset[int]) -> tuple[int, bool]:
+    """Each step's interval of an attempt (from ``cursor``, its start or restore event, microseconds)
+    split into ``parts`` (:func:`split_interval`), with the clocks' disagreements. Returns ``(cursor,
+    split)``: the last record's time, and whether every step had a ``t`` (else nothing is split)."""
+    split = all(s.t is not None for s in steps)
+    if not split:
+        books.unknown.append(f"attempt {attempt_id}: steps without a 't' in signals.jsonl: its steps' time is not split")
+    backward, over = [], []
+    for s in steps if split else []:
+        t = _us(s.t) + shift
+        if t < cursor:  # a step stamped before the previous record: no time of its own
+            backward.append((s.step, cursor - t))
+            t = cursor
+        comp = {"loader_wait": _us(s.wait_s or 0), "canary": _us(s.canary_s or 0),
+                "compile": _us(s.compile_s or 0), "checkpoint_save": _us(s.checkpoint_s or 0)}
+        part = step_part(run, attempt_id, s.step, bad)
+        got, excess = split_interval(t - cursor, _us(s.step_s or 0) - comp["compile"], comp)
+        if excess > CLOCK_TOLERANCE_US:
+            over.append((s.step, excess))
+        for k, v in got.items():
+            parts[part if k == "compute" else k] += v
+        if part == "productive":
+            books.productive_so_far += got["compute"]
+            books.step_compute[s.step] = got["compute"]
+        cursor = t
+        books.timeline.append(((t - books.t_first) / 1e6, books.productive_so_far / 1e6))
+    if backward:
+        worst = max(backward, key=lambda x: x[1])
+        books.clocks.append({"attempt": attempt_id, "steps": len(backward), "behind_s": worst[1] / 1e6,
+                             "what": f"attempt {attempt_id}: {len(backward)} step(s) stamped before the record "
+                                     f"before them (worst: step {worst[0]}, {worst[1] / 1e6:.3f} s back); counted as "
+                                     "taking no time"})
+    if over:
+        worst = max(over, key=lambda x: x[1])
+        books.clocks.append({"attempt": attempt_id, "steps": len(over), "excess_s": sum(x for _, x in over) / 1e6,
+                             "what": f"attempt {attempt_id}: at {len(over)} step(s) the logged durations exceed the "
+                                     f"time between the step's records (worst: step {worst[0]}, by "
+                                     f"{worst[1] / 1e6:.3f} s); each part is cut to the interval"})
+    return cursor, split
+
+
+def _untimed_wall(books: _Books, events: Sequence[Mapping[str, Any]]) -> None:
+    """No attempt was timed (a run directory from before timings were logged): the wall time from the
+    events' ISO ``time`` (whole seconds), all of it unknown."""
+    stamps = [_iso_us(e.get("time")) for e in events]
+    stamps = [x for x in stamps if x is not None]
+    if stamps:
+        books.t_first, books.prev_last = min(stamps), max(stamps)
+        books.time_us["unknown"] = books.prev_last - books.t_first
+        books.unknown.append("the wall time comes from the events' 'time' (whole seconds): the run logged no "
+                             "timestamps to split it by")
 
 
 def split_interval(interval_us: int, compute_us: int, comp: Mapping[str, int]) -> tuple[dict[str, int], int]:

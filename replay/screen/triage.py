@@ -522,22 +522,26 @@ def _sample(steps: Sequence[int], k: int) -> list[int]:
     return sorted({steps[i] for i in idx})
 
 
-def check_data(run: RunLog, rebuilt: Rebuilt, lo: int, step: int, onset: int, cfg: TriageConfig) -> Check:
-    """Check 3 (module docstring)."""
-    if not rebuilt.available:
-        return Check("data", "not available", f"the run's batches cannot be rebuilt: {rebuilt.reason}")
-    data = rebuilt.loader
-    first, last = judged_steps(lo, step, onset, cfg)
-    onset_steps = [s for s in range(first, last + 1) if s in run.fingerprints]
-    base_steps = _sample([s for s in range(lo, first) if s in run.fingerprints], cfg.baseline_steps)
-    if not base_steps:
-        return Check("data", "not available", f"no earlier step in the window {lo}..{step} for a baseline "
-                                              f"(onset {onset}): give a longer --window or a later --step")
-    differ = [s for s in onset_steps + base_steps if run.fingerprints[s].batch_hash != rebuilt(s)]
-    if any(s in onset_steps for s in differ):
-        return Check("data", "not available",
-                     f"the rows the loader rebuilds are not those trained: the logged batch hashes differ at steps "
-                     f"{differ[:8]} (a data-order fault: see the events check)", evidence={"hash_mismatch": differ})
+@dataclasses.dataclass
+class _RowScores:
+    """The rows of the judged and the baseline steps, ``(step, position, ref, row)`` each, scored
+    (``replay.screen.datastats``): the features of the onset's rows ``f_on`` and the robust z-scores
+    ``z_on`` / ``z_base`` (rows x ``ds.FEATURES``), against each source's baseline; ``out_on`` /
+    ``out_base``: the outlier rows; ``pieces``: the tokenizer's byte pieces, or None."""
+
+    onset_rows: list
+    base_rows: list
+    baselines: dict[str, Any]
+    f_on: np.ndarray
+    z_on: np.ndarray
+    out_on: np.ndarray
+    out_base: np.ndarray
+    pieces: Optional[np.ndarray]
+
+
+def _score_rows(data: Any, onset_steps: Sequence[int], base_steps: Sequence[int], cfg: TriageConfig) -> _RowScores:
+    """Each onset and baseline row of the loader ``data`` scored against its source's baseline rows (its
+    own when it has :data:`MIN_SOURCE_ROWS`, else all of them)."""
     manifest = data.manifest
     vocab = int(manifest.tokenizer.get("vocab_size") or 0)
     unk = manifest.tokenizer.get("unk_id")
@@ -575,11 +579,19 @@ def check_data(run: RunLog, rebuilt: Rebuilt, lo: int, step: int, onset: int, cf
                        for i, rec in enumerate(onset_rows)]).reshape(-1, len(ds.FEATURES))
     z_base = np.asarray([ds.scores(ds.feature_matrix([f_base[id(rec)]]), baselines[rec[2].source], cfg.fence)[0]
                          for rec in base_rows]).reshape(-1, len(ds.FEATURES))
-    out_on, out_base = ds.outliers(z_on), ds.outliers(z_base)
+    return _RowScores(onset_rows, base_rows, baselines, f_on, z_on, ds.outliers(z_on), ds.outliers(z_base), pieces)
+
+
+def _tally(sc: _RowScores) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """``(shards, sources)``: per shard and per source its onset and baseline rows, their outliers and
+    shares; per source also its onset's mean segment length against its baseline's median."""
+    onset_rows, base_rows = sc.onset_rows, sc.base_rows
     shards: dict[str, dict[str, Any]] = {}
     sources: dict[str, dict[str, Any]] = {}
-    for table, rows, flags, key in ((shards, onset_rows, out_on, "onset"), (shards, base_rows, out_base, "baseline"),
-                                    (sources, onset_rows, out_on, "onset"), (sources, base_rows, out_base, "baseline")):
+    for table, rows, flags, key in ((shards, onset_rows, sc.out_on, "onset"),
+                                    (shards, base_rows, sc.out_base, "baseline"),
+                                    (sources, onset_rows, sc.out_on, "onset"),
+                                    (sources, base_rows, sc.out_base, "baseline")):
         for (_, _, ref, _), bad in zip(rows, flags):
             name = ref.shard if table is shards else ref.source
             e = table.setdefault(name, {"onset_rows": 0, "onset_outliers": 0, "baseline_rows": 0,
@@ -592,60 +604,72 @@ def check_data(run: RunLog, rebuilt: Rebuilt, lo: int, step: int, onset: int, cf
             e["baseline_share"] = round(e["baseline_rows"] / max(len(base_rows), 1), 4)
     seg = ds.FEATURES.index("mean_segment_length")
     for name, e in sources.items():
-        on = [f_on[i, seg] for i, rec in enumerate(onset_rows) if rec[2].source == name]
+        on = [sc.f_on[i, seg] for i, rec in enumerate(onset_rows) if rec[2].source == name]
         e["mean_segment_length"] = {"onset": round(float(np.mean(on)), 2) if on else None,
-                                    "baseline_median": ds._r(baselines[name].median[seg]) if name in baselines else None}
-    bad_shards = sorted((n for n, e in shards.items()
-                         if e["onset_outliers"] >= cfg.shard_rows and e["onset_outliers"] >= cfg.shard_share * e["onset_rows"]),
-                        key=lambda n: (-shards[n]["onset_outliers"], n))
-    altered = _altered_shards(data, bad_shards)
+                                    "baseline_median": ds._r(sc.baselines[name].median[seg])
+                                    if name in sc.baselines else None}
+    return shards, sources
+
+
+def _outlier_documents(sc: _RowScores) -> list[dict[str, Any]]:
+    """The onset's outlier rows, furthest beyond a fence first: where each is, its first documents, and
+    the features beyond their fences (values, and by how many IQR)."""
+    f_on, z_on = sc.f_on, sc.z_on
     docs = []
-    order = np.argsort(-np.nanmax(np.abs(np.nan_to_num(z_on, nan=0.0)), axis=1)) if len(onset_rows) else []
+    order = np.argsort(-np.nanmax(np.abs(np.nan_to_num(z_on, nan=0.0)), axis=1)) if len(sc.onset_rows) else []
     for i in order:
-        if not out_on[i]:
+        if not sc.out_on[i]:
             continue
-        s, pos, ref, row = onset_rows[i]
+        s, pos, ref, row = sc.onset_rows[i]
         worst = {f: round(float(f_on[i, j]), 4) for j, f in enumerate(ds.FEATURES)
                  if f in ds.ROW_FEATURES and np.isfinite(z_on[i, j]) and z_on[i, j] != 0}
         docs.append({"step": s, "row": pos, "source": ref.source, "shard": ref.shard,
                      "record_in_shard": ref.record_in_shard, "documents": list(row.doc_keys)[:4], "values": worst,
                      "beyond_fence": {f: round(float(z_on[i, j]), 2) for j, f in enumerate(ds.FEATURES)
                                       if f in worst}})
+    return docs
+
+
+def check_data(run: RunLog, rebuilt: Rebuilt, lo: int, step: int, onset: int, cfg: TriageConfig) -> Check:
+    """Check 3 (module docstring)."""
+    if not rebuilt.available:
+        return Check("data", "not available", f"the run's batches cannot be rebuilt: {rebuilt.reason}")
+    data = rebuilt.loader
+    first, last = judged_steps(lo, step, onset, cfg)
+    onset_steps = [s for s in range(first, last + 1) if s in run.fingerprints]
+    base_steps = _sample([s for s in range(lo, first) if s in run.fingerprints], cfg.baseline_steps)
+    if not base_steps:
+        return Check("data", "not available", f"no earlier step in the window {lo}..{step} for a baseline "
+                                              f"(onset {onset}): give a longer --window or a later --step")
+    differ = [s for s in onset_steps + base_steps if run.fingerprints[s].batch_hash != rebuilt(s)]
+    if any(s in onset_steps for s in differ):
+        return Check("data", "not available",
+                     f"the rows the loader rebuilds are not those trained: the logged batch hashes differ at steps "
+                     f"{differ[:8]} (a data-order fault: see the events check)", evidence={"hash_mismatch": differ})
+    sc = _score_rows(data, onset_steps, base_steps, cfg)
+    onset_rows, base_rows, out_on, out_base = sc.onset_rows, sc.base_rows, sc.out_on, sc.out_base
+    shards, sources = _tally(sc)
+    bad_shards = sorted((n for n, e in shards.items()
+                         if e["onset_outliers"] >= cfg.shard_rows and e["onset_outliers"] >= cfg.shard_share * e["onset_rows"]),
+                        key=lambda n: (-shards[n]["onset_outliers"], n))
+    altered = _altered_shards(data, bad_shards)
+    docs = _outlier_documents(sc)
     dup = duplicates(onset_rows, base_rows, cfg.duplicate_alpha)
     dup_rows, dup_docs = dup["rows"], dup["documents"]
     copies = {sh: f.message for f in _copied_shards(data) for sh in f.shards}
     evidence = {"onset_steps": onset_steps, "baseline_steps": base_steps,
-                "baseline": {n: b.to_dict() for n, b in baselines.items()},
+                "baseline": {n: b.to_dict() for n, b in sc.baselines.items()},
                 "rows": {"onset": len(onset_rows), "baseline": len(base_rows)},
                 "outliers": {"onset": int(out_on.sum()), "baseline": int(out_base.sum())},
                 "shards": shards, "sources": sources, "suspect_shards": bad_shards, "altered_shards": altered,
                 "outlier_documents": docs[:20], "duplicate_rows": dup_rows, "duplicate_documents": dup_docs,
                 "duplicates": {k: dup[k] for k in ("onset", "baseline", "p", "suspect", "shards")},
                 "shard_copies": sorted({sh for sh in dup["shards"] if sh in copies}),
-                "byte_fallback": "available" if pieces is not None else "not available (no SentencePiece model)"}
+                "byte_fallback": "available" if sc.pieces is not None else "not available (no SentencePiece model)"}
     lines = [f"{len(onset_rows)} rows of steps {onset_steps[0] if onset_steps else onset}.."
              f"{onset_steps[-1] if onset_steps else step} against {len(base_rows)} rows of {len(base_steps)} earlier "
              f"steps: {int(out_on.sum())} outlier row(s) (baseline: {int(out_base.sum())})"]
-    for n in bad_shards:
-        e = shards[n]
-        lines.append(f"shard {n}: {e['onset_outliers']} of its {e['onset_rows']} onset row(s) are outliers"
-                     + (" ; its file's sha256 differs from the manifest's (altered after packing)" if n in altered
-                        else ""))
-    for d in docs[:5]:
-        lines.append(f"step {d['step']} row {d['row']} ({d['shard']} record {d['record_in_shard']}): "
-                     f"{', '.join(d['documents'])}: {d['values']} (beyond the fences by {d['beyond_fence']} IQR)")
-    if dup["onset"]["pairs"] or dup["baseline"]["pairs"]:
-        rate = lambda d: f"{d['pairs']} identical pair(s) among {d['rows']} rows"  # noqa: E731
-        lines.append(f"duplicated rows: {rate(dup['onset'])} at the onset against {rate(dup['baseline'])} of the "
-                     f"baseline (p {dup['p']:.2g} under the baseline's pair rate"
-                     + ("; above it" if dup["suspect"] else "") + ")")
-    for sh in dup["shards"]:
-        if sh in copies:
-            lines.append(f"shard {sh}: {copies[sh]}")
-    if dup["suspect"]:
-        for d in dup_rows[:5]:
-            lines.append(f"step {d['step']} row {d['row']} ({d['shard']} record {d['record_in_shard']}) repeats step "
-                         f"{d['same_as'][0]} row {d['same_as'][1]}: {', '.join(d['documents'])}")
+    lines += _data_lines(shards, bad_shards, altered, docs, dup, copies)
     subject = {"shards": bad_shards, "documents": [k for d in docs[:10] for k in d["documents"]],
                "sources": sorted({d["source"] for d in docs})} if bad_shards else {}
     if dup["suspect"] and not bad_shards:  # duplicated rows: the shards and documents they came from
@@ -666,6 +690,34 @@ def check_data(run: RunLog, rebuilt: Rebuilt, lo: int, step: int, onset: int, cf
     return Check("data", "clear", f"the onset's {len(onset_rows)} rows look like the {len(base_rows)} baseline rows"
                                   + (f" ({int(out_on.sum())} scattered outlier row(s))" if out_on.sum() else ""),
                  lines, evidence, {}, command)
+
+
+def _data_lines(shards: Mapping[str, Mapping[str, Any]], bad_shards: Sequence[str], altered: Sequence[str],
+                docs: Sequence[Mapping[str, Any]], dup: Mapping[str, Any], copies: Mapping[str, str]) -> list[str]:
+    """The data check's evidence in words after its first line: the suspect shards, the first outlier
+    rows, the duplicated rows and the shards that are copies of others."""
+    lines = []
+    for n in bad_shards:
+        e = shards[n]
+        lines.append(f"shard {n}: {e['onset_outliers']} of its {e['onset_rows']} onset row(s) are outliers"
+                     + (" ; its file's sha256 differs from the manifest's (altered after packing)" if n in altered
+                        else ""))
+    for d in docs[:5]:
+        lines.append(f"step {d['step']} row {d['row']} ({d['shard']} record {d['record_in_shard']}): "
+                     f"{', '.join(d['documents'])}: {d['values']} (beyond the fences by {d['beyond_fence']} IQR)")
+    if dup["onset"]["pairs"] or dup["baseline"]["pairs"]:
+        rate = lambda d: f"{d['pairs']} identical pair(s) among {d['rows']} rows"  # noqa: E731
+        lines.append(f"duplicated rows: {rate(dup['onset'])} at the onset against {rate(dup['baseline'])} of the "
+                     f"baseline (p {dup['p']:.2g} under the baseline's pair rate"
+                     + ("; above it" if dup["suspect"] else "") + ")")
+    for sh in dup["shards"]:
+        if sh in copies:
+            lines.append(f"shard {sh}: {copies[sh]}")
+    if dup["suspect"]:
+        for d in dup["rows"][:5]:
+            lines.append(f"step {d['step']} row {d['row']} ({d['shard']} record {d['record_in_shard']}) repeats step "
+                         f"{d['same_as'][0]} row {d['same_as'][1]}: {', '.join(d['documents'])}")
+    return lines
 
 
 def _copied_shards(data: Any) -> list[Any]:
