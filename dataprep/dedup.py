@@ -73,18 +73,49 @@ _ASCII_RANGES = ((0x09, 0x0D), (0x1C, 0x20))
 _WIDE = np.array(sorted(int.from_bytes(w.encode(), "big") for w in WHITESPACE if ord(w) >= 0x80), np.int64)
 
 
-def _whitespace_bytes(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Where ``buf`` (uint8 ``[n]``, UTF-8) holds whitespace characters.
+def _is_wide(codes: np.ndarray) -> np.ndarray:
+    """Which of ``codes`` (int64, UTF-8 bytes as big-endian integers) are in :data:`_WIDE`
+    (a sorted search: ``np.isin`` costs about 50 us a call, a few times a join)."""
+    at = np.minimum(np.searchsorted(_WIDE, codes), _WIDE.size - 1)
+    return _WIDE[at] == codes
+
+
+_SPACES = np.full(1 << 20, 32, np.uint8)
+
+
+def _spaces(n: int) -> np.ndarray:
+    """``n`` bytes of 32 (uint8), a view of a module array grown as needed (never written)."""
+    global _SPACES
+    if _SPACES.size < n:
+        _SPACES = np.full(max(n, 2 * _SPACES.size), 32, np.uint8)
+    return _SPACES[:n]
+
+
+def _whitespace_bytes(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Where ``buf`` (uint8 ``[n]``, UTF-8) holds whitespace characters, and ``buf`` with each
+    whitespace character's first byte made a space.
 
     Returns:
-      ``(ws, wide)``: ``ws`` bool ``[n]``, the bytes of whitespace characters (every byte of a
-      multi-byte one); ``wide`` int64, where the multi-byte ones start.
+      ``(ws, spaced, plain)``: ``ws`` bool ``[n]``, the bytes of whitespace characters (every
+      byte of a multi-byte one); ``spaced`` uint8 ``[n]``, ``buf`` with 32 at the first byte of
+      each (the other bytes of a multi-byte one left as they are); ``plain``: ``buf`` has no
+      byte below 32 but whitespace, so ``spaced`` has none at all.
     """
-    # (b - lo) <= hi - lo in uint8 is lo <= b <= hi
-    (lo1, hi1), (lo2, hi2) = _ASCII_RANGES
-    ws = (buf - np.uint8(lo1)) <= np.uint8(hi1 - lo1)
-    ws |= (buf - np.uint8(lo2)) <= np.uint8(hi2 - lo2)
-    wide = []
+    # The ASCII whitespace bytes are 9-13 and 28-32. With no other byte below 32 (the common
+    # case: no control character but tab, newline, carriage return), max(byte, 32) makes exactly
+    # them spaces and ws is where the result is 32: 2 passes of about 0.03 ns a byte (max against
+    # an array of 32s: against the scalar NumPy takes 10x longer). Bytes 0-8 are 247-255 less 9
+    # (valid UTF-8 has no byte above 0xF4, 235 less 9), bytes 14-27 are 0-13 less 14.
+    plain = int((buf - np.uint8(14)).min(initial=255)) >= 14 and int((buf - np.uint8(9)).max(initial=0)) < 247
+    if not plain:
+        # (b - lo) <= hi - lo in uint8 is lo <= b <= hi
+        (lo1, hi1), (lo2, hi2) = _ASCII_RANGES
+        ws = (buf - np.uint8(lo1)) <= np.uint8(hi1 - lo1)
+        ws |= (buf - np.uint8(lo2)) <= np.uint8(hi2 - lo2)
+        spaced = np.maximum(buf, ws.view(np.uint8) << np.uint8(5))  # ASCII whitespace is <= 32, the rest > 32
+    else:
+        spaced = np.maximum(buf, _spaces(buf.size))
+        ws = spaced == np.uint8(32)
     # multi-byte ones start with 0xC2 (2 bytes) or 0xE1-0xE3 (3 bytes): only bytes >= 0xC2 are looked at
     n = buf.size
     lead = np.flatnonzero(buf >= 0xC2) if n and int(buf.max()) >= 0xC2 else np.zeros(0, np.int64)
@@ -93,11 +124,11 @@ def _whitespace_bytes(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         three = lead[((buf[lead] - np.uint8(0xE1)) <= np.uint8(2)) & (lead + 2 < n)]
         code2 = buf[two].astype(np.int64) << 8 | buf[two + 1]
         code3 = buf[three].astype(np.int64) << 16 | buf[three + 1].astype(np.int64) << 8 | buf[three + 2]
-        for at, k in ((two[np.isin(code2, _WIDE)], 2), (three[np.isin(code3, _WIDE)], 3)):
+        for at, k in ((two[_is_wide(code2)], 2), (three[_is_wide(code3)], 3)):
             for j in range(k):
                 ws[at + j] = True
-            wide.append(at)
-    return ws, np.concatenate(wide) if wide else np.zeros(0, np.int64)
+            spaced[at] = 32
+    return ws, spaced, plain
 
 
 def text_hashes(texts: Sequence[str]) -> list[bytes]:
@@ -105,12 +136,15 @@ def text_hashes(texts: Sequence[str]) -> list[bytes]:
 
     The texts (NFC where not ASCII and not already NFC) are joined as UTF-8 with a newline
     after each, in runs of about :data:`JOIN_CHARS` characters, and the normalization is done
-    on the joined bytes with NumPy: a whitespace byte is kept (as a space) only when the byte
-    before it is not whitespace, so each run of whitespace becomes one space and each text's
-    last kept byte is the space of the run that ends it (the newline at the latest), which its
-    hash leaves out::
+    on the joined bytes with NumPy. Each text's newline becomes a byte 0 that is not
+    whitespace (a separator); a whitespace byte is kept (as a space) only when the byte before
+    it is not whitespace, so each run of whitespace becomes one space, and a text's kept bytes
+    between two separators lose the space that starts or ends them, if any::
 
-        "a  b", " c\t"   joined   a␣␣b⏎␣c⇥⏎   kept   a␣b␣ c␣   texts   "a b", "c"
+        "a  b", " c\t"   joined   a␣␣b⏎␣c⇥⏎   kept   a␣b0␣c␣0   texts   "a b", "c"
+
+    Most joins hold no byte below 32 but whitespace: then ``max(byte, 32)`` is all the
+    whitespace test ASCII needs, and the separators are the kept bytes that are 0.
 
     No Python object per word (``" ".join(text.split())`` makes one): half of
     :func:`text_hash`'s CPU time on the benchmark corpus (``benchmarks/dedup_hash.py``).
@@ -140,25 +174,31 @@ def _joined_hashes(texts: Sequence[str]) -> list[bytes]:
     sizes = np.fromiter(map(len, parts), np.int64, len(parts)) + 1  # each with its newline
     parts.append(b"")
     buf = np.frombuffer(b"\n".join(parts), np.uint8)  # a newline after each text
-    ws, wide = _whitespace_bytes(buf)
+    ws, spaced, plain = _whitespace_bytes(buf)
+    # each text's newline becomes a byte 0 that is no whitespace: kept, and the first byte of the
+    # whitespace runs on both sides of it too (one space each, dropped below)
+    seps = np.cumsum(sizes) - 1
+    ws[seps] = False
+    spaced[seps] = 0
     keep = np.empty_like(ws)
-    keep[0] = not ws[0]  # leading whitespace goes
-    np.logical_not(ws[1:] & ws[:-1], out=keep[1:])
-    # whitespace as a space: ASCII whitespace is <= 32 and the rest > 32, so max(byte, 32 * ws),
-    # and the first byte of a multi-byte one (its others are not kept)
-    spaced = np.maximum(buf, ws.view(np.uint8) << np.uint8(5))
-    spaced[wide] = 32
-    out = memoryview(spaced[keep])
-    # each text's end in out (after the space of the run that ends it)
-    count = np.uint32 if buf.size < 1 << 32 else np.int64
-    ends = np.cumsum(np.add.reduceat(keep.view(np.uint8), np.cumsum(sizes) - sizes, dtype=count), dtype=np.int64)
+    keep[0] = True
+    np.logical_not(ws[1:] & ws[:-1], out=keep[1:])  # of a whitespace run (or a multi-byte one) its first byte
+    out = spaced[keep]
+    if plain:  # spaced has no other 0
+        ends = np.flatnonzero(out == 0)
+    else:  # the kept bytes up to each newline
+        count = np.uint32 if buf.size < 1 << 32 else np.int64
+        ends = np.cumsum(np.add.reduceat(keep.view(np.uint8), seps + 1 - sizes, dtype=count), dtype=np.int64) - 1
+    # each text is out[begin:end], less a leading and a trailing space (its whitespace at either end)
+    begins = np.concatenate([[0], ends[:-1] + 1])
+    begins += out[begins] == 32  # out[begin] is at most the 0 at end
+    ends -= (out[ends - 1] == 32) & (ends > begins)
+    out = memoryview(out)
     digests = []
-    begin = 0
-    for end in ends.tolist():
+    for begin, end in zip(begins.tolist(), ends.tolist()):
         h = _HASH.copy()
-        h.update(out[begin: max(begin, end - 1)])
+        h.update(out[begin:end])
         digests.append(h.digest())
-        begin = end
     return digests
 
 

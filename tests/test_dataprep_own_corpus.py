@@ -34,8 +34,10 @@ def test_normalized_text_and_its_hash_are_pinned():
 
 
 # Whitespace of every kind str.split() knows, characters that share their UTF-8 lead bytes
-# (0xC2, 0xE1-0xE3) without being whitespace, a combining accent (NFC), a lone surrogate.
-_ALPHABET = (list(dedup.WHITESPACE)
+# (0xC2, 0xE1-0xE3) without being whitespace, a combining accent (NFC), a lone surrogate,
+# control characters that are no whitespace (bytes 0-8, 14-27: the joins that hold one take
+# the exact byte ranges instead of max(byte, 32)).
+_ALPHABET = (list(dedup.WHITESPACE) + ["\x00", "\x01", "\x08", "\x0e", "\x1b", "\x7f"]
              + list("aZ.0") + ["\u00e0", "\u00c2", "\u20ac", "\u2030", "\u200b", "\u3001", "\u1681", "\u0301",
                                 "e\u0301", "\ud800", "\U0001f600", "\u65e5"])
 
@@ -58,6 +60,8 @@ def test_text_hashes_exact_cases():
              "a\u00a0\u2028b", "a b", "\u00e0\u20ac", "x"]
     got = dedup.text_hashes(texts)
     assert got == [dedup.text_hash(t) for t in texts]
+    # a control character that is no whitespace anywhere in a join: the same digests (exact byte ranges)
+    assert dedup.text_hashes(texts + ["\x00 a\x1b"]) == [dedup.text_hash(t) for t in texts + ["\x00 a\x1b"]]
     assert got[0] == got[3] and got[0].hex() == "4f26d467074725bab34186ddb7128579"
     assert got[1] == got[2] and got[4] == got[5] and got[6] == got[7] and len(set(got)) == 6
     assert dedup.text_hashes([]) == []
