@@ -33,6 +33,7 @@ what the fingerprints cost; the wall-time ratios what this machine made of it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -129,9 +130,10 @@ def main(argv=None) -> dict:
               "jax": jax.__version__,
               "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
     data.close()
-    print(json.dumps(result))
     return result
 
 
 if __name__ == "__main__":
-    main()
+    with contextlib.redirect_stdout(sys.stderr):  # MaxText's modules print notices on stdout: JSON alone there
+        res = main()
+    print(json.dumps(res))
