@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _TopParser(
         prog="replay",
         usage="replay [range] [--run DIR] --steps A:B [--devices SPEC] [range options]\n"
-              "       replay {canary,inspect,scan,triage,skip,goodput,drill} [--run DIR] [options]   "
+              "       replay {canary,certify,inspect,scan,triage,skip,goodput,drill} [--run DIR] [options]   "
               "(replay COMMAND --help)",
         description="Triage a training run: rerun step ranges and canary batches on chosen devices, diff\n"
                     "gradient fingerprints against the run's log and give a silent-data-corruption verdict;\n"
@@ -340,6 +340,7 @@ def _cmd_certify(args, console) -> int:
         report.write_json(out, args.json)
     if args.plot and _primary():
         certify.plot_chain(out, args.plot)
+        console.print(f"the checkpoint chain: {args.plot}")
     return rep.exit_code
 
 
@@ -734,6 +735,10 @@ def _scenario_drills(args, console, session, rng, shown) -> int:
         shown.update(n + 1)
     caught = sum(r.caught for r in results)
     console.print(f"{caught} of {len(results)} {args.scenario} drill(s) caught")
+    if not args.to_disk:  # a drilled run is a whole run directory: kept for a look, named for its removal
+        console.print(f"the drilled run(s) are kept in {root} (a copy of the run, never the run itself): read them "
+                      f"with replay scan / replay --run {os.path.join(root, args.scenario + '-0')}; rm -r {root} "
+                      "when done, or pass --to-disk DIR to choose where they go")
     if args.json and _primary():
         report.write_json({"kind": "scenario_drills", "scenario": args.scenario, "caught": caught,
                            "total": len(results), "drills": [r.to_dict() for r in results]}, args.json)

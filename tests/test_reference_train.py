@@ -484,9 +484,12 @@ def test_rerun_of_a_finished_run_prints_no_library_noise(tiny, tmp_path):
     folder, path, cfg, trainer, mesh, run_a, _ = tiny
     run_dir = tmp_path / "finished"
     shutil.copytree(run_a, run_dir)
+    logs = {p.name: p.read_bytes() for p in run_dir.glob("*.jsonl")}
     proc = subprocess.run([sys.executable, "-m", "replay.reference.train", "--run", str(run_dir), "--config", path,
                            "--steps", str(STEPS)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+    # nothing to do writes nothing to the run's log: no attempt, so goodput does not count the idle time since
+    assert {p.name: p.read_bytes() for p in run_dir.glob("*.jsonl")} == logs
     assert proc.stdout == (f"nothing to do: run already at step {STEPS} (--steps is the step to stop at: "
                            f"--steps {STEPS + 10} trains 10 more)\n"
                            f"loss, gradient norm and router drops per step: {run_dir / 'train.png'}\n")

@@ -81,7 +81,9 @@ def train(run_dir: str, cfg: RunConfig, steps: int, *, trainer=None, mesh=None, 
     Returns:
       ``{"start": first step run, "end": steps, "losses": {step: loss}, "stopped": None or
       {"step", "reason"}, "canary_seconds": [seconds of each periodic canary], "plot": the path
-      of train.png or None, "attempt": this attempt's number}``.
+      of train.png or None, "attempt": this attempt's number}``. A run already at ``steps`` (its newest
+      checkpoint at or past it, no rewind pending) is restored and verified but nothing is trained and nothing
+      is written to its log: ``losses`` empty, ``attempt`` None.
 
     Raises:
       RunConfigError: ``cfg`` does not fit the run directory, or ``steps`` < 0, or ``launch.rewind_to`` is
@@ -102,20 +104,29 @@ def train(run_dir: str, cfg: RunConfig, steps: int, *, trainer=None, mesh=None, 
     new_run_note = _new_run_note(run_dir, os.path.isdir(run_dir), cfg.seed)
     attempt = plan_attempt(run_dir, cfg, trainer, mesh, steps, launch, say=say, new_run_note=new_run_note)
     rd = attempt.rd
+    if attempt.restored is not None and attempt.start >= steps and attempt.pending is None \
+            and launch.rewind_to is None:  # nothing to do: the run's log is left as it is (no attempt recorded)
+        return {"start": attempt.start, "end": steps, "losses": {}, "stopped": None, "canary_seconds": [],
+                "plot": _plot(rd, cfg, output), "attempt": None}
     inputs = attempt.open_inputs(mesh, loader_shift=drill.loader_shift if drill is not None else 0)
     attempt.record(inputs, trainer, mesh, steps, say)
     loop = StepLoop(attempt, inputs, trainer, mesh, steps, log=log, output=output, drill=drill)
     stopped = loop.run()
     rd.event("end", max(attempt.start, steps) if stopped is None else stopped["step"],
              final_save_s=round(loop.final_wait, 6))
-    picture = None
-    if output.plot and rd.primary:
-        from replay.run.train_plot import plot_training
-
-        picture = plot_training(rd.path, title=f"training run {cfg.name} ({rd.path})")
     return {"start": attempt.start, "end": steps, "losses": loop.losses, "stopped": stopped,
-            "canary_seconds": loop.canary.seconds if loop.canary is not None else [], "plot": picture,
+            "canary_seconds": loop.canary.seconds if loop.canary is not None else [], "plot": _plot(rd, cfg, output),
             "attempt": attempt.number}
+
+
+def _plot(rd, cfg: RunConfig, output: Output) -> Optional[str]:
+    """``train.png`` of the run (loss, gradient norm, router drops per step), or None without ``output.plot``
+    or on a process other than the primary."""
+    if not (output.plot and rd.primary):
+        return None
+    from replay.run.train_plot import plot_training
+
+    return plot_training(rd.path, title=f"training run {cfg.name} ({rd.path})")
 
 
 def _new_run_note(run_dir: str, existed: bool, seed: int) -> str:
