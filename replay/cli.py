@@ -892,8 +892,12 @@ def _next_commands(typed: Sequence[str], args, e) -> list[tuple[str, str]]:
     out = []
     if e.suggestion is not None:
         a, b = e.suggestion
-        out.append((shlex.join(["replay", *_with_steps(typed, f"{a}:{b}")]), "the nearest logged range"))
-    if e.start is not None and args.command != "inspect":
+        if args.command == "triage":  # one step (--step), the nearest logged one
+            near = a if e.start is not None and e.start < a else b - 1
+            out.append((shlex.join(["replay", *_with_steps(typed, str(near), "--step")]), "the nearest logged step"))
+        else:
+            out.append((shlex.join(["replay", *_with_steps(typed, f"{a}:{b}")]), "the nearest logged range"))
+    if e.start is not None and e.start >= 0 and args.command != "inspect":
         run = ["--run", args.run] if args.run_source == "--run" else []
         stop = min(e.stop, e.start + MAX_INSPECT_STEPS)
         out.append((shlex.join(["replay", "inspect", *run, "--steps", f"{e.start}:{stop}"]),

@@ -10,7 +10,6 @@ import io
 import json
 import math
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from replay.run import statefp
 from replay.run.codes import ExitCode
 from replay.run.runlog import load_run
 
-from test_replay_support import STEPS, run_config
+from test_replay_support import STEPS, as_saved_before_records, run_config
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame: a value OCDBT keeps out of line (its frame has no checksum here)
 
@@ -289,13 +288,26 @@ def test_the_training_command_maps_damaged_and_poisoned_checkpoints_to_their_cod
 
 
 def test_an_old_run_without_records_restores_with_a_note(run_copy, use_kit, capsys):
-    shutil.rmtree(os.path.join(run_copy, statefp.RECORDS_DIR))
+    as_saved_before_records(run_copy)
     capsys.readouterr()
     assert cli.main(["--run", run_copy, "--steps", "9:10", "--no-progress"]) == ExitCode.ACQUITTED
     assert (f"note: checkpoint 8 of {run_copy} has no state record (a run written before checkpoint fingerprints): "
             "it cannot be verified") in capsys.readouterr().err
     assert cli.main(["certify", "--run", run_copy, "--from", "8", "--no-progress"]) == ExitCode.AMBIGUOUS
     assert "not_certifiable" in capsys.readouterr().out
+
+
+def test_a_lost_record_of_a_run_that_records_is_a_damaged_checkpoint_not_an_old_run(run_copy, use_kit, capsys):
+    """Checkpoint 8's record file removed while its checkpoint event says one was written (a partial copy of the
+    run): not "a run written before records" (whose restore goes on unverified, and a silently damaged file would
+    then convict devices), but a checkpoint that cannot be verified: the damaged-checkpoint code, no device."""
+    os.remove(statefp.record_path(run_copy, 8))
+    capsys.readouterr()
+    assert cli.main(["--run", run_copy, "--steps", "9:10", "--no-progress"]) == ExitCode.DAMAGED_CHECKPOINT
+    err = capsys.readouterr().err
+    assert f"checkpoint 8: its state record {statefp.record_path(run_copy, 8)} is missing, while the run's " \
+           "checkpoint event of step 8 (events.jsonl) says one was written at the save" in " ".join(err.split())
+    assert statefp.read_record(run_copy, 4) is not None  # the others are read as before
 
 
 def test_a_damaged_state_record_is_a_damaged_checkpoint_never_a_poisoned_one(run_copy, use_kit, capsys):
@@ -321,7 +333,7 @@ def test_a_damaged_state_record_is_a_damaged_checkpoint_never_a_poisoned_one(run
 def test_the_trainer_resumes_a_run_without_records_with_a_note(kit, tmp_path):
     run_dir = str(tmp_path / "old")
     train(kit, run_dir, 4)
-    shutil.rmtree(os.path.join(run_dir, statefp.RECORDS_DIR))  # a run written before checkpoint fingerprints
+    as_saved_before_records(run_dir)  # a run written before checkpoint fingerprints
     from replay.reference import loop
 
     said = io.StringIO()

@@ -261,9 +261,11 @@ def test_restart_drops_a_torn_event_line(replay_made, run_copy):
         f.write('{"event": "checkp')
     mesh = make_mesh(dict(cfg.mesh), jax.devices()[:4])
     loop.train(run_copy, cfg, STEPS, trainer=trainer, mesh=mesh, output=loop.Output(log=lambda s: None))
-    events = [json.loads(line) for line in open(path)]
-    assert len(events) == n + 2
-    assert [e["event"] for e in events[-2:]] == ["restore", "end"]
+    events = [json.loads(line) for line in open(path)]  # the torn line dropped; nothing to do appends nothing
+    assert len(events) == n and events[-1]["event"] == "end"
+    loop.train(run_copy, cfg, STEPS + 1, trainer=trainer, mesh=mesh, output=loop.Output(log=lambda s: None))
+    events = [json.loads(line) for line in open(path)]  # one more step: its attempt appends after the repaired end
+    assert [e["event"] for e in events[n:]][:1] == ["restore"] and events[-1]["event"] == "end"
 
 
 def test_golden_updates_are_atomic_and_keep_concurrent_entries(tmp_path):
@@ -447,3 +449,23 @@ def test_damaged_checkpoint_command_prints_no_traceback(run_copy):
     assert proc.returncode == ExitCode.RUN_ERROR, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr
     assert _has(proc.stderr, "checkpoint 4 of") and _has(proc.stderr, "cannot be restored")
+
+
+def test_a_step_logged_twice_with_different_lines_convicts_no_device(run_copy, capsys):
+    """A second line for step 5 whose device 1 fingerprint of one leaf differs (a damaged log, or a user's trainer
+    that appends a retrained step): the replay differs from the line kept (the last) on device 1 alone, which would
+    convict it; the log contradicts itself there, so the verdict is ambiguous (LOG_CONFLICT), never a conviction."""
+    log = os.path.join(run_copy, "fingerprints.jsonl")
+    lines = open(log, encoding="utf-8").read().splitlines(True)
+    (i,) = [n for n, line in enumerate(lines) if json.loads(line)["step"] == 5]
+    rec = json.loads(lines[i])
+    leaf = sorted(rec["devices"]["1"])[0]
+    rec["devices"]["1"][leaf] = rec["devices"]["1"][leaf] ^ 1
+    lines.insert(i + 1, json.dumps(rec) + "\n")
+    with open(log, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+    out = os.path.join(run_copy, "..", "relogged.json")
+    assert cli.main(["--run", run_copy, "--steps", "5:6", "--no-progress", "--json", out]) == ExitCode.AMBIGUOUS
+    rep = json.load(open(out))
+    assert rep["relogged_conflicts"] == [5] and rep["convicted_devices"] == []
+    assert rep["cause"] == "log_conflict" and "logged twice" in capsys.readouterr().out

@@ -135,6 +135,16 @@ def test_scan_outside_suggests_a_scan_of_the_logged_steps(run_copy, capsys):
     assert f"next: replay scan --run {shlex.quote(run_copy)} --steps {STEPS - 10}:{STEPS}" in err
 
 
+def test_triage_outside_suggests_the_nearest_logged_step_as_a_command_that_runs(run_copy, capsys):
+    assert cli.main(["triage", "--run", run_copy, "--step", "500"]) == ExitCode.RUN_ERROR
+    err = capsys.readouterr().err
+    assert f"next: replay triage --run {shlex.quote(run_copy)} --step {STEPS - 1}   (the nearest logged step)" in err
+    assert "--steps 500" not in err.split("next:")[1].split("or:")[0]  # triage takes --step, not --steps
+    assert cli.main(["triage", "--run", run_copy, "--step", "-4"]) == ExitCode.RUN_ERROR
+    err = capsys.readouterr().err
+    assert f"next: replay triage --run {shlex.quote(run_copy)} --step 0" in err and "--steps -4" not in err
+
+
 @pytest.mark.parametrize("start, stop, first, end, message, suggestion", [
     (15, 25, 0, 20, "steps 15:25 are partly outside the logged steps 0:20 of R: steps 20:25 were not logged; the "
                     "logged part is 15:20", (15, 20)),

@@ -122,3 +122,32 @@ def triage_drills(tmp_path_factory):
     from replay import triage_drill
 
     return triage_drill.Drills(str(tmp_path_factory.mktemp("triage_drills")))
+
+
+def as_saved_before_records(run_dir, steps=None):
+    """Makes ``run_dir`` read as a run written before checkpoint state records, for the checkpoints ``steps``
+    (default: all): their ``checkpoint_records/<step>.json`` removed and the ``state`` of their checkpoint events
+    dropped (an old run has neither; a record missing beside an event that says one was written is a loss, which
+    ``statefp.read_record`` refuses)."""
+    import json
+
+    from replay.run import protocol as proto
+    from replay.run import statefp
+
+    folder = os.path.join(run_dir, statefp.RECORDS_DIR)
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    chosen = {int(n.split(".")[0]) for n in names} if steps is None else set(steps)
+    for s in chosen:
+        if os.path.exists(statefp.record_path(run_dir, s)):
+            os.remove(statefp.record_path(run_dir, s))
+    if steps is None and os.path.isdir(folder):
+        shutil.rmtree(folder)
+    path = os.path.join(run_dir, proto.EVENTS_NAME)
+    lines = []
+    for line in open(path, encoding="utf-8").read().splitlines():
+        e = json.loads(line)
+        if e.get("event") == "checkpoint" and (steps is None or e.get("step") in chosen):
+            e.pop("state", None)
+        lines.append(json.dumps(e, sort_keys=True))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")

@@ -339,11 +339,12 @@ def test_restores_are_labelled_as_what_happened_and_a_hand_edited_loader_state_s
     meta = os.path.join(run, "checkpoints", "22", "loader", "metadata")
     state = json.load(open(meta))
     json.dump({**state, "next_step": 25}, open(meta, "w"))  # edited by hand
-    from replay.run.statefp import RECORDS_DIR, DamagedCheckpointError
+    from replay.run.statefp import DamagedCheckpointError
+    from test_replay_support import as_saved_before_records
 
     with pytest.raises(DamagedCheckpointError, match="checkpoint 22 is damaged: its loader state"):
         drills.train(run, cfg, 24)  # its state record (issue 28) sees the edit first
-    os.remove(os.path.join(run, RECORDS_DIR, "22.json"))  # as a run saved before state records
+    as_saved_before_records(run, [22])  # as a run saved before state records
     with pytest.raises(RunConfigError) as e:
         drills.train(run, cfg, 24)
     msg = str(e.value)

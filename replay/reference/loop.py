@@ -82,7 +82,7 @@ def train(run_dir: str, cfg: RunConfig, steps: int, *, trainer=None, mesh=None, 
       ``{"start": first step run, "end": steps, "losses": {step: loss}, "stopped": None or
       {"step", "reason"}, "canary_seconds": [seconds of each periodic canary], "plot": the path
       of train.png or None, "attempt": this attempt's number}``. A run already at ``steps`` (its newest
-      checkpoint at or past it, no rewind pending) is restored and verified but nothing is trained and nothing
+      checkpoint at or past it, no rewind pending, no skip window added) is restored and verified but nothing is trained and nothing
       is written to its log: ``losses`` empty, ``attempt`` None.
 
     Raises:
@@ -105,7 +105,7 @@ def train(run_dir: str, cfg: RunConfig, steps: int, *, trainer=None, mesh=None, 
     attempt = plan_attempt(run_dir, cfg, trainer, mesh, steps, launch, say=say, new_run_note=new_run_note)
     rd = attempt.rd
     if attempt.restored is not None and attempt.start >= steps and attempt.pending is None \
-            and launch.rewind_to is None:  # nothing to do: the run's log is left as it is (no attempt recorded)
+            and launch.rewind_to is None and not attempt.grown:  # nothing to do: the log is left as it is
         return {"start": attempt.start, "end": steps, "losses": {}, "stopped": None, "canary_seconds": [],
                 "plot": _plot(rd, cfg, output), "attempt": None}
     inputs = attempt.open_inputs(mesh, loader_shift=drill.loader_shift if drill is not None else 0)

@@ -527,6 +527,12 @@ def read_record(run_dir: str, step: int) -> Optional[StateRecord]:
     """
     path = record_path(run_dir, step)
     if not os.path.exists(path):
+        if _event_says_recorded(run_dir, step):
+            raise DamagedCheckpointError(
+                f"checkpoint {step}: its state record {path} is missing, while the run's checkpoint event of step "
+                f"{step} (events.jsonl) says one was written at the save: the checkpoint cannot be verified and is "
+                f"not used (never evidence against a device); put the record back from a copy of the run, or "
+                f"restore the previous checkpoint, or run 'replay certify --run {run_dir}'", step=step)
         return None
     try:
         with open(path, encoding="utf-8") as f:
@@ -542,6 +548,22 @@ def read_record(run_dir: str, step: int) -> Optional[StateRecord]:
             f"checkpoint {step}: its state record {path} is unreadable ({e}); the checkpoint cannot be trusted: "
             f"restore the previous checkpoint, or run 'replay certify --run {run_dir}'", step=step) from None
     return StateRecord(data)
+
+
+def _event_says_recorded(run_dir: str, step: int) -> bool:
+    """Whether ``events.jsonl`` holds a checkpoint event of ``step`` with its state fingerprints (``state``):
+    the save wrote a record beside the checkpoint, so a missing record is a loss, not an old run's. False
+    when the events cannot be read (their own readers report that)."""
+    from replay.run import protocol as proto
+
+    if not os.path.exists(os.path.join(run_dir, proto.EVENTS_NAME)):
+        return False
+    try:
+        events = proto.read_events(run_dir)
+    except (OSError, ValueError):
+        return False
+    return any(e.get("event") == "checkpoint" and e.get("step") == step and isinstance(e.get("state"), Mapping)
+               for e in events)
 
 
 # ----------------------------------------------------------------------------- at a restore

@@ -227,9 +227,10 @@ def _verdict(session: Session, seg: Optional[_Segment], b: int, record: Any = _D
     if seg.step_diff is not None:
         d = seg.step_diff
         devs = tuple(sorted(d.suspects)) if d.suspects else tuple(sorted(d.devices))
+        kind = getattr(d.kind, "value", d.kind)  # the enum's value ("device"), not its repr
         return CheckpointVerdict(
             b, "poisoned", f"replaying {seg.a}:{seg.b} on good devices differs from the log at step {d.step} "
-                           f"({d.kind}; device(s) {list(devs)}): the run's state after that step was wrong; for a "
+                           f"({kind}; device(s) {list(devs)}): the run's state after that step was wrong; for a "
                            f"verdict on the devices run 'replay --run {run_dir} --steps {d.step}:{d.step + 1}'",
             step=d.step, devices=devs, leaves=tuple(d.leaves), **where)
     if seg.differing and seg.file_problem:  # the files do not match the record either: damaged, not poisoned

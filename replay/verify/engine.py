@@ -49,7 +49,8 @@ from replay.run.runlog import RunDirError, RunLog
 from replay.run.codes import Verdict
 from replay.run.setup import RunSetup
 from replay.verify.localize import describe_site
-from replay.verify.verdict import Cause, Decision, Evidence, ReplayOutcome, decide, limit_to_poisoned_state
+from replay.verify.verdict import (Cause, Decision, Evidence, ReplayOutcome, decide, limit_to_consistent_log,
+                                   limit_to_poisoned_state)
 
 PREFETCH_MIN_STEPS = 8  # stretches this long read batches through the loader's prefetch
 
@@ -802,7 +803,7 @@ def replay_range(
     t0, restore0 = time.perf_counter(), session.restore_seconds
     rounds = _Rounds(session, assignments, segs, order, log, tolerance, repeats)
     runs, decision = rounds.run(progress, exhaustive, concurrent)
-    decision = _poisoned_state_check(session, decision)
+    decision = limit_to_consistent_log(_poisoned_state_check(session, decision), run.relogged_conflicts)
     wall = time.perf_counter() - t0
     disagreement = _disagreement(session, runs)
     differing = None

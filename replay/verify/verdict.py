@@ -41,6 +41,8 @@ class Cause(str, enum.Enum):
     TOLERANCE_ONLY = "tolerance_only"  # only a tolerance comparison was possible; it failed
     STATE_POISONED = "state_poisoned"  # the step's input state was corrupted in an update (the next checkpoint's
     #                                    replicas disagree): its differences are not the step's arithmetic
+    LOG_CONFLICT = "log_conflict"  # the log holds two different lines for the step: which one the run computed
+    #                                is unknown, so no device is convicted on it
 
 
 class Evidence(str, enum.Enum):
@@ -290,3 +292,19 @@ def limit_to_poisoned_state(decision: Decision, checkpoint: int, odd: Sequence[i
         explanation=f"step {decision.step}: device(s) {sorted(convicted)} differ from the log, but {note}, and none "
                     f"of them holds a wrong copy (suspects {sorted(allowed)}): no device is convicted from these "
                     f"steps; run 'replay certify' to name the poisoned checkpoint and the newest clean one")
+
+
+def limit_to_consistent_log(decision: Decision, conflicts: Sequence[int]) -> Decision:
+    """A conviction at a step the log holds two different lines for (``RunLog.relogged_conflicts``: a step
+    logged twice whose lines disagree) becomes AMBIGUOUS, cause ``LOG_CONFLICT``: the log contradicts
+    itself there, so a difference from the line kept is not evidence against any device. Any other
+    decision is returned unchanged."""
+    if decision.verdict is not Verdict.CONVICTED or decision.step not in set(conflicts):
+        return decision
+    return dataclasses.replace(
+        decision, verdict=Verdict.AMBIGUOUS, cause=Cause.LOG_CONFLICT, devices=(), links=(),
+        explanation=(f"step {decision.step} is logged twice in fingerprints.jsonl with different values (a step "
+                     f"trained again after a restart, or a damaged log): the replay differs from the line kept on "
+                     f"device(s) {list(decision.devices)}, which is no evidence against them; replay a range "
+                     f"without step {decision.step}, or read both lines (grep '\"step\": {decision.step},' "
+                     "fingerprints.jsonl)"))
