@@ -82,8 +82,8 @@ def train(run_dir: str, cfg: RunConfig, steps: int, *, trainer=None, mesh=None, 
       ``{"start": first step run, "end": steps, "losses": {step: loss}, "stopped": None or
       {"step", "reason"}, "canary_seconds": [seconds of each periodic canary], "plot": the path
       of train.png or None, "attempt": this attempt's number}``. A run already at ``steps`` (its newest
-      checkpoint at or past it, no rewind pending, no skip window added) is restored and verified but nothing is trained and nothing
-      is written to its log: ``losses`` empty, ``attempt`` None.
+      checkpoint at or past it, no rewind pending, no skip window added) is restored and verified, but
+      nothing is trained and nothing is written to its log: ``losses`` empty, ``attempt`` None.
 
     Raises:
       RunConfigError: ``cfg`` does not fit the run directory, or ``steps`` < 0, or ``launch.rewind_to`` is

@@ -306,5 +306,5 @@ def limit_to_consistent_log(decision: Decision, conflicts: Sequence[int]) -> Dec
         explanation=(f"step {decision.step} is logged twice in fingerprints.jsonl with different values (a step "
                      f"trained again after a restart, or a damaged log): the replay differs from the line kept on "
                      f"device(s) {list(decision.devices)}, which is no evidence against them; replay a range "
-                     f"without step {decision.step}, or read both lines (grep '\"step\": {decision.step},' "
-                     "fingerprints.jsonl)"))
+                     f"without step {decision.step}, or compare the two lines of step {decision.step} in "
+                     "fingerprints.jsonl"))
