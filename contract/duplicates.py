@@ -10,7 +10,9 @@ call :func:`find`, then warn or refuse by the caller's choice (:data:`MODES`). T
                      shards that copy an earlier shard (manifest order: sources, then shards),
                      over its records, plus the tokens of its documents that the pack's
                      duplicate report (``dedup: report``) found to repeat an earlier document,
-                     over its packed tokens; reported above ``max_fraction``.
+                     over its packed tokens; reported above ``max_fraction``. With
+                     ``dedup: exact`` those documents were left out of the rows (the ledger's
+                     ``duplicates_dropped``), so they repeat nothing that is packed.
 
 Worked example: source ``docs`` with 4 shards of 10 records each, all with one sha256 ``h``::
 
@@ -83,7 +85,9 @@ def find(manifest: Any, max_fraction: float = DEFAULT_MAX_FRACTION) -> list[Find
                            f"{len(shards)} shards have the same sha256 (the same rows stored {len(shards)} times): "
                            f"{', '.join(shards[:4])}{' ...' if len(shards) > 4 else ''}; repack the source(s) "
                            f"{', '.join(sources)} (a packer or copy step wrote one shard more than once)"))
-    dup = (getattr(manifest, "duplicates", None) or {}).get("by_source") or {}
+    report = getattr(manifest, "duplicates", None) or {}
+    # dedup: exact dropped the documents it found: none of them is in a row
+    dup = (report.get("by_source") or {}) if report.get("mode") != "exact" else {}
     for name, entry in manifest.sources.items():
         records = entry.records
         tokens = sum(int(sh.tokens) for sh in entry.shards)

@@ -30,7 +30,8 @@ A packed dataset version is one folder::
                      "tokens_dropped": ..., "docs_split": ...}
         }
       },
-      "duplicates": {"mode": "report", "normalization": "...", "documents": ..., "tokens": ...,
+      "duplicates": {"mode": "report", "normalization": "...", "hash": "xxh3_128",
+                     "documents": ..., "tokens": ...,
                      "by_source": {"<source>": {"documents": ..., "tokens": ...,
                                                 "of": {"<source of the kept copy>": n, ...}}},
                      "examples": [{"hash": "<32 hex>", "copies": n, "keys": [...]}, ...]},
@@ -46,7 +47,9 @@ config says ``dedup: exact`` (and absent from manifests written before they exis
 0). ``duplicates`` (absent with ``dedup: off`` and in older manifests): per source, its
 documents whose normalized text an earlier document has (``dataprep.dedup``: the first by
 source order in the config, then file and line), and the sources of those earlier copies;
-``examples``: the groups of the smallest text hashes, up to 5, with up to 5 keys each.
+``examples``: the groups with the most copies (ties: the kept copy's keep order), up to 5, with
+up to 5 keys each; ``hash``: the text hash function (``xxh3_128``; absent in manifests written
+before 2026-12-07, whose hex is blake2b's and whose examples are the groups of the smallest hashes).
 
 The schema is declared once, by the dataclasses below: pydantic validates ``manifest.json``
 against them (:meth:`Manifest.from_dict`) and publishes them as JSON Schema

@@ -550,7 +550,8 @@ def duplicates_report(config: MixtureConfig, stats: list[list]) -> Optional[dict
     ``by_source[s]``: documents of ``s`` whose normalized text an earlier document has (the
     first by source order in the config, then file and line), their tokens, and ``of``: how
     many of them have that earlier copy in each source (``s`` itself: within the source).
-    ``examples``: the :data:`pipeline.DUPLICATE_EXAMPLES` groups of the smallest text hashes.
+    ``examples``: the :data:`pipeline.DUPLICATE_EXAMPLES` groups of the smallest
+    ``dedup.example_rank``: the most copies, then the kept copy's keep order (never the hash).
     """
     from contract.config import DedupMode
     from dataprep import dedup
@@ -573,10 +574,13 @@ def duplicates_report(config: MixtureConfig, stats: list[list]) -> Optional[dict
     return {
         "mode": config.dedup.value,
         "normalization": dedup.NORMALIZATION,
+        "hash": dedup.HASH_NAME,
         "documents": sum(e["documents"] for e in by_source.values()),
         "tokens": sum(e["tokens"] for e in by_source.values()),
         "by_source": by_source,
-        "examples": sorted(examples, key=lambda e: e["hash"])[: pipeline.DUPLICATE_EXAMPLES],
+        "examples": sorted(examples, key=lambda e: dedup.example_rank(
+            e["copies"], config.source_names.index(e["keys"][0].partition("/")[0]), e["keys"][0]),
+        )[: pipeline.DUPLICATE_EXAMPLES],
     }
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import heapq
 import itertools
 import json
 import os
@@ -461,8 +462,9 @@ class FindDuplicates(beam.DoFn):
     tokens), groups them by hash (``dataprep.dedup.groups``: keep order is source order in
     the config, then file and line) and emits, per pair (source of a duplicate, source of
     its kept copy), ``("duplicates", source, kept_source, documents, tokens)`` (tagged
-    ``stats``), and for the :data:`DUPLICATE_EXAMPLES` groups of the smallest hashes
-    ``("duplicate_example", hash hex, copies, first keys)``. With ``drop`` (``dedup:
+    ``stats``), and for its :data:`DUPLICATE_EXAMPLES` groups of the smallest
+    ``dataprep.dedup.example_rank`` (most copies first) ``("duplicate_example", hash hex,
+    copies, first keys)``. With ``drop`` (``dedup:
     exact``), every document but the kept copy is staged, key only, for its packing bucket:
     main output ``((source, bucket), (DROP, value))``.
     """
@@ -500,7 +502,10 @@ class FindDuplicates(beam.DoFn):
                     stager.add((name, self._bucket[name](keys[m])), keys[m], b"")
         for (src, kept), (docs, tokens) in sorted(pairs.items()):
             yield pvalue.TaggedOutput(STATS, ("duplicates", self._names[src], self._names[kept], docs, tokens))
-        for members in found[:DUPLICATE_EXAMPLES]:
+        source_of = records["source"]
+        shown = heapq.nsmallest(DUPLICATE_EXAMPLES, found, key=lambda members: dedup.example_rank(
+            len(members), int(source_of[members[0]]), keys[members[0]]))
+        for members in shown:
             yield pvalue.TaggedOutput(STATS, ("duplicate_example", records["hash"][members[0]].tobytes().hex(), len(members),
                                               [keys[m] for m in members[:DUPLICATE_EXAMPLES]]))
         if stager is not None:

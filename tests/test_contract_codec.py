@@ -142,3 +142,58 @@ def test_round_trip(segs, keys, chunks, extra, ids):
         assert seg_ids[start : start + len(s)].tolist() == [i + 1] * len(s)
         assert pos[start : start + len(s)].tolist() == list(range(len(s)))
     assert (seg_ids[row.num_tokens :] == 0).all()
+
+
+def _reference_encode_row(tokens_per_segment, doc_keys, chunk_indices, seq_len, token_dtype, doc_ids=None):
+    """encode_row as it was written before its struct packing (2026-12-07), NumPy for every field:
+    the bytes the new form must give for every valid row."""
+    import struct
+
+    dtype = np.dtype(token_dtype).newbyteorder("<")
+    lengths = np.array([len(s) for s in tokens_per_segment], dtype="<u4")
+    total = int(lengths.sum())
+    flat = (np.concatenate([np.asarray(s, dtype=np.int64) for s in tokens_per_segment])
+            if tokens_per_segment else np.zeros((0,), np.int64))
+    chunks = np.asarray(chunk_indices, dtype=np.int64)
+    keys = [k.encode("utf-8", "surrogatepass") for k in doc_keys]
+    key_lengths = np.array([len(k) for k in keys], dtype="<u4")
+    ids = [i.encode("utf-8", "surrogatepass") for i in doc_ids] if doc_ids is not None and any(doc_ids) else None
+    parts = [
+        struct.pack("<4sBBHIII", b"MOEP", 1 if ids is None else 2, dtype.itemsize, 0, seq_len, total,
+                    len(tokens_per_segment)),
+        flat.astype(dtype, copy=False).tobytes(), lengths.tobytes(), chunks.astype("<u4").tobytes(),
+        key_lengths.tobytes(),
+    ]
+    if ids is None:
+        parts.append(b"".join(keys))
+    else:
+        parts += [np.array([len(i) for i in ids], dtype="<u4").tobytes(), b"".join(keys), b"".join(ids)]
+    return b"".join(parts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    segs=st.lists(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=20), max_size=8),
+    keys=st.lists(st.text(max_size=12), min_size=8, max_size=8),
+    chunks=st.lists(st.integers(0, 2**32 - 1), min_size=8, max_size=8),
+    extra=st.integers(0, 10),
+    ids=st.none() | st.lists(st.text(max_size=12), min_size=8, max_size=8),
+    form=st.sampled_from(["lists", "stored arrays", "strided arrays", "int64 arrays"]),
+)
+def test_encode_row_gives_the_bytes_of_its_reference_form(segs, keys, chunks, extra, ids, form):
+    """Every input form (lists; arrays of the stored dtype, contiguous or strided; wider arrays) gives
+    the reference form's bytes, chunk indices up to 2**32 - 1 included."""
+    n = len(segs)
+    seq_len = sum(map(len, segs)) + extra or 1
+    dtype = "uint16" if all(t < 2**16 for s in segs for t in s) else "uint32"
+    if form == "stored arrays":
+        given_segs = [np.array(s, dtype=dtype) for s in segs]
+    elif form == "strided arrays":
+        given_segs = [np.repeat(np.array(s, dtype=dtype), 2)[::2] for s in segs]
+    elif form == "int64 arrays":
+        given_segs = [np.array(s, dtype=np.int64) for s in segs]
+    else:
+        given_segs = segs
+    doc_ids = None if ids is None else ids[:n]
+    assert encode_row(given_segs, keys[:n], chunks[:n], seq_len, dtype, doc_ids=doc_ids) == \
+        _reference_encode_row(segs, keys[:n], chunks[:n], seq_len, dtype, doc_ids=doc_ids)

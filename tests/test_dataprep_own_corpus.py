@@ -29,8 +29,10 @@ def test_normalized_text_and_its_hash_are_pinned():
     assert dedup.text_hash("Call me Ishmael.") == dedup.text_hash(" Call  me\nIshmael. ")
     assert dedup.text_hash("Call me Ishmael.") != dedup.text_hash("call me Ishmael.")  # case is kept
     # pinned: a change to the normalization or the hash changes every duplicate report
-    assert dedup.text_hash("Call me Ishmael.").hex() == "4f26d467074725bab34186ddb7128579"  # blake2b, person moe-dedup-v1
-    assert dedup.dedup_bucket(dedup.text_hash("Call me Ishmael."), 7) == 1
+    # (xxh3_128 of b"Call me Ishmael.", canonical big-endian; it was blake2b "4f26d467...", bucket 1, before
+    # 2026-12-07: the groups are the same, the hex and buckets are not)
+    assert dedup.text_hash("Call me Ishmael.").hex() == "fb94ff7358ed06d2674ca85d64e9c2e9"
+    assert dedup.dedup_bucket(dedup.text_hash("Call me Ishmael."), 7) == 4
 
 
 # Whitespace of every kind str.split() knows, characters that share their UTF-8 lead bytes
@@ -62,7 +64,7 @@ def test_text_hashes_exact_cases():
     assert got == [dedup.text_hash(t) for t in texts]
     # a control character that is no whitespace anywhere in a join: the same digests (exact byte ranges)
     assert dedup.text_hashes(texts + ["\x00 a\x1b"]) == [dedup.text_hash(t) for t in texts + ["\x00 a\x1b"]]
-    assert got[0] == got[3] and got[0].hex() == "4f26d467074725bab34186ddb7128579"
+    assert got[0] == got[3] and got[0].hex() == "fb94ff7358ed06d2674ca85d64e9c2e9"
     assert got[1] == got[2] and got[4] == got[5] and got[6] == got[7] and len(set(got)) == 6
     assert dedup.text_hashes([]) == []
 
@@ -132,6 +134,28 @@ def test_find_duplicates_alone():
                     equal_to(_expected_drops(bucket)), "drops")
 
 
+def test_the_examples_are_the_most_copied_groups_whatever_their_hashes():
+    """duplicates_report keeps the 5 groups of the smallest example_rank over every bucket's
+    examples: most copies, then the kept copy's source (config order) and place in its file."""
+    from types import SimpleNamespace
+
+    from contract.config import DedupMode
+
+    config = SimpleNamespace(dedup=DedupMode.REPORT, source_names=["web", "books"])
+    found = [  # (hash hex, copies, keys): the hashes in the reverse order of the ranks
+        ("f" * 32, 9, ["books/b.txt:0", "books/b.txt:3"]),
+        ("e" * 32, 3, ["web/a.jsonl:10", "books/b.txt:1"]),
+        ("d" * 32, 3, ["web/a.jsonl:2", "web/a.jsonl:9"]),
+        ("c" * 32, 3, ["books/a.txt:1", "books/b.txt:2"]),
+        ("b" * 32, 2, ["web/a.jsonl:1", "web/a.jsonl:3"]),
+        ("a" * 32, 2, ["web/b.jsonl:1", "web/b.jsonl:2"]),
+        ("0" * 32, 2, ["books/a.txt:0", "books/a.txt:5"]),
+    ]
+    stats = [["duplicate_example", h, c, k] for h, c, k in reversed(found)]
+    report = pack.duplicates_report(config, stats)
+    assert [e["hash"] for e in report["examples"]] == ["f" * 32, "d" * 32, "e" * 32, "c" * 32, "b" * 32]
+
+
 def _expected_drops(bucket):
     by = {}
     for key, b in bucket.items():
@@ -192,6 +216,7 @@ def test_duplicates_are_reported_and_all_packed(twins, tmp_path):
     assert m.duplicates == {
         "mode": "report",
         "normalization": dedup.NORMALIZATION,
+        "hash": "xxh3_128",
         "documents": 11,
         "tokens": shared_tokens + tokens(web[-1]),
         "by_source": {"web": {"documents": 1, "tokens": tokens(web[-1]), "of": {"web": 1}},
@@ -199,7 +224,10 @@ def test_duplicates_are_reported_and_all_packed(twins, tmp_path):
         "examples": m.duplicates["examples"],
     }
     examples = m.duplicates["examples"]
-    assert len(examples) == 5 and [e["hash"] for e in examples] == sorted(e["hash"] for e in examples)
+    # every group has 2 copies: the kept copies' keep order, whatever the hashes (web/w.jsonl:4 is
+    # the within-web group, its copy at line 31; lines 6 to 15 the shared text's first copies)
+    assert [e["keys"][0] for e in examples] == [f"web/w.jsonl:{n}" for n in (4, 6, 7, 8, 9)]
+    assert [e["hash"] for e in examples] == [dedup.text_hash(web[n - 1]).hex() for n in (4, 6, 7, 8, 9)]
     for e in examples:
         assert e["copies"] == 2 and e["keys"][0].startswith("web/") and len(e["keys"]) == 2
     assert {n: (e.ledger.read, e.ledger.packed, e.ledger.duplicates_dropped) for n, e in m.sources.items()} == {
@@ -241,6 +269,12 @@ def test_dedup_exact_drops_every_copy_but_the_first(twins, tmp_path):
     assert led["mirror"].tokens_dropped == sum(tokens(t) for t in SHARED)
     assert led["mirror"].tokens_in == led["mirror"].tokens_packed + led["mirror"].tokens_dropped
     assert m.duplicates["mode"] == "exact" and m.duplicates["documents"] == 11
+    # what was dropped repeats nothing in the rows: no "duplicated data" finding (the mirror's 10 dropped
+    # copies against its 1 packed document read as a 100% repeated share before 2026-12-07)
+    from contract import duplicates as duplicated_data
+    assert duplicated_data.find(m) == []
+    report_manifest = Manifest.from_dict({**m.to_dict(), "duplicates": {**m.duplicates, "mode": "report"}})
+    assert [f.sources for f in duplicated_data.find(report_manifest)] == [("mirror",)]
     # the same bytes from two worker processes
     out2 = tmp_path / "ds2"
     pack.run(["--config", str(d / "exact.yaml"), "--output", str(out2), "--direct_num_workers=2",

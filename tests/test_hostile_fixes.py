@@ -114,12 +114,13 @@ def test_goodput_of_a_signals_line_with_a_bad_value_is_the_scan_error(run_copy, 
     import os
 
     from replay.cli import main
+    from replay.run import protocol as proto
 
     path = os.path.join(run_copy, "signals.jsonl")
     rows = [json.loads(x) for x in open(path)]
     rows[1]["step_time_s"] = "slow"
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with open(path, "w") as f:  # a trainer that logged a string: sealed as written
+        f.writelines(json.dumps(proto.seal(r)) + "\n" for r in rows)
     assert main(["goodput", "--run", run_copy]) == 5
     err = capsys.readouterr().err
     assert f"run directory or data error: {path}:2: unreadable (could not convert string to float: 'slow')\n" in err

@@ -12,6 +12,7 @@ from replay.reference.loop import Launch
 from replay.run import lineage as lin
 from replay.run.runlog import load_run
 from replay.screen import goodput as gp
+from replay.run import protocol as proto
 
 ROW_TOKENS = 8 * 32  # the drill config: global batch 8, seq_len 32
 
@@ -114,7 +115,7 @@ def test_an_old_run_directory_says_what_is_unknown(drilled, tmp_path):
                     r = {k: v for k, v in r.items() if k not in ("t", "compile_s", "canary_s", "checkpoint_s")}
                 else:
                     r = {k: v for k, v in r.items() if k in fields}
-                f.write(json.dumps(r) + "\n")
+                f.write(json.dumps(proto.seal(r) if proto.LINE_CHECK in r else r) + "\n")
     rep = gp.account(load_run(old))
     assert rep.time_us["unknown"] == rep.wall_us > 0 and rep.time_us["productive"] == 0
     assert any("whole seconds" in u for u in rep.unknown)
@@ -144,7 +145,7 @@ def _shift_attempt(run_dir, attempt, seconds):
                 mine = r.get("attempt") == attempt if "superseded_by" in r else lineage.attempt_of(r["step"]) == attempt
                 if mine and "t" in r:
                     r["t"] += seconds
-                f.write(json.dumps(r) + "\n")
+                f.write(json.dumps(proto.seal(r) if proto.LINE_CHECK in r else r) + "\n")
 
 
 @pytest.mark.parametrize("behind", [3600.0, 640.0])

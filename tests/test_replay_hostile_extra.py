@@ -24,6 +24,7 @@ from replay.runtime import devices
 from replay import drill
 from replay.verify import engine
 from replay.run import env
+from replay.run import protocol as proto
 from replay.run import runlog
 from replay.run.codes import ExitCode
 
@@ -320,8 +321,8 @@ def _rewrite_log(run, edit):
     with open(path) as f:
         entries = [json.loads(line) for line in f if line.strip()]
     entries = edit(entries)
-    with open(path, "w") as f:
-        f.writelines(json.dumps(e) + "\n" for e in entries)
+    with open(path, "w") as f:  # sealed again: the lines a writer with these values would have written
+        f.writelines(json.dumps(proto.seal(e) if proto.LINE_CHECK in e else e) + "\n" for e in entries)
 
 
 def test_sparse_log_is_refused_without_walking_every_step(run_copy, capsys):
@@ -461,7 +462,7 @@ def test_a_step_logged_twice_with_different_lines_convicts_no_device(run_copy, c
     rec = json.loads(lines[i])
     leaf = sorted(rec["devices"]["1"])[0]
     rec["devices"]["1"][leaf] = rec["devices"]["1"][leaf] ^ 1
-    lines.insert(i + 1, json.dumps(rec) + "\n")
+    lines.insert(i + 1, json.dumps(proto.seal(rec)) + "\n")  # sealed as its writer wrote it: not damage
     with open(log, "w", encoding="utf-8") as f:
         f.writelines(lines)
     out = os.path.join(run_copy, "..", "relogged.json")
@@ -469,3 +470,70 @@ def test_a_step_logged_twice_with_different_lines_convicts_no_device(run_copy, c
     rep = json.load(open(out))
     assert rep["relogged_conflicts"] == [5] and rep["convicted_devices"] == []
     assert rep["cause"] == "log_conflict" and "logged twice" in capsys.readouterr().out
+
+
+def _edit_step_line(run, step, edit):
+    """Changes ``step``'s line of fingerprints.jsonl in place (``edit(record)``) and writes it back with the
+    checksum its writer gave it: the line a disk, a copy or a hand changed after it was written."""
+    log = os.path.join(run, "fingerprints.jsonl")
+    lines = open(log, encoding="utf-8").read().splitlines(True)
+    (i,) = [n for n, line in enumerate(lines) if json.loads(line)["step"] == step]
+    rec = json.loads(lines[i])
+    assert proto.LINE_CHECK in rec  # the writer sealed it
+    edit(rec)
+    lines[i] = json.dumps(rec, sort_keys=True) + "\n"
+    with open(log, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+
+
+@pytest.mark.parametrize("what", ["a device's fingerprint", "a reduced leaf's fingerprint", "the loss bits"])
+def test_a_line_changed_after_it_was_written_convicts_no_device(run_copy, capsys, what):
+    """One bit of step 5's line changed in the file (device 1's fingerprint of one leaf, the reduced gradient's
+    fingerprint of a leaf, or the loss): compared with a replay the first convicts device 1 (exit 3, before
+    2026-12-07) and the others call the step irreproducible; the line's checksum fails, so the step is a
+    damaged log (exit 5) naming the file and what to do, and the steps before it are still judged."""
+    def edit(rec):
+        if what == "a device's fingerprint":
+            leaf = sorted(rec["devices"]["1"])[0]
+            rec["devices"]["1"][leaf] ^= 1 << 17
+        elif what == "a reduced leaf's fingerprint":
+            leaf = sorted(rec["leaves"])[0]
+            rec["leaves"][leaf]["fp"] ^= 1
+        else:
+            rec["loss_bits"] ^= 1 << 3
+    _edit_step_line(run_copy, 5, edit)
+    out = os.path.join(run_copy, "..", "damaged.json")
+    assert cli.main(["--run", run_copy, "--steps", "5:6", "--no-progress", "--json", out]) == ExitCode.RUN_ERROR
+    err = capsys.readouterr().err
+    assert _has(err, "the line is damaged: its crc32") and _has(err, "not a device fault")
+    assert "fingerprints.jsonl entry" in err and not os.path.exists(out)
+    # the step before it is still judged (replayed from checkpoint 4)
+    assert cli.main(["--run", run_copy, "--steps", "4:5", "--no-progress"]) == ExitCode.ACQUITTED
+
+
+def test_a_line_without_a_checksum_is_read_as_before(run_copy):
+    """Runs written before the checksum (and writers that do not seal) still read: a line without crc32 is
+    not checked."""
+    def unseal(rec):
+        rec.pop(proto.LINE_CHECK)
+    _edit_step_line(run_copy, 5, unseal)
+    run = runlog.load_run(run_copy)
+    assert 5 in run.fingerprints and 5 not in run.malformed
+
+
+def test_certify_and_triage_name_a_damaged_line_and_judge_nothing_from_it(run_copy, capsys):
+    """Step 5's line changed in the file: triage of step 5 is a run error (before, the missing loss read as a
+    non-finite one), and certify certifies what replay reaches before step 5 and calls the checkpoints past it
+    not certifiable, naming the line (before, it crashed with a KeyError: exit 1)."""
+    def edit(rec):
+        leaf = sorted(rec["devices"]["1"])[0]
+        rec["devices"]["1"][leaf] ^= 1
+    _edit_step_line(run_copy, 5, edit)
+    assert cli.main(["triage", "--run", run_copy, "--step", "5", "--no-progress"]) == ExitCode.RUN_ERROR
+    assert _has(capsys.readouterr().err, "triage cannot judge it (a damaged log, not a device fault)")
+    out = os.path.join(run_copy, "..", "certify.json")
+    assert cli.main(["certify", "--run", run_copy, "--no-progress", "--json", out]) == ExitCode.AMBIGUOUS
+    rep = json.load(open(out))
+    assert [(c["checkpoint"], c["verdict"]) for c in rep["chain"]] == [
+        (0, "trusted"), (4, "certified"), (8, "not_certifiable"), (12, "not_certifiable")]
+    assert rep["certified"] == 4 and "the line is damaged: its crc32" in rep["chain"][2]["reason"]

@@ -39,7 +39,7 @@ def _plant(root, drained=DRAINED, timed=False):
         if timed:
             r.update(t=round(t, 6), compile_s=0.0, canary_s=0.0, checkpoint_s=0.0, tokens=100)
     with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.writelines(json.dumps(proto.seal(r)) + "\n" for r in rows)  # as its writer would have sealed it
     if timed:
         events = [{"event": "start", "step": 0, "t": T0, "launched_at": T0 - 2.0, "attempt": 1,
                    "tokens_per_step": 256},
@@ -71,7 +71,7 @@ def test_scan_input_is_clear_when_the_buffer_held_and_not_available_without_occu
     path = os.path.join(old, "signals.jsonl")
     rows = [{k: v for k, v in json.loads(x).items() if k != "loader_occupancy"} for x in open(path)]
     with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.writelines(json.dumps(proto.seal(r)) + "\n" for r in rows)
     assert scan_mod.scan_run(load_run(old)).checks["input"]["status"] == "not available"
 
 

@@ -123,7 +123,7 @@ def test_an_event_never_explains_a_non_finite_loss(tmp_path):
 
     d = json.loads(lines[25])
     d["loss_bits"] = int(np.float32("nan").view(np.uint32))
-    lines[25] = json.dumps(d)
+    lines[25] = json.dumps(proto.seal(d))  # a NaN loss as the run logged it
     (tmp_path / "n" / "fingerprints.jsonl").write_text("\n".join(lines) + "\n")
     rep = scan_mod.scan_run(load_run(root))
     assert not rep.explained and any(s.subject == "run" and s.first_step == 25 for s in rep.suspects)
@@ -297,3 +297,23 @@ def test_resuming_with_an_edited_mixture_is_refused_and_the_runs_own_config_resu
     loop.train(run, own, 13, trainer=replay_made[1], mesh=mesh, output=loop.Output(plot=False, log=lambda s: None))
     assert sorted(load_run(run).fingerprints) == list(range(13))
     assert yaml.safe_load(open(os.path.join(run, "run_config.yaml")))["mixture"] == edited  # not the copy's path
+
+
+def test_superseded_lines_stay_sealed_and_a_damaged_one_stays_damaged(tmp_path):
+    """RunDir.supersede tags each moved line with its attempts: an intact sealed line is sealed again with the
+    tags (its checksum still holds), a line damaged before the move keeps its failing checksum, and an unsealed
+    line stays unsealed."""
+    from replay.run.writer import RunDir
+
+    rd = RunDir(str(tmp_path))
+    lines = [proto.seal({"step": 0, "loss": 1.0}), proto.seal({"step": 1, "loss": 2.0}),
+             {**proto.seal({"step": 2, "loss": 3.0}), "loss": 3.5}, {"step": 3, "loss": 4.0}]
+    with open(rd.file(proto.SIGNALS_NAME), "w") as f:
+        f.writelines(json.dumps(d) + "\n" for d in lines)
+    assert rd.supersede(1, lambda s: 1, 2, names=(proto.SIGNALS_NAME,)) == {proto.SIGNALS_NAME: 3}
+    moved = [json.loads(x) for x in open(os.path.join(rd.file(proto.SUPERSEDED_DIR), proto.SIGNALS_NAME))]
+    assert [(d["step"], d["attempt"], d["superseded_by"]) for d in moved] == [(1, 1, 2), (2, 1, 2), (3, 1, 2)]
+    assert proto.line_damage(moved[0]) is None and proto.LINE_CHECK in moved[0]
+    assert proto.line_damage(moved[1]) is not None  # damaged before the move: still visible
+    assert proto.LINE_CHECK not in moved[2]
+    assert [json.loads(x)["step"] for x in open(rd.file(proto.SIGNALS_NAME))] == [0]

@@ -167,7 +167,7 @@ def test_the_share_band_of_a_small_run_is_widened_by_its_rows_and_never_below_th
             for r in rows:
                 if r["step"] >= 20:
                     r["router"][1]["expert_share"] = [share, 0.3, 0.35, 0.35 - share]
-                f.write(json.dumps(r) + "\n")
+                f.write(json.dumps(proto.seal(r)) + "\n")  # as its writer would have sealed it
         return root
 
     small = {"global_batch": 8, "router_health": {"warmup_steps": 10, "window_steps": 5}}

@@ -22,11 +22,16 @@ from test_replay_scan import make_run
 
 
 def _patch_lines(path, fn):
-    """Rewrites a JSON-lines file, each line's dict through ``fn(dict) -> dict``."""
+    """Rewrites a JSON-lines file, each line's dict through ``fn(dict) -> dict``, sealed again when it was
+    (the line its writer would have written: ``protocol.seal``)."""
     with open(path) as f:
         lines = [json.loads(x) for x in f if x.strip()]
     with open(path, "w") as f:
-        f.writelines(json.dumps(fn(d)) + "\n" for d in lines)
+        f.writelines(json.dumps(_resealed(fn(d))) + "\n" for d in lines)
+
+
+def _resealed(d):
+    return proto.seal(d) if proto.LINE_CHECK in d else d
 
 
 def _hash(d):
@@ -457,6 +462,9 @@ def test_triage_says_when_there_is_no_spike_and_which_router_fix_helps(tmp_path,
     assert calm.spike_found is False and calm.to_dict()["spike_found"] is False
     assert main(["triage", "--run", root, "--step", "39"]) == 0
     assert "finds no loss spike at step 39" in capsys.readouterr().out
+    # and advises no rewind: the next command lists the spikes
+    assert calm.conclusion.cause == "optimization" and calm.conclusion.command == f"replay scan --run {root}"
+    assert "no rewind" in calm.conclusion.advice and "rewind to checkpoint" not in calm.conclusion.advice
     spiky = triage(make_run(str(tmp_path / "s"), steps=40, loss_spike=35), 35)
     assert spiky.spike_found is True and spiky.onset == 35
     # router: judged steps inside the warm-up (10): a longer --window cannot help, and it says so

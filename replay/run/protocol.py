@@ -65,6 +65,7 @@ import dataclasses
 import functools
 import json
 import typing
+import zlib
 from typing import Annotated, Any, Callable, Mapping, Optional, Protocol, TypeVar, Union, runtime_checkable
 
 import pydantic
@@ -296,8 +297,9 @@ class Record:
         return _finish(self, out)
 
     def to_json(self) -> str:
-        """One line of its step log (keys sorted, no newline; NaN/Inf written as Python's json does)."""
-        return json.dumps(self.to_dict(), sort_keys=True)
+        """One line of its step log (keys sorted, no newline; NaN/Inf written as Python's json does),
+        sealed with its checksum (:func:`seal`)."""
+        return json.dumps(seal(self.to_dict()), sort_keys=True)
 
     @classmethod
     def from_dict(cls: type[R], d: Mapping[str, Any]) -> R:
@@ -732,6 +734,46 @@ INPUTS_NAME = "inputs.json"  # what the run trained with: its mixture's and mani
 MIXTURE_COPY_NAME = "mixture.yaml"  # the run's copy of its mixture config (paths absolute)
 
 
+LINE_CHECK = "crc32"
+"""The key of a step-log line's checksum (:func:`seal`)."""
+
+
+def _line_crc(record: Mapping[str, Any]) -> str:
+    body = json.dumps(record, sort_keys=True, separators=(",", ":"))
+    return f"{zlib.crc32(body.encode('utf-8', 'surrogatepass')):08x}"
+
+
+def seal(record: Mapping[str, Any]) -> dict[str, Any]:
+    """``record`` (a step-log line's JSON object) with its checksum under :data:`LINE_CHECK`.
+
+    The checksum is CRC-32 (``zlib.crc32``, IEEE 802.3) of the record's canonical JSON: keys sorted,
+    no spaces, NaN and Inf as Python's json writes them, UTF-8; 8 hex digits. A line read back is
+    checked by :func:`line_damage`: a changed digit anywhere (a disk, a copy, an edit) fails it with
+    probability 1 - 2**-32, any burst of up to 32 flipped bits always does. It guards the log, not the
+    devices: a fingerprint a faulty device computed is logged and sealed as it came, so a checked line
+    that disagrees with a replay still convicts its device, while a line changed after it was written
+    is a damaged log (``replay`` exit 5), never a device fault.
+    """
+    out = {k: v for k, v in record.items() if k != LINE_CHECK}
+    out[LINE_CHECK] = _line_crc(out)
+    return out
+
+
+def line_damage(d: Mapping[str, Any]) -> Optional[str]:
+    """Why a step-log line read back (its JSON object) is not the line its writer sealed, or None: the
+    line is intact, or carries no checksum (written before 2026-12-07, or by a writer that does not seal:
+    read unchecked, as before)."""
+    if LINE_CHECK not in d:
+        return None
+    want = d[LINE_CHECK]
+    got = _line_crc({k: v for k, v in d.items() if k != LINE_CHECK})
+    if want == got:
+        return None
+    return (f"the line is damaged: its {LINE_CHECK} {want!r} does not match its content ({got!r}); it was changed "
+            "after it was written (a disk, a copy or an edit), so what it says of this step is not what the "
+            "run computed: restore the file from a backup, or leave the step out")
+
+
 def append_line(path: str, line: str) -> None:
     """Appends one JSON line to a run-log file and flushes it (append-only: a process killed
     mid-write leaves at most a torn last line, which every reader skips)."""
@@ -772,7 +814,8 @@ class StepLogLineError(ValueError):
 def read_raw_lines(path: str, numbered: bool = False) -> list:
     """The JSON objects of a step log file, one a line (with ``numbered``, ``(line number, object)``
     pairs); a torn (or otherwise unparsable) *last* line is skipped, an unparsable line elsewhere raises
-    ``ValueError`` naming the file and line."""
+    ``ValueError`` naming the file and line, and a whole line whose checksum fails (:func:`line_damage`)
+    a :class:`StepLogLineError` naming them."""
     with open(path, encoding="utf-8") as f:
         lines = [(n, x) for n, x in enumerate(f.read().split("\n"), 1) if x.strip()]
     out = []
@@ -781,11 +824,14 @@ def read_raw_lines(path: str, numbered: bool = False) -> list:
             d = json.loads(line)
             if not isinstance(d, dict) or "step" not in d:
                 raise ValueError("not an object with a step")
-            out.append((n, d) if numbered else d)
         except ValueError as e:
             if i == len(lines) - 1:
                 break
             raise ValueError(f"{path}:{n}: not a valid entry ({e!r})") from None
+        damage = line_damage(d)
+        if damage is not None:  # whole JSON, so not torn: changed after it was written
+            raise StepLogLineError(f"{path}:{n}: {damage}")
+        out.append((n, d) if numbered else d)
     return out
 
 

@@ -36,7 +36,8 @@ import yaml
 from replay.run import inputs as run_inputs
 from replay.runtime.devices import QUARANTINE_NAME, DeviceSpecError, read_quarantine
 from replay.run.lineage import Lineage, lineage_of_run
-from replay.run.protocol import EVENT_HELP, StepFingerprints, event_problem, log_files, merge_step_parts, shard_name
+from replay.run.protocol import (EVENT_HELP, StepFingerprints, event_problem, line_damage, log_files, merge_step_parts,
+                                 shard_name)
 
 RUN_CONFIG = "run_config.yaml"
 ENV_JSON = "env.json"
@@ -482,9 +483,16 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
     fingerprints: dict[int, StepFingerprints] = {}
     malformed: dict[int, str] = {}
     conflicts = set()
-    shards, expected = _fingerprint_shards(run_dir, env)
+    shards, expected, damaged = _fingerprint_shards(run_dir, env)
     for n, raw in enumerate(_read_jsonl(paths[FINGERPRINTS]), 1):
         step = raw.get("step") if isinstance(raw, dict) else None
+        damage = line_damage(raw) if isinstance(raw, dict) else None
+        if damage is None and step in damaged:
+            damage = damaged[step]
+        if damage is not None and isinstance(step, int):  # changed after it was written: not judged
+            malformed[step] = f"{paths[FINGERPRINTS]} entry {n}: {damage}" if step not in damaged else damage
+            fingerprints.pop(step, None)
+            continue
         lacking = [p for p in expected if step not in shards.get(p, {})]
         try:
             raw = merge_step_parts(raw, [sh[step] for sh in shards.values() if step in sh])
@@ -571,26 +579,32 @@ def _quarantine(run_dir: str, quarantine_file: Optional[str]) -> frozenset[int]:
         raise RunDirError(f"quarantine file {where}: cannot read ({e.strerror or e})") from None
 
 
-def _fingerprint_shards(run_dir: str, env: Mapping[str, Any]) -> tuple[dict[int, dict[int, dict]], list[int]]:
+def _fingerprint_shards(run_dir: str, env: Mapping[str, Any]
+                        ) -> tuple[dict[int, dict[int, dict]], list[int], dict[int, str]]:
     """The other processes' fingerprint lines ``{process: {step: line}}`` (``replay.run.writer``: process
-    p >= 1 writes its devices' entries to ``fingerprints.pNNNNN.jsonl``), and the processes >= 1 that
-    env.json says the run had (each must have logged every step).
+    p >= 1 writes its devices' entries to ``fingerprints.pNNNNN.jsonl``), the processes >= 1 that
+    env.json says the run had (each must have logged every step), and ``{step: why}`` for the steps
+    whose line in one of those files fails its checksum (``protocol.line_damage``: not judged).
 
     Raises:
       RunDirError: a shard file is unreadable or has a malformed line (not its last).
     """
     out: dict[int, dict[int, dict]] = {}
+    damaged: dict[int, str] = {}
     for p, path in log_files(run_dir, FINGERPRINTS)[1:]:
         out[p] = {}
-        for raw in _read_jsonl(path):
+        for n, raw in enumerate(_read_jsonl(path), 1):
             if isinstance(raw, dict) and isinstance(raw.get("step"), int):
                 out[p][raw["step"]] = raw
+                damage = line_damage(raw)
+                if damage is not None:
+                    damaged.setdefault(raw["step"], f"{path} entry {n}: {damage}")
     backend = env.get("backend") if isinstance(env.get("backend"), dict) else {}
     try:
         count = int(backend.get("process_count", 1) or 1)
     except (TypeError, ValueError):
         count = 1
-    return out, list(range(1, count))
+    return out, list(range(1, count)), damaged
 
 
 def read_suspects(run_dir: str) -> frozenset[int]:

@@ -217,7 +217,10 @@ class RunDir:
                 if step < from_step:
                     keep.append(line if line.endswith("\n") else line + "\n")
                 else:
+                    intact = proto.line_damage(rec) is None
                     rec["attempt"], rec["superseded_by"] = writer_of(step), int(by_attempt)
+                    if intact and proto.LINE_CHECK in rec:  # sealed again with its tags; a damaged line stays so
+                        rec = proto.seal(rec)
                     out.append(json.dumps(rec, sort_keys=True) + "\n")
             if out:
                 os.makedirs(self.file(SUPERSEDED_DIR), exist_ok=True)
@@ -266,7 +269,7 @@ class RunDir:
                     "devices": {str(d): {k: int(v) for k, v in fp.devices[d].items()} for d in own}}
             if sends:  # the all-to-all send fingerprints of its devices (replay.verify.localize)
                 line["sends"] = {str(d): [int(v) for v in sends[d]] for d in own if d in sends}
-            proto.append_line(self.own_file(proto.FINGERPRINTS_NAME), json.dumps(line, sort_keys=True))
+            proto.append_line(self.own_file(proto.FINGERPRINTS_NAME), json.dumps(proto.seal(line), sort_keys=True))
 
     def append_signals(self, signals: proto.StepSignals) -> None:
         """Appends the step's screening signals, split like the fingerprints (a replica goes with its first device)."""
@@ -283,7 +286,7 @@ class RunDir:
                     "replicas": full["replicas"]}
             if getattr(signals, "tokens", None) is not None:  # its own reads: the readers add them up
                 line["tokens"] = int(signals.tokens)
-            proto.append_line(self.own_file(proto.SIGNALS_NAME), json.dumps(line, sort_keys=True))
+            proto.append_line(self.own_file(proto.SIGNALS_NAME), json.dumps(proto.seal(line), sort_keys=True))
 
     def append_canary(self, record: proto.CanaryRecord) -> None:
         """Appends one device's canary record, when the device is this process's."""

@@ -1038,9 +1038,11 @@ def skip_command(run_dir: str, plan: Mapping[str, Any], step: int) -> str:
 
 
 def conclude(checks: Mapping[str, Check], *, run_dir: str, step: int, onset: int, loss_finite: bool,
-             plan: Optional[Mapping[str, Any]]) -> Conclusion:
+             plan: Optional[Mapping[str, Any]], spike_found: bool = True) -> Conclusion:
     """The cause, its confidence and the next command from the four checks (module docstring: the
-    order restart fault, hardware, data, router, optimization event)."""
+    order restart fault, hardware, data, router, optimization event). With no cause found and no loss
+    spike at ``step`` (``spike_found`` False, a finite loss), nothing is advised: a rewind only pays for a
+    real spike, so the next command is ``replay scan``, which lists the spikes."""
     ev, rep, data, router = (checks[k] for k in CHECKS)
     suspects = [c for c in (ev, rep, data, router) if c.status == "suspect"]
     also = []
@@ -1114,11 +1116,18 @@ def conclude(checks: Mapping[str, Check], *, run_dir: str, step: int, onset: int
                 + (f"; not available: {', '.join(missing)}" if missing else "")
                 + (f"; {ev.evidence['may_explain'][0]} may explain it" if loss_finite and ev.evidence.get(
                    "may_explain") else ""))
-        cmd = skip_command(run_dir, plan, step) if plan else None
-        advice = (f"rewind to checkpoint {plan['checkpoint']} and skip the data of steps {plan['start']}.."
-                  f"{plan['stop'] - 1}" if plan else "no checkpoint before the onset whose state record says it is "
-                  "finite and verified to rewind to (run 'replay certify' on the run)")
-        subject = dict(plan or {})
+        if not spike_found and loss_finite:  # a healthy step: nothing to undo
+            expl += f"; and no loss spike at step {step}"
+            cmd = f"replay scan --run {quoted}"
+            advice = ("no rewind: the loss check finds no spike here, and a rewind only pays for a real one; "
+                      "'replay scan' lists the run's loss spikes: triage one of those")
+            subject = {}
+        else:
+            cmd = skip_command(run_dir, plan, step) if plan else None
+            advice = (f"rewind to checkpoint {plan['checkpoint']} and skip the data of steps {plan['start']}.."
+                      f"{plan['stop'] - 1}" if plan else "no checkpoint before the onset whose state record says it "
+                      "is finite and verified to rewind to (run 'replay certify' on the run)")
+            subject = dict(plan or {})
     for c in suspects:
         if c.name not in {"restart": "events", "hardware": "replicas", "data": "data", "router": "router"}.get(cause, ""):
             if not (cause == "hardware" and c.name == "events" and ev.subject.get("devices")):
@@ -1144,7 +1153,7 @@ def triage_run(run: RunLog, step: int, *, window: Optional[int] = None, replay: 
       progress: a ``total -> advance`` factory for the range replay's progress.
 
     Raises:
-      StepRangeError: ``step`` is not a logged step of the lineage.
+      StepRangeError: ``step`` is not a logged step of the lineage, or its line is malformed or damaged.
       RunDirError: a malformed log or run config.
     """
     from replay.run.runlog import StepRangeError
@@ -1153,6 +1162,9 @@ def triage_run(run: RunLog, step: int, *, window: Optional[int] = None, replay: 
     first, end = run.logged_steps
     if not first <= step < end:
         raise StepRangeError.outside(step, step + 1, first, end, run.run_dir)
+    if step in run.malformed:  # its loss is not known: judged as a missing line it would read as non-finite
+        raise StepRangeError(f"step {step}: its logged fingerprints are malformed ({run.malformed[step]}); triage "
+                             "cannot judge it (a damaged log, not a device fault): triage a step whose line is intact")
     w = config.window if window is None else int(window)
     if w < 1:
         raise TriageConfigError(f"--window: must be >= 1, got {w}")
@@ -1192,7 +1204,8 @@ def triage_run(run: RunLog, step: int, *, window: Optional[int] = None, replay: 
     begin = min([onset] + [c.subject["first_step"] for c in checks.values()
                            if c.status == "suspect" and isinstance(c.subject.get("first_step"), int)])
     plan = skip_plan(run, begin, step)  # a checkpoint before the first sign of trouble
-    conclusion = conclude(checks, run_dir=run.run_dir, step=step, onset=onset, loss_finite=finite, plan=plan)
+    conclusion = conclude(checks, run_dir=run.run_dir, step=step, onset=onset, loss_finite=finite, plan=plan,
+                          spike_found=spike_found)
     series = {"scan": scan, "signals": signals or {}, "canary": canary or [], "spikes": spikes,
               "events": [e for e in run.events if isinstance(e.get("step"), int) and lo <= e["step"] <= step],
               "loss": {s: _loss_of(run, s) for s in range(lo, step + 1) if s in run.fingerprints}}

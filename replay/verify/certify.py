@@ -330,8 +330,24 @@ def certify(session: Session, *, start: Optional[int] = None, stop: Optional[int
     if len(chain) < 2:
         raise RunDirError(f"certify needs a trusted checkpoint and one after it; the chain from "
                           f"{start if start is not None else 'the first'} holds {chain} (checkpoints: {run.checkpoints})")
-    logged = set(run.fingerprints)
-    chain = [c for i, c in enumerate(chain) if i == 0 or all(s in logged for s in range(chain[i - 1], c))]
+    logged = set(run.fingerprints)  # a malformed or damaged step's line is not in it: never compared
+    reach = [chain[0]]  # each segment replays every step from the last kept checkpoint: stop at the first gap
+    for c in chain[1:]:
+        if not all(s in logged for s in range(reach[-1], c)):
+            break
+        reach.append(c)
+    if len(reach) < 2:
+        gap = next(s for s in range(chain[0], chain[1]) if s not in logged)
+        why = f" ({run.malformed[gap]})" if gap in run.malformed else " (not logged)"
+        raise RunDirError(f"certify cannot replay from checkpoint {chain[0]} to {chain[1]}: step {gap} has no usable "
+                          f"line in fingerprints.jsonl{why}; certify from a checkpoint after it (--from)")
+    unreached = chain[len(reach):]  # past a step with no usable line: no replay reaches them (not_certifiable)
+    if unreached:
+        gap = next(s for s in range(reach[-1], unreached[0]) if s not in logged)
+        unreached_why = (f"no replay reached it: step {gap} has no usable line in fingerprints.jsonl ("
+                         + (run.malformed[gap] if gap in run.malformed else "not logged")
+                         + f"); certify it with --from a checkpoint after step {gap}")
+    chain = reach
     _, assignments, home = session.placements(device_spec)
     drift = environment_differences(run, session.mesh(home))
     if drift and not allow_env_drift:
@@ -379,6 +395,10 @@ def certify(session: Session, *, start: Optional[int] = None, stop: Optional[int
         verdicts.append(v)
         if v.verdict == "poisoned":
             poisoned = b
+    for c in unreached:
+        verdicts.append(CheckpointVerdict(c, "not_checked", f"after the poisoned checkpoint {poisoned}: its descendants "
+                                                            "inherit its state") if poisoned is not None
+                        else CheckpointVerdict(c, "not_certifiable", unreached_why))
     for r in results.values():
         r.end_state = None
     steps = sum(r.steps for r in results.values())
