@@ -513,7 +513,10 @@ def scan_figure(scan: Any):
     else:
         unavailable = [n for n, c in scan.checks.items() if c.get("status") == "not available"]
         verdict = "CLEAN: no check found anything" + (f" ({', '.join(unavailable)} not available)" if unavailable else "")
-    fig.suptitle(f"replay scan of {scan.run_dir}, steps {scan.steps[0]}:{scan.steps[1]}: {verdict}", fontsize=11)
+    import textwrap
+
+    fig.suptitle(textwrap.fill(f"replay scan of {scan.run_dir}, steps {scan.steps[0]}:{scan.steps[1]}: {verdict}",
+                               width=150), fontsize=11)  # a long run path or verdict wraps, never runs off the page
     fig.tight_layout(rect=(0, 0, 1, 0.98))
     return fig
 
@@ -561,7 +564,8 @@ def _plot_scan_replicas(ax, scan: Any, screening: Mapping[str, Any]) -> None:
         ax2 = ax.twinx()
         ax2.plot([b[0] for b in bad], [b[1] for b in bad], "rx", markersize=9, label="canary mismatch")
         ax2.set_ylabel("canary mismatch: device", color="red")
-    ax.set_ylabel("robust z of log(norm / median)")
+    ax.set_ylabel("robust z of log(norm / median)\n(symmetric log: linear within +-5)" if rep
+                  else "robust z of log(norm / median)")
     ax.set_title("per-replica gradient norm against the other replicas: robust z-score (spike and drift checks)",
                  fontsize=9)
 
@@ -590,7 +594,13 @@ def _plot_scan_router(ax_dropped, ax_share, rout: Mapping[str, Any], limits: Map
         ax.set_ylabel(label)
     if "max_dropped_fraction" in limits:
         ax_dropped.axhline(limits["max_dropped_fraction"], color="red", linestyle=":", label="limit")
-        ax_share.axhline(limits["max_share_ratio"], color="red", linestyle=":", label="limit")
+        high, low = _share_limits(rout, limits)
+        if high == low:
+            ax_share.axhline(high, color="red", linestyle=":", label="limit")
+        else:  # the band widened for this run's rows: each side its own limit
+            ax_share.axhline(high, color="red", linestyle=":", label=f"limit, most-used expert ({high:.3g}x)")
+            ax_share.axhline(low, color="darkred", linestyle="--", linewidth=0.9,
+                             label=f"limit, least-used expert ({low:.3g}x)")
         for ax in (ax_dropped, ax_share):
             ax.axvline(warmup, color="grey", linestyle=":", linewidth=1, label="end of warm-up")
     top = limits.get("max_dropped_fraction", 0.01) * 1.5
@@ -643,13 +653,29 @@ def _plot_expert_load(ax, series: Mapping[str, Any], limits: Mapping[str, Any], 
                  "layer's devices (the slowest expert group)", fontsize=9)
 
 
+def _share_limits(rout: Mapping[str, Any], limits: Mapping[str, Any]) -> tuple[float, float]:
+    """The expert-share limits the router check judged, as ratios to uniform: ``(most-used expert's
+    share x E, 1 / (least-used expert's share x E))`` at the edges of ``scan.share_band`` (widened on
+    small runs, the dead-expert floor under it; the largest over the layers) when the scan gives them,
+    else the config's ``max_share_ratio`` both ways. The panel's curve is the larger of the two ratios,
+    so a value between the two lines is judged by the side it comes from."""
+    import numpy as np
+
+    band = np.asarray((rout or {}).get("share_limit", []), float).reshape(-1, 2)
+    band = band[np.isfinite(band).all(axis=1)]
+    if not band.size:
+        r = float(limits["max_share_ratio"])
+        return r, r
+    return float(band[:, 0].max()), float(band[:, 1].max())
+
+
 def _explain_unjudged(ax, rout: Mapping[str, Any], limits: Mapping[str, Any], status: str) -> None:
     """On the expert-share panel: why values above the limit did not make the check fail (or
     which did), in a box on the panel itself."""
     import numpy as np
 
     steps = np.asarray(rout["steps"])
-    limit, warmup, window = limits["max_share_ratio"], limits.get("warmup_steps", 0), int(rout.get("window", 1))
+    limit, warmup, window = min(_share_limits(rout, limits)), limits.get("warmup_steps", 0), int(rout.get("window", 1))
     after = steps >= warmup
     each = np.nan_to_num(np.asarray(rout["share_ratio"], float), nan=0.0)
     judged = np.nan_to_num(np.asarray(rout["share_ratio_window"], float), nan=0.0)

@@ -658,6 +658,7 @@ def _router(signals, steps, start, health: sc.RouterHealth, rows: Optional[int] 
               "share_ratio": np.full((len(steps), layers), np.nan),
               "share_ratio_window": np.full((len(steps), layers), np.nan), "window": int(health.window_steps)}
     worst_all, bands = {}, {}
+    share_limit = series["share_limit"] = np.full((layers, 2), np.nan)
     for t, s in enumerate(steps):
         for i, L in enumerate(signals[s].router):
             series["dropped"][t, i] = L.dropped_fraction
@@ -668,6 +669,7 @@ def _router(signals, steps, start, health: sc.RouterHealth, rows: Optional[int] 
         worst_drop, worst_ratio = 0.0, 1.0
         E = max((len(signals[s].router[i].expert_share) for s in steps if i < len(signals[s].router)), default=1)
         lo, hi, rule = bands[i] = share_band(E, health, rows)
+        share_limit[i] = (hi * E, 1.0 / (lo * E))  # the band as ratios to uniform: most-used, least-used expert
         for t, s in enumerate(steps):
             if s < health.warmup_steps or i >= len(signals[s].router):
                 continue
