@@ -102,6 +102,7 @@ def find(manifest: Any, max_fraction: float = DEFAULT_MAX_FRACTION) -> list[Find
                 parts.append(f"{dup_tokens:,} of its {tokens:,} tokens are documents that repeat earlier ones "
                              "(the pack's duplicate report)")
             out.append(Finding("repeated_share", tuple(s.path for s in entry.shards), (name,), round(share, 6),
-                               f"source {name!r}: {share:.1%} of its rows repeat others' ({'; '.join(parts)}), over "
+                               f"source {name!r}: {share:.1%} of its data repeats data packed before it (records and tokens: "
+                               f"{'; '.join(parts)}), over "
                                f"{max_fraction:.1%}; repack it with dedup: exact, or lower its weight"))
     return out

@@ -67,15 +67,21 @@ def summary_table(manifest: Manifest, title: Optional[str] = None) -> Table:
 
 def duplicates_cell(duplicates: Optional[Mapping[str, Any]], source: str) -> str:
     """``10 dropped (of web)``: the source's documents that an earlier one duplicates, whether they
-    were dropped (``dedup: exact``), and the other sources holding the kept copies; ``-`` with
-    ``dedup: off``."""
+    were dropped (``dedup: exact``), and the other sources holding the kept copies; when some kept
+    copies are in the source itself and some elsewhere, each count: ``3 (2 of web, 1 within)``;
+    ``-`` with ``dedup: off``."""
     if not duplicates:
         return "-"
     entry = duplicates["by_source"].get(source, {"documents": 0, "of": {}})
     n = entry["documents"]
     others = [s for s in entry["of"] if s != source]
+    within = int(entry["of"].get(source, 0))
+    if others and within:  # some of each: every count named (was "3 (of web)" for 2 of web and 1 within)
+        where = ", ".join(f"{int(entry['of'][s]):,} of {s}" for s in others) + f", {within:,} within"
+    else:
+        where = f"of {', '.join(others)}" if others else ""
     return (f"{n:,}" + (" dropped" if duplicates["mode"] == "exact" and n else "")
-            + (f" (of {', '.join(others)})" if others else ""))
+            + (f" ({where})" if where else ""))
 
 
 def print_summary(result, console: Optional[Console] = None) -> None:

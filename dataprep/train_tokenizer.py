@@ -463,6 +463,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out} (sha256 {sha}) and {args.out}.sha256")
+    import sentencepiece as spm
+
+    pieces = spm.SentencePieceProcessor(model_file=args.out).get_piece_size()
+    if pieces < args.vocab_size:  # hard_vocab_limit=False: SentencePiece stops where the sample runs out
+        print(f"vocabulary: {pieces:,} pieces, fewer than the {args.vocab_size:,} asked: the sample holds too little "
+              "text for more; for the size asked, train on more text (a larger --sample-fraction or --max-sentences, "
+              "or more input), or ask for --vocab-size " + f"{pieces}")
+    else:
+        print(f"vocabulary: {pieces:,} pieces")
     print(f"normalization: {args.normalization}: {NORMALIZATIONS[args.normalization]}; decoded text is the "
           "normalized text, not the original bytes" + ("" if args.normalization == "identity" else
                                                          " (--normalization identity keeps it byte-exact)"))

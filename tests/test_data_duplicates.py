@@ -44,7 +44,7 @@ def test_the_loader_warns_or_refuses_by_its_choice(copied, caplog):
     with caplog.at_level(logging.WARNING, logger="loader"):
         loader.build(mix, copies, global_batch=8)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 2 and "3 shards have the same sha256" in warned[0] and "50.0% of its rows" in warned[1]
+    assert len(warned) == 2 and "3 shards have the same sha256" in warned[0] and "50.0% of its data repeats data packed before it" in warned[1]
     with pytest.raises(DatasetError, match=r"duplicated data \(duplicates: refuse\)") as e:
         loader.build(mix, copies, global_batch=8, duplicates="refuse")
     assert "b/data-00002-of-00004.array_record" in str(e.value) and "next:" in str(e.value)

@@ -413,7 +413,7 @@ def test_the_loader_counts_the_epochs_exactly_and_warns(twins, tmp_path, caplog)
     # the mirror's documents are copies of the web's (the pack's duplicate report): duplicated data
     assert [w for w in warned if w.startswith("duplicated data")] == [
         f"duplicated data in {out}: " + f.message for f in __import__("contract.duplicates", fromlist=["find"]).find(m)]
-    assert any("source 'mirror'" in w and "of its rows repeat others'" in w for w in warned)
+    assert any("source 'mirror'" in w and "of its data repeats data packed before it" in w for w in warned)
     warned = [w for w in warned if not w.startswith("duplicated data")]
     assert warned == [f"source {n!r} repeats {400 / records[n]:,.1f} times in the planned 100 steps (an epoch "
                       f"every {records[n] / 4:,.1f} steps), over 4 epochs, beyond which repeated data helps less "
@@ -425,3 +425,14 @@ def test_the_loader_counts_the_epochs_exactly_and_warns(twins, tmp_path, caplog)
     assert sum(e.rows for e in skipping.epochs(100)) == 800
     assert {e.source: e.rows for e in skipping.epochs(100)} == {
         n: float(sum(1 for s in range(100) for r in skipping.rows_at(s) if r.source == n)) for n in records}
+
+
+def test_the_duplicates_cell_names_each_count_when_kept_copies_are_both_within_and_elsewhere():
+    dup = {"mode": "report", "by_source": {"books": {"documents": 3, "of": {"web": 2, "books": 1}},
+                                           "web": {"documents": 5, "of": {"web": 5}},
+                                           "mirror": {"documents": 10, "of": {"web": 10}}}}
+    assert summary.duplicates_cell(dup, "books") == "3 (2 of web, 1 within)"  # was "3 (of web)"
+    assert summary.duplicates_cell(dup, "web") == "5"
+    assert summary.duplicates_cell(dup, "mirror") == "10 (of web)"
+    assert summary.duplicates_cell({**dup, "mode": "exact"}, "books") == "3 dropped (2 of web, 1 within)"
+    assert summary.duplicates_cell(None, "web") == "-"

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+import sentencepiece as spm
 import yaml
 
 from contract.config import load_mixture
@@ -226,3 +227,10 @@ def test_train_tokenizer_prints_the_lines_to_pin_and_pin_writes_them(tmp_path, c
     preflight.check_tokenizer(pinned)  # the pinned config passes the sha256 check
     assert train_tokenizer.main(args + ["--pin"]) == 0  # again: the path is the config's now, only sha256
     assert capsys.readouterr().out.endswith(f"pinned in {cfg}: tokenizer.sha256\n")
+    assert "vocabulary: 400 pieces\n" in printed
+    # a vocabulary the sample cannot fill: SentencePiece stops short (hard_vocab_limit=False), and it says so
+    big = ["--config", str(cfg), "--vocab-size", "30000", "--out", str(tmp_path / "big.model"), "--max-sentences", "200"]
+    assert train_tokenizer.main(big) == 0
+    got = capsys.readouterr().out
+    pieces = spm.SentencePieceProcessor(model_file=str(tmp_path / "big.model")).get_piece_size()
+    assert pieces < 30000 and f"vocabulary: {pieces:,} pieces, fewer than the 30,000 asked" in got
