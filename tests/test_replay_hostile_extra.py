@@ -486,16 +486,26 @@ def _edit_step_line(run, step, edit):
         f.writelines(lines)
 
 
-@pytest.mark.parametrize("what", ["a device's fingerprint", "a reduced leaf's fingerprint", "the loss bits"])
+@pytest.mark.parametrize("what", ["a device's fingerprint", "a reduced leaf's fingerprint", "the loss bits",
+                                  "a device's fingerprint, its step written 5.0", "a device's fingerprint, step '5'",
+                                  "a device's fingerprint, its crc32 removed"])
 def test_a_line_changed_after_it_was_written_convicts_no_device(run_copy, capsys, what):
     """One bit of step 5's line changed in the file (device 1's fingerprint of one leaf, the reduced gradient's
     fingerprint of a leaf, or the loss): compared with a replay the first convicts device 1 (exit 3, before
     2026-12-07) and the others call the step irreproducible; the line's checksum fails, so the step is a
     damaged log (exit 5) naming the file and what to do, and the steps before it are still judged."""
     def edit(rec):
-        if what == "a device's fingerprint":
+        if what.startswith("a device's fingerprint"):
             leaf = sorted(rec["devices"]["1"])[0]
             rec["devices"]["1"][leaf] ^= 1 << 17
+            # found by a hostile test: a step the parser still reads as 5 skipped the check, and so did a line
+            # whose crc32 was removed with the edit (the other lines of the file are sealed)
+            if what.endswith("5.0"):
+                rec["step"] = 5.0
+            elif what.endswith("'5'"):
+                rec["step"] = "5"
+            elif what.endswith("removed"):
+                del rec[proto.LINE_CHECK]
         elif what == "a reduced leaf's fingerprint":
             leaf = sorted(rec["leaves"])[0]
             rec["leaves"][leaf]["fp"] ^= 1
@@ -505,20 +515,25 @@ def test_a_line_changed_after_it_was_written_convicts_no_device(run_copy, capsys
     out = os.path.join(run_copy, "..", "damaged.json")
     assert cli.main(["--run", run_copy, "--steps", "5:6", "--no-progress", "--json", out]) == ExitCode.RUN_ERROR
     err = capsys.readouterr().err
-    assert _has(err, "the line is damaged: its crc32") and _has(err, "not a device fault")
+    assert _has(err, "the line is damaged: it carries no crc32" if what.endswith("removed") else
+                "the line is damaged: its crc32") and _has(err, "not a device fault")
     assert "fingerprints.jsonl entry" in err and not os.path.exists(out)
     # the step before it is still judged (replayed from checkpoint 4)
     assert cli.main(["--run", run_copy, "--steps", "4:5", "--no-progress"]) == ExitCode.ACQUITTED
 
 
 def test_a_line_without_a_checksum_is_read_as_before(run_copy):
-    """Runs written before the checksum (and writers that do not seal) still read: a line without crc32 is
-    not checked."""
-    def unseal(rec):
-        rec.pop(proto.LINE_CHECK)
-    _edit_step_line(run_copy, 5, unseal)
+    """Runs written before the checksum (and writers that do not seal) still read: lines without crc32 before
+    the first sealed line of their file are not checked (a run resumed by a writer that seals); one after a
+    sealed line is damage (above)."""
+    log = os.path.join(run_copy, "fingerprints.jsonl")
+    lines = [json.loads(x) for x in open(log, encoding="utf-8")]
+    for d in lines[:6]:
+        del d[proto.LINE_CHECK]
+    with open(log, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(d, sort_keys=True) + "\n" for d in lines)
     run = runlog.load_run(run_copy)
-    assert 5 in run.fingerprints and 5 not in run.malformed
+    assert {0, 1, 2, 3, 4, 5, 6} <= set(run.fingerprints) and not run.malformed
 
 
 def test_certify_and_triage_name_a_damaged_line_and_judge_nothing_from_it(run_copy, capsys):

@@ -309,3 +309,26 @@ def test_drill_command_runs_a_scenario(drill_run, tmp_path, capsys, monkeypatch)
     assert code == 0, text
     assert "drill canary on device 2 from step 25: caught" in text and os.path.isdir(os.path.join(out, "canary-0"))
     assert json.loads((tmp_path / "d.json").read_text())["caught"] == 1
+
+
+def test_a_canary_line_whose_checksum_was_removed_names_no_device(drill_run, tmp_path, capsys):
+    """canary.jsonl: one line set to differs_from_golden and its crc32 removed (the other lines sealed) named
+    that device a suspect (scan exit 8); now it is a damaged line, exit 5."""
+    import shutil
+
+    from replay import cli
+    from replay.run.codes import ExitCode
+
+    run = str(tmp_path / "run")
+    shutil.copytree(drill_run.run.run_dir, run)
+    path = os.path.join(run, "canary.jsonl")
+    lines = [json.loads(x) for x in open(path, encoding="utf-8") if x.strip()]
+    lines[-2]["status"] = "differs_from_golden"
+    del lines[-2][proto.LINE_CHECK]
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(d, sort_keys=True) + "\n" for d in lines)
+    assert cli.main(["scan", "--run", run]) == ExitCode.RUN_ERROR
+    err = "".join(capsys.readouterr().err.split())
+    assert "itcarriesnocrc32wherethelinesbeforeitinitsfiledo" in err
+    assert not os.path.exists(os.path.join(run, "suspects.json")) or \
+        json.load(open(os.path.join(run, "suspects.json"))).get("suspect_devices") in ([], None)

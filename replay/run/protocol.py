@@ -774,6 +774,41 @@ def line_damage(d: Mapping[str, Any]) -> Optional[str]:
             "run computed: restore the file from a backup, or leave the step out")
 
 
+class SealCheck:
+    """:func:`line_damage` for the lines of one file in order, plus the rule for a line without a checksum:
+    lines before the file's first sealed line are read unchecked (a run written before 2026-12-07, or
+    resumed since by a writer that seals), but a line without ``crc32`` after a sealed one was changed
+    (its checksum removed with the rest of the edit): damaged. ``check(d)`` returns why, or None."""
+
+    def __init__(self) -> None:
+        self.sealed = False
+
+    def check(self, d: Mapping[str, Any]) -> Optional[str]:
+        if LINE_CHECK in d:
+            self.sealed = True
+            return line_damage(d)
+        if self.sealed:
+            return (f"the line is damaged: it carries no {LINE_CHECK} where the lines before it in its file do, so it "
+                    "was changed after it was written (a disk, a copy or an edit) and what it says of this step is not "
+                    "what the run computed: restore the file from a backup, or leave the step out")
+        return None
+
+
+def step_of(d: Mapping[str, Any]) -> Optional[int]:
+    """The step a line names, as an int: an int, or a float or decimal string holding one (a damaged line may
+    hold either, and the record's parser would take it); None when it names none."""
+    v = d.get("step")
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return int(f) if f.is_integer() else None
+
+
 def append_line(path: str, line: str) -> None:
     """Appends one JSON line to a run-log file and flushes it (append-only: a process killed
     mid-write leaves at most a torn last line, which every reader skips)."""
@@ -819,6 +854,7 @@ def read_raw_lines(path: str, numbered: bool = False) -> list:
     with open(path, encoding="utf-8") as f:
         lines = [(n, x) for n, x in enumerate(f.read().split("\n"), 1) if x.strip()]
     out = []
+    seals = SealCheck()
     for i, (n, line) in enumerate(lines):
         try:
             d = json.loads(line)
@@ -828,7 +864,7 @@ def read_raw_lines(path: str, numbered: bool = False) -> list:
             if i == len(lines) - 1:
                 break
             raise ValueError(f"{path}:{n}: not a valid entry ({e!r})") from None
-        damage = line_damage(d)
+        damage = seals.check(d)
         if damage is not None:  # whole JSON, so not torn: changed after it was written
             raise StepLogLineError(f"{path}:{n}: {damage}")
         out.append((n, d) if numbered else d)

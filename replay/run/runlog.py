@@ -36,8 +36,8 @@ import yaml
 from replay.run import inputs as run_inputs
 from replay.runtime.devices import QUARANTINE_NAME, DeviceSpecError, read_quarantine
 from replay.run.lineage import Lineage, lineage_of_run
-from replay.run.protocol import (EVENT_HELP, StepFingerprints, event_problem, line_damage, log_files, merge_step_parts,
-                                 shard_name)
+from replay.run.protocol import (EVENT_HELP, SealCheck, StepFingerprints, event_problem, log_files, merge_step_parts,
+                                 shard_name, step_of)
 
 RUN_CONFIG = "run_config.yaml"
 ENV_JSON = "env.json"
@@ -484,13 +484,19 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
     malformed: dict[int, str] = {}
     conflicts = set()
     shards, expected, damaged = _fingerprint_shards(run_dir, env)
+    seals = SealCheck()
     for n, raw in enumerate(_read_jsonl(paths[FINGERPRINTS]), 1):
         step = raw.get("step") if isinstance(raw, dict) else None
-        damage = line_damage(raw) if isinstance(raw, dict) else None
-        if damage is None and step in damaged:
-            damage = damaged[step]
-        if damage is not None and isinstance(step, int):  # changed after it was written: not judged
-            malformed[step] = f"{paths[FINGERPRINTS]} entry {n}: {damage}" if step not in damaged else damage
+        own = seals.check(raw) if isinstance(raw, dict) else None
+        if own is not None:  # changed after it was written: not judged, whatever its step field holds now
+            key = step_of(raw)
+            if key is None:
+                raise RunDirError(f"{paths[FINGERPRINTS]}: entry {n}: {own} (its step {step!r} names no step)")
+            malformed[key] = f"{paths[FINGERPRINTS]} entry {n}: {own}"
+            fingerprints.pop(key, None)
+            continue
+        if isinstance(step, int) and step in damaged:  # another process's line of this step is damaged
+            malformed[step] = damaged[step]
             fingerprints.pop(step, None)
             continue
         lacking = [p for p in expected if step not in shards.get(p, {})]
@@ -593,12 +599,19 @@ def _fingerprint_shards(run_dir: str, env: Mapping[str, Any]
     damaged: dict[int, str] = {}
     for p, path in log_files(run_dir, FINGERPRINTS)[1:]:
         out[p] = {}
+        seals = SealCheck()
         for n, raw in enumerate(_read_jsonl(path), 1):
-            if isinstance(raw, dict) and isinstance(raw.get("step"), int):
+            if not isinstance(raw, dict):
+                continue
+            damage = seals.check(raw)
+            if damage is not None:  # whatever its step field holds now
+                key = step_of(raw)
+                if key is None:
+                    raise RunDirError(f"{path}: entry {n}: {damage} (its step {raw.get('step')!r} names no step)")
+                damaged.setdefault(key, f"{path} entry {n}: {damage}")
+                continue
+            if isinstance(raw.get("step"), int):
                 out[p][raw["step"]] = raw
-                damage = line_damage(raw)
-                if damage is not None:
-                    damaged.setdefault(raw["step"], f"{path} entry {n}: {damage}")
     backend = env.get("backend") if isinstance(env.get("backend"), dict) else {}
     try:
         count = int(backend.get("process_count", 1) or 1)
