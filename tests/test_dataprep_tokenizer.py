@@ -118,7 +118,8 @@ def test_two_runs_with_a_sample_over_the_limit_give_the_same_model_bytes(tmp_pat
         assert run.returncode == 0, run.stderr
         digests.append(hashlib.sha256((tmp_path / f"{name}.model").read_bytes()).hexdigest())
     assert digests[0] == digests[1]
-    assert run.stdout.splitlines()[1:3] == [
+    assert run.stdout.splitlines()[1:4] == [
+        "vocabulary: 500 pieces",
         "normalization: nmt_nfkc: Unicode NFKC, plus NMT rules (control characters removed, some spaces "
         "unified); runs of whitespace collapse to one space; decoded text is the normalized text, not the "
         "original bytes (--normalization identity keeps it byte-exact)",

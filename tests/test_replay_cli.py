@@ -137,7 +137,7 @@ def test_swapped_rows_in_logged_file_reported_as_data_order(replay_session, run_
                                              step)
     path = os.path.join(run_copy, "fingerprints.jsonl")
     lines = [json.loads(x) for x in open(path)]
-    lines[step] = fp.to_dict()
+    lines[step] = json.loads(fp.to_json())  # the line as a run logs it (sealed)
     with open(path, "w") as f:
         f.writelines(json.dumps(x) + "\n" for x in lines)
     j = str(tmp_path / "r.json")

@@ -172,7 +172,7 @@ def test_differing_elements_from_next_checkpoint(session, tmp_path):
 
     statefp.write_record(run_dir, statefp.record_state(kept[7], loader_state, 8))
     lines = [json.loads(x) for x in open(os.path.join(run_dir, "fingerprints.jsonl"))]
-    lines[7] = fps[-1].to_dict()
+    lines[7] = json.loads(fps[-1].to_json())  # the line the faulty run logged (sealed)
     with open(os.path.join(run_dir, "fingerprints.jsonl"), "w") as out:
         out.writelines(json.dumps(x) + "\n" for x in lines)
     faulty = engine.Session(runlog.load_run(run_dir), dataclasses.replace(session.setup))
