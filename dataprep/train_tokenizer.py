@@ -463,8 +463,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out} (sha256 {sha}) and {args.out}.sha256")
-    import sentencepiece as spm
-
     pieces = spm.SentencePieceProcessor(model_file=args.out).get_piece_size()
     if pieces < args.vocab_size:  # hard_vocab_limit=False: SentencePiece stops where the sample runs out
         print(f"vocabulary: {pieces:,} pieces, fewer than the {args.vocab_size:,} asked: the sample holds too little "

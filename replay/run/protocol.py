@@ -738,6 +738,10 @@ LINE_CHECK = "crc32"
 """The key of a step-log line's checksum (:func:`seal`)."""
 
 
+_CHANGED = ("it was changed after it was written (a disk, a copy or an edit), so what it says of this step is not "
+            "what the run computed: restore the file from a backup, or leave the step out")
+
+
 def _line_crc(record: Mapping[str, Any]) -> str:
     body = json.dumps(record, sort_keys=True, separators=(",", ":"))
     return f"{zlib.crc32(body.encode('utf-8', 'surrogatepass')):08x}"
@@ -769,9 +773,7 @@ def line_damage(d: Mapping[str, Any]) -> Optional[str]:
     got = _line_crc({k: v for k, v in d.items() if k != LINE_CHECK})
     if want == got:
         return None
-    return (f"the line is damaged: its {LINE_CHECK} {want!r} does not match its content ({got!r}); it was changed "
-            "after it was written (a disk, a copy or an edit), so what it says of this step is not what the "
-            "run computed: restore the file from a backup, or leave the step out")
+    return f"the line is damaged: its {LINE_CHECK} {want!r} does not match its content ({got!r}); {_CHANGED}"
 
 
 class SealCheck:
@@ -788,9 +790,7 @@ class SealCheck:
             self.sealed = True
             return line_damage(d)
         if self.sealed:
-            return (f"the line is damaged: it carries no {LINE_CHECK} where the lines before it in its file do, so it "
-                    "was changed after it was written (a disk, a copy or an edit) and what it says of this step is not "
-                    "what the run computed: restore the file from a backup, or leave the step out")
+            return f"the line is damaged: it carries no {LINE_CHECK} where the lines before it in its file do; {_CHANGED}"
         return None
 
 

@@ -489,9 +489,7 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
         step = raw.get("step") if isinstance(raw, dict) else None
         own = seals.check(raw) if isinstance(raw, dict) else None
         if own is not None:  # changed after it was written: not judged, whatever its step field holds now
-            key = step_of(raw)
-            if key is None:
-                raise RunDirError(f"{paths[FINGERPRINTS]}: entry {n}: {own} (its step {step!r} names no step)")
+            key = _damaged_step(paths[FINGERPRINTS], n, raw, own)
             malformed[key] = f"{paths[FINGERPRINTS]} entry {n}: {own}"
             fingerprints.pop(key, None)
             continue
@@ -605,10 +603,7 @@ def _fingerprint_shards(run_dir: str, env: Mapping[str, Any]
                 continue
             damage = seals.check(raw)
             if damage is not None:  # whatever its step field holds now
-                key = step_of(raw)
-                if key is None:
-                    raise RunDirError(f"{path}: entry {n}: {damage} (its step {raw.get('step')!r} names no step)")
-                damaged.setdefault(key, f"{path} entry {n}: {damage}")
+                damaged.setdefault(_damaged_step(path, n, raw, damage), f"{path} entry {n}: {damage}")
                 continue
             if isinstance(raw.get("step"), int):
                 out[p][raw["step"]] = raw
@@ -618,6 +613,19 @@ def _fingerprint_shards(run_dir: str, env: Mapping[str, Any]
     except (TypeError, ValueError):
         count = 1
     return out, list(range(1, count)), damaged
+
+
+def _damaged_step(path: str, n: int, raw: Mapping[str, Any], damage: str) -> int:
+    """The step a damaged line of ``path`` (entry ``n``) is the damage of (``protocol.step_of``: 5, 5.0 or
+    "5" alike).
+
+    Raises:
+      RunDirError: the line names no step at all (then no step can be set aside for it).
+    """
+    key = step_of(raw)
+    if key is None:
+        raise RunDirError(f"{path}: entry {n}: {damage} (its step {raw.get('step')!r} names no step)")
+    return key
 
 
 def read_suspects(run_dir: str) -> frozenset[int]:

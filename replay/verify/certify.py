@@ -336,17 +336,15 @@ def certify(session: Session, *, start: Optional[int] = None, stop: Optional[int
         if not all(s in logged for s in range(reach[-1], c)):
             break
         reach.append(c)
-    if len(reach) < 2:
-        gap = next(s for s in range(chain[0], chain[1]) if s not in logged)
-        why = f" ({run.malformed[gap]})" if gap in run.malformed else " (not logged)"
-        raise RunDirError(f"certify cannot replay from checkpoint {chain[0]} to {chain[1]}: step {gap} has no usable "
-                          f"line in fingerprints.jsonl{why}; certify from a checkpoint after it (--from)")
     unreached = chain[len(reach):]  # past a step with no usable line: no replay reaches them (not_certifiable)
     if unreached:
         gap = next(s for s in range(reach[-1], unreached[0]) if s not in logged)
-        unreached_why = (f"no replay reached it: step {gap} has no usable line in fingerprints.jsonl ("
-                         + (run.malformed[gap] if gap in run.malformed else "not logged")
-                         + f"); certify it with --from a checkpoint after step {gap}")
+        no_line = (f"step {gap} has no usable line in fingerprints.jsonl ("
+                   + (run.malformed[gap] if gap in run.malformed else "not logged") + ")")
+        if len(reach) < 2:
+            raise RunDirError(f"certify cannot replay from checkpoint {reach[0]} to {unreached[0]}: {no_line}; "
+                              "certify from a checkpoint after it (--from)")
+        unreached_why = f"no replay reached it: {no_line}; certify it with --from a checkpoint after step {gap}"
     chain = reach
     _, assignments, home = session.placements(device_spec)
     drift = environment_differences(run, session.mesh(home))
