@@ -289,7 +289,7 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", default=None, help="keep the corpora and datasets in this folder")
     parser.add_argument("--dedup", choices=("off", "report", "exact"), default="report",
                         help="the benchmark config's dedup (default report, the config default: every document's "
-                             "text hashed and grouped; off: what the pipeline did before duplicates were found)")
+                             "ids hashed and grouped; off: what the pipeline did before duplicates were found)")
     parser.add_argument("--paragraphs", action="store_true",
                         help="short documents: one paragraph each (280 characters on average)")
     parser.add_argument("--tokenizer", default=None,

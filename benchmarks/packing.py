@@ -46,7 +46,8 @@ documents (``--memory-docs``, 200,000; keys like ``web/part-00012.jsonl:123456``
   (keys, lengths, the chunk columns, the packings, a window of rows), beside the bucket's
   staged segments (``segment_bytes_per_document``: the tokens, 2 bytes each, and the
   record headers); ``..._with_ids``: the same with a 45-character id a document;
-* ``dedup_step_bytes_per_document``: ``FindDuplicates`` on the same documents' text hashes.
+* ``dedup_step_bytes_per_document``: ``FindDuplicates`` on the same documents' hashes (16 bytes each, text
+  hashes here: the step holds the same bytes for token hashes).
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ class SourceFormat(str, enum.Enum):
 class DedupMode(str, enum.Enum):
     """What the pack does with exact duplicate documents (``dataprep.dedup``)."""
 
-    OFF = "off"  # no text hash, nothing reported
+    OFF = "off"  # no document hashed, nothing reported
     REPORT = "report"  # found and reported (manifest, summary, report.png), all packed
     EXACT = "exact"  # found, reported, and every copy but the first dropped before packing
 

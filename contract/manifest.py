@@ -45,11 +45,13 @@ The ledger reconciles as ``read = packed + sum(rejected) + duplicates_dropped`` 
 ``tokens_in = tokens_packed + tokens_dropped``; the two ``dropped`` fields are 0 unless the
 config says ``dedup: exact`` (and absent from manifests written before they existed, read as
 0). ``duplicates`` (absent with ``dedup: off`` and in older manifests): per source, its
-documents whose normalized text an earlier document has (``dataprep.dedup``: the first by
-source order in the config, then file and line), and the sources of those earlier copies;
-``examples``: the groups with the most copies (ties: the kept copy's keep order), up to 5, with
-up to 5 keys each; ``hash``: the text hash function (``xxh3_128``; absent in manifests written
-before 2026-12-07, whose hex is blake2b's and whose examples are the groups of the smallest hashes).
+documents whose token ids an earlier document has (``dataprep.dedup``: the first by source
+order in the config, then file and line; a document holding the unknown id: whose normalized
+text), and the sources of those earlier copies; ``examples``: the groups with the most copies
+(ties: the kept copy's keep order), up to 5, with up to 5 keys each; ``hash``: the hash
+function (``xxh3_128-token-ids``; ``xxh3_128`` in manifests of 2026-12-07: the normalized text
+of every document; absent before, whose hex is blake2b's and whose examples are the groups of
+the smallest hashes).
 
 The schema is declared once, by the dataclasses below: pydantic validates ``manifest.json``
 against them (:meth:`Manifest.from_dict`) and publishes them as JSON Schema

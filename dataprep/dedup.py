@@ -1,32 +1,50 @@
-"""Exact duplicate documents: a stable hash of the normalized text, and which copy is kept.
+"""Exact duplicate documents: a stable hash of what the model will read, and which copy is kept.
 
 Pure functions, no Beam and no I/O; the pipeline (``dataprep.pipeline``) calls them.
 
 Glossary:
+  document hash    what decides that two documents are duplicates:
+                   * its token hash, for a document whose ids hold no unknown piece (every
+                     document with a byte-fallback tokenizer): two documents are duplicates
+                     when they encode to the same token ids, the same training tokens. The
+                     text is compared as the tokenizer normalized it (``nmt_nfkc``, the
+                     default: Unicode NFKC, runs of whitespace one space, leading and
+                     trailing whitespace dropped; ``identity``: byte-exact);
+                   * its text hash, for a document whose ids hold the unknown id (different
+                     unknown characters read as the same id, so its ids do not tell it
+                     apart): the normalized text (below) compared.
+                   The pipeline hashes ids it already holds: about 0.05 ns a byte of tokens,
+                   where normalizing the text costs about 2 ns a byte of text
+                   (``benchmarks/dedup_hash.py``).
+  token hash       ``xxh3_128(ids, seed=TOKEN_HASH_SEED)``: the document's ids as packed (BOS
+                   and EOS by the config), little-endian in the dataset's token dtype
+                   (``uint16`` or ``uint32``: the manifest's), hashed by the ``xxhash`` library
+                   (its canonical big-endian digest): 16 bytes, the same on every machine and
+                   every xxhash release (XXH3's output is frozen since xxHash 0.8.0). The
+                   seed keeps token hashes apart from text hashes (a text whose UTF-8 bytes
+                   equal some ids' bytes is no duplicate of them).
   normalized text  the text in Unicode NFC, its runs of whitespace (spaces, tabs, line
-                   breaks) made one space, leading and trailing whitespace dropped: two
-                   documents that differ only there are duplicates.
-  text hash        ``xxh3_128(normalized text as UTF-8)`` (the ``xxhash`` library, seed 0,
-                   its canonical big-endian digest): 16 bytes, the same on every machine
-                   and every xxhash release (XXH3's output is frozen since xxHash 0.8.0);
-                   two different texts share it with probability about 2**-128 per pair
-                   (a trillion documents: about 1.5e-15 that any two do). Not a
-                   cryptographic hash: a corpus built to collide could make two chosen
-                   texts duplicates. (Manifests written before 2026-12-07 used blake2b,
-                   person ``moe-dedup-v1``: the same groups, other hex.)
+                   breaks) made one space, leading and trailing whitespace dropped.
+  text hash        ``xxh3_128(normalized text as UTF-8)`` (seed 0). Two different documents
+                   share a document hash with probability about 2**-128 per pair (a trillion
+                   documents: about 1.5e-15 that any two do). Not a cryptographic hash: a
+                   corpus built to collide could make two chosen texts duplicates.
+                   (Manifests written before 2026-12-07 used blake2b, person
+                   ``moe-dedup-v1``, and the text hash of every document; the manifest's
+                   ``hash`` says which.)
   dedup bucket     ``first 8 bytes of the hash (little-endian) % buckets``: every copy of a
-                   text lands in the same bucket, so finding them needs one bucket at a time
-                   (a GroupByKey on the bucket, never a set of every hash in one place).
-  group            the documents of one text hash, in keep order: (source's position in
+                   document lands in the same bucket, so finding them needs one bucket at a
+                   time (a GroupByKey on the bucket, never a set of every hash in one place).
+  group            the documents of one document hash, in keep order: (source's position in
                    the mixture config, file, line or row: :func:`contract.hashing.key_position`).
   kept copy        the first of its group; every other member duplicates it, "within" its
                    source when the kept copy is in the same source, else "across".
 
-Worked example, sources ``web`` then ``books`` in the config::
+Worked example, sources ``web`` then ``books`` in the config, an ``nmt_nfkc`` tokenizer::
 
-    web/a.jsonl:10  "Call me Ishmael."     hash h1   group h1: web/a.jsonl:2 (kept),
-    web/a.jsonl:2   "Call me  Ishmael.\n"  hash h1             web/a.jsonl:10 (within web),
-    books/m.txt:0   "Call me Ishmael."     hash h1             books/m.txt:0 (across, of web)
+    web/a.jsonl:10  "Call me Ishmael."     ids i1   group i1: web/a.jsonl:2 (kept),
+    web/a.jsonl:2   "Call me  Ishmael.\n"  ids i1             web/a.jsonl:10 (within web),
+    books/m.txt:0   "Call me Ishmael."     ids i1             books/m.txt:0 (across, of web)
 
 With ``dedup: exact`` the two duplicates are not packed; with ``report`` (the default) they
 are packed and counted; ``off`` hashes nothing.
@@ -34,6 +52,7 @@ are packed and counted; ``off`` hashes nothing.
 
 from __future__ import annotations
 
+import operator
 import struct
 import unicodedata
 from typing import Sequence
@@ -44,18 +63,80 @@ import xxhash
 from contract.hashing import key_position
 
 DIGEST_BYTES = 16
-HASH_NAME = "xxh3_128"
-# One staged record of the dedup step: text hash, source index, tokens of the document;
+# One staged record of the dedup step: document hash, source index, tokens of the document;
 # RECORD_DTYPE reads many at once.
 RECORD = struct.Struct("<16sII")
 RECORD_DTYPE = np.dtype([("hash", "V16"), ("source", "<u4"), ("tokens", "<u4")])
-_DIGEST = xxhash.xxh3_128_digest  # bytes-like in, 16 bytes out (0.05 ns a byte, 60 ns a call)
+_DIGEST = xxhash.xxh3_128_digest  # bytes-like in (and a seed), 16 bytes out (0.05 ns a byte, 60 ns a call)
+_DTYPE = operator.attrgetter("dtype")
+
+
+HASH_NAME = "xxh3_128-token-ids"
+"""The manifest's ``duplicates.hash``: the document hash of the module glossary (token hash, or the
+text hash with an unknown id). Manifests of 2026-12-07 say ``xxh3_128`` (the text hash of every
+document), older ones nothing (blake2b)."""
+TOKEN_HASH_SEED = 0x7E4B  # any fixed value but 0, the text hash's
+NORMALIZATION = ("the tokenizer's (documents with the same token ids are duplicates); with an unknown piece: "
+                 "Unicode NFC, runs of whitespace made one space, leading and trailing whitespace dropped")
 
 
 def text_hash_of_normalized(data: bytes) -> bytes:
     """The 16-byte text hash of ``data``, a text already normalized and encoded as UTF-8."""
     return _DIGEST(data)
-NORMALIZATION = "Unicode NFC, runs of whitespace made one space, leading and trailing whitespace dropped"
+
+
+def token_hash(ids: np.ndarray) -> bytes:
+    """The 16-byte token hash of one document (module glossary).
+
+    Args:
+      ids: ``[n]`` uint16 or uint32, the document's ids as packed (BOS/EOS included as the
+        config adds them), any strides.
+
+    Returns:
+      ``xxh3_128`` of the ids' little-endian bytes, seed :data:`TOKEN_HASH_SEED`.
+    """
+    return _DIGEST(np.ascontiguousarray(ids, ids.dtype.newbyteorder("<")), seed=TOKEN_HASH_SEED)
+
+
+def document_hashes(texts: Sequence[str], ids: Sequence[np.ndarray], unk_id: int) -> list[bytes]:
+    """The document hash of each document (module glossary): its :func:`token_hash`, or its
+    :func:`text_hash` where its ids hold ``unk_id``.
+
+    Args:
+      texts: ``N`` texts as read.
+      ids: ``N`` arrays ``[n_i]`` of one dtype (uint16 or uint32), each text's ids as packed.
+      unk_id: the tokenizer's unknown id (``sp.unk_id()``; negative: none).
+
+    Returns:
+      ``N`` 16-byte digests, in order: the same bytes as :func:`token_hash` / :func:`text_hash`
+      one document at a time. Cost: the ids joined once and searched once for the unknown id
+      (no NumPy call a document: a short document costs a hash call, about 0.2 us), plus
+      :func:`text_hashes` of the documents that hold an unknown piece only.
+
+    Raises:
+      ValueError: ``texts`` and ``ids`` differ in length, or the arrays in dtype.
+    """
+    n = len(ids)
+    if len(texts) != n:
+        raise ValueError(f"{len(texts)} texts but {n} id arrays")
+    if not n:
+        return []
+    dtypes = set(map(_DTYPE, ids))
+    if len(dtypes) > 1:
+        raise ValueError(f"the id arrays have dtypes {sorted(map(str, dtypes))}; one is needed (the dataset's)")
+    flat = np.concatenate(ids)
+    flat = flat.astype(flat.dtype.newbyteorder("<"), copy=False)
+    ends = np.cumsum(np.fromiter(map(len, ids), np.int64, n))
+    unknown: list[int] = []
+    if unk_id >= 0 and 0 <= unk_id <= np.iinfo(flat.dtype).max:
+        at = np.flatnonzero(flat == unk_id)
+        if at.size:
+            unknown = np.unique(np.searchsorted(ends, at, side="right")).tolist()
+    data, bounds = memoryview(flat).cast("B"), (ends * flat.dtype.itemsize).tolist()
+    out = [_DIGEST(data[begin:end], TOKEN_HASH_SEED) for begin, end in zip([0] + bounds[:-1], bounds)]
+    for i, digest in zip(unknown, text_hashes([texts[i] for i in unknown])):
+        out[i] = digest
+    return out
 
 
 def normalize(text: str) -> str:

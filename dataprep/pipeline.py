@@ -5,7 +5,7 @@ Shape (per source; all sources share the transforms, keyed by source name)::
     Create[(source, file, listed size)]  (Create reshuffles the files over workers)
       -> ParDo(ReadAndTokenize)    main: ((source, bucket), staged tokens and ids)
                                    rejected: unreadable inputs and empty documents
-                                   dedup: (dedup bucket, staged text hashes)   [dedup on]
+                                   dedup: (dedup bucket, staged doc hashes)    [dedup on]
       -> Flatten with one empty marker per (source, bucket)
                  (and the drop lists of FindDuplicates, dedup: exact) -> GroupByKey
       -> ParDo(PackAndWriteShard)  one shard per bucket: <out>/<source>/data-SSSSS-of-NNNNN.array_record
@@ -16,8 +16,8 @@ Shape (per source; all sources share the transforms, keyed by source name)::
     every step's counts -> ToList -> write <out>/_stats.json (read by the driver, which
     reconciles the ledger and writes manifest.json last).
 
-Duplicates at scale: a document's text hash goes to the dedup bucket its hash picks
-(``dataprep.dedup``), so every copy of a text meets in one bucket and FindDuplicates holds
+Duplicates at scale: a document's hash (of its token ids: ``dataprep.dedup``) goes to the dedup
+bucket its hash picks, so every copy of a document meets in one bucket and FindDuplicates holds
 one bucket of (hash, source, tokens, key) records at a time, about 100 bytes a document,
 never a set of every hash of the corpus; the drop lists travel to the packing buckets of
 the dropped documents through the same staging as the tokens.
@@ -274,7 +274,7 @@ class ReadAndTokenize(beam.DoFn):
         self._hashes = staging.Stager(self._spill_dir, self._flush_bytes)  # dedup records
 
     def _flush(self, force: bool = False) -> list:
-        """The staged tokens (main output) and text hashes (``dedup``) when full, or ``force``."""
+        """The staged tokens (main output) and document hashes (``dedup``) when full, or ``force``."""
         out = self._stager.flush() if force or self._stager.full() else []
         if force or self._hashes.full():
             out += [pvalue.TaggedOutput(DEDUP, v) for v in self._hashes.flush()]
@@ -325,8 +325,9 @@ class ReadAndTokenize(beam.DoFn):
         n = 0
         stage = self._stager.add
         hashes = self._hashes.add if self._dedup_buckets else None
-        # the batch's text hashes at once (dataprep.dedup.text_hashes: no object a word)
-        digests = dedup.text_hashes([doc.text for doc in batch]) if hashes is not None else itertools.repeat(None)
+        # the batch's document hashes: of the ids in hand (the text's only where they hold the unknown id)
+        digests = (dedup.document_hashes([doc.text for doc in batch], encoded, self._sp.unk_id())
+                   if hashes is not None else itertools.repeat(None))
         for source, (key, text, doc_id), tokens, digest in zip(sources, batch, encoded, digests):
             size = tokens.size
             if not size or text.isspace():  # whitespace alone is no document, whatever the tokenizer keeps of it
@@ -456,9 +457,9 @@ def segment_length_histogram(lengths: np.ndarray, seq_len: int, bins: int = HIST
 
 
 class FindDuplicates(beam.DoFn):
-    """(dedup bucket, staged text hashes) -> duplicate counts and examples; drop lists (``exact``).
+    """(dedup bucket, staged document hashes) -> duplicate counts and examples; drop lists (``exact``).
 
-    Reads the bucket's records (key, and ``dataprep.dedup.RECORD``: text hash, source index,
+    Reads the bucket's records (key, and ``dataprep.dedup.RECORD``: document hash, source index,
     tokens), groups them by hash (``dataprep.dedup.groups``: keep order is source order in
     the config, then file and line) and emits, per pair (source of a duplicate, source of
     its kept copy), ``("duplicates", source, kept_source, documents, tokens)`` (tagged

@@ -6,6 +6,7 @@ import json
 import pathlib
 
 import apache_beam as beam
+import numpy as np
 import pytest
 import sentencepiece as spm
 import yaml
@@ -33,6 +34,58 @@ def test_normalized_text_and_its_hash_are_pinned():
     # 2026-12-07: the groups are the same, the hex and buckets are not)
     assert dedup.text_hash("Call me Ishmael.").hex() == "fb94ff7358ed06d2674ca85d64e9c2e9"
     assert dedup.dedup_bucket(dedup.text_hash("Call me Ishmael."), 7) == 4
+
+
+def test_token_hash_is_pinned_and_independent_of_byte_order_and_strides():
+    ids = np.array([1, 500, 2], np.uint16)
+    # pinned: xxh3_128 of the little-endian bytes 01 00 f4 01 02 00, seed TOKEN_HASH_SEED
+    assert dedup.token_hash(ids).hex() == "0d174558f5939121694377dde972bd42"
+    assert dedup.token_hash(ids.astype(">u2")) == dedup.token_hash(ids)
+    assert dedup.token_hash(np.array([1, 9, 500, 9, 2], np.uint16)[::2]) == dedup.token_hash(ids)
+    # the seed keeps ids apart from a text of the same bytes; the width is part of the ids
+    assert dedup.token_hash(ids) != dedup.text_hash_of_normalized(ids.tobytes())
+    assert dedup.token_hash(ids.astype(np.uint32)) != dedup.token_hash(ids)
+
+
+_IDS = st.lists(st.integers(0, 6), max_size=6).map(lambda v: np.array(v, np.uint16))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "a ", "b", "\u2603", "\u2602"]), _IDS), max_size=8),
+       st.sampled_from([-1, 0, 3]))
+def test_document_hashes_take_the_ids_unless_they_hold_the_unknown_id(docs, unk):
+    texts, ids = [t for t, _ in docs], [i for _, i in docs]
+    want = [dedup.text_hash(t) if unk >= 0 and unk in a.tolist() else dedup.token_hash(a) for t, a in docs]
+    assert dedup.document_hashes(texts, ids, unk) == want
+    with pytest.raises(ValueError, match="2 texts but 1 id arrays"):
+        dedup.document_hashes(["a", "b"], [np.zeros(1, np.uint16)], 0)
+
+
+def test_documents_the_tokenizer_reads_alike_are_duplicates_and_unknown_characters_are_not(tmp_path):
+    """With the default normalization (nmt_nfkc) whitespace and NFKC variants encode to the same
+    ids: duplicates (the docstring's worked example). Without byte fallback two different
+    characters the model does not know both read as the unknown id: the ids alone would make
+    the two documents duplicates (and dedup: exact would drop one); their texts tell them apart."""
+    import io
+
+    lines = [ln.strip() for t in testing.pydoc_text(100_000) for ln in t.splitlines() if ln.strip()]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=300,
+                                   model_type="unigram", byte_fallback=False, character_coverage=1.0,
+                                   num_threads=1, hard_vocab_limit=False, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+    def hashes(texts):
+        return dedup.document_hashes(texts, [np.array(sp.encode(t) + [sp.eos_id()], np.uint16) for t in texts],
+                                     sp.unk_id())
+
+    keys = ["web/a.jsonl:10", "web/a.jsonl:2", "books/m.txt:0", "web/a.jsonl:3", "web/a.jsonl:4"]
+    texts = ["Call me Ishmael.", "Call me  Ishmael.\n", "Call me Ishmael.", "Something else.", "Call me \uff29shmael."]
+    assert dedup.groups(keys, hashes(texts), [0, 0, 1, 0, 0]) == [[1, 4, 0, 2]]  # U+FF29: fullwidth I, NFKC I
+    snow, umbrella = "Snow: \u2603.", "Snow: \u2602."
+    assert sp.encode(snow) == sp.encode(umbrella) and sp.unk_id() in sp.encode(snow)
+    h = hashes([snow, umbrella, snow + " "])
+    assert h[0] != h[1] and h[0] == h[2] == dedup.text_hash(snow)
 
 
 # Whitespace of every kind str.split() knows, characters that share their UTF-8 lead bytes
@@ -86,7 +139,7 @@ def test_key_position_is_file_order():
     assert key_position("web/dir/x:y.jsonl:3") == ("dir/x:y.jsonl", 0, 3)
 
 
-def test_the_worked_example_from_the_docstring():
+def test_normalized_texts_group_in_keep_order():
     keys = ["web/a.jsonl:10", "web/a.jsonl:2", "books/m.txt:0", "web/a.jsonl:3"]
     texts = ["Call me Ishmael.", "Call me  Ishmael.\n", "Call me Ishmael.", "Something else."]
     assert dedup.groups(keys, [dedup.text_hash(t) for t in texts], [0, 0, 1, 0]) == [[1, 0, 2]]
@@ -216,7 +269,7 @@ def test_duplicates_are_reported_and_all_packed(twins, tmp_path):
     assert m.duplicates == {
         "mode": "report",
         "normalization": dedup.NORMALIZATION,
-        "hash": "xxh3_128",
+        "hash": "xxh3_128-token-ids",
         "documents": 11,
         "tokens": shared_tokens + tokens(web[-1]),
         "by_source": {"web": {"documents": 1, "tokens": tokens(web[-1]), "of": {"web": 1}},
@@ -227,7 +280,10 @@ def test_duplicates_are_reported_and_all_packed(twins, tmp_path):
     # every group has 2 copies: the kept copies' keep order, whatever the hashes (web/w.jsonl:4 is
     # the within-web group, its copy at line 31; lines 6 to 15 the shared text's first copies)
     assert [e["keys"][0] for e in examples] == [f"web/w.jsonl:{n}" for n in (4, 6, 7, 8, 9)]
-    assert [e["hash"] for e in examples] == [dedup.text_hash(web[n - 1]).hex() for n in (4, 6, 7, 8, 9)]
+    # the hash of each kept copy's ids as packed (uint16, EOS added): its token hash
+    sp = spm.SentencePieceProcessor(model_file=str(d / "tok.model"))
+    assert [e["hash"] for e in examples] == [
+        dedup.token_hash(np.array(sp.encode(web[n - 1]) + [sp.eos_id()], np.uint16)).hex() for n in (4, 6, 7, 8, 9)]
     for e in examples:
         assert e["copies"] == 2 and e["keys"][0].startswith("web/") and len(e["keys"]) == 2
     assert {n: (e.ledger.read, e.ledger.packed, e.ledger.duplicates_dropped) for n, e in m.sources.items()} == {
