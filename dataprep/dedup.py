@@ -9,13 +9,19 @@ Glossary:
                      when they encode to the same token ids, the same training tokens. The
                      text is compared as the tokenizer normalized it (``nmt_nfkc``, the
                      default: Unicode NFKC, runs of whitespace one space, leading and
-                     trailing whitespace dropped; ``identity``: byte-exact);
-                   * its text hash, for a document whose ids hold the unknown id (different
-                     unknown characters read as the same id, so its ids do not tell it
-                     apart): the normalized text (below) compared.
+                     trailing whitespace dropped; ``identity``: as it is, but for
+                     SentencePiece's whitespace symbol U+2581, which reads as a space);
+                   * its unknown hash, for a document whose ids hold the unknown id
+                     (different unknown characters read as the same id, so the ids alone do
+                     not tell two texts apart): the ids and the normalized text (below) both
+                     compared. Two such documents are duplicates only when both are equal:
+                     never two whose ids differ (the text normalization alone would merge
+                     ``"a.\x0bb"`` and ``"a. b"``, which ``nmt_nfkc`` reads as ``a.b`` and
+                     ``a. b``), nor two whose unknown characters differ.
                    The pipeline hashes ids it already holds: about 0.05 ns a byte of tokens,
                    where normalizing the text costs about 2 ns a byte of text
-                   (``benchmarks/dedup_hash.py``).
+                   (``benchmarks/dedup_hash.py``); only documents with an unknown piece pay
+                   both.
   token hash       ``xxh3_128(ids, seed=TOKEN_HASH_SEED)``: the document's ids as packed (BOS
                    and EOS by the config), little-endian in the dataset's token dtype
                    (``uint16`` or ``uint32``: the manifest's), hashed by the ``xxhash`` library
@@ -23,6 +29,8 @@ Glossary:
                    every xxhash release (XXH3's output is frozen since xxHash 0.8.0). The
                    seed keeps token hashes apart from text hashes (a text whose UTF-8 bytes
                    equal some ids' bytes is no duplicate of them).
+  unknown hash     ``xxh3_128(text hash + ids, seed=UNKNOWN_HASH_SEED)``: the 16 bytes of the
+                   document's text hash followed by its ids' bytes as in the token hash.
   normalized text  the text in Unicode NFC, its runs of whitespace (spaces, tabs, line
                    breaks) made one space, leading and trailing whitespace dropped.
   text hash        ``xxh3_128(normalized text as UTF-8)`` (seed 0). Two different documents
@@ -73,11 +81,13 @@ _DTYPE = operator.attrgetter("dtype")
 
 HASH_NAME = "xxh3_128-token-ids"
 """The manifest's ``duplicates.hash``: the document hash of the module glossary (token hash, or the
-text hash with an unknown id). Manifests of 2026-12-07 say ``xxh3_128`` (the text hash of every
+unknown hash with an unknown id). Manifests of 2026-12-07 say ``xxh3_128`` (the text hash of every
 document), older ones nothing (blake2b)."""
 TOKEN_HASH_SEED = 0x7E4B  # any fixed value but 0, the text hash's
-NORMALIZATION = ("the tokenizer's (documents with the same token ids are duplicates); with an unknown piece: "
-                 "Unicode NFC, runs of whitespace made one space, leading and trailing whitespace dropped")
+UNKNOWN_HASH_SEED = 0x7E4C  # and one of its own for the documents with an unknown piece
+NORMALIZATION = ("the tokenizer's (documents with the same token ids are duplicates); with an unknown piece, the "
+                 "same ids and the same text in Unicode NFC, runs of whitespace made one space, leading and "
+                 "trailing whitespace dropped")
 
 
 def text_hash_of_normalized(data: bytes) -> bytes:
@@ -98,9 +108,16 @@ def token_hash(ids: np.ndarray) -> bytes:
     return _DIGEST(np.ascontiguousarray(ids, ids.dtype.newbyteorder("<")), seed=TOKEN_HASH_SEED)
 
 
+def unknown_hash(text: str, ids: np.ndarray) -> bytes:
+    """The 16-byte unknown hash of one document whose ids hold the unknown id (module glossary):
+    ``xxh3_128(text_hash(text) + ids as little-endian bytes, seed=UNKNOWN_HASH_SEED)``."""
+    data = text_hash(text) + np.ascontiguousarray(ids, ids.dtype.newbyteorder("<")).tobytes()
+    return _DIGEST(data, seed=UNKNOWN_HASH_SEED)
+
+
 def document_hashes(texts: Sequence[str], ids: Sequence[np.ndarray], unk_id: int) -> list[bytes]:
     """The document hash of each document (module glossary): its :func:`token_hash`, or its
-    :func:`text_hash` where its ids hold ``unk_id``.
+    :func:`unknown_hash` where its ids hold ``unk_id``.
 
     Args:
       texts: ``N`` texts as read.
@@ -108,7 +125,7 @@ def document_hashes(texts: Sequence[str], ids: Sequence[np.ndarray], unk_id: int
       unk_id: the tokenizer's unknown id (``sp.unk_id()``; negative: none).
 
     Returns:
-      ``N`` 16-byte digests, in order: the same bytes as :func:`token_hash` / :func:`text_hash`
+      ``N`` 16-byte digests, in order: the same bytes as :func:`token_hash` / :func:`unknown_hash`
       one document at a time. Cost: the ids joined once and searched once for the unknown id
       (no NumPy call a document: a short document costs a hash call, about 0.2 us), plus
       :func:`text_hashes` of the documents that hold an unknown piece only.
@@ -135,7 +152,7 @@ def document_hashes(texts: Sequence[str], ids: Sequence[np.ndarray], unk_id: int
     data, bounds = memoryview(flat).cast("B"), (ends * flat.dtype.itemsize).tolist()
     out = [_DIGEST(data[begin:end], TOKEN_HASH_SEED) for begin, end in zip([0] + bounds[:-1], bounds)]
     for i, digest in zip(unknown, text_hashes([texts[i] for i in unknown])):
-        out[i] = digest
+        out[i] = _DIGEST(digest + data[bounds[i - 1] if i else 0: bounds[i]], seed=UNKNOWN_HASH_SEED)
     return out
 
 

@@ -532,8 +532,44 @@ def test_a_line_without_a_checksum_is_read_as_before(run_copy):
         del d[proto.LINE_CHECK]
     with open(log, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(d, sort_keys=True) + "\n" for d in lines)
+    # such a run's env.json does not say that its writer sealed every line (this writer's does)
+    env_path = os.path.join(run_copy, proto.ENV_NAME)
+    env = json.load(open(env_path, encoding="utf-8"))
+    assert env.pop(proto.RUN_LINE_CHECK) == proto.LINE_CHECK
+    with open(env_path, "w", encoding="utf-8") as f:
+        json.dump(env, f)
     run = runlog.load_run(run_copy)
     assert {0, 1, 2, 3, 4, 5, 6} <= set(run.fingerprints) and not run.malformed
+
+
+def test_a_first_line_whose_checksum_was_removed_convicts_no_device(run_copy, capsys):
+    """The first line of fingerprints.jsonl changed and its crc32 removed with the edit: with no sealed line
+    before it, it read unchecked and convicted device 1 (known and left on 2026-12-07). The run's env.json
+    now says that its writer sealed every line (``step_log_check``), so it is damage wherever it is: exit 5,
+    no device named; the canary and signals logs of such a run read the same way."""
+    log = os.path.join(run_copy, "fingerprints.jsonl")
+    first = json.loads(open(log, encoding="utf-8").readline())["step"]
+
+    def edit(rec):
+        leaf = sorted(rec["devices"]["1"])[0]
+        rec["devices"]["1"][leaf] ^= 1 << 17
+        del rec[proto.LINE_CHECK]
+    _edit_step_line(run_copy, first, edit)
+    out = os.path.join(run_copy, "..", "first.json")
+    assert cli.main(["--run", run_copy, "--steps", f"{first}:{first + 1}", "--no-progress", "--json", out]) \
+        == ExitCode.RUN_ERROR
+    err = capsys.readouterr().err
+    assert _has(err, "the line is damaged: it carries no crc32 where its run's writer sealed every line")
+    assert _has(err, "not a device fault") and not os.path.exists(out)
+    signals = os.path.join(run_copy, proto.SIGNALS_NAME)
+    lines = open(signals, encoding="utf-8").read().splitlines(True)
+    rec = json.loads(lines[0])
+    del rec[proto.LINE_CHECK]
+    lines[0] = json.dumps(rec) + "\n"
+    with open(signals, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+    with pytest.raises(proto.StepLogLineError, match="signals.jsonl:1: the line is damaged: it carries no crc32"):
+        proto.read_raw_lines(signals)
 
 
 def test_certify_and_triage_name_a_damaged_line_and_judge_nothing_from_it(run_copy, capsys):

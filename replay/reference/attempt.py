@@ -245,7 +245,7 @@ def plan_attempt(run_dir: str, cfg: RunConfig, trainer, mesh, steps: int, launch
     rd.attempt = plan.number
     if plan.restored is None:
         say(new_run_note)
-        rd.write_whole(proto.ENV_NAME, json.dumps(env, indent=1, sort_keys=True))
+        rd.write_env(env)
         for name in STEP_LOGS:
             rd.truncate_log(name, 0)
         plan.state = trainer.init_state(mesh, cfg.seed)

@@ -221,8 +221,8 @@ def compare_environment(recorded: Mapping[str, Any], current: Mapping[str, Any])
     a, b = _flatten(recorded), _flatten(current)
     out = []
     for key in sorted(set(a) | set(b)):
-        if key == "mesh.device_coords":
-            continue  # implied by mesh.device_ids and mesh.shape
+        if key in ("mesh.device_coords", "step_log_check"):
+            continue  # implied by mesh.device_ids and mesh.shape; how the writer sealed its logs, no bits
         va = a.get(key, "<unset>")
         vb = b.get(key, "<unset>")
         if key in ("backend.collectives", "backend.cpu_threads") and "<unset>" in (va, vb):

@@ -64,6 +64,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import typing
 import zlib
 from typing import Annotated, Any, Callable, Mapping, Optional, Protocol, TypeVar, Union, runtime_checkable
@@ -776,19 +777,46 @@ def line_damage(d: Mapping[str, Any]) -> Optional[str]:
     return f"the line is damaged: its {LINE_CHECK} {want!r} does not match its content ({got!r}); {_CHANGED}"
 
 
-class SealCheck:
-    """:func:`line_damage` for the lines of one file in order, plus the rule for a line without a checksum:
-    lines before the file's first sealed line are read unchecked (a run written before 2026-12-07, or
-    resumed since by a writer that seals), but a line without ``crc32`` after a sealed one was changed
-    (its checksum removed with the rest of the edit): damaged. ``check(d)`` returns why, or None."""
+RUN_LINE_CHECK = "step_log_check"
+"""The key of ``env.json`` by which a run says that its writer sealed every line of its step logs from
+its first (value :data:`LINE_CHECK`; :meth:`replay.run.writer.RunDir.write_env` writes it, at the
+run's fresh start only): then a line without a checksum is damaged wherever it is. Runs without it
+(written before 2026-12-07 evening, or by a writer of their own) keep :class:`SealCheck`'s older rule."""
 
-    def __init__(self) -> None:
+
+def seals_every_line(env: Any) -> bool:
+    """Whether a run's environment record (``env.json``, parsed) says :data:`RUN_LINE_CHECK`."""
+    return isinstance(env, Mapping) and env.get(RUN_LINE_CHECK) == LINE_CHECK
+
+
+def run_seals_every_line(run_dir: str) -> bool:
+    """:func:`seals_every_line` of ``<run_dir>/env.json``; False when it is absent or unreadable (its own
+    readers report that)."""
+    try:
+        with open(os.path.join(run_dir, ENV_NAME), encoding="utf-8") as f:
+            return seals_every_line(json.load(f))
+    except (OSError, ValueError):
+        return False
+
+
+class SealCheck:
+    """:func:`line_damage` for the lines of one file in order, plus the rule for a line without a checksum.
+    In a run that seals every line (``every_line``: :func:`seals_every_line` of its env.json) it is
+    damaged wherever it is (its checksum removed with the rest of an edit). Elsewhere, lines before the
+    file's first sealed line are read unchecked (a run written before 2026-12-07, or resumed since by a
+    writer that seals), but one after a sealed line is damaged. ``check(d)`` returns why, or None."""
+
+    def __init__(self, every_line: bool = False) -> None:
         self.sealed = False
+        self.every_line = every_line
 
     def check(self, d: Mapping[str, Any]) -> Optional[str]:
         if LINE_CHECK in d:
             self.sealed = True
             return line_damage(d)
+        if self.every_line:
+            return (f"the line is damaged: it carries no {LINE_CHECK} where its run's writer sealed every line "
+                    f"(env.json {RUN_LINE_CHECK}); {_CHANGED}")
         if self.sealed:
             return f"the line is damaged: it carries no {LINE_CHECK} where the lines before it in its file do; {_CHANGED}"
         return None
@@ -854,7 +882,7 @@ def read_raw_lines(path: str, numbered: bool = False) -> list:
     with open(path, encoding="utf-8") as f:
         lines = [(n, x) for n, x in enumerate(f.read().split("\n"), 1) if x.strip()]
     out = []
-    seals = SealCheck()
+    seals = SealCheck(run_seals_every_line(os.path.dirname(os.path.abspath(path))))
     for i, (n, line) in enumerate(lines):
         try:
             d = json.loads(line)
@@ -1134,6 +1162,8 @@ class EnvRecord(TypedDict):
     devices: NotRequired[dict[str, EnvDevice]]
     """per global device id: where it ran (what reports name a device by)"""
     processes: NotRequired[list[EnvProcess]]
+    step_log_check: NotRequired[str]
+    """"crc32": the run's writer sealed every line of its step logs from its first (RUN_LINE_CHECK)"""
 
 
 class InputsMixture(TypedDict):

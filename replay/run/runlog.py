@@ -36,7 +36,7 @@ import yaml
 from replay.run import inputs as run_inputs
 from replay.runtime.devices import QUARANTINE_NAME, DeviceSpecError, read_quarantine
 from replay.run.lineage import Lineage, lineage_of_run
-from replay.run.protocol import (EVENT_HELP, SealCheck, StepFingerprints, event_problem, log_files, merge_step_parts,
+from replay.run.protocol import (EVENT_HELP, SealCheck, StepFingerprints, seals_every_line, event_problem, log_files, merge_step_parts,
                                  shard_name, step_of)
 
 RUN_CONFIG = "run_config.yaml"
@@ -484,7 +484,7 @@ def load_run(run_dir: str, quarantine_file: Optional[str] = None) -> RunLog:
     malformed: dict[int, str] = {}
     conflicts = set()
     shards, expected, damaged = _fingerprint_shards(run_dir, env)
-    seals = SealCheck()
+    seals = SealCheck(seals_every_line(env))
     for n, raw in enumerate(_read_jsonl(paths[FINGERPRINTS]), 1):
         step = raw.get("step") if isinstance(raw, dict) else None
         own = seals.check(raw) if isinstance(raw, dict) else None
@@ -597,7 +597,7 @@ def _fingerprint_shards(run_dir: str, env: Mapping[str, Any]
     damaged: dict[int, str] = {}
     for p, path in log_files(run_dir, FINGERPRINTS)[1:]:
         out[p] = {}
-        seals = SealCheck()
+        seals = SealCheck(seals_every_line(env))
         for n, raw in enumerate(_read_jsonl(path), 1):
             if not isinstance(raw, dict):
                 continue

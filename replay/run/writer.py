@@ -298,6 +298,13 @@ class RunDir:
         if self.primary:
             _atomic_write(self.file(name), text)
 
+    def write_env(self, env: Mapping[str, Any]) -> None:
+        """Writes ``env.json`` at the run's fresh start: ``env`` (``replay.run.env.record_environment``)
+        and ``step_log_check: "crc32"`` (``protocol.RUN_LINE_CHECK``): this writer seals every line of the
+        run's step logs, so a reader takes a line without its checksum for damage wherever it is."""
+        self.write_whole(proto.ENV_NAME, json.dumps({**env, proto.RUN_LINE_CHECK: proto.LINE_CHECK},
+                                                    indent=1, sort_keys=True))
+
 
 def _read_step_log(path: str) -> str:
     """The UTF-8 text of a step log; one that is not UTF-8 is a ``ValueError`` naming it and what to do."""
@@ -416,7 +423,7 @@ class RunWriter:
         if checkpoint is None:
             for name in logs:
                 self.dir.truncate_log(name, 0)
-            self.dir.write_whole(proto.ENV_NAME, json.dumps(self.env, indent=1, sort_keys=True))
+            self.dir.write_env(self.env)
             self.dir.event("start", 0, processes=self.dir.process_count)
             return 0
         recorded = {}
