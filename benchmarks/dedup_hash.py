@@ -4,8 +4,9 @@
     python benchmarks/dedup_hash.py --quick    # a smoke test, not a figure
 
 What ``dedup: report`` (the config default) adds to packing is, per document, its document
-hash (``dataprep.dedup``): xxh3_128 of the token ids the pipeline already holds, or of the
-normalized text where the ids hold the unknown id. Every form runs over the same documents,
+hash (``dataprep.dedup``): xxh3_128 of the token ids the pipeline already holds (where the ids
+hold the unknown id, of the ids and the normalized text together; this benchmark's tokenizer has
+byte fallback, so none do here). Every form runs over the same documents,
 interleaved, best of ``--repeats``, CPU seconds (the encoding itself is not timed: the
 pipeline encodes every document with the report on or off):
 

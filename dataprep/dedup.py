@@ -95,6 +95,11 @@ def text_hash_of_normalized(data: bytes) -> bytes:
     return _DIGEST(data)
 
 
+def _little_endian(ids: np.ndarray) -> np.ndarray:
+    """``ids`` C-contiguous in its dtype's little-endian form (no copy when it already is)."""
+    return np.ascontiguousarray(ids, ids.dtype.newbyteorder("<"))
+
+
 def token_hash(ids: np.ndarray) -> bytes:
     """The 16-byte token hash of one document (module glossary).
 
@@ -105,14 +110,13 @@ def token_hash(ids: np.ndarray) -> bytes:
     Returns:
       ``xxh3_128`` of the ids' little-endian bytes, seed :data:`TOKEN_HASH_SEED`.
     """
-    return _DIGEST(np.ascontiguousarray(ids, ids.dtype.newbyteorder("<")), seed=TOKEN_HASH_SEED)
+    return _DIGEST(_little_endian(ids), seed=TOKEN_HASH_SEED)
 
 
 def unknown_hash(text: str, ids: np.ndarray) -> bytes:
     """The 16-byte unknown hash of one document whose ids hold the unknown id (module glossary):
     ``xxh3_128(text_hash(text) + ids as little-endian bytes, seed=UNKNOWN_HASH_SEED)``."""
-    data = text_hash(text) + np.ascontiguousarray(ids, ids.dtype.newbyteorder("<")).tobytes()
-    return _DIGEST(data, seed=UNKNOWN_HASH_SEED)
+    return _DIGEST(text_hash(text) + _little_endian(ids).tobytes(), seed=UNKNOWN_HASH_SEED)
 
 
 def document_hashes(texts: Sequence[str], ids: Sequence[np.ndarray], unk_id: int) -> list[bytes]:
@@ -141,8 +145,7 @@ def document_hashes(texts: Sequence[str], ids: Sequence[np.ndarray], unk_id: int
     dtypes = set(map(_DTYPE, ids))
     if len(dtypes) > 1:
         raise ValueError(f"the id arrays have dtypes {sorted(map(str, dtypes))}; one is needed (the dataset's)")
-    flat = np.concatenate(ids)
-    flat = flat.astype(flat.dtype.newbyteorder("<"), copy=False)
+    flat = _little_endian(np.concatenate(ids))
     ends = np.cumsum(np.fromiter(map(len, ids), np.int64, n))
     unknown: list[int] = []
     if unk_id >= 0 and 0 <= unk_id <= np.iinfo(flat.dtype).max:

@@ -856,7 +856,6 @@ def log_files(run_dir: str, name: str) -> list[tuple[int, str]]:
     """``(process, path)`` of every existing file of the step log ``name`` (``fingerprints.jsonl``,
     ``signals.jsonl``, ``canary.jsonl``): the main file (process 0) first, then the other processes'
     shards in process order."""
-    import os
     import re
 
     stem, _, ext = name.rpartition(".")
@@ -926,7 +925,6 @@ def read_merged_steps(run_dir: str, name: str) -> tuple[dict[int, dict], dict[in
     Raises:
       FileNotFoundError: the main file does not exist. ValueError: a malformed line (not the last of its file).
     """
-    import os
 
     files = log_files(run_dir, name)
     if not files or files[0][0] != 0:
@@ -1011,7 +1009,6 @@ def read_canary(run_dir: str) -> list[CanaryRecord]:
     Raises:
       FileNotFoundError: the file does not exist. ValueError: a malformed line (not the last).
     """
-    import os
 
     files = log_files(run_dir, CANARY_NAME)
     if not files or files[0][0] != 0:
@@ -1237,7 +1234,6 @@ def read_events(run_dir: str) -> list[dict[str, Any]]:
       OSError: the file cannot be read. ValueError: a line is JSON but not an event (``<file>:<line>:
         not an event: <key path>: <what is wrong>`` and what to do).
     """
-    import os
 
     path = os.path.join(run_dir, EVENTS_NAME)
     out = []

@@ -36,8 +36,8 @@ import yaml
 from replay.run import inputs as run_inputs
 from replay.runtime.devices import QUARANTINE_NAME, DeviceSpecError, read_quarantine
 from replay.run.lineage import Lineage, lineage_of_run
-from replay.run.protocol import (EVENT_HELP, SealCheck, StepFingerprints, seals_every_line, event_problem, log_files, merge_step_parts,
-                                 shard_name, step_of)
+from replay.run.protocol import (EVENT_HELP, SealCheck, StepFingerprints, event_problem, log_files, merge_step_parts,
+                                 seals_every_line, shard_name, step_of)
 
 RUN_CONFIG = "run_config.yaml"
 ENV_JSON = "env.json"
